@@ -1,0 +1,1 @@
+//! vmon-api: (placeholder, see docs/architecture.md)

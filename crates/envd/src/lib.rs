@@ -1,0 +1,1 @@
+//! envd: the in-guest agent.

@@ -1,0 +1,1 @@
+//! vmon-image: (placeholder, see docs/architecture.md)

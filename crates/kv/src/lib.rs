@@ -1,0 +1,1 @@
+//! vmon-kv: (placeholder, see docs/architecture.md)

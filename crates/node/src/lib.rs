@@ -1,0 +1,1 @@
+//! vmon-node: (placeholder, see docs/architecture.md)

@@ -1,0 +1,1 @@
+//! vmon-proto: (placeholder, see docs/architecture.md)

@@ -1,0 +1,1 @@
+//! vmon-proxy: (placeholder, see docs/architecture.md)

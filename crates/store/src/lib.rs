@@ -1,0 +1,1 @@
+//! vmon-store: (placeholder, see docs/architecture.md)

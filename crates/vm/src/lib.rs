@@ -1,0 +1,1 @@
+//! vmon-vm: (placeholder, see docs/architecture.md)
