@@ -1,1 +1,9 @@
-//! vmon-proto: (placeholder, see docs/architecture.md)
+//! Wire contracts shared between parts of vmon.
+//!
+//! `node` is the contract between the control plane (api, proxy) and a node: the api asks a
+//! node to start, pause, fork and kill sandboxes through [`node::NodeControl`] and never sees
+//! QEMU, slots or layer files. The envd message types live beside it.
+//!
+//! This crate holds types only: it must never do I/O.
+
+pub mod node;

@@ -1,0 +1,138 @@
+//! The node contract: what the control plane may ask of one host.
+//!
+//! In `vmon up` the api calls the node in-process through this trait; in a cluster the same
+//! calls travel as node RPC. Every call names the sandbox and the execution it expects, so a
+//! stale caller never touches a newer incarnation.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+
+use serde::{Deserialize, Serialize};
+
+/// Identifies a build on a node: a template build, a paused sandbox, a fork point or a snapshot.
+pub type BuildId = String;
+
+/// Egress policy of a sandbox's slot.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NetworkPolicy {
+    /// `false` drops all guest egress (E2B `allow_internet_access=false`).
+    pub allow_internet_access: bool,
+    /// CIDRs or IPs always allowed even when egress is otherwise denied.
+    pub allow_out: Vec<String>,
+    /// CIDRs or IPs always denied.
+    pub deny_out: Vec<String>,
+}
+
+/// What a node needs to start (restore or cold-boot) a sandbox from a build.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct StartSpec {
+    pub sandbox_id: String,
+    pub execution_id: String,
+    pub build_id: BuildId,
+    /// Cold-boot from the build's disk chain instead of restoring its memory.
+    pub cold_boot: bool,
+    pub env_vars: BTreeMap<String, String>,
+    /// Token envd will demand in `X-Access-Token`.
+    pub envd_access_token: Option<String>,
+    pub network: NetworkPolicy,
+}
+
+/// A sandbox that is running on a node.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Running {
+    pub sandbox_id: String,
+    pub execution_id: String,
+    /// Where the host reaches the guest (envd is at port 49983 of this IP, other guest
+    /// ports likewise).
+    pub guest_ip: std::net::IpAddr,
+    pub envd_version: String,
+    pub vcpus: u32,
+    pub memory_mb: u32,
+    pub disk_mb: u32,
+    /// How many memory restores this sandbox's state has been through (0 = fresh boot).
+    pub resume_generation: u32,
+}
+
+impl Running {
+    pub fn addr(&self, port: u16) -> SocketAddr {
+        SocketAddr::new(self.guest_ip, port)
+    }
+}
+
+/// Shape and provenance of a build.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct BuildInfo {
+    pub build_id: BuildId,
+    /// `true` when the build carries guest memory (restorable with processes alive).
+    pub has_memory: bool,
+    pub vcpus: u32,
+    pub memory_mb: u32,
+    pub disk_mb: u32,
+    pub envd_version: String,
+    /// The build this one was derived from, if any.
+    pub parent: Option<BuildId>,
+}
+
+/// How to make a template build from the base image.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TemplateSpec {
+    pub build_id: BuildId,
+    pub vcpus: u32,
+    pub memory_mb: u32,
+    pub disk_mb: u32,
+    /// Run (detached) in the guest before the snapshot is taken.
+    pub start_cmd: Option<String>,
+    /// Shell command that must exit 0 before the snapshot is taken.
+    pub ready_cmd: Option<String>,
+    pub env_vars: BTreeMap<String, String>,
+}
+
+#[derive(Debug, thiserror::Error, Serialize, Deserialize)]
+pub enum NodeError {
+    #[error("sandbox {0} is not on this node")]
+    NotFound(String),
+    #[error("build {0} was not found")]
+    BuildNotFound(String),
+    #[error("build {0} is still in use")]
+    BuildInUse(String),
+    #[error("{0}")]
+    InvalidArgument(String),
+    #[error("the node is out of capacity: {0}")]
+    Exhausted(String),
+    #[error("{0}")]
+    Failed(String),
+}
+
+/// The calls a node serves.
+#[async_trait::async_trait]
+pub trait NodeControl: Send + Sync + 'static {
+    /// Build a template from the node's base image; returns when its snapshot is durable.
+    async fn build_template(&self, spec: TemplateSpec) -> Result<BuildInfo, NodeError>;
+    /// Look a build up.
+    async fn build_info(&self, build_id: &str) -> Result<BuildInfo, NodeError>;
+    /// Delete a build; refused with `BuildInUse` while anything depends on it.
+    async fn delete_build(&self, build_id: &str) -> Result<(), NodeError>;
+
+    /// Start a sandbox from a build (memory restore, or cold boot when asked or when the build
+    /// has no memory); returns once envd has answered `/init`.
+    async fn start(&self, spec: StartSpec) -> Result<Running, NodeError>;
+    /// Kill a running sandbox and free its slot and overlay.
+    async fn kill(&self, sandbox_id: &str, execution_id: &str) -> Result<(), NodeError>;
+    /// Pause: the VM stops and its state becomes a new build (memory too when `memory`).
+    /// On error the sandbox is still running.
+    async fn pause(
+        &self,
+        sandbox_id: &str,
+        execution_id: &str,
+        memory: bool,
+    ) -> Result<BuildInfo, NodeError>;
+    /// Checkpoint a running sandbox into a new build and keep it running (fork, snapshot).
+    async fn checkpoint(
+        &self,
+        sandbox_id: &str,
+        execution_id: &str,
+        memory: bool,
+    ) -> Result<BuildInfo, NodeError>;
+    /// The sandboxes this node is running (re-adopted ones included).
+    async fn list_running(&self) -> Vec<Running>;
+}
