@@ -1,1 +1,15 @@
-//! vmon-image: (placeholder, see docs/architecture.md)
+//! Guest images: a Debian rootfs made by debootstrap, Debian's own cloud kernel and initramfs
+//! taken from inside it, users `root` and `user`, envd installed as `/usr/local/bin/envd`, and a
+//! sparse raw ext4 made with `mkfs.ext4 -d` (no loop mount, no root-only mount tricks).
+//!
+//! Images are cached under `<data>/images/<hash>/` by a hash of their recipe, so a second build
+//! of the same recipe is a lookup. The debootstrap tree is cached separately (by the package part
+//! of the recipe) because it is the slow step and does not change when envd does.
+//!
+//! This crate only makes files; it never starts a VM.
+
+mod apt;
+mod build;
+
+pub use apt::{host_apt_source, AptSource};
+pub use build::{build, find, Image, Manifest, Recipe};

@@ -5,10 +5,19 @@ use clap::{Parser, Subcommand};
 mod cmd;
 
 #[derive(Parser)]
-#[command(name = "vmon", version, about = "Self-hosted sandboxes that speak the E2B API")]
+#[command(
+    name = "vmon",
+    version,
+    about = "Self-hosted sandboxes that speak the E2B API"
+)]
 struct Cli {
     /// Where vmon keeps everything (images, builds, sandboxes, stores).
-    #[arg(long, global = true, env = "VMON_DATA_DIR", default_value = "/var/lib/vmon")]
+    #[arg(
+        long,
+        global = true,
+        env = "VMON_DATA_DIR",
+        default_value = "/var/lib/vmon"
+    )]
     data_dir: std::path::PathBuf,
     #[command(subcommand)]
     command: Command,

@@ -1,0 +1,374 @@
+//! Making and finding images.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+
+use anyhow::{bail, Context};
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use tokio::io::{AsyncBufReadExt, BufReader};
+
+use crate::apt::host_apt_source;
+
+/// Bumped whenever the steps below change what an image contains.
+const RECIPE_VERSION: u32 = 1;
+
+/// Packages every guest gets (on top of debootstrap's minbase).
+const BASE_PACKAGES: &[&str] = &[
+    "bash",
+    "coreutils",
+    "python3",
+    "procps",
+    "iproute2",
+    "sudo",
+    "ca-certificates",
+    "curl",
+    "e2fsprogs",
+    "linux-image-cloud-amd64",
+    "initramfs-tools",
+];
+
+/// Everything an image is made from. Two equal recipes make the same image.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Recipe {
+    pub suite: String,
+    pub mirror: String,
+    pub packages: Vec<String>,
+    /// Size of the raw ext4 (sparse).
+    pub disk_mb: u32,
+    /// The envd binary to install as `/usr/local/bin/envd`.
+    #[serde(skip)]
+    pub envd: PathBuf,
+}
+
+impl Recipe {
+    /// The host's suite and mirror, the base packages, and the given envd binary.
+    pub fn for_host(envd: PathBuf) -> anyhow::Result<Recipe> {
+        let src = host_apt_source()?;
+        Ok(Recipe {
+            suite: src.suite,
+            mirror: src.mirror,
+            packages: BASE_PACKAGES.iter().map(|s| s.to_string()).collect(),
+            disk_mb: 4096,
+            envd,
+        })
+    }
+
+    /// Hash of the part that debootstrap sees (suite, mirror, packages).
+    fn tree_hash(&self) -> String {
+        let mut h = Sha256::new();
+        h.update(format!(
+            "v{RECIPE_VERSION}\n{}\n{}\n{}",
+            self.suite,
+            self.mirror,
+            self.packages.join(",")
+        ));
+        hex::encode(&h.finalize()[..8])
+    }
+
+    /// Hash of the whole recipe, envd's bytes included.
+    pub fn hash(&self) -> anyhow::Result<String> {
+        let envd = std::fs::read(&self.envd)
+            .with_context(|| format!("reading envd binary {}", self.envd.display()))?;
+        let mut h = Sha256::new();
+        h.update(self.tree_hash());
+        h.update(format!("\n{}\n", self.disk_mb));
+        h.update(Sha256::digest(&envd));
+        Ok(hex::encode(&h.finalize()[..8]))
+    }
+}
+
+/// What an image directory says about itself.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Manifest {
+    pub hash: String,
+    pub suite: String,
+    pub mirror: String,
+    pub packages: Vec<String>,
+    pub kernel_version: String,
+    pub disk_mb: u32,
+    pub envd_sha256: String,
+    pub created_at_unix: u64,
+}
+
+/// A built image on disk.
+#[derive(Debug, Clone)]
+pub struct Image {
+    pub dir: PathBuf,
+    pub vmlinuz: PathBuf,
+    pub initrd: PathBuf,
+    pub rootfs: PathBuf,
+    pub manifest: Manifest,
+}
+
+impl Image {
+    fn at(dir: PathBuf) -> anyhow::Result<Image> {
+        let text = std::fs::read_to_string(dir.join("manifest.json"))
+            .with_context(|| format!("reading {}/manifest.json", dir.display()))?;
+        let manifest: Manifest = serde_json::from_str(&text).context("parsing manifest.json")?;
+        let img = Image {
+            vmlinuz: dir.join("vmlinuz"),
+            initrd: dir.join("initrd"),
+            rootfs: dir.join("rootfs.img"),
+            dir,
+            manifest,
+        };
+        for p in [&img.vmlinuz, &img.initrd, &img.rootfs] {
+            if !p.is_file() {
+                bail!(
+                    "image {} is incomplete: {} is missing",
+                    img.dir.display(),
+                    p.display()
+                );
+            }
+        }
+        Ok(img)
+    }
+}
+
+/// The image with this hash, if it was built.
+pub fn find(data_dir: &Path, hash: &str) -> anyhow::Result<Image> {
+    if hash.is_empty() || !hash.chars().all(|c| c.is_ascii_hexdigit()) {
+        bail!("{hash:?} is not an image hash");
+    }
+    Image::at(data_dir.join("images").join(hash))
+}
+
+/// Builds the image for `recipe`, or returns the cached one.
+pub async fn build(data_dir: &Path, recipe: &Recipe) -> anyhow::Result<Image> {
+    let hash = recipe.hash()?;
+    let images = data_dir.join("images");
+    let dir = images.join(&hash);
+    if let Ok(img) = Image::at(dir.clone()) {
+        tracing::info!(hash, "image cache hit");
+        return Ok(img);
+    }
+    std::fs::create_dir_all(&images)?;
+    let tree = ensure_tree(&images, recipe).await?;
+
+    let staging = images.join(format!("{hash}.tmp"));
+    if staging.exists() {
+        std::fs::remove_dir_all(&staging)?;
+    }
+    std::fs::create_dir_all(&staging)?;
+
+    install_envd(&tree, &recipe.envd)?;
+    let (vmlinuz, initrd, kernel_version) = find_kernel(&tree)?;
+    std::fs::copy(&vmlinuz, staging.join("vmlinuz"))?;
+    std::fs::copy(&initrd, staging.join("initrd"))?;
+
+    let bar = spinner(format!("mkfs.ext4 -d ({} MiB, sparse)", recipe.disk_mb));
+    let rootfs = staging.join("rootfs.img");
+    run(
+        tokio::process::Command::new("mkfs.ext4")
+            .args(["-q", "-F", "-L", "rootfs", "-E", "root_owner=0:0", "-d"])
+            .arg(&tree)
+            .arg(&rootfs)
+            .arg(format!("{}M", recipe.disk_mb)),
+        "mkfs.ext4",
+    )
+    .await?;
+    bar.finish_and_clear();
+
+    let envd_bytes = std::fs::read(&recipe.envd)?;
+    let manifest = Manifest {
+        hash: hash.clone(),
+        suite: recipe.suite.clone(),
+        mirror: recipe.mirror.clone(),
+        packages: recipe.packages.clone(),
+        kernel_version,
+        disk_mb: recipe.disk_mb,
+        envd_sha256: hex::encode(Sha256::digest(&envd_bytes)),
+        created_at_unix: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0),
+    };
+    let mut f = std::fs::File::create(staging.join("manifest.json"))?;
+    f.write_all(serde_json::to_string_pretty(&manifest)?.as_bytes())?;
+    for name in ["vmlinuz", "initrd", "rootfs.img", "manifest.json"] {
+        std::fs::File::open(staging.join(name))?.sync_all()?;
+    }
+    // The base disk is shared by every sandbox and must never be written again.
+    for name in ["vmlinuz", "initrd", "rootfs.img", "manifest.json"] {
+        let p = staging.join(name);
+        let mut perm = std::fs::metadata(&p)?.permissions();
+        perm.set_readonly(true);
+        std::fs::set_permissions(&p, perm)?;
+    }
+    if dir.exists() {
+        std::fs::remove_dir_all(&dir)?;
+    }
+    std::fs::rename(&staging, &dir)?;
+    std::fs::File::open(&images)?.sync_all()?;
+    tracing::info!(hash, dir = %dir.display(), "image built");
+    Image::at(dir)
+}
+
+fn spinner(msg: String) -> ProgressBar {
+    let bar = ProgressBar::new_spinner();
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} [{elapsed_precise}] {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_spinner()),
+    );
+    bar.enable_steady_tick(std::time::Duration::from_millis(120));
+    bar.set_message(msg.clone());
+    tracing::info!("{msg}");
+    bar
+}
+
+async fn run(cmd: &mut tokio::process::Command, what: &str) -> anyhow::Result<()> {
+    let out = cmd
+        .stdin(Stdio::null())
+        .output()
+        .await
+        .with_context(|| format!("running {what} (is it installed?)"))?;
+    if !out.status.success() {
+        bail!(
+            "{what} failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(())
+}
+
+/// The debootstrap tree, configured, cached by the package part of the recipe.
+async fn ensure_tree(images: &Path, recipe: &Recipe) -> anyhow::Result<PathBuf> {
+    let trees = images.join("trees");
+    let tree = trees.join(recipe.tree_hash());
+    if tree.join(".vmon-complete").exists() {
+        return Ok(tree);
+    }
+    std::fs::create_dir_all(&trees)?;
+    let tmp = trees.join(format!("{}.tmp", recipe.tree_hash()));
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp)?;
+    }
+    let bar = spinner(format!(
+        "debootstrap {} from {}",
+        recipe.suite, recipe.mirror
+    ));
+    let mut child = tokio::process::Command::new("debootstrap")
+        .arg("--variant=minbase")
+        .arg(format!("--include={}", recipe.packages.join(",")))
+        .arg(&recipe.suite)
+        .arg(&tmp)
+        .arg(&recipe.mirror)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .context("running debootstrap (apt-get install debootstrap)")?;
+    let mut last = Vec::new();
+    if let Some(out) = child.stdout.take() {
+        let mut lines = BufReader::new(out).lines();
+        while let Ok(Some(line)) = lines.next_line().await {
+            bar.set_message(format!("debootstrap: {}", line.trim()));
+            last.push(line);
+            if last.len() > 40 {
+                last.remove(0);
+            }
+        }
+    }
+    let mut err = String::new();
+    if let Some(mut e) = child.stderr.take() {
+        use tokio::io::AsyncReadExt;
+        let _ = e.read_to_string(&mut err).await;
+    }
+    let status = child.wait().await?;
+    bar.finish_and_clear();
+    if !status.success() {
+        bail!(
+            "debootstrap failed ({status}):\n{}\n{}",
+            last.join("\n"),
+            err.trim()
+        );
+    }
+    configure_tree(&tmp).await?;
+    std::fs::write(tmp.join(".vmon-complete"), b"")?;
+    std::fs::rename(&tmp, &tree)?;
+    Ok(tree)
+}
+
+/// Users, sudo, hosts; drops the package cache.
+async fn configure_tree(tree: &Path) -> anyhow::Result<()> {
+    let has_user = std::fs::read_to_string(tree.join("etc/passwd"))?
+        .lines()
+        .any(|l| l.starts_with("user:"));
+    if !has_user {
+        run(
+            tokio::process::Command::new("chroot").arg(tree).args([
+                "useradd",
+                "-m",
+                "-u",
+                "1000",
+                "-U",
+                "-s",
+                "/bin/bash",
+                "user",
+            ]),
+            "useradd user",
+        )
+        .await?;
+    }
+    let sudoers = tree.join("etc/sudoers.d/90-vmon-user");
+    std::fs::write(&sudoers, "user ALL=(ALL:ALL) NOPASSWD: ALL\n")?;
+    std::fs::set_permissions(
+        &sudoers,
+        std::os::unix::fs::PermissionsExt::from_mode(0o440),
+    )?;
+    std::fs::write(tree.join("etc/hostname"), "sandbox\n")?;
+    std::fs::write(
+        tree.join("etc/hosts"),
+        "127.0.0.1\tlocalhost\n127.0.1.1\tsandbox\n::1\tlocalhost ip6-localhost ip6-loopback\n",
+    )?;
+    std::fs::write(tree.join("etc/fstab"), "# mounts are made by envd init\n")?;
+    let _ = std::fs::remove_file(tree.join("etc/resolv.conf"));
+    std::fs::write(tree.join("etc/resolv.conf"), "nameserver 8.8.8.8\n")?;
+    if let Ok(rd) = std::fs::read_dir(tree.join("var/cache/apt/archives")) {
+        for e in rd.flatten() {
+            if e.path().extension().is_some_and(|x| x == "deb") {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+    }
+    Ok(())
+}
+
+fn install_envd(tree: &Path, envd: &Path) -> anyhow::Result<()> {
+    let dst = tree.join("usr/local/bin/envd");
+    std::fs::create_dir_all(tree.join("usr/local/bin"))?;
+    let _ = std::fs::remove_file(&dst);
+    std::fs::copy(envd, &dst).with_context(|| format!("copying {}", envd.display()))?;
+    std::fs::set_permissions(&dst, std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
+    Ok(())
+}
+
+/// The newest `vmlinuz-*` in the tree's /boot and its initrd.
+fn find_kernel(tree: &Path) -> anyhow::Result<(PathBuf, PathBuf, String)> {
+    let boot = tree.join("boot");
+    let mut versions: Vec<String> = std::fs::read_dir(&boot)?
+        .flatten()
+        .filter_map(|e| {
+            e.file_name()
+                .to_str()
+                .and_then(|n| n.strip_prefix("vmlinuz-"))
+                .map(String::from)
+        })
+        .collect();
+    versions.sort();
+    let Some(v) = versions.pop() else {
+        bail!(
+            "no kernel in {} (is linux-image-cloud-amd64 in the recipe?)",
+            boot.display()
+        );
+    };
+    let initrd = boot.join(format!("initrd.img-{v}"));
+    if !initrd.is_file() {
+        bail!("kernel {v} has no initramfs in {}", boot.display());
+    }
+    Ok((boot.join(format!("vmlinuz-{v}")), initrd, v))
+}

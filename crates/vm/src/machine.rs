@@ -1,0 +1,214 @@
+//! The machine description a build is pinned to, and the QEMU command line made from it.
+//!
+//! A device-state stream only loads into an identical machine, so everything that shapes the
+//! machine (type, CPU model, devices and their PCI addresses, RAM size, the QEMU binary and its
+//! version) lives in [`MachineDesc`] and is stored with every build. Paths that differ per
+//! sandbox (overlay, RAM file, sockets) are not part of it.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::accel::Accel;
+
+/// PCI slots the devices are pinned to (a snapshot's device state names them).
+const NET_ADDR: &str = "0x3";
+const BLK_ADDR: &str = "0x4";
+
+/// The guest's fixed MAC: every slot gives its guest the same address, so snapshots move freely.
+pub const GUEST_MAC: &str = "52:54:00:a9:00:15";
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MachineDesc {
+    pub qemu_binary: PathBuf,
+    pub qemu_version: String,
+    pub accel: Accel,
+    pub cpu_model: String,
+    pub vcpus: u32,
+    pub memory_mb: u32,
+    pub kernel: PathBuf,
+    pub initrd: PathBuf,
+    pub cmdline: String,
+}
+
+/// A network device backed by a tap inside the VM's namespace.
+#[derive(Debug, Clone)]
+pub struct NetDevice {
+    pub tap: String,
+}
+
+/// The kernel command line every guest boots with.
+pub fn kernel_cmdline(extra: &str) -> String {
+    let base = "console=ttyS0 root=/dev/vda rw panic=-1 quiet nokaslr \
+                init=/usr/local/bin/envd vmon.ip=169.254.0.21/30 vmon.gw=169.254.0.22";
+    if extra.is_empty() {
+        base.to_string()
+    } else {
+        format!("{base} {extra}")
+    }
+}
+
+/// How the guest RAM file is mapped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RamSharing {
+    /// `share=on`: guest writes land in the file (template boots, cold boots).
+    Shared,
+    /// `share=off`: the file is a copy-on-write base (restores).
+    Private,
+}
+
+/// Everything per-process that completes a [`MachineDesc`] into a command line.
+#[derive(Debug, Clone)]
+pub struct Placement<'a> {
+    pub ram_file: &'a Path,
+    pub ram: RamSharing,
+    pub disk: &'a Path,
+    pub net: Option<&'a NetDevice>,
+    pub console_log: &'a Path,
+    pub qmp_socket: &'a Path,
+    pub pidfile: &'a Path,
+    /// Start paused, waiting for `migrate-incoming`.
+    pub incoming: bool,
+}
+
+impl MachineDesc {
+    pub fn args(&self, p: &Placement<'_>) -> Vec<String> {
+        let share = match p.ram {
+            RamSharing::Shared => "on",
+            RamSharing::Private => "off",
+        };
+        let mut a: Vec<String> = vec![
+            "-name".into(),
+            "vmon,debug-threads=off".into(),
+            "-machine".into(),
+            format!("pc,accel={},memory-backend=ram0", self.accel.as_str()),
+            "-cpu".into(),
+            self.cpu_model.clone(),
+            "-smp".into(),
+            self.vcpus.to_string(),
+            "-m".into(),
+            format!("{}M", self.memory_mb),
+            "-object".into(),
+            format!(
+                "memory-backend-file,id=ram0,size={}M,mem-path={},share={share}",
+                self.memory_mb,
+                p.ram_file.display()
+            ),
+            "-nodefaults".into(),
+            "-no-user-config".into(),
+            "-display".into(),
+            "none".into(),
+            "-no-reboot".into(),
+            "-sandbox".into(),
+            "on".into(),
+            "-kernel".into(),
+            self.kernel.display().to_string(),
+            "-initrd".into(),
+            self.initrd.display().to_string(),
+            "-append".into(),
+            self.cmdline.clone(),
+            "-chardev".into(),
+            format!("file,id=con0,path={}", p.console_log.display()),
+            "-serial".into(),
+            "chardev:con0".into(),
+            "-qmp".into(),
+            format!("unix:{},server=on,wait=off", p.qmp_socket.display()),
+            "-pidfile".into(),
+            p.pidfile.display().to_string(),
+            "-blockdev".into(),
+            format!(
+                "driver=file,filename={},node-name=f0,cache.direct=off",
+                p.disk.display()
+            ),
+            "-blockdev".into(),
+            "driver=qcow2,file=f0,node-name=d0".into(),
+            "-device".into(),
+            format!("virtio-blk-pci,drive=d0,id=vblk0,addr={BLK_ADDR}"),
+        ];
+        if let Some(n) = p.net {
+            a.push("-netdev".into());
+            a.push(format!(
+                "tap,id=n0,ifname={},script=no,downscript=no",
+                n.tap
+            ));
+            a.push("-device".into());
+            a.push(format!(
+                "virtio-net-pci,netdev=n0,id=net0,mac={GUEST_MAC},romfile=,addr={NET_ADDR}"
+            ));
+        }
+        if p.incoming {
+            a.extend(
+                [
+                    "-incoming",
+                    "defer",
+                    "-S",
+                    "-global",
+                    "migration.send-configuration=off",
+                ]
+                .map(String::from),
+            );
+        } else {
+            // Same global on boots so a later device-state save omits the configuration section
+            // that restores do not expect.
+            a.extend(["-global", "migration.send-configuration=off"].map(String::from));
+        }
+        a
+    }
+}
+
+/// Version string of a QEMU binary (`qemu-system-x86_64 --version`, first line).
+pub fn qemu_version(binary: &Path) -> anyhow::Result<String> {
+    let out = std::process::Command::new(binary)
+        .arg("--version")
+        .output()
+        .map_err(|e| {
+            anyhow::anyhow!(
+                "cannot run {}: {e} (apt-get install qemu-system-x86)",
+                binary.display()
+            )
+        })?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let first = text.lines().next().unwrap_or("").trim().to_string();
+    if first.is_empty() {
+        anyhow::bail!("{} printed no version", binary.display());
+    }
+    Ok(first)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn args_pin_devices_and_ram() {
+        let m = MachineDesc {
+            qemu_binary: "/usr/bin/qemu-system-x86_64".into(),
+            qemu_version: "QEMU emulator version 7.2".into(),
+            accel: Accel::Tcg,
+            cpu_model: "qemu64".into(),
+            vcpus: 2,
+            memory_mb: 512,
+            kernel: "/k".into(),
+            initrd: "/i".into(),
+            cmdline: kernel_cmdline(""),
+        };
+        let net = NetDevice { tap: "tap0".into() };
+        let a = m.args(&Placement {
+            ram_file: Path::new("/r/mem0"),
+            ram: RamSharing::Private,
+            disk: Path::new("/d.qcow2"),
+            net: Some(&net),
+            console_log: Path::new("/c.log"),
+            qmp_socket: Path::new("/q.sock"),
+            pidfile: Path::new("/p"),
+            incoming: true,
+        });
+        let s = a.join(" ");
+        assert!(s.contains("share=off"), "{s}");
+        assert!(s.contains("accel=tcg"));
+        assert!(s.contains("-incoming defer -S"));
+        assert!(s.contains(&format!("mac={GUEST_MAC}")));
+        assert!(s.contains("-smp 2"));
+        assert!(s.contains("-sandbox on"));
+    }
+}

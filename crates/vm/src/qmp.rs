@@ -1,0 +1,360 @@
+//! A typed async client for QEMU's machine protocol on a unix socket.
+//!
+//! One reader task owns the socket's read half: replies go to the waiting caller by `id`, events
+//! to a broadcast channel. Every reply line is size-bounded: QEMU is trusted more than a guest,
+//! but a wedged or hostile peer must not make the node allocate without limit.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::de::DeserializeOwned;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::net::UnixStream;
+use tokio::sync::{broadcast, oneshot, Mutex};
+
+/// Longest QMP line accepted (query-commands is ~20 KB; device state never travels here).
+const MAX_LINE: usize = 4 << 20;
+
+#[derive(Debug, thiserror::Error)]
+pub enum QmpError {
+    #[error("cannot reach QMP at {path}")]
+    Connect {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("QMP connection lost")]
+    Closed,
+    #[error("QMP {command} failed: {class}: {desc}")]
+    Command {
+        command: String,
+        class: String,
+        desc: String,
+    },
+    #[error("QMP {0} timed out")]
+    Timeout(String),
+    #[error("QMP protocol error: {0}")]
+    Protocol(String),
+}
+
+type Pending = Arc<std::sync::Mutex<HashMap<u64, oneshot::Sender<Result<Value, QmpError>>>>>;
+
+/// An event QEMU sent on its own.
+#[derive(Debug, Clone, Deserialize)]
+pub struct QmpEvent {
+    pub event: String,
+    #[serde(default)]
+    pub data: Value,
+}
+
+pub struct Qmp {
+    writer: Mutex<tokio::net::unix::OwnedWriteHalf>,
+    pending: Pending,
+    next_id: AtomicU64,
+    events: broadcast::Sender<QmpEvent>,
+    reader: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Qmp {
+    fn drop(&mut self) {
+        self.reader.abort();
+    }
+}
+
+#[derive(Debug, Deserialize)]
+pub struct Status {
+    pub status: String,
+    #[serde(default)]
+    pub running: bool,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct MigrationInfo {
+    #[serde(default)]
+    pub status: Option<String>,
+    #[serde(default, rename = "error-desc")]
+    pub error_desc: Option<String>,
+}
+
+impl Qmp {
+    /// Connects, retrying until `deadline` (QEMU creates the socket shortly after exec).
+    pub async fn connect(path: &Path, deadline: Duration) -> Result<Qmp, QmpError> {
+        let start = tokio::time::Instant::now();
+        let stream = loop {
+            match UnixStream::connect(path).await {
+                Ok(s) => break s,
+                Err(e) if start.elapsed() >= deadline => {
+                    return Err(QmpError::Connect {
+                        path: path.display().to_string(),
+                        source: e,
+                    })
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(5)).await,
+            }
+        };
+        let (rd, wr) = stream.into_split();
+        let mut rd = BufReader::new(rd);
+        // The greeting.
+        let greeting = read_line(&mut rd).await?;
+        if !greeting.contains("\"QMP\"") {
+            return Err(QmpError::Protocol(format!(
+                "unexpected greeting {greeting:.200}"
+            )));
+        }
+        let pending: Pending = Arc::default();
+        let (events, _) = broadcast::channel(256);
+        let reader = tokio::spawn(read_loop(rd, pending.clone(), events.clone()));
+        let qmp = Qmp {
+            writer: Mutex::new(wr),
+            pending,
+            next_id: AtomicU64::new(1),
+            events,
+            reader,
+        };
+        qmp.execute_raw("qmp_capabilities", Value::Null, Duration::from_secs(10))
+            .await?;
+        Ok(qmp)
+    }
+
+    pub fn events(&self) -> broadcast::Receiver<QmpEvent> {
+        self.events.subscribe()
+    }
+
+    /// Runs one command and returns its raw `return` value.
+    pub async fn execute_raw(
+        &self,
+        command: &str,
+        arguments: Value,
+        timeout: Duration,
+    ) -> Result<Value, QmpError> {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let mut msg = json!({"execute": command, "id": id});
+        if !arguments.is_null() {
+            msg["arguments"] = arguments;
+        }
+        let (tx, rx) = oneshot::channel();
+        if let Ok(mut p) = self.pending.lock() {
+            p.insert(id, tx);
+        }
+        let mut line = msg.to_string();
+        line.push('\n');
+        {
+            let mut w = self.writer.lock().await;
+            if w.write_all(line.as_bytes()).await.is_err() {
+                return Err(QmpError::Closed);
+            }
+        }
+        let reply = match tokio::time::timeout(timeout, rx).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(_)) => Err(QmpError::Closed),
+            Err(_) => {
+                if let Ok(mut p) = self.pending.lock() {
+                    p.remove(&id);
+                }
+                Err(QmpError::Timeout(command.to_string()))
+            }
+        };
+        reply.map_err(|e| match e {
+            QmpError::Command { class, desc, .. } => QmpError::Command {
+                command: command.to_string(),
+                class,
+                desc,
+            },
+            other => other,
+        })
+    }
+
+    pub async fn execute<T: DeserializeOwned>(
+        &self,
+        command: &str,
+        arguments: Value,
+    ) -> Result<T, QmpError> {
+        let v = self
+            .execute_raw(command, arguments, Duration::from_secs(60))
+            .await?;
+        serde_json::from_value(v).map_err(|e| QmpError::Protocol(format!("{command}: {e}")))
+    }
+
+    async fn exec_unit(&self, command: &str, arguments: Value) -> Result<(), QmpError> {
+        self.execute_raw(command, arguments, Duration::from_secs(60))
+            .await
+            .map(|_| ())
+    }
+
+    pub async fn stop(&self) -> Result<(), QmpError> {
+        self.exec_unit("stop", Value::Null).await
+    }
+
+    pub async fn cont(&self) -> Result<(), QmpError> {
+        self.exec_unit("cont", Value::Null).await
+    }
+
+    pub async fn quit(&self) -> Result<(), QmpError> {
+        self.exec_unit("quit", Value::Null).await
+    }
+
+    pub async fn system_powerdown(&self) -> Result<(), QmpError> {
+        self.exec_unit("system_powerdown", Value::Null).await
+    }
+
+    pub async fn query_status(&self) -> Result<Status, QmpError> {
+        self.execute("query-status", Value::Null).await
+    }
+
+    /// The names of every command this QEMU offers.
+    pub async fn query_commands(&self) -> Result<Vec<String>, QmpError> {
+        #[derive(Deserialize)]
+        struct C {
+            name: String,
+        }
+        let v: Vec<C> = self.execute("query-commands", Value::Null).await?;
+        Ok(v.into_iter().map(|c| c.name).collect())
+    }
+
+    /// Writes every device's state (no RAM) to `path`.
+    pub async fn save_devices_state(&self, path: &Path) -> Result<(), QmpError> {
+        self.exec_unit(
+            "xen-save-devices-state",
+            json!({"filename": path.display().to_string(), "live": false}),
+        )
+        .await
+    }
+
+    /// Loads a device-state stream into a QEMU started with `-incoming defer`, and waits until
+    /// the load has finished.
+    pub async fn migrate_incoming_file(&self, path: &Path) -> Result<(), QmpError> {
+        let uri = format!("exec:cat {}", shell_quote(&path.display().to_string()));
+        self.exec_unit("migrate-incoming", json!({"uri": uri}))
+            .await?;
+        let start = tokio::time::Instant::now();
+        loop {
+            let m: MigrationInfo = self.execute("query-migrate", Value::Null).await?;
+            match m.status.as_deref() {
+                Some("completed") => return Ok(()),
+                Some("failed") | Some("cancelled") => {
+                    return Err(QmpError::Command {
+                        command: "migrate-incoming".into(),
+                        class: "MigrationFailed".into(),
+                        desc: m.error_desc.unwrap_or_else(|| "load failed".into()),
+                    })
+                }
+                _ => {}
+            }
+            // Some QEMUs report no status on the destination: the run state tells.
+            let s = self.query_status().await?;
+            if s.status == "paused" || s.status == "running" {
+                if m.status.is_none() {
+                    return Ok(());
+                }
+            } else if s.status == "postmigrate" || s.status == "internal-error" {
+                return Err(QmpError::Protocol(format!(
+                    "incoming load ended in {}",
+                    s.status
+                )));
+            }
+            if start.elapsed() > Duration::from_secs(60) {
+                return Err(QmpError::Timeout("migrate-incoming".into()));
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    }
+
+    /// Switches the running disk `node` to a new overlay created at `file`; the old image
+    /// becomes read-only backing.
+    pub async fn blockdev_snapshot_sync(
+        &self,
+        node: &str,
+        file: &Path,
+        new_node: &str,
+    ) -> Result<(), QmpError> {
+        self.exec_unit(
+            "blockdev-snapshot-sync",
+            json!({
+                "node-name": node,
+                "snapshot-file": file.display().to_string(),
+                "snapshot-node-name": new_node,
+                "format": "qcow2",
+            }),
+        )
+        .await
+    }
+}
+
+fn shell_quote(s: &str) -> String {
+    format!("'{}'", s.replace('\'', "'\\''"))
+}
+
+async fn read_line<R: tokio::io::AsyncBufRead + Unpin>(rd: &mut R) -> Result<String, QmpError> {
+    let mut buf = Vec::new();
+    loop {
+        let chunk = rd.fill_buf().await.map_err(|_| QmpError::Closed)?;
+        if chunk.is_empty() {
+            return Err(QmpError::Closed);
+        }
+        if let Some(pos) = chunk.iter().position(|&b| b == b'\n') {
+            buf.extend_from_slice(&chunk[..pos]);
+            rd.consume(pos + 1);
+            break;
+        }
+        let n = chunk.len();
+        buf.extend_from_slice(chunk);
+        rd.consume(n);
+        if buf.len() > MAX_LINE {
+            return Err(QmpError::Protocol("reply line too long".into()));
+        }
+    }
+    String::from_utf8(buf).map_err(|_| QmpError::Protocol("reply is not UTF-8".into()))
+}
+
+async fn read_loop<R: tokio::io::AsyncBufRead + Unpin>(
+    mut rd: R,
+    pending: Pending,
+    events: broadcast::Sender<QmpEvent>,
+) {
+    loop {
+        let line = match read_line(&mut rd).await {
+            Ok(l) => l,
+            Err(_) => break,
+        };
+        let Ok(v) = serde_json::from_str::<Value>(&line) else {
+            continue;
+        };
+        if v.get("event").is_some() {
+            if let Ok(ev) = serde_json::from_value::<QmpEvent>(v) {
+                let _ = events.send(ev);
+            }
+            continue;
+        }
+        let Some(id) = v.get("id").and_then(Value::as_u64) else {
+            continue;
+        };
+        let Some(tx) = pending.lock().ok().and_then(|mut p| p.remove(&id)) else {
+            continue;
+        };
+        let result = if let Some(r) = v.get("return") {
+            Ok(r.clone())
+        } else if let Some(e) = v.get("error") {
+            Err(QmpError::Command {
+                command: String::new(),
+                class: e["class"].as_str().unwrap_or("Error").to_string(),
+                desc: e["desc"].as_str().unwrap_or("").to_string(),
+            })
+        } else {
+            Err(QmpError::Protocol(format!(
+                "reply without return: {line:.200}"
+            )))
+        };
+        let _ = tx.send(result);
+    }
+    // Connection gone: fail everyone still waiting.
+    if let Ok(mut p) = pending.lock() {
+        for (_, tx) in p.drain() {
+            let _ = tx.send(Err(QmpError::Closed));
+        }
+    }
+}
