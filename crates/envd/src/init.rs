@@ -1,7 +1,217 @@
-//! PID 1 mode: the guest's init. Owned by the VM layer (boot issue); the agent's server lives
-//! in the rest of this crate.
+//! PID 1 mode: the guest's init.
+//!
+//! It mounts the kernel filesystems, names the host, brings up `lo` and `eth0` (address and
+//! gateway from the kernel command line: `vmon.ip=` and `vmon.gw=`), then runs the envd server
+//! as its child and restarts it if it dies. As PID 1 it reaps every orphan the kernel hands it,
+//! and on SIGTERM (or SIGINT, the kernel's ctrl-alt-del) it stops everything, syncs and powers
+//! the machine off.
+//!
+//! The server runs in a child rather than in this process so that init's `waitpid(-1)` never
+//! steals the exit status of a process the server is waiting for.
+
+use std::ffi::CString;
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+const PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+static SHUTDOWN: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_shutdown_signal(_sig: libc::c_int) {
+    SHUTDOWN.store(true, Ordering::SeqCst);
+}
+
+fn log(level: &str, msg: &str) {
+    // One JSON line on the console, like the server's own logs.
+    let line = serde_json::json!({"level": level, "logger": "init", "msg": msg});
+    println!("{line}");
+}
+
+fn mount(src: &str, target: &str, fstype: &str, flags: libc::c_ulong, data: &str) {
+    let _ = std::fs::create_dir_all(target);
+    let (Ok(s), Ok(t), Ok(f), Ok(d)) = (
+        CString::new(src),
+        CString::new(target),
+        CString::new(fstype),
+        CString::new(data),
+    ) else {
+        return;
+    };
+    // SAFETY: all pointers are valid NUL-terminated strings that outlive the call.
+    let rc = unsafe { libc::mount(s.as_ptr(), t.as_ptr(), f.as_ptr(), flags, d.as_ptr().cast()) };
+    if rc != 0 {
+        let err = std::io::Error::last_os_error();
+        if err.raw_os_error() != Some(libc::EBUSY) {
+            log("warn", &format!("mount {fstype} on {target}: {err}"));
+        }
+    }
+}
+
+fn is_mounted(target: &str) -> bool {
+    std::fs::read_to_string("/proc/mounts")
+        .map(|m| m.lines().any(|l| l.split_whitespace().nth(1) == Some(target)))
+        .unwrap_or(false)
+}
+
+fn mount_all() {
+    let nosuid_nodev = libc::MS_NOSUID | libc::MS_NODEV;
+    if !is_mounted("/proc") {
+        mount("proc", "/proc", "proc", nosuid_nodev | libc::MS_NOEXEC, "");
+    }
+    if !is_mounted("/sys") {
+        mount("sysfs", "/sys", "sysfs", nosuid_nodev | libc::MS_NOEXEC, "");
+    }
+    if !is_mounted("/dev") {
+        mount("devtmpfs", "/dev", "devtmpfs", libc::MS_NOSUID, "mode=0755");
+    }
+    if !is_mounted("/dev/pts") {
+        mount("devpts", "/dev/pts", "devpts", libc::MS_NOSUID | libc::MS_NOEXEC, "gid=5,mode=620,ptmxmode=666");
+    }
+    if !is_mounted("/dev/shm") {
+        mount("tmpfs", "/dev/shm", "tmpfs", nosuid_nodev, "mode=1777");
+    }
+    if !is_mounted("/run") {
+        mount("tmpfs", "/run", "tmpfs", nosuid_nodev, "mode=0755");
+    }
+    if !is_mounted("/sys/fs/cgroup") {
+        mount("cgroup2", "/sys/fs/cgroup", "cgroup2", nosuid_nodev | libc::MS_NOEXEC, "");
+    }
+    let _ = std::os::unix::fs::symlink("/proc/self/fd", "/dev/fd");
+    let _ = std::os::unix::fs::symlink("/proc/self/fd/0", "/dev/stdin");
+    let _ = std::os::unix::fs::symlink("/proc/self/fd/1", "/dev/stdout");
+    let _ = std::os::unix::fs::symlink("/proc/self/fd/2", "/dev/stderr");
+    // The root may have come up read-only from the initramfs.
+    mount("", "/", "", libc::MS_REMOUNT, "");
+}
+
+fn set_hostname(name: &str) {
+    // SAFETY: pointer and length describe `name`'s bytes.
+    unsafe {
+        libc::sethostname(name.as_ptr().cast(), name.len());
+    }
+}
+
+fn cmdline_value(cmdline: &str, key: &str) -> Option<String> {
+    cmdline
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix(key).and_then(|v| v.strip_prefix('=')))
+        .map(String::from)
+}
+
+fn ip(args: &[&str]) {
+    match Command::new("ip").args(args).env("PATH", PATH).status() {
+        Ok(s) if s.success() => {}
+        Ok(s) => log("warn", &format!("ip {}: {s}", args.join(" "))),
+        Err(e) => log("warn", &format!("ip {}: {e}", args.join(" "))),
+    }
+}
+
+fn network() {
+    let cmdline = std::fs::read_to_string("/proc/cmdline").unwrap_or_default();
+    ip(&["link", "set", "lo", "up"]);
+    if let Some(addr) = cmdline_value(&cmdline, "vmon.ip") {
+        ip(&["addr", "add", &addr, "dev", "eth0"]);
+        ip(&["link", "set", "eth0", "up"]);
+        if let Some(gw) = cmdline_value(&cmdline, "vmon.gw") {
+            ip(&["route", "add", "default", "via", &gw]);
+        }
+    }
+}
+
+fn install_signal_handlers() {
+    for sig in [libc::SIGTERM, libc::SIGINT, libc::SIGPWR] {
+        // SAFETY: a zeroed sigaction with a plain handler that only stores an atomic; no
+        // SA_RESTART so a blocking waitpid returns EINTR and the loop sees the flag.
+        unsafe {
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            sa.sa_sigaction = on_shutdown_signal as *const () as usize;
+            libc::sigemptyset(&mut sa.sa_mask);
+            sa.sa_flags = 0;
+            libc::sigaction(sig, &sa, std::ptr::null_mut());
+        }
+    }
+    // SAFETY: asks the kernel to send SIGINT to init on ctrl-alt-del instead of rebooting.
+    unsafe {
+        libc::reboot(libc::RB_DISABLE_CAD);
+    }
+}
+
+fn spawn_server() -> Option<u32> {
+    let exe = std::env::current_exe().unwrap_or_else(|_| "/usr/local/bin/envd".into());
+    match Command::new(exe)
+        .env_clear()
+        .env("PATH", PATH)
+        .env("HOME", "/root")
+        .env("LANG", "C.UTF-8")
+        .current_dir("/")
+        .spawn()
+    {
+        Ok(c) => {
+            log("info", &format!("envd server started as pid {}", c.id()));
+            Some(c.id())
+        }
+        Err(e) => {
+            log("error", &format!("cannot start envd server: {e}"));
+            None
+        }
+    }
+}
+
+fn power_off() -> ! {
+    log("info", "stopping all processes");
+    // SAFETY: signalling every process but init; no memory is touched.
+    unsafe {
+        libc::kill(-1, libc::SIGTERM);
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    // SAFETY: as above.
+    unsafe {
+        libc::kill(-1, libc::SIGKILL);
+        libc::sync();
+    }
+    mount("", "/", "", libc::MS_REMOUNT | libc::MS_RDONLY, "");
+    // SAFETY: as above.
+    unsafe {
+        libc::sync();
+    }
+    log("info", "power off");
+    // SAFETY: ends the machine; nothing runs after this.
+    unsafe {
+        libc::reboot(libc::RB_POWER_OFF);
+    }
+    loop {
+        std::thread::sleep(Duration::from_secs(1));
+    }
+}
 
 /// Runs as the guest's init: never returns.
 pub fn run() -> anyhow::Result<()> {
-    anyhow::bail!("init mode is not built yet")
+    std::env::set_var("PATH", PATH);
+    mount_all();
+    set_hostname("sandbox");
+    install_signal_handlers();
+    network();
+    log("info", "init ready");
+    let mut server = spawn_server();
+    loop {
+        if SHUTDOWN.load(Ordering::SeqCst) {
+            power_off();
+        }
+        let mut status = 0;
+        // SAFETY: waitpid with a valid out-pointer; reaps any child (orphans included).
+        let pid = unsafe { libc::waitpid(-1, &mut status, 0) };
+        if pid <= 0 {
+            let err = std::io::Error::last_os_error();
+            if err.raw_os_error() == Some(libc::ECHILD) {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            continue;
+        }
+        if Some(pid as u32) == server {
+            log("warn", &format!("envd server exited (status {status}); restarting"));
+            std::thread::sleep(Duration::from_millis(200));
+            server = spawn_server();
+        }
+    }
 }
