@@ -1,1 +1,40 @@
-//! vmon-api: (placeholder, see docs/architecture.md)
+//! vmon-api: the control plane. The E2B REST surface ([`http`]), auth by hashed API keys,
+//! team admission, the per-sandbox state machine ([`control`]), the timeout reaper, and the
+//! route table the proxy reads.
+//!
+//! It talks to hosts only through [`vmon_proto::node::NodeControl`] and to envd never; it
+//! keeps records through the [`records::Records`] port and coordination (locks, counters,
+//! idempotency, leadership) in `vmon-kv`. It must never start a VM, touch a layer file or
+//! answer for a guest.
+
+pub mod admin;
+pub mod config;
+pub mod control;
+pub mod error;
+pub mod http;
+pub mod ids;
+pub mod records;
+pub mod wire;
+
+use std::sync::Arc;
+
+pub use config::Config;
+pub use control::{Control, ProxyRoutes};
+pub use error::{ApiError, ApiResult};
+
+/// Serves the REST API on `listener` until `cancel` fires.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    control: Arc<Control>,
+    admin_token: Option<String>,
+    cancel: tokio_util::sync::CancellationToken,
+) -> anyhow::Result<()> {
+    let app = http::router(http::AppState {
+        control,
+        admin_token,
+    });
+    axum::serve(listener, app)
+        .with_graceful_shutdown(async move { cancel.cancelled().await })
+        .await?;
+    Ok(())
+}

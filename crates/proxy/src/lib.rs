@@ -1,1 +1,451 @@
-//! vmon-proxy: (placeholder, see docs/architecture.md)
+//! vmon-proxy: the ingress for sandbox traffic.
+//!
+//! The SDKs send every envd request (and any request for a port a sandbox serves) here. A
+//! request names its sandbox and port by the `E2b-Sandbox-Id` / `E2b-Sandbox-Port` headers or
+//! by a `{port}-{sandboxID}.{domain}` Host ([`target`]); the proxy asks its [`Routes`] where that
+//! sandbox's guest is, resumes a paused sandbox that allows it, and then streams both ways
+//! without buffering (HTTP/1.1, HTTP/2, WebSocket and other upgrades).
+//!
+//! It must never answer for the guest (bodies are passed through untouched), never let a
+//! request reach envd's `/init` (the node owns it), and never learn how sandboxes are stored:
+//! it knows them only through [`Routes`].
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{header, HeaderValue, Method, Request, Response, StatusCode};
+use http_body_util::{combinators::BoxBody, BodyExt, Full};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::{connect::HttpConnector, Client};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+pub mod target;
+
+pub use target::Target;
+
+/// The port envd listens on inside every guest.
+pub const ENVD_PORT: u16 = 49983;
+/// Header carrying the traffic access token of a sandbox with public traffic disabled.
+pub const TRAFFIC_TOKEN_HEADER: &str = "e2b-traffic-access-token";
+
+/// What the proxy knows of a sandbox.
+#[derive(Debug, Clone)]
+pub struct SandboxRoute {
+    /// Where the guest is reachable; `None` while the sandbox is paused.
+    pub guest_ip: Option<IpAddr>,
+    /// Whether traffic may resume the sandbox when it is paused.
+    pub auto_resume: bool,
+    /// Required in `e2b-traffic-access-token` on ports other than envd's when set.
+    pub traffic_access_token: Option<String>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ResumeError {
+    #[error("sandbox {0} was not found")]
+    NotFound(String),
+    /// The sandbox cannot be resumed by traffic (no auto-resume, or a filesystem-only pause).
+    #[error("{0}")]
+    Refused(String),
+    #[error("{0}")]
+    Failed(String),
+}
+
+/// The proxy's view of the control plane.
+#[async_trait::async_trait]
+pub trait Routes: Send + Sync + 'static {
+    /// The sandbox's route, `None` when no such sandbox exists (or it was killed).
+    async fn lookup(&self, sandbox_id: &str) -> Option<SandboxRoute>;
+    /// Resume a paused sandbox because traffic arrived for it; returns its guest address.
+    async fn resume_for_traffic(&self, sandbox_id: &str) -> Result<IpAddr, ResumeError>;
+}
+
+type ProxyBody = BoxBody<Bytes, hyper::Error>;
+
+/// The ingress. Cheap to clone.
+#[derive(Clone)]
+pub struct Proxy {
+    routes: Arc<dyn Routes>,
+    client: Client<HttpConnector, Incoming>,
+}
+
+impl Proxy {
+    pub fn new(routes: Arc<dyn Routes>) -> Self {
+        let mut connector = HttpConnector::new();
+        connector.set_connect_timeout(Some(Duration::from_secs(10)));
+        connector.set_nodelay(true);
+        let client = Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(Duration::from_secs(30))
+            .build(connector);
+        Self { routes, client }
+    }
+
+    /// Accept connections until `cancel` fires.
+    pub async fn serve(self, listener: TcpListener, cancel: CancellationToken) {
+        loop {
+            let (stream, peer) = tokio::select! {
+                _ = cancel.cancelled() => return,
+                accepted = listener.accept() => match accepted {
+                    Ok(a) => a,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "proxy accept failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                },
+            };
+            let _ = stream.set_nodelay(true);
+            let proxy = self.clone();
+            let cancel = cancel.clone();
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(move |req| {
+                    let proxy = proxy.clone();
+                    async move { Ok::<_, std::convert::Infallible>(proxy.handle(req).await) }
+                });
+                let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+                let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
+                tokio::select! {
+                    r = conn => if let Err(e) = r {
+                        tracing::debug!(%peer, error = %e, "proxy connection ended");
+                    },
+                    _ = cancel.cancelled() => {}
+                }
+            });
+        }
+    }
+
+    /// Answer one request: route it, resume if needed, forward it.
+    pub async fn handle(&self, req: Request<Incoming>) -> Response<ProxyBody> {
+        let host = req
+            .headers()
+            .get(header::HOST)
+            .and_then(|h| h.to_str().ok())
+            .map(str::to_string)
+            .or_else(|| req.uri().authority().map(|a| a.to_string()));
+        let target = match target::resolve(host.as_deref(), req.headers()) {
+            Ok(t) => t,
+            Err(e) => return error(StatusCode::BAD_REQUEST, &e.to_string(), None),
+        };
+        if target.port == ENVD_PORT && is_init_path(req.uri().path()) {
+            return error(
+                StatusCode::FORBIDDEN,
+                "envd's /init is not reachable through the proxy",
+                Some(&target),
+            );
+        }
+        let id = target.sandbox_id.as_str();
+        let Some(route) = self.routes.lookup(id).await else {
+            return not_found(&target);
+        };
+        if target.port != ENVD_PORT {
+            if let Some(token) = &route.traffic_access_token {
+                let sent = req
+                    .headers()
+                    .get(TRAFFIC_TOKEN_HEADER)
+                    .and_then(|v| v.to_str().ok());
+                if !sent.is_some_and(|s| constant_time_eq(s.as_bytes(), token.as_bytes())) {
+                    return error(
+                        StatusCode::FORBIDDEN,
+                        "the sandbox does not allow public traffic: send its traffic access token in e2b-traffic-access-token",
+                        Some(&target),
+                    );
+                }
+            }
+        }
+        let guest_ip = match route.guest_ip {
+            Some(ip) => ip,
+            None if !route.auto_resume => {
+                return error(
+                    StatusCode::BAD_GATEWAY,
+                    &format!("The sandbox {id} is paused; connect to it to resume it"),
+                    Some(&target),
+                )
+            }
+            None => match self.routes.resume_for_traffic(id).await {
+                Ok(ip) => ip,
+                Err(ResumeError::NotFound(_)) => return not_found(&target),
+                Err(ResumeError::Refused(m)) => {
+                    return error(StatusCode::BAD_GATEWAY, &m, Some(&target))
+                }
+                Err(ResumeError::Failed(m)) => {
+                    tracing::warn!(sandbox_id = id, error = %m, "auto-resume failed");
+                    return error(
+                        StatusCode::BAD_GATEWAY,
+                        &format!("The sandbox {id} could not be resumed: {m}"),
+                        Some(&target),
+                    );
+                }
+            },
+        };
+        let addr = SocketAddr::new(guest_ip, target.port);
+        if is_upgrade(&req) {
+            self.forward_upgrade(req, addr, &target).await
+        } else {
+            self.forward(req, addr, &target).await
+        }
+    }
+
+    async fn forward(
+        &self,
+        req: Request<Incoming>,
+        addr: SocketAddr,
+        target: &Target,
+    ) -> Response<ProxyBody> {
+        let (mut parts, body) = req.into_parts();
+        let Ok(uri) = upstream_uri(addr, &parts.uri) else {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "invalid request path",
+                Some(target),
+            );
+        };
+        parts.uri = uri;
+        // The pooled client speaks HTTP/1.1 to the guest whatever the client spoke to us.
+        parts.version = http::Version::HTTP_11;
+        keep_host(&mut parts.headers, target);
+        strip_hop_by_hop(&mut parts.headers);
+        match self.client.request(Request::from_parts(parts, body)).await {
+            Ok(resp) => {
+                let (mut parts, body) = resp.into_parts();
+                strip_hop_by_hop(&mut parts.headers);
+                Response::from_parts(parts, body.boxed())
+            }
+            Err(e) if e.is_connect() => port_not_open(target),
+            Err(e) => {
+                tracing::debug!(sandbox_id = %target.sandbox_id, error = %e, "upstream request failed");
+                error(
+                    StatusCode::BAD_GATEWAY,
+                    &format!("The sandbox {} did not answer: {e}", target.sandbox_id),
+                    Some(target),
+                )
+            }
+        }
+    }
+
+    /// WebSocket and other `Connection: upgrade` requests: one fresh HTTP/1.1 connection to
+    /// the guest, then bytes copied both ways once both sides have switched protocols.
+    async fn forward_upgrade(
+        &self,
+        mut req: Request<Incoming>,
+        addr: SocketAddr,
+        target: &Target,
+    ) -> Response<ProxyBody> {
+        let stream = match tokio::time::timeout(
+            Duration::from_secs(10),
+            tokio::net::TcpStream::connect(addr),
+        )
+        .await
+        {
+            Ok(Ok(s)) => s,
+            _ => return port_not_open(target),
+        };
+        let (mut sender, conn) =
+            match hyper::client::conn::http1::handshake(TokioIo::new(stream)).await {
+                Ok(x) => x,
+                Err(_) => return port_not_open(target),
+            };
+        tokio::spawn(async move {
+            let _ = conn.with_upgrades().await;
+        });
+        let client_upgrade = hyper::upgrade::on(&mut req);
+        let (mut parts, body) = req.into_parts();
+        parts.uri = match parts.uri.path_and_query() {
+            Some(pq) => match pq.as_str().parse() {
+                Ok(u) => u,
+                Err(_) => {
+                    return error(
+                        StatusCode::BAD_REQUEST,
+                        "invalid request path",
+                        Some(target),
+                    )
+                }
+            },
+            None => http::Uri::from_static("/"),
+        };
+        parts.version = http::Version::HTTP_11;
+        keep_host(&mut parts.headers, target);
+        let mut resp = match sender.send_request(Request::from_parts(parts, body)).await {
+            Ok(r) => r,
+            Err(e) => {
+                return error(
+                    StatusCode::BAD_GATEWAY,
+                    &format!("The sandbox {} did not answer: {e}", target.sandbox_id),
+                    Some(target),
+                )
+            }
+        };
+        if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
+            let upstream_upgrade = hyper::upgrade::on(&mut resp);
+            tokio::spawn(async move {
+                let (Ok(client), Ok(upstream)) = (client_upgrade.await, upstream_upgrade.await)
+                else {
+                    return;
+                };
+                let mut client = TokioIo::new(client);
+                let mut upstream = TokioIo::new(upstream);
+                let _ = tokio::io::copy_bidirectional(&mut client, &mut upstream).await;
+            });
+        }
+        let (parts, body) = resp.into_parts();
+        Response::from_parts(parts, body.boxed())
+    }
+}
+
+fn upstream_uri(addr: SocketAddr, uri: &http::Uri) -> Result<http::Uri, http::Error> {
+    let pq = uri.path_and_query().map(|p| p.as_str()).unwrap_or("/");
+    http::Uri::builder()
+        .scheme("http")
+        .authority(addr.to_string())
+        .path_and_query(pq)
+        .build()
+}
+
+/// HTTP/2 requests carry no Host; services in the guest still expect one.
+fn keep_host(headers: &mut http::HeaderMap, target: &Target) {
+    if !headers.contains_key(header::HOST) {
+        if let Ok(v) = HeaderValue::from_str(&format!("{}-{}", target.port, target.sandbox_id)) {
+            headers.insert(header::HOST, v);
+        }
+    }
+}
+
+fn strip_hop_by_hop(headers: &mut http::HeaderMap) {
+    // Headers named by Connection are hop-by-hop too.
+    let named: Vec<String> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(|s| s.trim().to_ascii_lowercase())
+        .filter(|s| !s.is_empty())
+        .collect();
+    for name in named {
+        headers.remove(name.as_str());
+    }
+    for name in [
+        header::CONNECTION,
+        header::PROXY_AUTHENTICATE,
+        header::PROXY_AUTHORIZATION,
+        header::TE,
+        header::TRAILER,
+        header::TRANSFER_ENCODING,
+        header::UPGRADE,
+    ] {
+        headers.remove(name);
+    }
+    headers.remove("keep-alive");
+    headers.remove("proxy-connection");
+}
+
+fn is_upgrade<B>(req: &Request<B>) -> bool {
+    req.method() != Method::CONNECT
+        && req.headers().contains_key(header::UPGRADE)
+        && req
+            .headers()
+            .get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .any(|v| {
+                v.split(',')
+                    .any(|t| t.trim().eq_ignore_ascii_case("upgrade"))
+            })
+}
+
+/// `/init`, `//init/`, `/%69nit`: however it is spelled, it must not reach envd.
+fn is_init_path(path: &str) -> bool {
+    let decoded = percent_decode(path);
+    let trimmed = decoded.trim_matches('/');
+    let first = trimmed.split('/').next().unwrap_or("");
+    first.eq_ignore_ascii_case("init")
+}
+
+fn percent_decode(s: &str) -> String {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' && i + 2 < bytes.len() {
+            if let (Some(h), Some(l)) = (hex(bytes[i + 1]), hex(bytes[i + 2])) {
+                out.push(h << 4 | l);
+                i += 3;
+                continue;
+            }
+        }
+        out.push(bytes[i]);
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+fn hex(b: u8) -> Option<u8> {
+    (b as char).to_digit(16).map(|d| d as u8)
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+fn not_found(target: &Target) -> Response<ProxyBody> {
+    error(
+        StatusCode::BAD_GATEWAY,
+        &format!("The sandbox {} was not found", target.sandbox_id),
+        Some(target),
+    )
+}
+
+fn port_not_open(target: &Target) -> Response<ProxyBody> {
+    error(
+        StatusCode::BAD_GATEWAY,
+        &format!(
+            "The sandbox {} is running but port is not open: nothing listens on port {}",
+            target.sandbox_id, target.port
+        ),
+        Some(target),
+    )
+}
+
+fn error(status: StatusCode, message: &str, target: Option<&Target>) -> Response<ProxyBody> {
+    let mut body = serde_json::json!({ "code": status.as_u16(), "message": message });
+    if let Some(t) = target {
+        body["sandboxId"] = t.sandbox_id.clone().into();
+        body["port"] = t.port.into();
+    }
+    let mut resp = Response::new(
+        Full::new(Bytes::from(body.to_string()))
+            .map_err(|never| match never {})
+            .boxed(),
+    );
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    resp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn init_is_blocked_however_spelled() {
+        for p in ["/init", "//init", "/init/", "/INIT", "/%69nit", "/init?x=1"] {
+            let path = p.split('?').next().unwrap_or(p);
+            assert!(is_init_path(path), "{p}");
+        }
+        for p in ["/", "/health", "/files", "/initx", "/process.Process/Start"] {
+            assert!(!is_init_path(p), "{p}");
+        }
+    }
+
+    #[test]
+    fn percent_decode_tolerates_garbage() {
+        assert_eq!(percent_decode("/a%2"), "/a%2");
+        assert_eq!(percent_decode("%"), "%");
+        assert_eq!(percent_decode("%zz"), "%zz");
+        assert_eq!(percent_decode("%41"), "A");
+    }
+}

@@ -1,0 +1,244 @@
+//! Operator routes under `/admin`, authenticated by `X-Admin-Token` (the token `vmon up` keeps
+//! in its data dir), behind the `vmon team|key|sandbox` verbs; and the first-start bootstrap.
+
+use axum::extract::{FromRequestParts, Path, RawQuery, State};
+use axum::http::request::Parts;
+use axum::http::StatusCode;
+use axum::routing::{delete, get, post};
+use axum::{Json, Router};
+use serde::{Deserialize, Serialize};
+
+use crate::control::KillReason;
+use crate::error::{ApiError, ApiResult};
+use crate::http::AppState;
+use crate::ids;
+use crate::records::{ApiKeyInfo, Records, Team, TeamLimits};
+
+pub(crate) fn routes() -> Router<AppState> {
+    Router::new()
+        .route("/admin/teams", post(create_team).get(list_teams))
+        .route("/admin/teams/:id/keys", post(create_key))
+        .route("/admin/keys", get(list_keys))
+        .route("/admin/keys/:id", delete(revoke_key))
+        .route("/admin/sandboxes", get(list_sandboxes))
+        .route("/admin/sandboxes/:id", delete(kill_sandbox))
+}
+
+struct Admin;
+
+#[axum::async_trait]
+impl FromRequestParts<AppState> for Admin {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> ApiResult<Self> {
+        let Some(expected) = &state.admin_token else {
+            return Err(ApiError::not_found("no such endpoint"));
+        };
+        let sent = parts
+            .headers
+            .get("x-admin-token")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("");
+        if ids::hash_key(sent) == ids::hash_key(expected) {
+            Ok(Admin)
+        } else {
+            Err(ApiError::unauthorized("invalid admin token"))
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+pub struct NewTeam {
+    pub name: String,
+    pub slug: Option<String>,
+    pub limits: Option<TeamLimits>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub struct TeamWithKey {
+    pub team: Team,
+    #[serde(rename = "apiKey")]
+    pub api_key: String,
+    pub key: ApiKeyInfo,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub struct AdminSandbox {
+    #[serde(rename = "sandboxID")]
+    pub sandbox_id: String,
+    #[serde(rename = "teamID")]
+    pub team_id: String,
+    #[serde(rename = "templateID")]
+    pub template_id: String,
+    pub state: String,
+    #[serde(rename = "startedAt")]
+    pub started_at: String,
+    #[serde(rename = "endAt")]
+    pub end_at: String,
+}
+
+/// Slugs are the namespace of snapshot names: `[a-z0-9-]`.
+fn slugify(name: &str) -> String {
+    let s: String = name
+        .to_ascii_lowercase()
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+        .collect();
+    let s = s.trim_matches('-').to_string();
+    if s.is_empty() {
+        ids::random_lower(8)
+    } else {
+        s
+    }
+}
+
+/// Creates a team and its first API key; the key's plaintext exists only in the result.
+pub async fn create_team_with_key(
+    records: &dyn Records,
+    name: &str,
+    slug: Option<&str>,
+    limits: TeamLimits,
+) -> anyhow::Result<TeamWithKey> {
+    let team = Team {
+        id: uuid::Uuid::new_v4().to_string(),
+        name: name.to_string(),
+        slug: slug.map(str::to_string).unwrap_or_else(|| slugify(name)),
+        limits,
+    };
+    records.put_team(team.clone()).await?;
+    let api_key = ids::api_key();
+    let key = records
+        .add_key(&team.id, &ids::hash_key(&api_key), &ids::mask_key(&api_key))
+        .await?;
+    Ok(TeamWithKey { team, api_key, key })
+}
+
+async fn create_team(
+    State(s): State<AppState>,
+    _: Admin,
+    Json(req): Json<NewTeam>,
+) -> ApiResult<(StatusCode, Json<TeamWithKey>)> {
+    if req.name.trim().is_empty() {
+        return Err(ApiError::bad_request("name must not be empty"));
+    }
+    let records = s.control.records();
+    let slug = req.slug.as_deref().map(slugify);
+    if let Some(slug) = &slug {
+        let taken = records
+            .teams()
+            .await
+            .map_err(|e| ApiError::internal(e.to_string()))?
+            .iter()
+            .any(|t| t.slug == *slug);
+        if taken {
+            return Err(ApiError::conflict(format!("the slug {slug:?} is taken")));
+        }
+    }
+    let limits = req
+        .limits
+        .unwrap_or_else(|| s.control.config().default_limits.clone());
+    let created = create_team_with_key(records.as_ref(), req.name.trim(), slug.as_deref(), limits)
+        .await
+        .map_err(|e| ApiError::internal(e.to_string()))?;
+    Ok((StatusCode::CREATED, Json(created)))
+}
+
+async fn list_teams(State(s): State<AppState>, _: Admin) -> ApiResult<Json<Vec<Team>>> {
+    s.control
+        .records()
+        .teams()
+        .await
+        .map(Json)
+        .map_err(|e| ApiError::internal(e.to_string()))
+}
+
+async fn create_key(
+    State(s): State<AppState>,
+    _: Admin,
+    Path(team_id): Path<String>,
+) -> ApiResult<(StatusCode, Json<TeamWithKey>)> {
+    let records = s.control.records();
+    let team = records
+        .team(&team_id)
+        .await
+        .map_err(|e| ApiError::internal(e.to_string()))?
+        .ok_or_else(|| ApiError::not_found(format!("team {team_id} not found")))?;
+    let api_key = ids::api_key();
+    let key = records
+        .add_key(&team.id, &ids::hash_key(&api_key), &ids::mask_key(&api_key))
+        .await
+        .map_err(|e| ApiError::internal(e.to_string()))?;
+    Ok((
+        StatusCode::CREATED,
+        Json(TeamWithKey { team, api_key, key }),
+    ))
+}
+
+async fn list_keys(
+    State(s): State<AppState>,
+    _: Admin,
+    RawQuery(raw): RawQuery,
+) -> ApiResult<Json<Vec<ApiKeyInfo>>> {
+    let q: Vec<(String, String)> = serde_urlencoded::from_str(raw.as_deref().unwrap_or(""))
+        .map_err(|e| ApiError::bad_request(e.to_string()))?;
+    let team = q.iter().find(|(k, _)| k == "team").map(|(_, v)| v.as_str());
+    s.control
+        .records()
+        .keys(team)
+        .await
+        .map(Json)
+        .map_err(|e| ApiError::internal(e.to_string()))
+}
+
+async fn revoke_key(
+    State(s): State<AppState>,
+    _: Admin,
+    Path(id): Path<String>,
+) -> ApiResult<StatusCode> {
+    match s.control.records().revoke_key(&id).await {
+        Ok(true) => Ok(StatusCode::NO_CONTENT),
+        Ok(false) => Err(ApiError::not_found(format!("key {id} not found"))),
+        Err(e) => Err(ApiError::internal(e.to_string())),
+    }
+}
+
+async fn list_sandboxes(State(s): State<AppState>, _: Admin) -> ApiResult<Json<Vec<AdminSandbox>>> {
+    let mut recs = s.control.sandboxes(None).await?;
+    recs.sort_by_key(|r| r.started_at);
+    Ok(Json(
+        recs.into_iter()
+            .map(|r| AdminSandbox {
+                sandbox_id: r.id,
+                team_id: r.team_id,
+                template_id: r.template_id,
+                state: r.state.as_str().to_string(),
+                started_at: crate::control::rfc3339(r.started_at),
+                end_at: crate::control::rfc3339(r.end_at),
+            })
+            .collect(),
+    ))
+}
+
+async fn kill_sandbox(
+    State(s): State<AppState>,
+    _: Admin,
+    Path(id): Path<String>,
+) -> ApiResult<StatusCode> {
+    let control = s.control.clone();
+    let rec = control
+        .records()
+        .sandbox(&id)
+        .await
+        .map_err(|e| ApiError::internal(e.to_string()))?
+        .ok_or_else(|| ApiError::sandbox_not_found(&id))?;
+    let team = control
+        .records()
+        .team(&rec.team_id)
+        .await
+        .map_err(|e| ApiError::internal(e.to_string()))?
+        .ok_or_else(|| ApiError::sandbox_not_found(&id))?;
+    tokio::spawn(async move { control.kill(&team, &id, KillReason::Admin).await })
+        .await
+        .map_err(|e| ApiError::internal(e.to_string()))??;
+    Ok(StatusCode::NO_CONTENT)
+}

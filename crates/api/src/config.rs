@@ -1,0 +1,177 @@
+//! The one `Config` of the control plane (`vmon up`, `vmon api`, `vmon proxy`): read from a
+//! TOML file, then overridden by `VMON_*` environment variables. Defaults work on one machine.
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::records::TeamLimits;
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    /// REST API listen address (`VMON_API_LISTEN`).
+    pub api_listen: SocketAddr,
+    /// Sandbox traffic proxy listen address (`VMON_PROXY_LISTEN`).
+    pub proxy_listen: SocketAddr,
+    /// URL printed as `E2B_API_URL` (`VMON_API_URL`); default `http://<api_listen>`.
+    pub api_url: Option<String>,
+    /// URL printed as `E2B_SANDBOX_URL` (`VMON_SANDBOX_URL`); default `http://<proxy_listen>`.
+    pub sandbox_url: Option<String>,
+    /// Domain returned to the SDK for `{port}-{id}.{domain}` hosts (`VMON_DOMAIN`).
+    pub domain: Option<String>,
+    /// The name this api reports as `clientID` and campaigns with (`VMON_CLIENT_ID`).
+    pub client_id: String,
+    /// How long a request waits for another transition of the same sandbox, in seconds.
+    pub lock_wait_secs: u64,
+    /// Limits of teams created without explicit ones.
+    pub default_limits: TeamLimits,
+    /// The `base` template `vmon up` builds when it is missing.
+    pub base_template: BaseTemplate,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(default, deny_unknown_fields)]
+pub struct BaseTemplate {
+    pub vcpus: u32,
+    pub memory_mb: u32,
+    pub disk_mb: u32,
+}
+
+impl Default for BaseTemplate {
+    fn default() -> Self {
+        Self {
+            vcpus: 2,
+            memory_mb: 512,
+            disk_mb: 4096,
+        }
+    }
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            api_listen: SocketAddr::from(([127, 0, 0, 1], 3000)),
+            proxy_listen: SocketAddr::from(([127, 0, 0, 1], 3001)),
+            api_url: None,
+            sandbox_url: None,
+            domain: None,
+            client_id: "vmon".to_string(),
+            lock_wait_secs: 120,
+            default_limits: TeamLimits::default(),
+            base_template: BaseTemplate::default(),
+        }
+    }
+}
+
+impl Config {
+    /// Reads `file` (when given, or `<data_dir>/config.toml` when that exists), then applies
+    /// the `VMON_*` variables.
+    pub fn load(file: Option<&Path>, data_dir: &Path) -> anyhow::Result<Config> {
+        let default_file = data_dir.join("config.toml");
+        let path = match file {
+            Some(p) => Some(p.to_path_buf()),
+            None if default_file.exists() => Some(default_file),
+            None => None,
+        };
+        let mut config = match path {
+            Some(p) => {
+                let text = std::fs::read_to_string(&p)
+                    .map_err(|e| anyhow::anyhow!("reading {}: {e}", p.display()))?;
+                toml::from_str(&text).map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))?
+            }
+            None => Config::default(),
+        };
+        config.apply_env(|k| std::env::var(k).ok())?;
+        Ok(config)
+    }
+
+    fn apply_env(&mut self, var: impl Fn(&str) -> Option<String>) -> anyhow::Result<()> {
+        fn parse<T: std::str::FromStr>(name: &str, v: String) -> anyhow::Result<T>
+        where
+            T::Err: std::fmt::Display,
+        {
+            v.trim()
+                .parse()
+                .map_err(|e| anyhow::anyhow!("{name}={v:?}: {e}"))
+        }
+        if let Some(v) = var("VMON_API_LISTEN") {
+            self.api_listen = parse("VMON_API_LISTEN", v)?;
+        }
+        if let Some(v) = var("VMON_PROXY_LISTEN") {
+            self.proxy_listen = parse("VMON_PROXY_LISTEN", v)?;
+        }
+        if let Some(v) = var("VMON_API_URL") {
+            self.api_url = Some(v);
+        }
+        if let Some(v) = var("VMON_SANDBOX_URL") {
+            self.sandbox_url = Some(v);
+        }
+        if let Some(v) = var("VMON_DOMAIN") {
+            self.domain = (!v.is_empty()).then_some(v);
+        }
+        if let Some(v) = var("VMON_CLIENT_ID") {
+            self.client_id = v;
+        }
+        if let Some(v) = var("VMON_LOCK_WAIT_SECS") {
+            self.lock_wait_secs = parse("VMON_LOCK_WAIT_SECS", v)?;
+        }
+        if let Some(v) = var("VMON_MAX_CONCURRENT") {
+            self.default_limits.max_concurrent = parse("VMON_MAX_CONCURRENT", v)?;
+        }
+        if let Some(v) = var("VMON_MAX_LIFETIME_SECS") {
+            self.default_limits.max_lifetime_secs = parse("VMON_MAX_LIFETIME_SECS", v)?;
+        }
+        if let Some(v) = var("VMON_BASE_VCPUS") {
+            self.base_template.vcpus = parse("VMON_BASE_VCPUS", v)?;
+        }
+        if let Some(v) = var("VMON_BASE_MEMORY_MB") {
+            self.base_template.memory_mb = parse("VMON_BASE_MEMORY_MB", v)?;
+        }
+        if let Some(v) = var("VMON_BASE_DISK_MB") {
+            self.base_template.disk_mb = parse("VMON_BASE_DISK_MB", v)?;
+        }
+        Ok(())
+    }
+
+    pub fn lock_wait(&self) -> Duration {
+        Duration::from_secs(self.lock_wait_secs)
+    }
+
+    pub fn api_url(&self) -> String {
+        self.api_url
+            .clone()
+            .unwrap_or_else(|| format!("http://{}", self.api_listen))
+    }
+
+    pub fn sandbox_url(&self) -> String {
+        self.sandbox_url
+            .clone()
+            .unwrap_or_else(|| format!("http://{}", self.proxy_listen))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn toml_then_env() {
+        let mut c: Config = toml::from_str(
+            "api_listen = \"127.0.0.1:4000\"\n[default_limits]\nmax_concurrent = 3\n",
+        )
+        .expect("toml");
+        assert_eq!(c.api_listen.port(), 4000);
+        assert_eq!(c.default_limits.max_concurrent, 3);
+        assert_eq!(c.default_limits.max_vcpus, TeamLimits::default().max_vcpus);
+        c.apply_env(|k| (k == "VMON_MAX_CONCURRENT").then(|| "7".to_string()))
+            .expect("env");
+        assert_eq!(c.default_limits.max_concurrent, 7);
+        assert!(c
+            .apply_env(|k| (k == "VMON_API_LISTEN").then(|| "nope".to_string()))
+            .is_err());
+        assert_eq!(c.api_url(), "http://127.0.0.1:4000");
+    }
+}

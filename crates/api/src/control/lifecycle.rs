@@ -1,0 +1,663 @@
+//! Create, kill, pause, resume/connect, timeouts.
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use time::OffsetDateTime;
+use vmon_kv::IdempotencyOutcome;
+use vmon_proto::node::{BuildInfo, StartSpec};
+
+use super::{admission_key, event, kv_error, network_policy, record_error, timeout_secs, Control};
+use crate::error::{ApiError, ApiResult};
+use crate::ids;
+use crate::records::{Change, EventKind, SandboxRecord, SandboxState, Team};
+use crate::wire::{self, NewSandbox};
+
+const IDEMPOTENCY_TTL: Duration = Duration::from_secs(24 * 3600);
+
+/// Why a sandbox was killed (`kill_reason` of its killed event).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KillReason {
+    Request,
+    Timeout,
+    Admin,
+    Orphaned,
+}
+
+impl KillReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            KillReason::Request => "request",
+            KillReason::Timeout => "timeout",
+            KillReason::Admin => "admin",
+            KillReason::Orphaned => "orphaned",
+        }
+    }
+    pub(crate) fn data(self) -> serde_json::Value {
+        serde_json::json!({ "kill_reason": self.as_str() })
+    }
+}
+
+/// A create as the handler hands it over.
+pub struct CreateParams {
+    pub request: NewSandbox,
+    /// `POST /sandboxes` (timeout default 15 s) rather than `/v2/sandboxes` (300 s).
+    pub legacy: bool,
+    pub idempotency_key: Option<String>,
+}
+
+/// How a running sandbox comes to be.
+struct Launch<'a> {
+    team: &'a Team,
+    template_id: String,
+    alias: Option<String>,
+    build: BuildInfo,
+    owned_build: Option<String>,
+    timeout: u64,
+    /// Everything a fork child inherits; for a create, taken from the request.
+    base: Inherited,
+}
+
+#[derive(Clone)]
+pub(crate) struct Inherited {
+    pub metadata: wire::StringMap,
+    pub env_vars: wire::StringMap,
+    pub auto_pause: bool,
+    pub auto_pause_memory: bool,
+    pub auto_resume: bool,
+    pub allow_internet_access: Option<bool>,
+    pub network: wire::NetworkConfig,
+    pub public_traffic: bool,
+    pub volume_mounts: Vec<wire::VolumeMount>,
+}
+
+impl Inherited {
+    pub(crate) fn of(rec: &SandboxRecord) -> Inherited {
+        Inherited {
+            metadata: rec.metadata.clone(),
+            env_vars: rec.env_vars.clone(),
+            auto_pause: rec.auto_pause,
+            auto_pause_memory: rec.auto_pause_memory,
+            auto_resume: rec.auto_resume,
+            allow_internet_access: rec.allow_internet_access,
+            network: rec.network.clone(),
+            public_traffic: rec.traffic_access_token.is_none(),
+            volume_mounts: rec.volume_mounts.clone(),
+        }
+    }
+}
+
+pub(crate) fn validate_idempotency_key(key: &str) -> ApiResult<()> {
+    // The seed allows [a-z0-9]; the SDK also sends hyphens, so they are accepted too.
+    let ok = (1..=255).contains(&key.len())
+        && key
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
+    if ok {
+        Ok(())
+    } else {
+        Err(ApiError::bad_request(
+            "Idempotency-Key must be 1-255 characters of [a-z0-9-]",
+        ))
+    }
+}
+
+impl Control {
+    pub async fn create(
+        self: &Arc<Self>,
+        team: &Team,
+        params: CreateParams,
+    ) -> ApiResult<wire::Sandbox> {
+        let req = params.request;
+        let timeout = match req.timeout {
+            Some(t) => timeout_secs(t, "timeout")?,
+            None if params.legacy => 15,
+            None => 300,
+        };
+        if timeout > team.limits.max_lifetime_secs {
+            return Err(ApiError::bad_request(format!(
+                "timeout cannot be greater than {} seconds (the team's maximum lifetime)",
+                team.limits.max_lifetime_secs
+            )));
+        }
+        if let Some(key) = &params.idempotency_key {
+            validate_idempotency_key(key)?;
+        }
+        if req.volume_mounts.as_ref().is_some_and(|v| !v.is_empty()) {
+            return Err(ApiError::bad_request("volume mounts are not supported"));
+        }
+        let auto_pause = req.auto_pause.unwrap_or(false);
+        let auto_resume = req.auto_resume.as_ref().is_some_and(|a| a.enabled);
+        let auto_pause_memory = req.auto_pause_memory.unwrap_or(true);
+        if auto_resume && !auto_pause {
+            return Err(ApiError::bad_request("autoResume requires autoPause"));
+        }
+        let (template, tag, build) = self.resolve_template(team, &req.template_id).await?;
+        check_limits(team, &build)?;
+        let network = req.network.clone().unwrap_or_default();
+        let launch = Launch {
+            team,
+            template_id: template.id.clone(),
+            alias: template_alias(&template, &tag),
+            build,
+            owned_build: None,
+            timeout,
+            base: Inherited {
+                metadata: req.metadata,
+                env_vars: req.env_vars,
+                auto_pause,
+                auto_pause_memory,
+                auto_resume,
+                allow_internet_access: req.allow_internet_access,
+                public_traffic: network.allow_public_traffic.unwrap_or(true),
+                network,
+                volume_mounts: Vec::new(),
+            },
+        };
+        match params.idempotency_key {
+            None => self.launch(launch, None).await,
+            Some(key) => self.create_idempotent(team, launch, &key).await,
+        }
+    }
+
+    /// Same key → same sandbox for 24 h. The sandbox id is chosen and locked before the key is
+    /// claimed, so a repeat of a create in flight waits on that lock and then reads its outcome.
+    async fn create_idempotent(
+        self: &Arc<Self>,
+        team: &Team,
+        launch: Launch<'_>,
+        key: &str,
+    ) -> ApiResult<wire::Sandbox> {
+        let kv_key = format!("create/{}/{key}", team.id);
+        for _ in 0..5 {
+            let id = ids::sandbox_id();
+            let guard = self.lock(&id).await?;
+            let expires = SystemTime::now() + IDEMPOTENCY_TTL;
+            match self
+                .kv
+                .idempotency_put_if_absent(&kv_key, id.as_bytes(), expires)
+                .await
+                .map_err(kv_error)?
+            {
+                IdempotencyOutcome::Inserted => {
+                    let result = self.launch_locked(&id, &launch).await;
+                    if result.is_err() {
+                        if let Err(e) = self.kv.idempotency_delete(&kv_key).await {
+                            tracing::warn!(error = %e, "freeing the idempotency key of a failed create failed");
+                        }
+                    }
+                    let _ = guard.unlock().await;
+                    return result;
+                }
+                IdempotencyOutcome::Exists(record) => {
+                    let _ = guard.unlock().await;
+                    let existing = String::from_utf8_lossy(&record.value).into_owned();
+                    // Wait for the create that owns the key, then read what it made.
+                    let guard = self.lock(&existing).await?;
+                    let rec = self
+                        .records
+                        .sandbox(&existing)
+                        .await
+                        .map_err(record_error)?;
+                    let _ = guard.unlock().await;
+                    match rec {
+                        Some(rec) if rec.team_id == team.id => return Ok(self.sandbox_view(&rec)),
+                        // Killed since, or the create failed: the key may be gone or stale.
+                        _ => {
+                            let still = self.kv.idempotency_get(&kv_key).await.map_err(kv_error)?;
+                            if still.is_some_and(|r| r.value == existing.as_bytes()) {
+                                return Err(ApiError::conflict(format!(
+                                    "the sandbox created with this Idempotency-Key ({existing}) no longer exists"
+                                )));
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        Err(ApiError::conflict(
+            "the Idempotency-Key is contended; try again",
+        ))
+    }
+
+    async fn launch(
+        self: &Arc<Self>,
+        launch: Launch<'_>,
+        id: Option<String>,
+    ) -> ApiResult<wire::Sandbox> {
+        let id = id.unwrap_or_else(ids::sandbox_id);
+        let guard = self.lock(&id).await?;
+        let result = self.launch_locked(&id, &launch).await;
+        let _ = guard.unlock().await;
+        result
+    }
+
+    /// Admission, node start, record. Nothing is left behind on failure.
+    async fn launch_locked(&self, id: &str, launch: &Launch<'_>) -> ApiResult<wire::Sandbox> {
+        let team = launch.team;
+        let counter = admission_key(&team.id);
+        if !self
+            .kv
+            .acquire(&counter, u64::from(team.limits.max_concurrent))
+            .await
+            .map_err(kv_error)?
+        {
+            return Err(concurrency_error(team));
+        }
+        let execution_id = ids::execution_id();
+        let envd_access_token = ids::token();
+        let base = &launch.base;
+        let mut rec = SandboxRecord {
+            id: id.to_string(),
+            team_id: team.id.clone(),
+            template_id: launch.template_id.clone(),
+            alias: launch.alias.clone(),
+            execution_id: execution_id.clone(),
+            state: SandboxState::Running,
+            started_at: OffsetDateTime::now_utc(),
+            end_at: OffsetDateTime::now_utc(),
+            build: launch.build.clone(),
+            guest_ip: None,
+            envd_version: launch.build.envd_version.clone(),
+            vcpus: launch.build.vcpus,
+            memory_mb: launch.build.memory_mb,
+            disk_mb: launch.build.disk_mb,
+            metadata: base.metadata.clone(),
+            env_vars: base.env_vars.clone(),
+            timeout_secs: launch.timeout,
+            auto_pause: base.auto_pause,
+            auto_pause_memory: base.auto_pause_memory,
+            auto_resume: base.auto_resume,
+            allow_internet_access: base.allow_internet_access,
+            network: base.network.clone(),
+            envd_access_token: envd_access_token.clone(),
+            traffic_access_token: (!base.public_traffic).then(ids::token),
+            volume_mounts: base.volume_mounts.clone(),
+            owned_build: launch.owned_build.clone(),
+        };
+        let span = tracing::info_span!("create", sandbox_id = id, execution_id = %execution_id);
+        let _enter = span.enter();
+        let spec = StartSpec {
+            sandbox_id: id.to_string(),
+            execution_id: execution_id.clone(),
+            build_id: launch.build.build_id.clone(),
+            cold_boot: !launch.build.has_memory,
+            env_vars: base.env_vars.clone(),
+            envd_access_token: Some(envd_access_token),
+            network: network_policy(&rec),
+        };
+        drop(_enter);
+        let running = match self.node.start(spec).await {
+            Ok(r) => r,
+            Err(e) => {
+                self.release(&counter).await;
+                tracing::warn!(sandbox_id = id, error = %e, "start failed");
+                return Err(e.into());
+            }
+        };
+        let now = OffsetDateTime::now_utc();
+        rec.started_at = now;
+        rec.end_at = now + Duration::from_secs(launch.timeout);
+        rec.guest_ip = Some(running.guest_ip);
+        rec.envd_version = running.envd_version.clone();
+        rec.vcpus = running.vcpus;
+        rec.memory_mb = running.memory_mb;
+        rec.disk_mb = running.disk_mb;
+        let created = event(
+            &rec,
+            EventKind::Created,
+            serde_json::json!({ "sandbox_metadata": rec.metadata }),
+        );
+        if let Err(e) = self
+            .commit(Change::Put(Box::new(rec.clone())), created)
+            .await
+        {
+            let _ = self.node.kill(id, &execution_id).await;
+            self.release(&counter).await;
+            return Err(e);
+        }
+        tracing::info!(sandbox_id = id, execution_id = %execution_id, template_id = %rec.template_id, "sandbox created");
+        Ok(self.sandbox_view(&rec))
+    }
+
+    pub(crate) async fn release(&self, counter: &str) {
+        if let Err(e) = self.kv.release(counter).await {
+            tracing::warn!(counter, error = %e, "releasing an admission unit failed");
+        }
+    }
+
+    pub async fn kill(&self, team: &Team, id: &str, reason: KillReason) -> ApiResult<()> {
+        self.owned(team, id).await?;
+        let guard = self.lock(id).await?;
+        let result = match self.records.sandbox(id).await.map_err(record_error)? {
+            Some(rec) if rec.team_id == team.id => self.kill_locked(rec, reason).await,
+            _ => Err(ApiError::sandbox_not_found(id)),
+        };
+        let _ = guard.unlock().await;
+        result
+    }
+
+    pub(crate) async fn kill_locked(
+        &self,
+        rec: SandboxRecord,
+        reason: KillReason,
+    ) -> ApiResult<()> {
+        let span =
+            tracing::info_span!("kill", sandbox_id = %rec.id, execution_id = %rec.execution_id);
+        let _enter = span.enter();
+        drop(_enter);
+        if rec.state == SandboxState::Running {
+            match self.node.kill(&rec.id, &rec.execution_id).await {
+                Ok(()) | Err(vmon_proto::node::NodeError::NotFound(_)) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        let killed = event(&rec, EventKind::Killed, reason.data());
+        self.commit(
+            Change::Delete {
+                team_id: rec.team_id.clone(),
+                sandbox_id: rec.id.clone(),
+            },
+            killed,
+        )
+        .await?;
+        if rec.state == SandboxState::Running {
+            self.release(&admission_key(&rec.team_id)).await;
+        }
+        if let Some(b) = &rec.owned_build {
+            self.drop_build(b).await;
+        }
+        if rec.state == SandboxState::Paused
+            && rec.owned_build.as_ref() != Some(&rec.build.build_id)
+        {
+            self.drop_build(&rec.build.build_id).await;
+        }
+        tracing::info!(sandbox_id = %rec.id, reason = reason.as_str(), "sandbox killed");
+        Ok(())
+    }
+
+    pub async fn pause(&self, team: &Team, id: &str, memory: bool) -> ApiResult<()> {
+        self.owned(team, id).await?;
+        let guard = self.lock(id).await?;
+        let result = async {
+            let rec = self.owned(team, id).await?;
+            if rec.state == SandboxState::Paused {
+                return Err(ApiError::conflict(format!(
+                    "sandbox {id} is already paused"
+                )));
+            }
+            self.pause_locked(rec, memory).await
+        }
+        .await;
+        let _ = guard.unlock().await;
+        result
+    }
+
+    pub(crate) async fn pause_locked(&self, mut rec: SandboxRecord, memory: bool) -> ApiResult<()> {
+        let build = self.node.pause(&rec.id, &rec.execution_id, memory).await?;
+        let superseded = rec.owned_build.take();
+        rec.state = SandboxState::Paused;
+        rec.guest_ip = None;
+        rec.build = build.clone();
+        rec.owned_build = Some(build.build_id.clone());
+        let paused = event(
+            &rec,
+            EventKind::Paused,
+            serde_json::json!({ "memory": build.has_memory }),
+        );
+        self.commit(Change::Put(Box::new(rec.clone())), paused)
+            .await?;
+        self.release(&admission_key(&rec.team_id)).await;
+        if let Some(old) = superseded {
+            self.drop_build(&old).await;
+        }
+        tracing::info!(sandbox_id = %rec.id, build_id = %build.build_id, memory = build.has_memory, "sandbox paused");
+        Ok(())
+    }
+
+    /// Connect: a running sandbox keeps running (200, end time extended, never shortened); a
+    /// paused one resumes (201). Returns whether it resumed.
+    pub async fn connect(
+        &self,
+        team: &Team,
+        id: &str,
+        timeout: u64,
+        memory: Option<bool>,
+    ) -> ApiResult<(wire::Sandbox, bool)> {
+        self.owned(team, id).await?;
+        let guard = self.lock(id).await?;
+        let result = async {
+            let mut rec = self.owned(team, id).await?;
+            match rec.state {
+                SandboxState::Running => {
+                    let now = OffsetDateTime::now_utc();
+                    let wanted = (now + Duration::from_secs(timeout))
+                        .min(Self::lifetime_cap(team, rec.started_at));
+                    if wanted > rec.end_at {
+                        rec.end_at = wanted;
+                        let updated = event(
+                            &rec,
+                            EventKind::Updated,
+                            serde_json::json!({ "set_timeout": super::rfc3339(wanted) }),
+                        );
+                        self.commit(Change::Put(Box::new(rec.clone())), updated)
+                            .await?;
+                    }
+                    Ok((self.sandbox_view(&rec), false))
+                }
+                SandboxState::Paused => {
+                    let cold = memory == Some(false);
+                    let rec = self.resume_locked(team, rec, timeout, cold).await?;
+                    Ok((self.sandbox_view(&rec), true))
+                }
+            }
+        }
+        .await;
+        let _ = guard.unlock().await;
+        result
+    }
+
+    /// Deprecated `POST /sandboxes/{id}/resume`: 409 when running.
+    pub async fn resume(
+        &self,
+        team: &Team,
+        id: &str,
+        timeout: u64,
+        memory: Option<bool>,
+        auto_pause: Option<bool>,
+    ) -> ApiResult<wire::Sandbox> {
+        self.owned(team, id).await?;
+        let guard = self.lock(id).await?;
+        let result = async {
+            let mut rec = self.owned(team, id).await?;
+            if rec.state == SandboxState::Running {
+                return Err(ApiError::conflict(format!(
+                    "sandbox {id} is already running"
+                )));
+            }
+            if let Some(p) = auto_pause {
+                rec.auto_pause = p;
+            }
+            let rec = self
+                .resume_locked(team, rec, timeout, memory == Some(false))
+                .await?;
+            Ok(self.sandbox_view(&rec))
+        }
+        .await;
+        let _ = guard.unlock().await;
+        result
+    }
+
+    /// Starts a new execution from the paused build. Counts against the team's limit.
+    pub(crate) async fn resume_locked(
+        &self,
+        team: &Team,
+        mut rec: SandboxRecord,
+        timeout: u64,
+        cold_boot: bool,
+    ) -> ApiResult<SandboxRecord> {
+        let counter = admission_key(&team.id);
+        if !self
+            .kv
+            .acquire(&counter, u64::from(team.limits.max_concurrent))
+            .await
+            .map_err(kv_error)?
+        {
+            return Err(concurrency_error(team));
+        }
+        let execution_id = ids::execution_id();
+        let cold_boot = cold_boot || !rec.build.has_memory;
+        let spec = StartSpec {
+            sandbox_id: rec.id.clone(),
+            execution_id: execution_id.clone(),
+            build_id: rec.build.build_id.clone(),
+            cold_boot,
+            env_vars: rec.env_vars.clone(),
+            envd_access_token: Some(rec.envd_access_token.clone()),
+            network: network_policy(&rec),
+        };
+        let running = match self.node.start(spec).await {
+            Ok(r) => r,
+            Err(e) => {
+                self.release(&counter).await;
+                tracing::warn!(sandbox_id = %rec.id, error = %e, "resume failed");
+                return Err(e.into());
+            }
+        };
+        let now = OffsetDateTime::now_utc();
+        let timeout = timeout.min(team.limits.max_lifetime_secs);
+        rec.execution_id = execution_id;
+        rec.state = SandboxState::Running;
+        rec.guest_ip = Some(running.guest_ip);
+        rec.envd_version = running.envd_version;
+        rec.started_at = now;
+        rec.end_at = rec.end_at.max(now + Duration::from_secs(timeout));
+        rec.end_at = rec.end_at.min(Self::lifetime_cap(team, now));
+        let resumed = event(
+            &rec,
+            EventKind::Resumed,
+            serde_json::json!({ "cold_boot": cold_boot }),
+        );
+        if let Err(e) = self
+            .commit(Change::Put(Box::new(rec.clone())), resumed)
+            .await
+        {
+            let _ = self.node.kill(&rec.id, &rec.execution_id).await;
+            self.release(&counter).await;
+            return Err(e);
+        }
+        tracing::info!(sandbox_id = %rec.id, execution_id = %rec.execution_id, cold_boot, "sandbox resumed");
+        Ok(rec)
+    }
+
+    /// `POST /sandboxes/{id}/timeout`: end = now + timeout (may shorten).
+    pub async fn set_timeout(&self, team: &Team, id: &str, timeout: u64) -> ApiResult<()> {
+        self.update_end(team, id, |rec, now| {
+            Some(now + Duration::from_secs(timeout)).filter(|t| *t != rec.end_at)
+        })
+        .await
+    }
+
+    /// `POST /sandboxes/{id}/refreshes`: extends, never shortens.
+    pub async fn refresh(&self, team: &Team, id: &str, duration: Option<u64>) -> ApiResult<()> {
+        self.update_end(team, id, |rec, now| {
+            let d = duration.unwrap_or(rec.timeout_secs);
+            Some(now + Duration::from_secs(d)).filter(|t| *t > rec.end_at)
+        })
+        .await
+    }
+
+    async fn update_end(
+        &self,
+        team: &Team,
+        id: &str,
+        new_end: impl FnOnce(&SandboxRecord, OffsetDateTime) -> Option<OffsetDateTime>,
+    ) -> ApiResult<()> {
+        self.owned(team, id).await?;
+        let guard = self.lock(id).await?;
+        let result = async {
+            let mut rec = self.owned(team, id).await?;
+            if rec.state != SandboxState::Running {
+                return Err(ApiError::sandbox_not_found(id));
+            }
+            let now = OffsetDateTime::now_utc();
+            if let Some(end) = new_end(&rec, now) {
+                rec.end_at = end.min(Self::lifetime_cap(team, rec.started_at));
+                let updated = event(
+                    &rec,
+                    EventKind::Updated,
+                    serde_json::json!({ "set_timeout": super::rfc3339(rec.end_at) }),
+                );
+                self.commit(Change::Put(Box::new(rec)), updated).await?;
+            }
+            Ok(())
+        }
+        .await;
+        let _ = guard.unlock().await;
+        result
+    }
+
+    /// Shared by create and fork: runs [`Self::launch_locked`] for a child.
+    pub(crate) async fn launch_child(
+        &self,
+        team: &Team,
+        source: &SandboxRecord,
+        build: &BuildInfo,
+        timeout: u64,
+    ) -> ApiResult<wire::Sandbox> {
+        let id = ids::sandbox_id();
+        let guard = self.lock(&id).await?;
+        let launch = Launch {
+            team,
+            template_id: source.template_id.clone(),
+            alias: source.alias.clone(),
+            build: build.clone(),
+            owned_build: Some(build.build_id.clone()),
+            timeout,
+            base: Inherited::of(source),
+        };
+        let result = self.launch_locked(&id, &launch).await;
+        let _ = guard.unlock().await;
+        result
+    }
+}
+
+fn concurrency_error(team: &Team) -> ApiError {
+    ApiError::too_many(format!(
+        "you have reached the maximum number of concurrent sandboxes ({}); kill or pause one first",
+        team.limits.max_concurrent
+    ))
+}
+
+fn check_limits(team: &Team, build: &BuildInfo) -> ApiResult<()> {
+    let l = &team.limits;
+    if build.vcpus > l.max_vcpus {
+        return Err(ApiError::bad_request(format!(
+            "the template needs {} vCPUs, more than the team's maximum of {}",
+            build.vcpus, l.max_vcpus
+        )));
+    }
+    if build.memory_mb > l.max_memory_mb {
+        return Err(ApiError::bad_request(format!(
+            "the template needs {} MB of memory, more than the team's maximum of {} MB",
+            build.memory_mb, l.max_memory_mb
+        )));
+    }
+    if build.disk_mb > l.max_disk_mb {
+        return Err(ApiError::bad_request(format!(
+            "the template needs {} MB of disk, more than the team's maximum of {} MB",
+            build.disk_mb, l.max_disk_mb
+        )));
+    }
+    Ok(())
+}
+
+fn template_alias(t: &crate::records::TemplateRecord, tag: &str) -> Option<String> {
+    t.alias.as_ref().map(|a| {
+        if tag == "default" {
+            a.clone()
+        } else {
+            format!("{a}:{tag}")
+        }
+    })
+}

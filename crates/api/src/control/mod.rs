@@ -1,0 +1,337 @@
+//! The per-sandbox state machine: running → pausing → paused → resuming → running;
+//! snapshotting and forking (transient); killing → gone.
+//!
+//! Every transition of one sandbox holds its KV lock (`sandbox/<id>`, waiting up to the
+//! configured two minutes for another holder), calls the node, and then commits the new record
+//! together with its lifecycle event through [`Control::commit`], the one place state changes
+//! are written. HTTP handlers run transitions in spawned tasks so they finish even when the
+//! client goes away.
+
+mod checkpoint;
+mod lifecycle;
+mod reaper;
+mod routes;
+
+use std::collections::HashMap;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use time::OffsetDateTime;
+use vmon_kv::{Kv, KvError, LockGuard};
+use vmon_proto::node::{NetworkPolicy, NodeControl};
+use vmon_proxy::SandboxRoute;
+
+use crate::config::Config;
+use crate::error::{ApiError, ApiResult};
+use crate::records::{
+    Change, EventKind, LifecycleEvent, Records, SandboxRecord, SandboxState, Team,
+};
+use crate::wire;
+
+pub use checkpoint::{parse_template_ref, TemplateRef};
+pub use lifecycle::{CreateParams, KillReason};
+pub use routes::ProxyRoutes;
+
+/// The control plane's core, shared by the REST handlers, the reaper and the proxy.
+pub struct Control {
+    pub(crate) config: Config,
+    pub(crate) node: Arc<dyn NodeControl>,
+    pub(crate) records: Arc<dyn Records>,
+    pub(crate) kv: Kv,
+    /// What the proxy needs per sandbox, kept in step with every commit.
+    routes: RwLock<HashMap<String, SandboxRoute>>,
+}
+
+impl Control {
+    /// Builds the core and reconciles records with what the node is really running.
+    pub async fn open(
+        config: Config,
+        node: Arc<dyn NodeControl>,
+        records: Arc<dyn Records>,
+        kv: Kv,
+    ) -> anyhow::Result<Arc<Control>> {
+        let control = Arc::new(Control {
+            config,
+            node,
+            records,
+            kv,
+            routes: RwLock::new(HashMap::new()),
+        });
+        control.reconcile().await?;
+        Ok(control)
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    pub fn records(&self) -> &Arc<dyn Records> {
+        &self.records
+    }
+
+    /// After a restart: records of sandboxes the node no longer runs are orphans; VMs the
+    /// node runs without a record are killed; team counters are recounted.
+    async fn reconcile(&self) -> anyhow::Result<()> {
+        let running = self.node.list_running().await;
+        let records = self.records.sandboxes(None).await?;
+        let mut per_team: HashMap<String, u64> = HashMap::new();
+        for team in self.records.teams().await? {
+            per_team.insert(team.id, 0);
+        }
+        for rec in &records {
+            if rec.state != SandboxState::Running {
+                self.set_route(rec);
+                continue;
+            }
+            let alive = running
+                .iter()
+                .find(|r| r.sandbox_id == rec.id && r.execution_id == rec.execution_id);
+            match alive {
+                Some(r) => {
+                    let mut rec = rec.clone();
+                    rec.guest_ip = Some(r.guest_ip);
+                    self.set_route(&rec);
+                    *per_team.entry(rec.team_id.clone()).or_default() += 1;
+                }
+                None => {
+                    tracing::warn!(sandbox_id = %rec.id, "sandbox record without a VM: reporting it killed (orphaned)");
+                    let event = event(rec, EventKind::Killed, KillReason::Orphaned.data());
+                    self.commit(
+                        Change::Delete {
+                            team_id: rec.team_id.clone(),
+                            sandbox_id: rec.id.clone(),
+                        },
+                        event,
+                    )
+                    .await?;
+                }
+            }
+        }
+        for r in &running {
+            let known = records
+                .iter()
+                .any(|rec| rec.id == r.sandbox_id && rec.execution_id == r.execution_id);
+            if !known {
+                tracing::warn!(sandbox_id = %r.sandbox_id, "VM without a record: killing it");
+                if let Err(e) = self.node.kill(&r.sandbox_id, &r.execution_id).await {
+                    tracing::warn!(sandbox_id = %r.sandbox_id, error = %e, "killing an unknown VM failed");
+                }
+            }
+        }
+        for (team, n) in per_team {
+            self.kv.set_counter(&admission_key(&team), n).await?;
+        }
+        Ok(())
+    }
+
+    /// The one door for state changes: writes the record change and its event together and
+    /// keeps the proxy's routes in step.
+    pub(crate) async fn commit(&self, change: Change, event: LifecycleEvent) -> ApiResult<()> {
+        let route_update = match &change {
+            Change::Put(rec) => Some(Ok(rec.as_ref().clone())),
+            Change::Delete { sandbox_id, .. } => Some(Err(sandbox_id.clone())),
+            Change::None => None,
+        };
+        self.records
+            .commit(change, event)
+            .await
+            .map_err(|e| ApiError::internal(format!("writing the sandbox record failed: {e:#}")))?;
+        match route_update {
+            Some(Ok(rec)) => self.set_route(&rec),
+            Some(Err(id)) => {
+                self.routes_mut().remove(&id);
+            }
+            None => {}
+        }
+        Ok(())
+    }
+
+    fn set_route(&self, rec: &SandboxRecord) {
+        let route = SandboxRoute {
+            guest_ip: match rec.state {
+                SandboxState::Running => rec.guest_ip,
+                SandboxState::Paused => None,
+            },
+            auto_resume: rec.auto_resume,
+            traffic_access_token: rec.traffic_access_token.clone(),
+        };
+        self.routes_mut().insert(rec.id.clone(), route);
+    }
+
+    fn routes_mut(&self) -> std::sync::RwLockWriteGuard<'_, HashMap<String, SandboxRoute>> {
+        self.routes.write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(crate) fn route(&self, id: &str) -> Option<SandboxRoute> {
+        self.routes
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(id)
+            .cloned()
+    }
+
+    /// Takes the sandbox's transition lock.
+    pub(crate) async fn lock(&self, sandbox_id: &str) -> ApiResult<LockGuard> {
+        match self
+            .kv
+            .lock(&format!("sandbox/{sandbox_id}"), self.config.lock_wait())
+            .await
+        {
+            Ok(g) => Ok(g),
+            Err(KvError::LockTimeout) => Err(ApiError::conflict(format!(
+                "sandbox {sandbox_id} is busy with another operation; try again"
+            ))),
+            Err(e) => Err(kv_error(e)),
+        }
+    }
+
+    /// The team's sandbox record, or 404 (also for another team's sandbox).
+    pub(crate) async fn owned(&self, team: &Team, id: &str) -> ApiResult<SandboxRecord> {
+        if !crate::ids::plausible_sandbox_id(id) {
+            return Err(ApiError::sandbox_not_found(id));
+        }
+        match self.records.sandbox(id).await.map_err(record_error)? {
+            Some(rec) if rec.team_id == team.id => Ok(rec),
+            _ => Err(ApiError::sandbox_not_found(id)),
+        }
+    }
+
+    /// Every sandbox of the team (or of all teams), running and paused.
+    pub async fn sandboxes(&self, team_id: Option<&str>) -> ApiResult<Vec<SandboxRecord>> {
+        self.records.sandboxes(team_id).await.map_err(record_error)
+    }
+
+    pub async fn detail(&self, team: &Team, id: &str) -> ApiResult<wire::SandboxDetail> {
+        let rec = self.owned(team, id).await?;
+        Ok(self.detail_view(&rec))
+    }
+
+    pub(crate) fn sandbox_view(&self, rec: &SandboxRecord) -> wire::Sandbox {
+        wire::Sandbox {
+            template_id: rec.template_id.clone(),
+            sandbox_id: rec.id.clone(),
+            client_id: self.config.client_id.clone(),
+            envd_version: rec.envd_version.clone(),
+            alias: rec.alias.clone(),
+            envd_access_token: Some(rec.envd_access_token.clone()),
+            traffic_access_token: rec.traffic_access_token.clone(),
+            domain: self.config.domain.clone(),
+        }
+    }
+
+    pub(crate) fn detail_view(&self, rec: &SandboxRecord) -> wire::SandboxDetail {
+        let mut network = rec.network.clone();
+        network.allow_public_traffic = Some(rec.traffic_access_token.is_none());
+        wire::SandboxDetail {
+            template_id: rec.template_id.clone(),
+            sandbox_id: rec.id.clone(),
+            client_id: self.config.client_id.clone(),
+            started_at: rfc3339(rec.started_at),
+            end_at: rfc3339(rec.end_at),
+            envd_version: rec.envd_version.clone(),
+            cpu_count: rec.vcpus,
+            memory_mb: rec.memory_mb,
+            disk_size_mb: rec.disk_mb,
+            state: rec.state.as_str().to_string(),
+            alias: rec.alias.clone(),
+            envd_access_token: Some(rec.envd_access_token.clone()),
+            allow_internet_access: rec.allow_internet_access,
+            domain: self.config.domain.clone(),
+            metadata: rec.metadata.clone(),
+            network,
+            lifecycle: wire::Lifecycle {
+                auto_resume: rec.auto_resume,
+                on_timeout: if rec.auto_pause { "pause" } else { "kill" }.to_string(),
+            },
+            pause_mode: (rec.state == SandboxState::Paused).then(|| {
+                if rec.build.has_memory {
+                    "full"
+                } else {
+                    "filesystem"
+                }
+                .to_string()
+            }),
+            envd_unresponsive_at_pause: (rec.state == SandboxState::Paused).then_some(false),
+            volume_mounts: rec.volume_mounts.clone(),
+        }
+    }
+
+    pub(crate) fn listed_view(&self, rec: &SandboxRecord) -> wire::ListedSandbox {
+        wire::ListedSandbox {
+            template_id: rec.template_id.clone(),
+            alias: rec.alias.clone(),
+            sandbox_id: rec.id.clone(),
+            client_id: self.config.client_id.clone(),
+            started_at: rfc3339(rec.started_at),
+            end_at: rfc3339(rec.end_at),
+            cpu_count: rec.vcpus,
+            memory_mb: rec.memory_mb,
+            disk_size_mb: rec.disk_mb,
+            metadata: rec.metadata.clone(),
+            state: rec.state.as_str().to_string(),
+            envd_version: rec.envd_version.clone(),
+            volume_mounts: rec.volume_mounts.clone(),
+        }
+    }
+
+    /// Deletes a build that only one sandbox used; the node refuses while something still
+    /// depends on it, which is fine: it is then someone else's to delete.
+    pub(crate) async fn drop_build(&self, build_id: &str) {
+        match self.node.delete_build(build_id).await {
+            Ok(()) => tracing::debug!(build_id, "build deleted"),
+            Err(e) => tracing::debug!(build_id, error = %e, "build kept"),
+        }
+    }
+
+    /// The latest end time the team's lifetime cap allows for a run that started at `started`.
+    pub(crate) fn lifetime_cap(team: &Team, started: OffsetDateTime) -> OffsetDateTime {
+        started + Duration::from_secs(team.limits.max_lifetime_secs)
+    }
+}
+
+pub(crate) fn admission_key(team_id: &str) -> String {
+    format!("team/{team_id}/running")
+}
+
+pub(crate) fn network_policy(rec: &SandboxRecord) -> NetworkPolicy {
+    NetworkPolicy {
+        allow_internet_access: rec.allow_internet_access.unwrap_or(true),
+        allow_out: rec.network.allow_out.clone().unwrap_or_default(),
+        deny_out: rec.network.deny_out.clone().unwrap_or_default(),
+    }
+}
+
+pub(crate) fn event(
+    rec: &SandboxRecord,
+    kind: EventKind,
+    data: serde_json::Value,
+) -> LifecycleEvent {
+    LifecycleEvent {
+        kind,
+        sandbox_id: rec.id.clone(),
+        execution_id: rec.execution_id.clone(),
+        team_id: rec.team_id.clone(),
+        template_id: rec.template_id.clone(),
+        build_id: rec.build.build_id.clone(),
+        data,
+        at: OffsetDateTime::now_utc(),
+    }
+}
+
+pub fn rfc3339(t: OffsetDateTime) -> String {
+    t.format(&time::format_description::well_known::Rfc3339)
+        .unwrap_or_else(|_| t.unix_timestamp().to_string())
+}
+
+pub(crate) fn kv_error(e: KvError) -> ApiError {
+    ApiError::unavailable(format!("the coordination store failed: {e}"))
+}
+
+pub(crate) fn record_error(e: anyhow::Error) -> ApiError {
+    ApiError::internal(format!("the record store failed: {e:#}"))
+}
+
+/// Timeouts arrive as signed integers; negative ones are a client error.
+pub fn timeout_secs(value: i64, what: &str) -> ApiResult<u64> {
+    u64::try_from(value).map_err(|_| ApiError::bad_request(format!("{what} must not be negative")))
+}

@@ -1,0 +1,119 @@
+//! The timeout reaper: every second, on the KV leader only, expired running sandboxes pause
+//! (autoPause) or die; a failed auto-pause kills.
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use time::OffsetDateTime;
+use tokio_util::sync::CancellationToken;
+
+use super::{Control, KillReason};
+use crate::records::SandboxState;
+
+impl Control {
+    /// Campaigns for leadership and reaps while leader, until `cancel` fires.
+    pub async fn run_reaper(self: Arc<Self>, cancel: CancellationToken) {
+        let in_flight = Arc::new(Mutex::new(HashSet::new()));
+        while !cancel.is_cancelled() {
+            let leadership = match self
+                .kv
+                .campaign("reaper", &self.config.client_id, &cancel)
+                .await
+            {
+                Ok(l) => l,
+                Err(vmon_kv::KvError::Cancelled) => return,
+                Err(e) => {
+                    tracing::warn!(error = %e, "reaper election failed; retrying");
+                    tokio::select! {
+                        _ = cancel.cancelled() => return,
+                        _ = tokio::time::sleep(Duration::from_secs(1)) => continue,
+                    }
+                }
+            };
+            tracing::info!(epoch = leadership.epoch(), "this api is the reaper");
+            let lost = leadership.lost();
+            let mut tick = tokio::time::interval(Duration::from_secs(1));
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    _ = cancel.cancelled() => {
+                        let _ = leadership.resign().await;
+                        return;
+                    }
+                    _ = lost.cancelled() => {
+                        tracing::warn!("reaper leadership lost");
+                        break;
+                    }
+                    _ = tick.tick() => self.reap_once(&in_flight).await,
+                }
+            }
+        }
+    }
+
+    /// One pass: hands every expired running sandbox to its own task (each takes the
+    /// sandbox's lock, so a slow pause never holds up the others).
+    pub async fn reap_once(self: &Arc<Self>, in_flight: &Arc<Mutex<HashSet<String>>>) {
+        let now = OffsetDateTime::now_utc();
+        let records = match self.records.sandboxes(None).await {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!(error = %e, "reaper could not list sandboxes");
+                return;
+            }
+        };
+        for rec in records {
+            if rec.state != SandboxState::Running || rec.end_at > now {
+                continue;
+            }
+            if !in_flight
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(rec.id.clone())
+            {
+                continue;
+            }
+            let control = self.clone();
+            let in_flight = in_flight.clone();
+            tokio::spawn(async move {
+                control.expire(&rec.id, &rec.execution_id).await;
+                in_flight
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .remove(&rec.id);
+            });
+        }
+    }
+
+    async fn expire(&self, id: &str, execution_id: &str) {
+        let Ok(guard) = self.lock(id).await else {
+            return;
+        };
+        // Re-read under the lock: the sandbox may have been extended, paused or killed, or
+        // be a newer execution than the one found expired.
+        let current = self.records.sandbox(id).await.ok().flatten();
+        if let Some(rec) = current.filter(|r| {
+            r.execution_id == execution_id
+                && r.state == SandboxState::Running
+                && r.end_at <= OffsetDateTime::now_utc()
+        }) {
+            let span = tracing::info_span!("expire", sandbox_id = id, execution_id);
+            let _e = span.enter();
+            drop(_e);
+            if rec.auto_pause {
+                match self.pause_locked(rec.clone(), rec.auto_pause_memory).await {
+                    Ok(()) => tracing::info!(sandbox_id = id, "timeout: sandbox auto-paused"),
+                    Err(e) => {
+                        tracing::warn!(sandbox_id = id, error = %e, "auto-pause failed: killing the sandbox");
+                        if let Err(e) = self.kill_locked(rec, KillReason::Timeout).await {
+                            tracing::warn!(sandbox_id = id, error = %e, "killing after a failed auto-pause failed");
+                        }
+                    }
+                }
+            } else if let Err(e) = self.kill_locked(rec, KillReason::Timeout).await {
+                tracing::warn!(sandbox_id = id, error = %e, "timeout kill failed");
+            }
+        }
+        let _ = guard.unlock().await;
+    }
+}
