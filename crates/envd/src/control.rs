@@ -1,0 +1,180 @@
+//! `POST /init` (the node configuring the agent on boot and after every restore) and `GET /envs`.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use http::{header, HeaderValue, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Limited};
+use hyper::body::Incoming;
+use serde::Deserialize;
+
+use crate::agent::Agent;
+use crate::auth;
+use crate::connect::{self, json_response, Body};
+use crate::rpc::json::decode_base64;
+
+const MAX_INIT_BODY: usize = 1 << 20;
+const MAX_ENTROPY_BYTES: usize = 4096;
+/// The guest clock is only stepped when it is behind by more than this …
+const MAX_TIME_IN_PAST_NANOS: i128 = 50_000_000;
+/// … or ahead by more than this (upstream envd's thresholds).
+const MAX_TIME_IN_FUTURE_NANOS: i128 = 5_000_000_000;
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct InitRequest {
+    #[serde(default)]
+    env_vars: Option<BTreeMap<String, String>>,
+    #[serde(default)]
+    access_token: Option<String>,
+    #[serde(default)]
+    timestamp: Option<String>,
+    #[serde(default)]
+    default_user: Option<String>,
+    #[serde(default)]
+    default_workdir: Option<String>,
+    #[serde(default)]
+    entropy: Option<String>,
+}
+
+fn error(status: StatusCode, message: &str) -> Response<Body> {
+    json_response(status, &serde_json::json!({ "code": status.as_u16(), "message": message }))
+}
+
+fn now_nanos() -> i128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as i128)
+        .unwrap_or(0)
+}
+
+pub async fn init(agent: Arc<Agent>, req: Request<Incoming>) -> Response<Body> {
+    let header_token = auth::header_token(req.headers()).map(str::to_string);
+    let body = match Limited::new(req.into_body(), MAX_INIT_BODY).collect().await {
+        Ok(b) => b.to_bytes(),
+        Err(_) => return error(StatusCode::BAD_REQUEST, "init body unreadable or too large"),
+    };
+    let msg: InitRequest = if body.iter().all(u8::is_ascii_whitespace) {
+        InitRequest::default()
+    } else {
+        match serde_json::from_slice(&body) {
+            Ok(m) => m,
+            Err(e) => return error(StatusCode::BAD_REQUEST, &format!("invalid init body: {e}")),
+        }
+    };
+
+    // Once a token is set, only its holder may change it: the same token in the body (a retry, or
+    // a restore that keeps it) or in X-Access-Token (rotation by the node).
+    if let Some(current) = agent.token() {
+        let in_body = msg.access_token.as_deref() == Some(current.as_str());
+        let in_header = header_token.as_deref() == Some(current.as_str());
+        if !in_body && !in_header {
+            return error(StatusCode::UNAUTHORIZED, "access token validation failed");
+        }
+    }
+
+    let timestamp = match msg.timestamp.as_deref().filter(|t| !t.is_empty()) {
+        None => None,
+        Some(t) => match time::OffsetDateTime::parse(t, &time::format_description::well_known::Rfc3339) {
+            Ok(ts) => Some(ts.unix_timestamp_nanos()),
+            Err(e) => return error(StatusCode::BAD_REQUEST, &format!("invalid timestamp: {e}")),
+        },
+    };
+    let entropy = match msg.entropy.as_deref().filter(|e| !e.is_empty()) {
+        None => None,
+        Some(e) => match decode_base64(e) {
+            Ok(b) if b.len() <= MAX_ENTROPY_BYTES => Some(b),
+            Ok(_) => return error(StatusCode::BAD_REQUEST, "entropy is larger than 4096 bytes"),
+            Err(e) => return error(StatusCode::BAD_REQUEST, &format!("invalid entropy: {e}")),
+        },
+    };
+
+    if let Some(ts) = timestamp {
+        // Only a newer request may move the clock: a delayed retry must not set it back.
+        let newer = {
+            let mut last = agent.last_init_nanos.lock().unwrap_or_else(|p| p.into_inner());
+            let newer = last.is_none_or(|l| ts > l);
+            if newer {
+                *last = Some(ts);
+            }
+            newer
+        };
+        let now = now_nanos();
+        if newer && (now < ts - MAX_TIME_IN_PAST_NANOS || now > ts + MAX_TIME_IN_FUTURE_NANOS) {
+            set_clock(ts);
+        }
+    }
+    if let Some(bytes) = entropy {
+        let _ = tokio::task::spawn_blocking(move || add_entropy(&bytes)).await;
+    }
+
+    agent.set_token(msg.access_token.filter(|t| !t.is_empty()));
+    agent.update_defaults(|d| {
+        if let Some(env) = msg.env_vars {
+            d.env_vars.extend(env);
+        }
+        if let Some(u) = msg.default_user.filter(|u| !u.is_empty()) {
+            d.user = u;
+        }
+        if let Some(w) = msg.default_workdir.filter(|w| !w.is_empty()) {
+            d.workdir = Some(w);
+        }
+    });
+    tracing::info!(logger = "init", "init applied");
+
+    let mut resp = Response::new(connect::empty());
+    *resp.status_mut() = StatusCode::NO_CONTENT;
+    resp.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    resp
+}
+
+fn set_clock(nanos: i128) {
+    let ts = libc::timespec {
+        tv_sec: (nanos.div_euclid(1_000_000_000)) as libc::time_t,
+        tv_nsec: (nanos.rem_euclid(1_000_000_000)) as libc::c_long,
+    };
+    // SAFETY: ts is a valid timespec.
+    if unsafe { libc::clock_settime(libc::CLOCK_REALTIME, &ts) } != 0 {
+        tracing::warn!(error = %std::io::Error::last_os_error(), "setting the clock failed");
+    } else {
+        tracing::info!(logger = "init", "clock set from init timestamp");
+    }
+}
+
+/// `RNDADDENTROPY` = `_IOW('R', 0x03, int[2])`.
+const RNDADDENTROPY: libc::c_ulong = 0x4008_5203;
+/// `RNDRESEEDCRNG` = `_IO('R', 0x07)`.
+const RNDRESEEDCRNG: libc::c_ulong = 0x5207;
+
+/// Credits host-provided random bytes to the kernel pool and reseeds the CRNG, so a restored
+/// snapshot does not replay the random stream of its parent.
+fn add_entropy(bytes: &[u8]) {
+    use std::os::fd::AsRawFd;
+    let Ok(dev) = std::fs::OpenOptions::new().write(true).open("/dev/random") else {
+        tracing::warn!("opening /dev/random failed");
+        return;
+    };
+    // struct rand_pool_info { int entropy_count; int buf_size; __u32 buf[]; }
+    let mut info = Vec::with_capacity(8 + bytes.len());
+    info.extend_from_slice(&((bytes.len() * 8) as i32).to_ne_bytes());
+    info.extend_from_slice(&(bytes.len() as i32).to_ne_bytes());
+    info.extend_from_slice(bytes);
+    // Keep the buffer u32-aligned in length as the kernel reads whole words.
+    while info.len() % 4 != 0 {
+        info.push(0);
+    }
+    // SAFETY: info holds a complete rand_pool_info of the declared size.
+    let rc = unsafe { libc::ioctl(dev.as_raw_fd(), RNDADDENTROPY as _, info.as_ptr()) };
+    if rc != 0 {
+        tracing::warn!(error = %std::io::Error::last_os_error(), "RNDADDENTROPY failed");
+        return;
+    }
+    // SAFETY: RNDRESEEDCRNG takes no argument.
+    if unsafe { libc::ioctl(dev.as_raw_fd(), RNDRESEEDCRNG as _, 0) } != 0 {
+        tracing::warn!(error = %std::io::Error::last_os_error(), "RNDRESEEDCRNG failed");
+    }
+}
+
+pub fn envs(agent: &Agent) -> Response<Body> {
+    json_response(StatusCode::OK, &agent.defaults().env_vars)
+}

@@ -1,0 +1,369 @@
+//! `GET`/`POST /files`: streamed downloads and uploads, as the requesting user, in bounded memory.
+
+use std::collections::BTreeMap;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::Arc;
+
+use async_compression::tokio::bufread::{GzipDecoder, GzipEncoder};
+use bytes::Bytes;
+use futures::{Stream, StreamExt, TryStreamExt};
+use http::{header, HeaderMap, HeaderValue, Request, Response, StatusCode};
+use http_body::Frame;
+use http_body_util::{BodyExt, BodyStream, StreamBody};
+use hyper::body::Incoming;
+use serde::Serialize;
+use tokio::io::AsyncWriteExt;
+use tokio_util::io::{ReaderStream, StreamReader};
+
+use crate::agent::Agent;
+use crate::auth::{self, FileAuth};
+use crate::connect::{json_response, Body, Code, ConnectError};
+use crate::filesystem::entry;
+use crate::user::{self, User};
+
+const CHUNK: usize = 256 * 1024;
+const METADATA_HEADER_PREFIX: &str = "x-metadata-";
+
+type ByteStream = Pin<Box<dyn Stream<Item = io::Result<Bytes>> + Send>>;
+
+/// An HTTP error with the `{code, message}` body the SDKs read.
+fn error(status: StatusCode, message: impl Into<String>) -> Response<Body> {
+    json_response(status, &serde_json::json!({ "code": status.as_u16(), "message": message.into() }))
+}
+
+fn from_connect(e: ConnectError) -> Response<Body> {
+    let status = match e.code {
+        Code::NotFound => StatusCode::NOT_FOUND,
+        Code::PermissionDenied => StatusCode::FORBIDDEN,
+        Code::Unauthenticated => StatusCode::UNAUTHORIZED,
+        Code::InvalidArgument | Code::AlreadyExists => StatusCode::BAD_REQUEST,
+        Code::ResourceExhausted => StatusCode::INSUFFICIENT_STORAGE,
+        _ => StatusCode::INTERNAL_SERVER_ERROR,
+    };
+    error(status, e.message)
+}
+
+fn from_io(e: &io::Error, what: impl std::fmt::Display) -> Response<Body> {
+    let status = match e.raw_os_error() {
+        Some(libc::ENOSPC) | Some(libc::EDQUOT) => StatusCode::INSUFFICIENT_STORAGE,
+        _ => return from_connect(ConnectError::from_io(e, what)),
+    };
+    error(status, format!("{what}: not enough disk space: {e}"))
+}
+
+/// Decoded query parameters (`application/x-www-form-urlencoded` rules).
+pub fn parse_query(q: Option<&str>) -> BTreeMap<String, String> {
+    let mut out = BTreeMap::new();
+    for pair in q.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        out.insert(percent_decode(k), percent_decode(v));
+    }
+    out
+}
+
+fn percent_decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        match b[i] {
+            b'+' => out.push(b' '),
+            b'%' if i + 3 <= b.len() => {
+                let hex = std::str::from_utf8(&b[i + 1..i + 3]).ok().and_then(|h| u8::from_str_radix(h, 16).ok());
+                match hex {
+                    Some(v) => {
+                        out.push(v);
+                        i += 2;
+                    }
+                    None => out.push(b'%'),
+                }
+            }
+            c => out.push(c),
+        }
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Common front of both methods: auth, then the user the request acts as.
+async fn prologue(
+    agent: &Agent,
+    headers: &HeaderMap,
+    q: &BTreeMap<String, String>,
+    operation: &str,
+) -> Result<User, Response<Body>> {
+    let username = q.get("username").map(String::as_str).unwrap_or("");
+    let path = q.get("path").map(String::as_str).unwrap_or("");
+    let fa = FileAuth {
+        path,
+        username,
+        signature: q.get("signature").map(String::as_str),
+        expiration: q.get("signature_expiration").map(String::as_str),
+    };
+    auth::check_files(agent, headers, &fa, operation)?;
+    let name = if !username.is_empty() {
+        username.to_string()
+    } else {
+        match user::basic_auth_user(headers) {
+            Ok(Some(n)) => n,
+            Ok(None) => agent.defaults().user,
+            Err(e) => return Err(error(StatusCode::UNAUTHORIZED, e.message)),
+        }
+    };
+    agent
+        .user_named(name)
+        .await
+        .map_err(|e| error(StatusCode::UNAUTHORIZED, e.message))
+}
+
+fn accepts_gzip(headers: &HeaderMap) -> bool {
+    headers
+        .get_all(header::ACCEPT_ENCODING)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|enc| {
+            let mut parts = enc.split(';');
+            let name = parts.next().unwrap_or("").trim();
+            let q_zero = parts.any(|p| {
+                let p = p.trim();
+                p.strip_prefix("q=").and_then(|q| q.trim().parse::<f32>().ok()) == Some(0.0)
+            });
+            name.eq_ignore_ascii_case("gzip") && !q_zero
+        })
+}
+
+pub async fn download(agent: Arc<Agent>, req: Request<Incoming>) -> Response<Body> {
+    let q = parse_query(req.uri().query());
+    let user = match prologue(&agent, req.headers(), &q, "read").await {
+        Ok(u) => u,
+        Err(r) => return r,
+    };
+    let Some(path) = q.get("path").filter(|p| !p.is_empty()) else {
+        return error(StatusCode::BAD_REQUEST, "path is required");
+    };
+    let path = match user.resolve(path) {
+        Ok(p) => p,
+        Err(e) => return from_connect(e),
+    };
+    let p = path.clone();
+    let opened = user::run_as(&user, move || {
+        let file = std::fs::File::open(&p).map_err(|e| ConnectError::from_io(&e, format!("opening {}", p.display())))?;
+        let meta = file.metadata().map_err(|e| ConnectError::from_io(&e, "stat"))?;
+        if meta.is_dir() {
+            return Err(ConnectError::invalid(format!("path {} is a directory", p.display())));
+        }
+        Ok((file, meta.len()))
+    })
+    .await;
+    let (file, len) = match opened {
+        Ok(f) => f,
+        Err(e) => return from_connect(e),
+    };
+    let file = tokio::fs::File::from_std(file);
+    let gzip = accepts_gzip(req.headers());
+    let stream: ByteStream = if gzip {
+        let reader = tokio::io::BufReader::with_capacity(CHUNK, file);
+        Box::pin(ReaderStream::with_capacity(GzipEncoder::new(reader), CHUNK))
+    } else {
+        Box::pin(ReaderStream::with_capacity(file, CHUNK))
+    };
+    let body = StreamBody::new(stream.map_ok(Frame::data)).boxed_unsync();
+    let mut resp = Response::new(body);
+    let h = resp.headers_mut();
+    h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/octet-stream"));
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let safe: String = name.chars().filter(|c| c.is_ascii_graphic() || *c == ' ').filter(|c| *c != '"').collect();
+    if let Ok(v) = HeaderValue::from_str(&format!("attachment; filename=\"{safe}\"")) {
+        h.insert(header::CONTENT_DISPOSITION, v);
+    }
+    if gzip {
+        h.insert(header::CONTENT_ENCODING, HeaderValue::from_static("gzip"));
+        h.insert(header::VARY, HeaderValue::from_static("Accept-Encoding"));
+    } else {
+        h.insert(header::CONTENT_LENGTH, HeaderValue::from(len));
+    }
+    resp
+}
+
+#[derive(Debug, Serialize)]
+struct WriteInfo {
+    name: String,
+    #[serde(rename = "type")]
+    kind: &'static str,
+    path: String,
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    metadata: BTreeMap<String, String>,
+}
+
+/// `X-Metadata-<key>: <value>` headers, keys lower-cased, validated.
+fn metadata_from(headers: &HeaderMap) -> Result<BTreeMap<String, String>, Response<Body>> {
+    let mut out = BTreeMap::new();
+    for (name, value) in headers {
+        let Some(key) = name.as_str().strip_prefix(METADATA_HEADER_PREFIX) else { continue };
+        if key.is_empty() {
+            return Err(error(StatusCode::BAD_REQUEST, "empty metadata key"));
+        }
+        let value = value
+            .to_str()
+            .ok()
+            .filter(|v| v.bytes().all(|b| (0x20..0x7f).contains(&b)))
+            .ok_or_else(|| error(StatusCode::BAD_REQUEST, format!("metadata value for {key} must be printable ASCII")))?;
+        out.insert(key.to_ascii_lowercase(), value.to_string());
+    }
+    Ok(out)
+}
+
+pub async fn upload(agent: Arc<Agent>, req: Request<Incoming>) -> Response<Body> {
+    let q = parse_query(req.uri().query());
+    let user = match prologue(&agent, req.headers(), &q, "write").await {
+        Ok(u) => u,
+        Err(r) => return r,
+    };
+    let metadata = match metadata_from(req.headers()) {
+        Ok(m) => m,
+        Err(r) => return r,
+    };
+    let (parts, body) = req.into_parts();
+    let raw: ByteStream = Box::pin(
+        BodyStream::new(body)
+            .try_filter_map(|f| futures::future::ready(Ok(f.into_data().ok())))
+            .map_err(io::Error::other),
+    );
+    let encoding = parts
+        .headers
+        .get(header::CONTENT_ENCODING)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("identity")
+        .trim()
+        .to_ascii_lowercase();
+    let body: ByteStream = match encoding.as_str() {
+        "" | "identity" => raw,
+        "gzip" | "x-gzip" => {
+            let mut dec = GzipDecoder::new(StreamReader::new(raw));
+            dec.multiple_members(true);
+            Box::pin(ReaderStream::with_capacity(dec, CHUNK))
+        }
+        other => {
+            return error(StatusCode::UNSUPPORTED_MEDIA_TYPE, format!("unsupported content encoding {other:?}"))
+        }
+    };
+    let content_type = parts
+        .headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_string();
+    let query_path = q.get("path").filter(|p| !p.is_empty()).cloned();
+    let result = if content_type.to_ascii_lowercase().starts_with("multipart/form-data") {
+        upload_multipart(&user, body, &content_type, query_path, &metadata).await
+    } else {
+        let Some(path) = query_path else {
+            return error(StatusCode::BAD_REQUEST, "path is required for a raw upload");
+        };
+        match user.resolve(&path) {
+            Ok(dest) => write_one(&user, dest, body, &metadata).await.map(|w| vec![w]),
+            Err(e) => Err(from_connect(e)),
+        }
+    };
+    match result {
+        Ok(written) => json_response(StatusCode::OK, &written),
+        Err(r) => r,
+    }
+}
+
+async fn upload_multipart(
+    user: &User,
+    body: ByteStream,
+    content_type: &str,
+    query_path: Option<String>,
+    metadata: &BTreeMap<String, String>,
+) -> Result<Vec<WriteInfo>, Response<Body>> {
+    let boundary = multer::parse_boundary(content_type)
+        .map_err(|e| error(StatusCode::BAD_REQUEST, format!("invalid multipart content type: {e}")))?;
+    let mut mp = multer::Multipart::new(body, boundary);
+    let mut written = Vec::new();
+    loop {
+        let field = match mp.next_field().await {
+            Ok(Some(f)) => f,
+            Ok(None) => break,
+            Err(e) => return Err(error(StatusCode::BAD_REQUEST, format!("invalid multipart body: {e}"))),
+        };
+        let Some(file_name) = field.file_name().map(str::to_string) else { continue };
+        let target = match &query_path {
+            Some(p) if written.is_empty() => p.clone(),
+            Some(_) => return Err(error(StatusCode::BAD_REQUEST, "the path parameter allows only one file")),
+            None => file_name,
+        };
+        if target.is_empty() {
+            return Err(error(StatusCode::BAD_REQUEST, "a file part has no destination path"));
+        }
+        let dest = user.resolve(&target).map_err(from_connect)?;
+        let stream: ByteStream = Box::pin(field.map_err(io::Error::other));
+        written.push(write_one(user, dest, stream, metadata).await?);
+    }
+    if written.is_empty() {
+        return Err(error(StatusCode::BAD_REQUEST, "no file in the multipart body"));
+    }
+    Ok(written)
+}
+
+/// Opens `dest` as the user (creating parent directories), tags it, then streams `body` in.
+async fn write_one(
+    user: &User,
+    dest: PathBuf,
+    mut body: ByteStream,
+    metadata: &BTreeMap<String, String>,
+) -> Result<WriteInfo, Response<Body>> {
+    let (d, md) = (dest.clone(), metadata.clone());
+    let file = user::run_as(user, move || open_for_write(&d, &md)).await.map_err(from_connect)?;
+    let mut file = tokio::fs::File::from_std(file);
+    while let Some(chunk) = body.next().await {
+        let chunk = chunk.map_err(|e| error(StatusCode::BAD_REQUEST, format!("reading upload: {e}")))?;
+        file.write_all(&chunk).await.map_err(|e| from_io(&e, format!("writing {}", dest.display())))?;
+    }
+    file.flush().await.map_err(|e| from_io(&e, format!("writing {}", dest.display())))?;
+    Ok(WriteInfo {
+        name: dest.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
+        kind: "file",
+        path: dest.display().to_string(),
+        metadata: metadata.clone(),
+    })
+}
+
+fn open_for_write(dest: &Path, metadata: &BTreeMap<String, String>) -> Result<std::fs::File, ConnectError> {
+    if std::fs::metadata(dest).map(|m| m.is_dir()).unwrap_or(false) {
+        return Err(ConnectError::invalid(format!("path {} is a directory", dest.display())));
+    }
+    if let Some(parent) = dest.parent() {
+        std::fs::create_dir_all(parent)
+            .map_err(|e| ConnectError::from_io(&e, format!("creating directory {}", parent.display())))?;
+    }
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(dest)
+        .map_err(|e| ConnectError::from_io(&e, format!("opening {}", dest.display())))?;
+    for (k, v) in metadata {
+        entry::write_metadata(&file, k, v)
+            .map_err(|e| ConnectError::from_io(&e, format!("setting metadata {k} on {}", dest.display())))?;
+    }
+    Ok(file)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn query_decoding() {
+        let q = parse_query(Some("path=%2Ftmp%2Fa+b.txt&username=&signature=v1_abc%2B%2F"));
+        assert_eq!(q["path"], "/tmp/a b.txt");
+        assert_eq!(q["username"], "");
+        assert_eq!(q["signature"], "v1_abc+/");
+        assert_eq!(parse_query(Some("p=%zz%"))["p"], "%zz%");
+    }
+}

@@ -1,0 +1,6 @@
+//! envd's message types, hand-written serde mirrors of the `.proto` files kept in
+//! `crates/proto/proto/envd/` (field names and numbers recorded there).
+
+pub mod filesystem;
+pub mod json;
+pub mod process;
