@@ -1,0 +1,292 @@
+//! In-memory parts for the api's integration tests: a fake node, memory records, an embedded
+//! KV in a temp dir, and helpers to drive the router.
+
+#![allow(dead_code)]
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::IpAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use http_body_util::BodyExt;
+use tower::ServiceExt;
+use vmon_api::records::{MemoryRecords, Records, TeamLimits, TemplateKind, TemplateRecord};
+use vmon_api::{admin, Config, Control};
+use vmon_proto::node::{BuildInfo, NodeControl, NodeError, Running, StartSpec, TemplateSpec};
+
+/// A node that runs nothing: sandboxes are entries in a map, all at `guest_ip`.
+pub struct FakeNode {
+    pub guest_ip: IpAddr,
+    pub running: Mutex<HashMap<String, Running>>,
+    pub builds: Mutex<HashMap<String, BuildInfo>>,
+    /// Starts that fail before any succeeds (to test cleanup).
+    pub fail_starts: AtomicUsize,
+    pub fail_pauses: AtomicUsize,
+    pub starts: Mutex<Vec<StartSpec>>,
+}
+
+impl FakeNode {
+    pub fn new(guest_ip: IpAddr) -> Arc<FakeNode> {
+        Arc::new(FakeNode {
+            guest_ip,
+            running: Mutex::new(HashMap::new()),
+            builds: Mutex::new(HashMap::new()),
+            fail_starts: AtomicUsize::new(0),
+            fail_pauses: AtomicUsize::new(0),
+            starts: Mutex::new(Vec::new()),
+        })
+    }
+    pub fn running_count(&self) -> usize {
+        self.running.lock().unwrap().len()
+    }
+    fn new_build(&self, parent: Option<String>, has_memory: bool) -> BuildInfo {
+        let b = BuildInfo {
+            build_id: uuid::Uuid::new_v4().to_string(),
+            has_memory,
+            vcpus: 2,
+            memory_mb: 512,
+            disk_mb: 1024,
+            envd_version: "0.6.4".into(),
+            parent,
+        };
+        self.builds
+            .lock()
+            .unwrap()
+            .insert(b.build_id.clone(), b.clone());
+        b
+    }
+}
+
+#[async_trait::async_trait]
+impl NodeControl for FakeNode {
+    async fn build_template(&self, spec: TemplateSpec) -> Result<BuildInfo, NodeError> {
+        let b = BuildInfo {
+            build_id: spec.build_id,
+            has_memory: true,
+            vcpus: spec.vcpus,
+            memory_mb: spec.memory_mb,
+            disk_mb: spec.disk_mb,
+            envd_version: "0.6.4".into(),
+            parent: None,
+        };
+        self.builds
+            .lock()
+            .unwrap()
+            .insert(b.build_id.clone(), b.clone());
+        Ok(b)
+    }
+    async fn build_info(&self, build_id: &str) -> Result<BuildInfo, NodeError> {
+        self.builds
+            .lock()
+            .unwrap()
+            .get(build_id)
+            .cloned()
+            .ok_or_else(|| NodeError::BuildNotFound(build_id.into()))
+    }
+    async fn delete_build(&self, build_id: &str) -> Result<(), NodeError> {
+        self.builds.lock().unwrap().remove(build_id);
+        Ok(())
+    }
+    async fn start(&self, spec: StartSpec) -> Result<Running, NodeError> {
+        if self
+            .fail_starts
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok()
+        {
+            return Err(NodeError::Failed("injected start failure".into()));
+        }
+        let build = self.build_info(&spec.build_id).await?;
+        self.starts.lock().unwrap().push(spec.clone());
+        let r = Running {
+            sandbox_id: spec.sandbox_id.clone(),
+            execution_id: spec.execution_id,
+            guest_ip: self.guest_ip,
+            envd_version: build.envd_version,
+            vcpus: build.vcpus,
+            memory_mb: build.memory_mb,
+            disk_mb: build.disk_mb,
+            resume_generation: 0,
+        };
+        self.running
+            .lock()
+            .unwrap()
+            .insert(spec.sandbox_id, r.clone());
+        Ok(r)
+    }
+    async fn kill(&self, sandbox_id: &str, _execution_id: &str) -> Result<(), NodeError> {
+        self.running
+            .lock()
+            .unwrap()
+            .remove(sandbox_id)
+            .map(|_| ())
+            .ok_or_else(|| NodeError::NotFound(sandbox_id.into()))
+    }
+    async fn pause(
+        &self,
+        sandbox_id: &str,
+        _execution_id: &str,
+        memory: bool,
+    ) -> Result<BuildInfo, NodeError> {
+        if self
+            .fail_pauses
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok()
+        {
+            return Err(NodeError::Failed("injected pause failure".into()));
+        }
+        self.running
+            .lock()
+            .unwrap()
+            .remove(sandbox_id)
+            .ok_or_else(|| NodeError::NotFound(sandbox_id.into()))?;
+        Ok(self.new_build(None, memory))
+    }
+    async fn checkpoint(
+        &self,
+        sandbox_id: &str,
+        _execution_id: &str,
+        memory: bool,
+    ) -> Result<BuildInfo, NodeError> {
+        if !self.running.lock().unwrap().contains_key(sandbox_id) {
+            return Err(NodeError::NotFound(sandbox_id.into()));
+        }
+        Ok(self.new_build(None, memory))
+    }
+    async fn list_running(&self) -> Vec<Running> {
+        self.running.lock().unwrap().values().cloned().collect()
+    }
+}
+
+pub struct Harness {
+    pub control: Arc<Control>,
+    pub node: Arc<FakeNode>,
+    pub records: Arc<MemoryRecords>,
+    pub router: axum::Router,
+    pub key: String,
+    pub other_key: String,
+    pub _dir: tempfile::TempDir,
+}
+
+pub async fn harness(limits: TeamLimits) -> Harness {
+    harness_at("127.0.0.1".parse().unwrap(), limits).await
+}
+
+pub async fn harness_at(guest_ip: IpAddr, limits: TeamLimits) -> Harness {
+    let dir = tempfile::tempdir().unwrap();
+    let kv = vmon_kv::Kv::open_embedded(&vmon_kv::EmbeddedConfig::new(dir.path()))
+        .await
+        .unwrap();
+    let node = FakeNode::new(guest_ip);
+    let records = Arc::new(MemoryRecords::new());
+    let mut config = Config::default();
+    config.lock_wait_secs = 5;
+    let control = Control::open(config, node.clone(), records.clone(), kv)
+        .await
+        .unwrap();
+    control
+        .ensure_template("base", &Default::default())
+        .await
+        .unwrap();
+    // A template too big for the default limits.
+    let big = node
+        .build_template(TemplateSpec {
+            build_id: "big".into(),
+            vcpus: 64,
+            memory_mb: 512,
+            disk_mb: 1024,
+            start_cmd: None,
+            ready_cmd: None,
+            env_vars: BTreeMap::new(),
+        })
+        .await
+        .unwrap();
+    records
+        .put_template(TemplateRecord {
+            id: "bigtemplate".into(),
+            team_id: None,
+            alias: Some("big".into()),
+            kind: TemplateKind::Template,
+            tags: BTreeMap::from([("default".to_string(), big)]),
+            created_at: time::OffsetDateTime::now_utc(),
+        })
+        .await
+        .unwrap();
+    let team = admin::create_team_with_key(records.as_ref(), "Team A", None, limits.clone())
+        .await
+        .unwrap();
+    let other = admin::create_team_with_key(records.as_ref(), "Team B", None, limits)
+        .await
+        .unwrap();
+    let router = vmon_api::http::router(vmon_api::http::AppState {
+        control: control.clone(),
+        admin_token: Some("admintoken".into()),
+    });
+    Harness {
+        control,
+        node,
+        records,
+        router,
+        key: team.api_key,
+        other_key: other.api_key,
+        _dir: dir,
+    }
+}
+
+pub struct Reply {
+    pub status: StatusCode,
+    pub headers: axum::http::HeaderMap,
+    pub json: serde_json::Value,
+}
+
+impl Harness {
+    pub async fn call(
+        &self,
+        method: &str,
+        path: &str,
+        key: Option<&str>,
+        body: Option<&str>,
+        extra: &[(&str, &str)],
+    ) -> Reply {
+        let mut b = Request::builder().method(method).uri(path);
+        if let Some(k) = key {
+            b = b.header("x-api-key", k);
+        }
+        if body.is_some() {
+            b = b.header("content-type", "application/json");
+        }
+        for (k, v) in extra {
+            b = b.header(*k, *v);
+        }
+        let req = b.body(Body::from(body.unwrap_or("").to_string())).unwrap();
+        let resp = self.router.clone().oneshot(req).await.unwrap();
+        let status = resp.status();
+        let headers = resp.headers().clone();
+        let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+        let json = if bytes.is_empty() {
+            serde_json::Value::Null
+        } else {
+            serde_json::from_slice(&bytes).unwrap_or_else(|_| {
+                serde_json::Value::String(String::from_utf8_lossy(&bytes).into())
+            })
+        };
+        Reply {
+            status,
+            headers,
+            json,
+        }
+    }
+
+    pub async fn req(&self, method: &str, path: &str, body: Option<&str>) -> Reply {
+        let key = self.key.clone();
+        self.call(method, path, Some(&key), body, &[]).await
+    }
+
+    /// Creates a sandbox from `base` and returns its id.
+    pub async fn create(&self, body: &str) -> String {
+        let r = self.req("POST", "/v2/sandboxes", Some(body)).await;
+        assert_eq!(r.status, StatusCode::CREATED, "{:?}", r.json);
+        r.json["sandboxID"].as_str().unwrap().to_string()
+    }
+}

@@ -1,0 +1,836 @@
+//! The REST surface against in-memory parts: shapes, statuses, auth, idempotency, admission,
+//! limits, the state machine and the reaper.
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::collections::HashSet;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+
+use axum::http::StatusCode;
+use common::harness;
+use vmon_api::records::{EventKind, TeamLimits};
+
+fn limits(max_concurrent: u32) -> TeamLimits {
+    TeamLimits {
+        max_concurrent,
+        ..TeamLimits::default()
+    }
+}
+
+#[tokio::test]
+async fn health_and_auth() {
+    let h = harness(limits(5)).await;
+    let r = h.call("GET", "/health", None, None, &[]).await;
+    assert_eq!(r.status, StatusCode::NO_CONTENT);
+
+    let r = h.call("GET", "/v2/sandboxes", None, None, &[]).await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(r.json["code"], 401);
+    assert!(r.json["message"].is_string());
+
+    let r = h
+        .call(
+            "POST",
+            "/v2/sandboxes",
+            Some("e2b_nope"),
+            Some(r#"{"templateID":"base"}"#),
+            &[],
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+
+    let r = h.req("GET", "/no/such/thing", None).await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+    assert_eq!(r.json["code"], 404);
+}
+
+#[tokio::test]
+async fn create_answers_the_sdk_shape() {
+    let h = harness(limits(5)).await;
+    let r = h
+        .req(
+            "POST",
+            "/v2/sandboxes",
+            Some(r#"{"templateID":"base","timeout":600,"metadata":{"job":"42"},"envVars":{"FOO":"bar"},"someFutureField":{"x":1}}"#),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{:?}", r.json);
+    let id = r.json["sandboxID"].as_str().unwrap();
+    assert_eq!(id.len(), 21);
+    assert!(id.starts_with('i'));
+    assert!(id[1..]
+        .bytes()
+        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit()));
+    assert_eq!(r.json["envdVersion"], "0.6.4");
+    assert_eq!(r.json["alias"], "base");
+    assert!(r.json["templateID"].is_string());
+    assert!(r.json["clientID"].is_string());
+    assert!(r.json["envdAccessToken"].as_str().unwrap().len() >= 32);
+    assert!(r.json["trafficAccessToken"].is_null());
+
+    let start = h.node.starts.lock().unwrap().last().cloned().unwrap();
+    assert_eq!(start.env_vars.get("FOO").map(String::as_str), Some("bar"));
+    assert_eq!(
+        start.envd_access_token.as_deref(),
+        r.json["envdAccessToken"].as_str()
+    );
+
+    let d = h.req("GET", &format!("/sandboxes/{id}"), None).await;
+    assert_eq!(d.status, StatusCode::OK);
+    assert_eq!(d.json["state"], "running");
+    assert_eq!(d.json["metadata"]["job"], "42");
+    assert_eq!(d.json["cpuCount"], 2);
+    assert_eq!(d.json["memoryMB"], 512);
+    assert_eq!(d.json["lifecycle"]["onTimeout"], "kill");
+    assert_eq!(d.json["lifecycle"]["autoResume"], false);
+    let started = time::OffsetDateTime::parse(
+        d.json["startedAt"].as_str().unwrap(),
+        &time::format_description::well_known::Rfc3339,
+    )
+    .unwrap();
+    let end = time::OffsetDateTime::parse(
+        d.json["endAt"].as_str().unwrap(),
+        &time::format_description::well_known::Rfc3339,
+    )
+    .unwrap();
+    assert!((end - started).whole_seconds() >= 599);
+
+    // Legacy path: default timeout 15 s.
+    let r = h
+        .req("POST", "/sandboxes", Some(r#"{"templateID":"base"}"#))
+        .await;
+    assert_eq!(r.status, StatusCode::CREATED);
+}
+
+#[tokio::test]
+async fn private_traffic_gets_a_traffic_token() {
+    let h = harness(limits(5)).await;
+    let r = h
+        .req(
+            "POST",
+            "/v2/sandboxes",
+            Some(r#"{"templateID":"base","network":{"allowPublicTraffic":false}}"#),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::CREATED);
+    assert!(r.json["trafficAccessToken"].as_str().unwrap().len() >= 32);
+    let id = r.json["sandboxID"].as_str().unwrap();
+    let d = h.req("GET", &format!("/sandboxes/{id}"), None).await;
+    assert_eq!(d.json["network"]["allowPublicTraffic"], false);
+}
+
+#[tokio::test]
+async fn bad_input_is_a_400_with_a_message() {
+    let h = harness(limits(5)).await;
+    for body in [
+        r#"{"templateID":"base","timeout":"long"}"#,
+        r#"{"templateID":"base","metadata":{"a":1}}"#,
+        r#"{"templateID":7}"#,
+        r#"{}"#,
+        r#"not json"#,
+        r#"{"templateID":"base","timeout":-5}"#,
+    ] {
+        let r = h.req("POST", "/v2/sandboxes", Some(body)).await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{body}: {:?}", r.json);
+        assert_eq!(r.json["code"], 400);
+        assert!(!r.json["message"].as_str().unwrap().is_empty());
+    }
+    let r = h
+        .req("POST", "/v2/sandboxes", Some(r#"{"templateID":"nope"}"#))
+        .await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+    assert_eq!(r.json["code"], 404);
+
+    // Above the team's vCPU limit.
+    let r = h
+        .req("POST", "/v2/sandboxes", Some(r#"{"templateID":"big"}"#))
+        .await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST, "{:?}", r.json);
+
+    let id = h.create(r#"{"templateID":"base"}"#).await;
+    let r = h
+        .req(
+            "POST",
+            &format!("/sandboxes/{id}/timeout"),
+            Some(r#"{"timeout":"x"}"#),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+    for body in [
+        r#"{"count":0}"#,
+        r#"{"count":101}"#,
+        r#"{"count":5}"#,
+        r#"{"count":-1}"#,
+    ] {
+        let r = h
+            .req("POST", &format!("/sandboxes/{id}/fork"), Some(body))
+            .await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{body}");
+    }
+    // Nothing was left half-done.
+    assert_eq!(h.node.running_count(), 1);
+}
+
+#[tokio::test]
+async fn other_teams_sandboxes_do_not_exist() {
+    let h = harness(limits(5)).await;
+    let id = h.create(r#"{"templateID":"base"}"#).await;
+    let other = h.other_key.clone();
+    for (m, p, b) in [
+        ("GET", format!("/sandboxes/{id}"), None),
+        ("DELETE", format!("/sandboxes/{id}"), None),
+        ("POST", format!("/sandboxes/{id}/pause"), Some("{}")),
+        ("POST", format!("/v2/sandboxes/{id}/connect"), Some("{}")),
+        (
+            "POST",
+            format!("/sandboxes/{id}/timeout"),
+            Some(r#"{"timeout":5}"#),
+        ),
+    ] {
+        let r = h.call(m, &p, Some(&other), b, &[]).await;
+        assert_eq!(r.status, StatusCode::NOT_FOUND, "{m} {p}");
+    }
+    let r = h
+        .call("GET", "/v2/sandboxes", Some(&other), None, &[])
+        .await;
+    assert_eq!(r.json.as_array().unwrap().len(), 0);
+    // Still running for its owner.
+    let r = h.req("GET", &format!("/sandboxes/{id}"), None).await;
+    assert_eq!(r.json["state"], "running");
+}
+
+#[tokio::test]
+async fn idempotency_key_returns_the_same_sandbox_and_failures_free_it() {
+    let h = harness(limits(5)).await;
+    let key = h.key.clone();
+    let body = r#"{"templateID":"base"}"#;
+    let hdr = [("idempotency-key", "job-42")];
+    let a = h
+        .call("POST", "/v2/sandboxes", Some(&key), Some(body), &hdr)
+        .await;
+    let b = h
+        .call("POST", "/v2/sandboxes", Some(&key), Some(body), &hdr)
+        .await;
+    assert_eq!(a.status, StatusCode::CREATED);
+    assert_eq!(b.status, StatusCode::CREATED);
+    assert_eq!(a.json["sandboxID"], b.json["sandboxID"]);
+    assert_eq!(h.node.running_count(), 1);
+
+    // Concurrent repeats of one key make one sandbox.
+    let mut tasks = Vec::new();
+    for _ in 0..4 {
+        let router = h.router.clone();
+        let key = key.clone();
+        tasks.push(tokio::spawn(async move {
+            use tower::ServiceExt;
+            let req = axum::http::Request::post("/v2/sandboxes")
+                .header("x-api-key", key)
+                .header("idempotency-key", "parallel")
+                .body(axum::body::Body::from(body))
+                .unwrap();
+            let resp = router.oneshot(req).await.unwrap();
+            let bytes = http_body_util::BodyExt::collect(resp.into_body())
+                .await
+                .unwrap()
+                .to_bytes();
+            let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+            v["sandboxID"].as_str().unwrap().to_string()
+        }));
+    }
+    let ids: HashSet<String> = futures::future::join_all(tasks)
+        .await
+        .into_iter()
+        .map(|r| r.unwrap())
+        .collect();
+    assert_eq!(ids.len(), 1);
+    assert_eq!(h.node.running_count(), 2);
+
+    // A failed create frees its key.
+    h.node.fail_starts.store(1, Ordering::SeqCst);
+    let hdr = [("idempotency-key", "retry-me")];
+    let f = h
+        .call("POST", "/v2/sandboxes", Some(&key), Some(body), &hdr)
+        .await;
+    assert_eq!(f.status, StatusCode::INTERNAL_SERVER_ERROR);
+    let ok = h
+        .call("POST", "/v2/sandboxes", Some(&key), Some(body), &hdr)
+        .await;
+    assert_eq!(ok.status, StatusCode::CREATED, "{:?}", ok.json);
+
+    // The same key of another team is another sandbox.
+    let other = h.other_key.clone();
+    let hdr = [("idempotency-key", "job-42")];
+    let c = h
+        .call("POST", "/v2/sandboxes", Some(&other), Some(body), &hdr)
+        .await;
+    assert_eq!(c.status, StatusCode::CREATED);
+    assert_ne!(c.json["sandboxID"], a.json["sandboxID"]);
+
+    let bad = h
+        .call(
+            "POST",
+            "/v2/sandboxes",
+            Some(&key),
+            Some(body),
+            &[("idempotency-key", "UPPER")],
+        )
+        .await;
+    assert_eq!(bad.status, StatusCode::BAD_REQUEST);
+}
+
+#[tokio::test]
+async fn admission_is_atomic_and_paused_sandboxes_do_not_count() {
+    let h = harness(limits(3)).await;
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        let router = h.router.clone();
+        let key = h.key.clone();
+        tasks.push(tokio::spawn(async move {
+            use tower::ServiceExt;
+            let req = axum::http::Request::post("/v2/sandboxes")
+                .header("x-api-key", key)
+                .body(axum::body::Body::from(r#"{"templateID":"base"}"#))
+                .unwrap();
+            router.oneshot(req).await.unwrap().status()
+        }));
+    }
+    let statuses: Vec<StatusCode> = futures::future::join_all(tasks)
+        .await
+        .into_iter()
+        .map(|r| r.unwrap())
+        .collect();
+    assert_eq!(
+        statuses
+            .iter()
+            .filter(|s| **s == StatusCode::CREATED)
+            .count(),
+        3
+    );
+    assert_eq!(
+        statuses
+            .iter()
+            .filter(|s| **s == StatusCode::TOO_MANY_REQUESTS)
+            .count(),
+        5
+    );
+    let r = h
+        .req("POST", "/v2/sandboxes", Some(r#"{"templateID":"base"}"#))
+        .await;
+    assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(r.json["code"], 429);
+
+    let list = h.req("GET", "/v2/sandboxes", None).await;
+    let id = list.json[0]["sandboxID"].as_str().unwrap().to_string();
+    let p = h
+        .req("POST", &format!("/sandboxes/{id}/pause"), Some("{}"))
+        .await;
+    assert_eq!(p.status, StatusCode::NO_CONTENT);
+    h.create(r#"{"templateID":"base"}"#).await;
+    // A resume counts too.
+    let c = h
+        .req("POST", &format!("/v2/sandboxes/{id}/connect"), Some("{}"))
+        .await;
+    assert_eq!(c.status, StatusCode::TOO_MANY_REQUESTS);
+    // The other team has its own budget.
+    let other = h.other_key.clone();
+    let r = h
+        .call(
+            "POST",
+            "/v2/sandboxes",
+            Some(&other),
+            Some(r#"{"templateID":"base"}"#),
+            &[],
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::CREATED);
+}
+
+#[tokio::test]
+async fn pause_connect_kill() {
+    let h = harness(limits(5)).await;
+    let id = h.create(r#"{"templateID":"base","timeout":600}"#).await;
+
+    let p = h
+        .req("POST", &format!("/sandboxes/{id}/pause"), Some("{}"))
+        .await;
+    assert_eq!(p.status, StatusCode::NO_CONTENT);
+    let p = h
+        .req("POST", &format!("/sandboxes/{id}/pause"), Some("{}"))
+        .await;
+    assert_eq!(p.status, StatusCode::CONFLICT);
+    let d = h.req("GET", &format!("/sandboxes/{id}"), None).await;
+    assert_eq!(d.json["state"], "paused");
+    assert_eq!(d.json["pauseMode"], "full");
+    assert!(h
+        .control
+        .records()
+        .sandbox(&id)
+        .await
+        .unwrap()
+        .unwrap()
+        .guest_ip
+        .is_none());
+
+    let l = h.req("GET", "/v2/sandboxes?state=paused", None).await;
+    assert_eq!(l.json.as_array().unwrap().len(), 1);
+    let l = h.req("GET", "/sandboxes", None).await;
+    assert_eq!(
+        l.json.as_array().unwrap().len(),
+        0,
+        "legacy list is running only"
+    );
+
+    let c = h
+        .req(
+            "POST",
+            &format!("/v2/sandboxes/{id}/connect"),
+            Some(r#"{"timeout":60}"#),
+        )
+        .await;
+    assert_eq!(c.status, StatusCode::CREATED, "{:?}", c.json);
+    assert_eq!(c.json["sandboxID"], id.as_str());
+    let last = h.node.starts.lock().unwrap().last().cloned().unwrap();
+    assert!(!last.cold_boot, "memory pause restores memory");
+    let end1 = h
+        .control
+        .records()
+        .sandbox(&id)
+        .await
+        .unwrap()
+        .unwrap()
+        .end_at;
+
+    // Connect to a running sandbox: 200, extends, never shortens.
+    let c = h
+        .req(
+            "POST",
+            &format!("/v2/sandboxes/{id}/connect"),
+            Some(r#"{"timeout":10}"#),
+        )
+        .await;
+    assert_eq!(c.status, StatusCode::OK);
+    let end2 = h
+        .control
+        .records()
+        .sandbox(&id)
+        .await
+        .unwrap()
+        .unwrap()
+        .end_at;
+    assert_eq!(end1, end2);
+    let c = h
+        .req(
+            "POST",
+            &format!("/sandboxes/{id}/connect"),
+            Some(r#"{"timeout":3000}"#),
+        )
+        .await;
+    assert_eq!(c.status, StatusCode::OK);
+    let end3 = h
+        .control
+        .records()
+        .sandbox(&id)
+        .await
+        .unwrap()
+        .unwrap()
+        .end_at;
+    assert!(end3 > end2);
+
+    // set_timeout may shorten.
+    let t = h
+        .req(
+            "POST",
+            &format!("/sandboxes/{id}/timeout"),
+            Some(r#"{"timeout":5}"#),
+        )
+        .await;
+    assert_eq!(t.status, StatusCode::NO_CONTENT);
+    let end4 = h
+        .control
+        .records()
+        .sandbox(&id)
+        .await
+        .unwrap()
+        .unwrap()
+        .end_at;
+    assert!(end4 < end3);
+
+    // Filesystem pause, then reboot resume.
+    let p = h
+        .req(
+            "POST",
+            &format!("/sandboxes/{id}/pause"),
+            Some(r#"{"memory":false}"#),
+        )
+        .await;
+    assert_eq!(p.status, StatusCode::NO_CONTENT);
+    let d = h.req("GET", &format!("/sandboxes/{id}"), None).await;
+    assert_eq!(d.json["pauseMode"], "filesystem");
+    let c = h
+        .req("POST", &format!("/v2/sandboxes/{id}/connect"), Some("{}"))
+        .await;
+    assert_eq!(c.status, StatusCode::CREATED);
+    assert!(h.node.starts.lock().unwrap().last().unwrap().cold_boot);
+
+    let p = h
+        .req("POST", &format!("/sandboxes/{id}/pause"), Some("{}"))
+        .await;
+    assert_eq!(p.status, StatusCode::NO_CONTENT);
+    let c = h
+        .req(
+            "POST",
+            &format!("/v2/sandboxes/{id}/connect"),
+            Some(r#"{"memory":false}"#),
+        )
+        .await;
+    assert_eq!(c.status, StatusCode::CREATED);
+    assert!(
+        h.node.starts.lock().unwrap().last().unwrap().cold_boot,
+        "memory:false reboots"
+    );
+
+    // Kill a paused sandbox too.
+    let p = h
+        .req("POST", &format!("/sandboxes/{id}/pause"), Some("{}"))
+        .await;
+    assert_eq!(p.status, StatusCode::NO_CONTENT);
+    let k = h.req("DELETE", &format!("/sandboxes/{id}"), None).await;
+    assert_eq!(k.status, StatusCode::NO_CONTENT);
+    let k = h.req("DELETE", &format!("/sandboxes/{id}"), None).await;
+    assert_eq!(k.status, StatusCode::NOT_FOUND);
+    let g = h.req("GET", &format!("/sandboxes/{id}"), None).await;
+    assert_eq!(g.status, StatusCode::NOT_FOUND);
+
+    let kinds: Vec<EventKind> = h
+        .records
+        .events()
+        .into_iter()
+        .filter(|e| e.sandbox_id == id)
+        .map(|e| e.kind)
+        .collect();
+    assert_eq!(kinds.first(), Some(&EventKind::Created));
+    assert_eq!(kinds.last(), Some(&EventKind::Killed));
+    assert!(kinds.contains(&EventKind::Paused) && kinds.contains(&EventKind::Resumed));
+}
+
+#[tokio::test]
+async fn execution_ids_change_on_resume() {
+    let h = harness(limits(5)).await;
+    let id = h.create(r#"{"templateID":"base"}"#).await;
+    let e1 = h
+        .control
+        .records()
+        .sandbox(&id)
+        .await
+        .unwrap()
+        .unwrap()
+        .execution_id;
+    h.req("POST", &format!("/sandboxes/{id}/pause"), Some("{}"))
+        .await;
+    h.req("POST", &format!("/v2/sandboxes/{id}/connect"), Some("{}"))
+        .await;
+    let e2 = h
+        .control
+        .records()
+        .sandbox(&id)
+        .await
+        .unwrap()
+        .unwrap()
+        .execution_id;
+    assert_ne!(e1, e2);
+}
+
+#[tokio::test]
+async fn fork_and_snapshots() {
+    let h = harness(limits(10)).await;
+    let id = h
+        .create(r#"{"templateID":"base","metadata":{"role":"parent"},"envVars":{"A":"1"}}"#)
+        .await;
+    let f = h
+        .req(
+            "POST",
+            &format!("/sandboxes/{id}/fork"),
+            Some(r#"{"count":3,"timeout":600}"#),
+        )
+        .await;
+    assert_eq!(f.status, StatusCode::CREATED, "{:?}", f.json);
+    let children = f.json.as_array().unwrap();
+    assert_eq!(children.len(), 3);
+    let ids: HashSet<&str> = children
+        .iter()
+        .map(|c| c["sandbox"]["sandboxID"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids.len(), 3);
+    assert!(!ids.contains(id.as_str()));
+    let child = children[0]["sandbox"]["sandboxID"].as_str().unwrap();
+    let d = h.req("GET", &format!("/sandboxes/{child}"), None).await;
+    assert_eq!(d.json["metadata"]["role"], "parent");
+    // The source keeps running with its id.
+    let d = h.req("GET", &format!("/sandboxes/{id}"), None).await;
+    assert_eq!(d.json["state"], "running");
+
+    // Per-child failures are per-child.
+    h.node.fail_starts.store(1, Ordering::SeqCst);
+    let f = h
+        .req(
+            "POST",
+            &format!("/sandboxes/{id}/fork"),
+            Some(r#"{"count":2}"#),
+        )
+        .await;
+    assert_eq!(f.status, StatusCode::CREATED);
+    let errors = f
+        .json
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|c| c["error"]["code"].is_number())
+        .count();
+    assert_eq!(errors, 1);
+
+    let s = h
+        .req(
+            "POST",
+            &format!("/sandboxes/{id}/snapshots"),
+            Some(r#"{"name":"my-snap:v1"}"#),
+        )
+        .await;
+    assert_eq!(s.status, StatusCode::CREATED, "{:?}", s.json);
+    let snap_id = s.json["snapshotID"].as_str().unwrap().to_string();
+    assert_eq!(snap_id, "team-a/my-snap:v1");
+    assert_eq!(s.json["names"][0], snap_id.as_str());
+    let u = h
+        .req("POST", &format!("/sandboxes/{id}/snapshots"), Some("{}"))
+        .await;
+    assert_eq!(u.status, StatusCode::CREATED);
+    assert!(u.json["snapshotID"].as_str().unwrap().ends_with(":default"));
+
+    let bad = h
+        .req(
+            "POST",
+            &format!("/sandboxes/{id}/snapshots"),
+            Some(r#"{"name":"other-team/x"}"#),
+        )
+        .await;
+    assert_eq!(bad.status, StatusCode::BAD_REQUEST);
+    let taken = h
+        .req(
+            "POST",
+            &format!("/sandboxes/{id}/snapshots"),
+            Some(r#"{"name":"base"}"#),
+        )
+        .await;
+    assert_eq!(taken.status, StatusCode::CONFLICT);
+
+    // Snapshots outlive their source.
+    h.req("DELETE", &format!("/sandboxes/{id}"), None).await;
+    for reference in [
+        snap_id.as_str(),
+        "my-snap:v1",
+        u.json["snapshotID"].as_str().unwrap(),
+    ] {
+        let c = h
+            .req(
+                "POST",
+                "/v2/sandboxes",
+                Some(&format!(r#"{{"templateID":"{reference}"}}"#)),
+            )
+            .await;
+        assert_eq!(c.status, StatusCode::CREATED, "{reference}: {:?}", c.json);
+    }
+
+    let l = h.req("GET", "/snapshots", None).await;
+    assert_eq!(l.json.as_array().unwrap().len(), 2);
+    let l = h
+        .req("GET", &format!("/snapshots?sandboxID={id}&limit=1"), None)
+        .await;
+    assert_eq!(l.json.as_array().unwrap().len(), 1);
+    assert!(l.headers.contains_key("x-next-token"));
+
+    let enc = snap_id.replace('/', "%2F").replace(':', "%3A");
+    let del = h.req("DELETE", &format!("/templates/{enc}"), None).await;
+    assert_eq!(del.status, StatusCode::NO_CONTENT, "{:?}", del.json);
+    let del = h.req("DELETE", &format!("/templates/{enc}"), None).await;
+    assert_eq!(del.status, StatusCode::NOT_FOUND);
+    let c = h
+        .req(
+            "POST",
+            "/v2/sandboxes",
+            Some(&format!(r#"{{"templateID":"{snap_id}"}}"#)),
+        )
+        .await;
+    assert_eq!(c.status, StatusCode::NOT_FOUND);
+    // A shared template cannot be deleted by a team.
+    let del = h.req("DELETE", "/templates/base", None).await;
+    assert_eq!(del.status, StatusCode::NOT_FOUND);
+}
+
+#[tokio::test]
+async fn list_filters_and_pages() {
+    let h = harness(limits(20)).await;
+    for i in 0..5 {
+        h.create(&format!(
+            r#"{{"templateID":"base","metadata":{{"n":"{i}","group":"{}"}}}}"#,
+            if i % 2 == 0 { "even" } else { "odd" }
+        ))
+        .await;
+    }
+    let r = h
+        .req("GET", "/v2/sandboxes?metadata=group%3Deven", None)
+        .await;
+    assert_eq!(r.json.as_array().unwrap().len(), 3);
+    assert_eq!(r.headers["x-total-running"], "5");
+    let r = h
+        .req("GET", "/v2/sandboxes?metadata=group%3Deven%26n%3D2", None)
+        .await;
+    assert_eq!(r.json.as_array().unwrap().len(), 1);
+
+    let mut seen = Vec::new();
+    let mut token: Option<String> = None;
+    loop {
+        let path = match &token {
+            Some(t) => format!("/v2/sandboxes?limit=2&order=asc&nextToken={t}"),
+            None => "/v2/sandboxes?limit=2&order=asc".to_string(),
+        };
+        let r = h.req("GET", &path, None).await;
+        for s in r.json.as_array().unwrap() {
+            seen.push(s["metadata"]["n"].as_str().unwrap().to_string());
+        }
+        match r.headers.get("x-next-token") {
+            Some(t) => token = Some(t.to_str().unwrap().to_string()),
+            None => break,
+        }
+    }
+    assert_eq!(seen, vec!["0", "1", "2", "3", "4"]);
+
+    let r = h.req("GET", "/v2/sandboxes?state=bogus", None).await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+    let r = h.req("GET", "/v2/sandboxes?template=base", None).await;
+    assert_eq!(r.json.as_array().unwrap().len(), 5);
+    let r = h.req("GET", "/v2/sandboxes?template=other", None).await;
+    assert_eq!(r.json.as_array().unwrap().len(), 0);
+    let r = h
+        .req(
+            "GET",
+            "/v2/sandboxes?startedAfter=2999-01-01T00:00:00Z",
+            None,
+        )
+        .await;
+    assert_eq!(r.json.as_array().unwrap().len(), 0);
+}
+
+#[tokio::test]
+async fn reaper_kills_or_pauses_and_a_failed_pause_kills() {
+    let h = harness(limits(10)).await;
+    let kill_me = h.create(r#"{"templateID":"base","timeout":0}"#).await;
+    let pause_me = h
+        .create(
+            r#"{"templateID":"base","timeout":0,"autoPause":true,"autoResume":{"enabled":true}}"#,
+        )
+        .await;
+    let keep = h.create(r#"{"templateID":"base","timeout":600}"#).await;
+    let in_flight = Arc::new(Mutex::new(HashSet::new()));
+    h.control.reap_once(&in_flight).await;
+    for _ in 0..100 {
+        if in_flight.lock().unwrap().is_empty() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let r = h.req("GET", &format!("/sandboxes/{kill_me}"), None).await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+    let r = h.req("GET", &format!("/sandboxes/{pause_me}"), None).await;
+    assert_eq!(r.json["state"], "paused");
+    assert_eq!(r.json["lifecycle"]["onTimeout"], "pause");
+    let r = h.req("GET", &format!("/sandboxes/{keep}"), None).await;
+    assert_eq!(r.json["state"], "running");
+    let killed = h
+        .records
+        .events()
+        .into_iter()
+        .find(|e| e.sandbox_id == kill_me && e.kind == EventKind::Killed)
+        .unwrap();
+    assert_eq!(killed.data["kill_reason"], "timeout");
+
+    let fails = h
+        .create(r#"{"templateID":"base","timeout":0,"autoPause":true}"#)
+        .await;
+    h.node.fail_pauses.store(1, Ordering::SeqCst);
+    h.control.reap_once(&in_flight).await;
+    for _ in 0..100 {
+        if in_flight.lock().unwrap().is_empty() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let r = h.req("GET", &format!("/sandboxes/{fails}"), None).await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+}
+
+#[tokio::test]
+async fn admin_routes_need_the_admin_token() {
+    let h = harness(limits(5)).await;
+    let r = h
+        .call("POST", "/admin/teams", None, Some(r#"{"name":"Ops"}"#), &[])
+        .await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+    let r = h
+        .call(
+            "POST",
+            "/admin/teams",
+            None,
+            Some(r#"{"name":"Ops"}"#),
+            &[("x-admin-token", "admintoken")],
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::CREATED);
+    let key = r.json["apiKey"].as_str().unwrap().to_string();
+    let key_id = r.json["key"]["id"].as_str().unwrap().to_string();
+    let c = h
+        .call(
+            "POST",
+            "/v2/sandboxes",
+            Some(&key),
+            Some(r#"{"templateID":"base"}"#),
+            &[],
+        )
+        .await;
+    assert_eq!(c.status, StatusCode::CREATED);
+    let id = c.json["sandboxID"].as_str().unwrap().to_string();
+    let r = h
+        .call(
+            "DELETE",
+            &format!("/admin/keys/{key_id}"),
+            None,
+            None,
+            &[("x-admin-token", "admintoken")],
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::NO_CONTENT);
+    let c = h.call("GET", "/v2/sandboxes", Some(&key), None, &[]).await;
+    assert_eq!(
+        c.status,
+        StatusCode::UNAUTHORIZED,
+        "a revoked key no longer works"
+    );
+    let r = h
+        .call(
+            "DELETE",
+            &format!("/admin/sandboxes/{id}"),
+            None,
+            None,
+            &[("x-admin-token", "admintoken")],
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::NO_CONTENT);
+    let ev = h
+        .records
+        .events()
+        .into_iter()
+        .find(|e| e.sandbox_id == id && e.kind == EventKind::Killed)
+        .unwrap();
+    assert_eq!(ev.data["kill_reason"], "admin");
+}
