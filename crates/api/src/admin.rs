@@ -22,6 +22,55 @@ pub(crate) fn routes() -> Router<AppState> {
         .route("/admin/keys/:id", delete(revoke_key))
         .route("/admin/sandboxes", get(list_sandboxes))
         .route("/admin/sandboxes/:id", delete(kill_sandbox))
+        .route("/admin/routes/:id", get(route))
+        .route("/admin/routes/:id/resume", post(resume_route))
+}
+
+/// A sandbox's route as a standalone `vmon proxy` reads it.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct RouteInfo {
+    #[serde(rename = "guestIp")]
+    pub guest_ip: Option<std::net::IpAddr>,
+    #[serde(rename = "autoResume")]
+    pub auto_resume: bool,
+    #[serde(rename = "trafficAccessToken")]
+    pub traffic_access_token: Option<String>,
+}
+
+async fn route(
+    State(s): State<AppState>,
+    _: Admin,
+    Path(id): Path<String>,
+) -> ApiResult<Json<RouteInfo>> {
+    use vmon_proxy::Routes;
+    let r = crate::control::ProxyRoutes(s.control.clone())
+        .lookup(&id)
+        .await
+        .ok_or_else(|| ApiError::sandbox_not_found(&id))?;
+    Ok(Json(RouteInfo {
+        guest_ip: r.guest_ip,
+        auto_resume: r.auto_resume,
+        traffic_access_token: r.traffic_access_token,
+    }))
+}
+
+async fn resume_route(
+    State(s): State<AppState>,
+    _: Admin,
+    Path(id): Path<String>,
+) -> ApiResult<Json<RouteInfo>> {
+    use vmon_proxy::{ResumeError, Routes};
+    let routes = crate::control::ProxyRoutes(s.control.clone());
+    match routes.resume_for_traffic(&id).await {
+        Ok(ip) => Ok(Json(RouteInfo {
+            guest_ip: Some(ip),
+            auto_resume: true,
+            traffic_access_token: None,
+        })),
+        Err(ResumeError::NotFound(_)) => Err(ApiError::sandbox_not_found(&id)),
+        Err(ResumeError::Refused(m)) => Err(ApiError::conflict(m)),
+        Err(ResumeError::Failed(m)) => Err(ApiError::internal(m)),
+    }
 }
 
 struct Admin;

@@ -208,28 +208,63 @@ pub trait Records: Send + Sync + 'static {
     async fn commit(&self, change: Change, event: LifecycleEvent) -> RecordResult<()>;
 }
 
-/// Records in memory. Nothing survives the process.
+/// Records in memory, optionally saved to a JSON file after every change (the interim
+/// durable store of `vmon up` until the SQL store is wired in). Events stay in memory only.
 #[derive(Default)]
 pub struct MemoryRecords {
     inner: Mutex<Memory>,
+    file: Option<std::path::PathBuf>,
 }
 
-#[derive(Default)]
+#[derive(Default, Serialize, Deserialize)]
 struct Memory {
     teams: HashMap<String, Team>,
     keys: HashMap<String, (String, ApiKeyInfo)>,
     templates: HashMap<String, TemplateRecord>,
     sandboxes: HashMap<String, SandboxRecord>,
+    #[serde(skip)]
     events: Vec<LifecycleEvent>,
 }
+
+/// Events kept in memory at most.
+const MEMORY_EVENTS: usize = 10_000;
 
 impl MemoryRecords {
     pub fn new() -> Self {
         Self::default()
     }
 
+    /// Loads `file` if it exists and saves every change to it.
+    pub fn persistent(file: std::path::PathBuf) -> anyhow::Result<Self> {
+        let memory = match std::fs::read(&file) {
+            Ok(bytes) => serde_json::from_slice(&bytes)
+                .map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Memory::default(),
+            Err(e) => return Err(anyhow::anyhow!("{}: {e}", file.display())),
+        };
+        Ok(Self {
+            inner: Mutex::new(memory),
+            file: Some(file),
+        })
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Memory> {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Writes the state (under the lock, so saves never interleave): temp file, fsync, rename.
+    fn save(&self, m: &Memory) -> RecordResult<()> {
+        let Some(file) = &self.file else {
+            return Ok(());
+        };
+        use std::io::Write;
+        let tmp = file.with_extension("tmp");
+        let bytes = serde_json::to_vec(m)?;
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(&bytes)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, file)?;
+        Ok(())
     }
 
     /// Every event committed so far, oldest first.
@@ -256,8 +291,9 @@ impl Records for MemoryRecords {
         Ok(t)
     }
     async fn put_team(&self, team: Team) -> RecordResult<()> {
-        self.lock().teams.insert(team.id.clone(), team);
-        Ok(())
+        let mut m = self.lock();
+        m.teams.insert(team.id.clone(), team);
+        self.save(&m)
     }
     async fn add_key(&self, team_id: &str, key_hash: &str, mask: &str) -> RecordResult<ApiKeyInfo> {
         let info = ApiKeyInfo {
@@ -267,9 +303,10 @@ impl Records for MemoryRecords {
             created_at: OffsetDateTime::now_utc(),
             revoked: false,
         };
-        self.lock()
-            .keys
+        let mut m = self.lock();
+        m.keys
             .insert(info.id.clone(), (key_hash.to_string(), info.clone()));
+        self.save(&m)?;
         Ok(info)
     }
     async fn keys(&self, team_id: Option<&str>) -> RecordResult<Vec<ApiKeyInfo>> {
@@ -284,13 +321,16 @@ impl Records for MemoryRecords {
         Ok(k)
     }
     async fn revoke_key(&self, key_id: &str) -> RecordResult<bool> {
-        Ok(match self.lock().keys.get_mut(key_id) {
+        let mut m = self.lock();
+        let found = match m.keys.get_mut(key_id) {
             Some((_, k)) => {
                 k.revoked = true;
                 true
             }
             None => false,
-        })
+        };
+        self.save(&m)?;
+        Ok(found)
     }
 
     async fn template_by_id(&self, id: &str) -> RecordResult<Option<TemplateRecord>> {
@@ -316,11 +356,15 @@ impl Records for MemoryRecords {
         Ok(shared)
     }
     async fn put_template(&self, template: TemplateRecord) -> RecordResult<()> {
-        self.lock().templates.insert(template.id.clone(), template);
-        Ok(())
+        let mut m = self.lock();
+        m.templates.insert(template.id.clone(), template);
+        self.save(&m)
     }
     async fn delete_template(&self, id: &str) -> RecordResult<bool> {
-        Ok(self.lock().templates.remove(id).is_some())
+        let mut m = self.lock();
+        let found = m.templates.remove(id).is_some();
+        self.save(&m)?;
+        Ok(found)
     }
     async fn snapshots(&self, team_id: &str) -> RecordResult<Vec<TemplateRecord>> {
         let mut s: Vec<_> = self
@@ -360,7 +404,10 @@ impl Records for MemoryRecords {
             }
             Change::None => {}
         }
+        if m.events.len() >= MEMORY_EVENTS {
+            m.events.drain(..MEMORY_EVENTS / 10);
+        }
         m.events.push(event);
-        Ok(())
+        self.save(&m)
     }
 }

@@ -29,6 +29,18 @@ enum Command {
     Image(cmd::image::Args),
     /// Check this host: accelerator, QEMU, networking.
     Doctor(cmd::doctor::Args),
+    /// Run api, proxy and one node in one process (prints the E2B_* exports).
+    Up(cmd::up::Args),
+    /// Run the REST api (with its node in-process), without the proxy.
+    Api(cmd::api::Args),
+    /// Run the sandbox traffic proxy against a running api.
+    Proxy(cmd::proxy::Args),
+    /// Teams (admin).
+    Team(cmd::admin::TeamArgs),
+    /// API keys (admin).
+    Key(cmd::admin::KeyArgs),
+    /// Every team's sandboxes (admin).
+    Sandbox(cmd::admin::SandboxArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -45,6 +57,12 @@ fn main() -> anyhow::Result<()> {
         match cli.command {
             Command::Image(a) => cmd::image::run(&cli.data_dir, a).await,
             Command::Doctor(a) => cmd::doctor::run(&cli.data_dir, a).await,
+            Command::Up(a) => cmd::up::run(&cli.data_dir, a).await,
+            Command::Api(a) => cmd::api::run(&cli.data_dir, a).await,
+            Command::Proxy(a) => cmd::proxy::run(&cli.data_dir, a).await,
+            Command::Team(a) => cmd::admin::team(&cli.data_dir, a).await,
+            Command::Key(a) => cmd::admin::key(&cli.data_dir, a).await,
+            Command::Sandbox(a) => cmd::admin::sandbox(&cli.data_dir, a).await,
         }
     })
 }

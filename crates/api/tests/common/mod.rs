@@ -180,8 +180,10 @@ pub async fn harness_at(guest_ip: IpAddr, limits: TeamLimits) -> Harness {
         .unwrap();
     let node = FakeNode::new(guest_ip);
     let records = Arc::new(MemoryRecords::new());
-    let mut config = Config::default();
-    config.lock_wait_secs = 5;
+    let config = Config {
+        lock_wait_secs: 5,
+        ..Config::default()
+    };
     let control = Control::open(config, node.clone(), records.clone(), kv)
         .await
         .unwrap();

@@ -1,2 +1,6 @@
+pub mod admin;
+pub mod api;
 pub mod doctor;
 pub mod image;
+pub mod proxy;
+pub mod up;

@@ -1,0 +1,101 @@
+//! `vmon proxy`: the sandbox traffic proxy as its own process. It learns routes from the api's
+//! `/admin/routes` (with the admin token of the data dir) and asks it to resume paused
+//! sandboxes on traffic.
+
+use std::net::IpAddr;
+use std::path::Path;
+use std::sync::Arc;
+
+use anyhow::Context;
+use tokio_util::sync::CancellationToken;
+use vmon_api::admin::RouteInfo;
+use vmon_proxy::{ResumeError, Routes, SandboxRoute};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// TOML config file (default: `<data dir>/config.toml` when it exists).
+    #[arg(long, env = "VMON_CONFIG")]
+    pub config: Option<std::path::PathBuf>,
+}
+
+struct ApiRoutes {
+    base: String,
+    token: String,
+}
+
+impl ApiRoutes {
+    async fn get(&self, method: &str, path: &str) -> Result<RouteInfo, (u16, String)> {
+        let url = format!("{}{path}", self.base);
+        let (status, body) =
+            super::admin::request(method, &url, &[("x-admin-token", &self.token)], None)
+                .await
+                .map_err(|e| (502u16, e.to_string()))?;
+        if status != 200 {
+            let msg = serde_json::from_slice::<serde_json::Value>(&body)
+                .ok()
+                .and_then(|v| v["message"].as_str().map(str::to_string))
+                .unwrap_or_default();
+            return Err((status, msg));
+        }
+        serde_json::from_slice(&body).map_err(|e| (502, e.to_string()))
+    }
+}
+
+#[async_trait::async_trait]
+impl Routes for ApiRoutes {
+    async fn lookup(&self, sandbox_id: &str) -> Option<SandboxRoute> {
+        let r = self
+            .get("GET", &format!("/admin/routes/{sandbox_id}"))
+            .await
+            .ok()?;
+        Some(SandboxRoute {
+            guest_ip: r.guest_ip,
+            auto_resume: r.auto_resume,
+            traffic_access_token: r.traffic_access_token,
+        })
+    }
+
+    async fn resume_for_traffic(&self, sandbox_id: &str) -> Result<IpAddr, ResumeError> {
+        match self
+            .get("POST", &format!("/admin/routes/{sandbox_id}/resume"))
+            .await
+        {
+            Ok(RouteInfo {
+                guest_ip: Some(ip), ..
+            }) => Ok(ip),
+            Ok(_) => Err(ResumeError::Failed("the api returned no address".into())),
+            Err((404, _)) => Err(ResumeError::NotFound(sandbox_id.to_string())),
+            Err((409, m)) => Err(ResumeError::Refused(m)),
+            Err((_, m)) => Err(ResumeError::Failed(m)),
+        }
+    }
+}
+
+pub async fn run(data_dir: &Path, args: Args) -> anyhow::Result<()> {
+    let config = vmon_api::Config::load(args.config.as_deref(), data_dir)?;
+    let token_file = data_dir.join(super::up::ADMIN_TOKEN_FILE);
+    let token = std::fs::read_to_string(&token_file).with_context(|| {
+        format!(
+            "reading {} (start `vmon api` with this data dir first)",
+            token_file.display()
+        )
+    })?;
+    let routes = ApiRoutes {
+        base: config.api_url().trim_end_matches('/').to_string(),
+        token: token.trim().to_string(),
+    };
+    let listener = tokio::net::TcpListener::bind(config.proxy_listen)
+        .await
+        .with_context(|| format!("binding the proxy to {}", config.proxy_listen))?;
+    tracing::info!(listen = %config.proxy_listen, api = %routes.base, "proxy ready");
+    let cancel = CancellationToken::new();
+    let c = cancel.clone();
+    tokio::spawn(async move {
+        let _ = tokio::signal::ctrl_c().await;
+        c.cancel();
+    });
+    vmon_proxy::Proxy::new(Arc::new(routes))
+        .serve(listener, cancel)
+        .await;
+    Ok(())
+}

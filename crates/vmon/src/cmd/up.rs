@@ -1,0 +1,231 @@
+//! `vmon up`: api + proxy + one node in one process, embedded KV and records in the data dir.
+//!
+//! First start: creates the default team and its API key (the plaintext is kept in
+//! `<data dir>/api-key`, mode 0600, so later starts can print it again; the records hold only
+//! its hash) and builds the `base` template. Once both listeners are up it prints the three
+//! `export` lines on stdout; logs go to stderr.
+//!
+//! `vmon up --print-env` starts nothing: it waits until the `vmon up` using the same data dir
+//! answers, then prints the lines and exits. So
+//! `vmon up & eval "$(vmon up --print-env)"` works in one shell.
+
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use tokio_util::sync::CancellationToken;
+use vmon_api::records::{MemoryRecords, Records};
+use vmon_api::{Config, Control, ProxyRoutes};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// TOML config file (default: `<data dir>/config.toml` when it exists).
+    #[arg(long, env = "VMON_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Wait for the running `vmon up` of this data dir, print the exports, exit.
+    #[arg(long)]
+    pub print_env: bool,
+    /// How long `--print-env` waits, in seconds.
+    #[arg(long, default_value_t = 1800)]
+    pub wait_secs: u64,
+}
+
+pub const API_KEY_FILE: &str = "api-key";
+pub const ADMIN_TOKEN_FILE: &str = "admin-token";
+
+pub async fn run(data_dir: &Path, args: Args) -> anyhow::Result<()> {
+    let config = Config::load(args.config.as_deref(), data_dir)?;
+    if args.print_env {
+        return print_env_when_ready(data_dir, &config, Duration::from_secs(args.wait_secs)).await;
+    }
+    serve(data_dir, config, Parts { proxy: true }).await
+}
+
+/// Which parts a process runs besides the api and the in-process node.
+pub struct Parts {
+    pub proxy: bool,
+}
+
+pub async fn serve(data_dir: &Path, config: Config, parts: Parts) -> anyhow::Result<()> {
+    std::fs::create_dir_all(data_dir)
+        .with_context(|| format!("creating the data dir {}", data_dir.display()))?;
+    let cancel = CancellationToken::new();
+    shutdown_on_signal(cancel.clone());
+
+    let kv = vmon_kv::Kv::open_embedded(&vmon_kv::EmbeddedConfig::new(data_dir.join("kv")))
+        .await
+        .context("opening the embedded KV")?;
+    let records: Arc<dyn Records> =
+        Arc::new(MemoryRecords::persistent(data_dir.join("records.json"))?);
+    let api_key = bootstrap_team(records.as_ref(), data_dir, &config).await?;
+    let admin_token = secret_file(&data_dir.join(ADMIN_TOKEN_FILE))?;
+
+    tracing::info!(data_dir = %data_dir.display(), "starting the node");
+    let node = vmon_node::Node::open(vmon_node::NodeConfig::new(data_dir.to_path_buf()))
+        .await
+        .context("starting the node")?;
+    let control = Control::open(config.clone(), node, records, kv).await?;
+    control
+        .ensure_template("base", &config.base_template)
+        .await
+        .context("building the base template")?;
+
+    let api_listener = tokio::net::TcpListener::bind(config.api_listen)
+        .await
+        .with_context(|| format!("binding the api to {}", config.api_listen))?;
+    let mut tasks = tokio::task::JoinSet::new();
+    if parts.proxy {
+        let proxy_listener = tokio::net::TcpListener::bind(config.proxy_listen)
+            .await
+            .with_context(|| format!("binding the proxy to {}", config.proxy_listen))?;
+        let proxy = vmon_proxy::Proxy::new(Arc::new(ProxyRoutes(control.clone())));
+        let c = cancel.clone();
+        tasks.spawn(async move {
+            proxy.serve(proxy_listener, c).await;
+            Ok(())
+        });
+        tracing::info!(listen = %config.proxy_listen, "proxy ready");
+    }
+    tasks.spawn(control.clone().run_reaper(cancel.clone()).then_ok());
+    let c = cancel.clone();
+    let api_control = control.clone();
+    let token = Some(admin_token);
+    tasks.spawn(async move { vmon_api::serve(api_listener, api_control, token, c).await });
+    tracing::info!(listen = %config.api_listen, "api ready");
+
+    println!("{}", exports(&config, &api_key));
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+
+    // The first part to stop (or a signal) stops the others.
+    let first = tasks.join_next().await;
+    cancel.cancel();
+    while tasks.join_next().await.is_some() {}
+    match first {
+        Some(Ok(Err(e))) => Err(e),
+        Some(Err(e)) => Err(anyhow::anyhow!("a part of vmon up failed: {e}")),
+        _ => Ok(()),
+    }
+}
+
+trait ThenOk {
+    fn then_ok(self) -> impl std::future::Future<Output = anyhow::Result<()>> + Send;
+}
+
+impl<F: std::future::Future<Output = ()> + Send> ThenOk for F {
+    async fn then_ok(self) -> anyhow::Result<()> {
+        self.await;
+        Ok(())
+    }
+}
+
+pub fn exports(config: &Config, api_key: &str) -> String {
+    format!(
+        "export E2B_API_URL={}\nexport E2B_SANDBOX_URL={}\nexport E2B_API_KEY={}",
+        config.api_url(),
+        config.sandbox_url(),
+        api_key
+    )
+}
+
+/// The first start creates the default team; its key's plaintext goes to a 0600 file.
+async fn bootstrap_team(
+    records: &dyn Records,
+    data_dir: &Path,
+    config: &Config,
+) -> anyhow::Result<String> {
+    let key_file = data_dir.join(API_KEY_FILE);
+    if records.teams().await?.is_empty() {
+        let created = vmon_api::admin::create_team_with_key(
+            records,
+            "default",
+            Some("default"),
+            config.default_limits.clone(),
+        )
+        .await?;
+        write_private(&key_file, &created.api_key)?;
+        eprintln!(
+            "vmon: created the default team; its API key is {} (kept in {})",
+            created.api_key,
+            key_file.display()
+        );
+        return Ok(created.api_key);
+    }
+    let key = std::fs::read_to_string(&key_file)
+        .with_context(|| format!("reading the default API key from {}", key_file.display()))?;
+    Ok(key.trim().to_string())
+}
+
+fn write_private(path: &Path, contents: &str) -> anyhow::Result<()> {
+    use std::io::Write;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)
+        .with_context(|| format!("writing {}", path.display()))?;
+    f.write_all(contents.as_bytes())?;
+    f.sync_all()?;
+    Ok(())
+}
+
+/// Reads a secret file, creating it with a fresh token first.
+pub fn secret_file(path: &Path) -> anyhow::Result<String> {
+    match std::fs::read_to_string(path) {
+        Ok(s) if !s.trim().is_empty() => Ok(s.trim().to_string()),
+        _ => {
+            let token = vmon_api::ids::token();
+            write_private(path, &token)?;
+            Ok(token)
+        }
+    }
+}
+
+async fn print_env_when_ready(
+    data_dir: &Path,
+    config: &Config,
+    wait: Duration,
+) -> anyhow::Result<()> {
+    let deadline = tokio::time::Instant::now() + wait;
+    let health = format!("{}/health", config.api_url().trim_end_matches('/'));
+    loop {
+        let key = std::fs::read_to_string(data_dir.join(API_KEY_FILE)).ok();
+        if let Some(key) = key.filter(|k| !k.trim().is_empty()) {
+            if matches!(crate::cmd::admin::http_status(&health).await, Ok(204)) {
+                println!("{}", exports(config, key.trim()));
+                return Ok(());
+            }
+        }
+        if tokio::time::Instant::now() >= deadline {
+            anyhow::bail!(
+                "no vmon up answered at {health} within {}s (start one with `vmon up`)",
+                wait.as_secs()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+fn shutdown_on_signal(cancel: CancellationToken) {
+    tokio::spawn(async move {
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot watch SIGTERM");
+                    let _ = tokio::signal::ctrl_c().await;
+                    cancel.cancel();
+                    return;
+                }
+            };
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+        tracing::info!("shutting down");
+        cancel.cancel();
+    });
+}
