@@ -35,6 +35,9 @@ enum TeamCmd {
         /// Namespace of the team's snapshot names (default: from the name).
         #[arg(long)]
         slug: Option<String>,
+        /// Concurrent running sandboxes (default: the config's default limits).
+        #[arg(long)]
+        max_concurrent: Option<u32>,
     },
     /// List teams.
     List,
@@ -80,6 +83,7 @@ enum SandboxCmd {
 struct Client {
     base: String,
     token: String,
+    config: Config,
 }
 
 impl Client {
@@ -100,6 +104,7 @@ impl Client {
                 .trim_end_matches('/')
                 .to_string(),
             token: token.trim().to_string(),
+            config,
         })
     }
 

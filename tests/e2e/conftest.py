@@ -1,0 +1,198 @@
+"""End-to-end fixtures: one `vmon up` per test session, the official SDK configured only by
+E2B_API_URL, E2B_API_KEY and E2B_SANDBOX_URL.
+
+The data dir (VMON_E2E_DATA_DIR, default /var/tmp/vmon-e2e) keeps its guest-image cache
+(`images/`) across runs; everything else in it is deleted at the start of a session.
+Set VMON_E2E_EXTERNAL=1 to run against an already running server configured by the three
+E2B_* variables instead (team-creating tests are then skipped).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+DATA_DIR = Path(os.environ.get("VMON_E2E_DATA_DIR", "/var/tmp/vmon-e2e"))
+KEEP = {"images"}
+# First start builds the base template (and maybe the guest image) under TCG.
+STARTUP_TIMEOUT = float(os.environ.get("VMON_E2E_STARTUP_TIMEOUT", "3600"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _build() -> Path:
+    subprocess.run(
+        ["cargo", "build", "-p", "vmon", "-p", "vmon-envd"],
+        cwd=REPO,
+        check=True,
+    )
+    target = Path(os.environ.get("CARGO_TARGET_DIR", REPO / "target"))
+    return target / "debug" / "vmon"
+
+
+def _reset_data_dir() -> None:
+    DATA_DIR.mkdir(parents=True, exist_ok=True)
+    for entry in DATA_DIR.iterdir():
+        if entry.name in KEEP:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+
+
+class Server:
+    def __init__(self, binary: Path, env: dict[str, str], api_url: str, sandbox_url: str, api_key: str):
+        self.binary = binary
+        self.env = env
+        self.api_url = api_url
+        self.sandbox_url = sandbox_url
+        self.api_key = api_key
+
+    def vmon(self, *args: str) -> str:
+        """Runs a `vmon` verb against this server's data dir; returns stdout."""
+        out = subprocess.run(
+            [str(self.binary), *args],
+            env=self.env,
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        return out.stdout
+
+    def create_team(self, name: str, max_concurrent: int | None = None) -> str:
+        """A new team; returns its API key."""
+        args = ["team", "create", name]
+        if max_concurrent is not None:
+            args += ["--max-concurrent", str(max_concurrent)]
+        return self.vmon(*args).strip()
+
+
+@pytest.fixture(scope="session")
+def vmon():
+    if os.environ.get("VMON_E2E_EXTERNAL") == "1":
+        yield Server(
+            Path("vmon"),
+            dict(os.environ),
+            os.environ["E2B_API_URL"],
+            os.environ["E2B_SANDBOX_URL"],
+            os.environ["E2B_API_KEY"],
+        )
+        return
+
+    binary = _build()
+    _reset_data_dir()
+    api_port, proxy_port = _free_port(), _free_port()
+    env = dict(os.environ)
+    for k in [k for k in env if k.startswith("E2B_")]:
+        del env[k]
+    env.update(
+        VMON_DATA_DIR=str(DATA_DIR),
+        VMON_API_LISTEN=f"127.0.0.1:{api_port}",
+        VMON_PROXY_LISTEN=f"127.0.0.1:{proxy_port}",
+        VMON_LOG=os.environ.get("VMON_LOG", "info"),
+    )
+    log_path = DATA_DIR / "vmon-up.log"
+    log = open(log_path, "w")
+    proc = subprocess.Popen(
+        [str(binary), "up"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+        start_new_session=True,
+    )
+    exports: dict[str, str] = {}
+
+    def read_exports():
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            line = line.strip()
+            if line.startswith("export ") and "=" in line:
+                k, v = line[len("export "):].split("=", 1)
+                exports[k] = v
+
+    reader = threading.Thread(target=read_exports, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + STARTUP_TIMEOUT
+    while len(exports) < 3:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vmon up exited with {proc.returncode}; see {log_path}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"vmon up was not ready within {STARTUP_TIMEOUT}s; see {log_path}")
+        time.sleep(0.2)
+
+    saved = {k: os.environ.get(k) for k in exports}
+    os.environ.update(exports)
+    server = Server(binary, env, exports["E2B_API_URL"], exports["E2B_SANDBOX_URL"], exports["E2B_API_KEY"])
+    try:
+        yield server
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=60)
+        except Exception:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        log.close()
+        print(f"vmon up log: {log_path}", file=sys.stderr)
+
+
+@pytest.fixture
+def sandboxes(vmon):
+    """Kills what a test created, even when it fails."""
+    from e2b import Sandbox
+
+    made: list[Sandbox] = []
+    yield made
+    for s in made:
+        try:
+            s.kill()
+        except Exception:
+            pass
+
+
+@pytest.fixture
+def new_sandbox(sandboxes):
+    from e2b import Sandbox
+
+    def make(*args, **kwargs) -> Sandbox:
+        sbx = Sandbox.create(*args, **kwargs)
+        sandboxes.append(sbx)
+        return sbx
+
+    return make
+
+
+def wait_for(predicate, timeout: float = 120.0, interval: float = 0.5, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out waiting for {what} (last value {last!r})")
