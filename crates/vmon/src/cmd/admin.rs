@@ -178,14 +178,17 @@ fn print(v: &serde_json::Value) {
 pub async fn team(data_dir: &Path, a: TeamArgs) -> anyhow::Result<()> {
     let c = Client::new(data_dir, &a.conn)?;
     match a.cmd {
-        TeamCmd::Create { name, slug } => {
-            let r = c
-                .call(
-                    "POST",
-                    "/admin/teams",
-                    Some(serde_json::json!({ "name": name, "slug": slug })),
-                )
-                .await?;
+        TeamCmd::Create {
+            name,
+            slug,
+            max_concurrent,
+        } => {
+            let mut limits = c.config.default_limits.clone();
+            if let Some(n) = max_concurrent {
+                limits.max_concurrent = n;
+            }
+            let body = serde_json::json!({ "name": name, "slug": slug, "limits": limits });
+            let r = c.call("POST", "/admin/teams", Some(body)).await?;
             eprintln!(
                 "team {} created; its API key is printed once:",
                 r["team"]["id"].as_str().unwrap_or("?")
