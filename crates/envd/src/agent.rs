@@ -35,7 +35,10 @@ impl Agent {
     pub fn new(default_user: String, token: Option<String>) -> Arc<Self> {
         Arc::new(Agent {
             token: RwLock::new(token),
-            defaults: RwLock::new(Defaults { user: default_user, ..Defaults::default() }),
+            defaults: RwLock::new(Defaults {
+                user: default_user,
+                ..Defaults::default()
+            }),
             last_init_nanos: Mutex::new(None),
             processes: Table::default(),
             watchers: Watchers::default(),

@@ -33,13 +33,22 @@ pub fn unauthorized(message: &str) -> Response<Body> {
 }
 
 /// `v1_` + unpadded standard base64 of SHA-256("path:operation:username:token[:expiration]").
-pub fn signature(path: &str, operation: &str, username: &str, token: &str, expiration: Option<i64>) -> String {
+pub fn signature(
+    path: &str,
+    operation: &str,
+    username: &str,
+    token: &str,
+    expiration: Option<i64>,
+) -> String {
     let mut raw = format!("{path}:{operation}:{username}:{token}");
     if let Some(e) = expiration {
         raw.push_str(&format!(":{e}"));
     }
     let digest = Sha256::digest(raw.as_bytes());
-    format!("v1_{}", base64::engine::general_purpose::STANDARD_NO_PAD.encode(digest))
+    format!(
+        "v1_{}",
+        base64::engine::general_purpose::STANDARD_NO_PAD.encode(digest)
+    )
 }
 
 /// What `/files` needs to check a signature.
@@ -51,8 +60,15 @@ pub struct FileAuth<'a> {
 }
 
 /// `/files` accepts the token header or a valid, unexpired signature for the operation.
-pub fn check_files(agent: &Agent, headers: &HeaderMap, q: &FileAuth<'_>, operation: &str) -> Result<(), Response<Body>> {
-    let Some(token) = agent.token() else { return Ok(()) };
+pub fn check_files(
+    agent: &Agent,
+    headers: &HeaderMap,
+    q: &FileAuth<'_>,
+    operation: &str,
+) -> Result<(), Response<Body>> {
+    let Some(token) = agent.token() else {
+        return Ok(());
+    };
     if let Some(h) = header_token(headers) {
         return if same(h.as_bytes(), token.as_bytes()) {
             Ok(())

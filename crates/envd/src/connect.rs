@@ -25,11 +25,15 @@ pub const MAX_MESSAGE_BYTES: usize = 16 << 20;
 pub type Body = UnsyncBoxBody<Bytes, std::io::Error>;
 
 pub fn full(bytes: impl Into<Bytes>) -> Body {
-    Full::new(bytes.into()).map_err(|e: Infallible| match e {}).boxed_unsync()
+    Full::new(bytes.into())
+        .map_err(|e: Infallible| match e {})
+        .boxed_unsync()
 }
 
 pub fn empty() -> Body {
-    Empty::new().map_err(|e: Infallible| match e {}).boxed_unsync()
+    Empty::new()
+        .map_err(|e: Infallible| match e {})
+        .boxed_unsync()
 }
 
 /// A body fed by a channel: each `Bytes` sent becomes one frame, written out at once.
@@ -120,7 +124,10 @@ impl std::error::Error for ConnectError {}
 
 impl ConnectError {
     pub fn new(code: Code, message: impl Into<String>) -> Self {
-        Self { code, message: message.into() }
+        Self {
+            code,
+            message: message.into(),
+        }
     }
 
     pub fn invalid(message: impl Into<String>) -> Self {
@@ -142,9 +149,10 @@ impl ConnectError {
             Some(libc::EACCES) | Some(libc::EPERM) | Some(libc::EROFS) => Code::PermissionDenied,
             Some(libc::EEXIST) | Some(libc::ENOTEMPTY) => Code::AlreadyExists,
             Some(libc::ENOSPC) | Some(libc::EDQUOT) => Code::ResourceExhausted,
-            Some(libc::EINVAL) | Some(libc::EISDIR) | Some(libc::ENAMETOOLONG) | Some(libc::ELOOP) => {
-                Code::InvalidArgument
-            }
+            Some(libc::EINVAL)
+            | Some(libc::EISDIR)
+            | Some(libc::ENAMETOOLONG)
+            | Some(libc::ELOOP) => Code::InvalidArgument,
             _ => Code::Internal,
         };
         Self::new(code, format!("{what}: {err}"))
@@ -164,8 +172,10 @@ pub fn json_response<T: Serialize>(status: StatusCode, value: &T) -> Response<Bo
     let body = serde_json::to_vec(value).unwrap_or_else(|_| b"{}".to_vec());
     let mut resp = Response::new(full(body));
     *resp.status_mut() = status;
-    resp.headers_mut()
-        .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
     resp
 }
 
@@ -222,7 +232,13 @@ pub fn check_request_headers(kind: Kind, headers: &HeaderMap) -> Result<(), Resp
 
 /// The client's deadline from `Connect-Timeout-Ms`, if any (0 or unparsable means none).
 pub fn timeout(headers: &HeaderMap) -> Option<Duration> {
-    let ms: u64 = headers.get("connect-timeout-ms")?.to_str().ok()?.trim().parse().ok()?;
+    let ms: u64 = headers
+        .get("connect-timeout-ms")?
+        .to_str()
+        .ok()?
+        .trim()
+        .parse()
+        .ok()?;
     (ms > 0).then(|| Duration::from_millis(ms))
 }
 
@@ -247,8 +263,13 @@ pub async fn read_unary<T: DeserializeOwned>(body: Incoming) -> Result<T, Connec
 
 /// Decodes one JSON message; an empty body is the empty message.
 pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ConnectError> {
-    let bytes: &[u8] = if bytes.iter().all(u8::is_ascii_whitespace) { b"{}" } else { bytes };
-    serde_json::from_slice(bytes).map_err(|e| ConnectError::invalid(format!("invalid message: {e}")))
+    let bytes: &[u8] = if bytes.iter().all(u8::is_ascii_whitespace) {
+        b"{}"
+    } else {
+        bytes
+    };
+    serde_json::from_slice(bytes)
+        .map_err(|e| ConnectError::invalid(format!("invalid message: {e}")))
 }
 
 /// Encodes a successful unary response.
@@ -286,7 +307,10 @@ pub struct EnvelopeReader {
 
 impl EnvelopeReader {
     pub fn new(body: Incoming) -> Self {
-        Self { body, buf: BytesMut::new() }
+        Self {
+            body,
+            buf: BytesMut::new(),
+        }
     }
 
     /// The next message's payload; `None` at a clean end of the body.
@@ -322,11 +346,16 @@ impl EnvelopeReader {
                     return if self.buf.is_empty() {
                         Ok(None)
                     } else {
-                        Err(ConnectError::invalid("request body ends inside an envelope"))
+                        Err(ConnectError::invalid(
+                            "request body ends inside an envelope",
+                        ))
                     };
                 }
                 Some(Err(e)) => {
-                    return Err(ConnectError::new(Code::Canceled, format!("reading request: {e}")))
+                    return Err(ConnectError::new(
+                        Code::Canceled,
+                        format!("reading request: {e}"),
+                    ))
                 }
                 Some(Ok(frame)) => {
                     if let Ok(data) = frame.into_data() {
@@ -358,7 +387,10 @@ pub struct Disconnected;
 impl StreamSender {
     pub async fn send<T: Serialize>(&self, msg: &T) -> Result<(), Disconnected> {
         let payload = serde_json::to_vec(msg).map_err(|_| Disconnected)?;
-        self.tx.send(Ok(envelope(0, &payload))).await.map_err(|_| Disconnected)
+        self.tx
+            .send(Ok(envelope(0, &payload)))
+            .await
+            .map_err(|_| Disconnected)
     }
 
     /// Ends the stream with the end-stream envelope.
@@ -377,8 +409,10 @@ impl StreamSender {
 pub fn stream_response() -> (Response<Body>, StreamSender) {
     let (tx, rx) = mpsc::channel(16);
     let mut resp = Response::new(channel_body(rx));
-    resp.headers_mut()
-        .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/connect+json"));
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/connect+json"),
+    );
     (resp, StreamSender { tx })
 }
 
@@ -386,8 +420,10 @@ pub fn stream_response() -> (Response<Body>, StreamSender) {
 pub fn stream_error_response(err: ConnectError) -> Response<Body> {
     let payload = end_stream_payload(&Err(err));
     let mut resp = Response::new(full(envelope(FLAG_END_STREAM, &payload)));
-    resp.headers_mut()
-        .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/connect+json"));
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/connect+json"),
+    );
     resp
 }
 

@@ -38,7 +38,10 @@ struct InitRequest {
 }
 
 fn error(status: StatusCode, message: &str) -> Response<Body> {
-    json_response(status, &serde_json::json!({ "code": status.as_u16(), "message": message }))
+    json_response(
+        status,
+        &serde_json::json!({ "code": status.as_u16(), "message": message }),
+    )
 }
 
 fn now_nanos() -> i128 {
@@ -75,10 +78,14 @@ pub async fn init(agent: Arc<Agent>, req: Request<Incoming>) -> Response<Body> {
 
     let timestamp = match msg.timestamp.as_deref().filter(|t| !t.is_empty()) {
         None => None,
-        Some(t) => match time::OffsetDateTime::parse(t, &time::format_description::well_known::Rfc3339) {
-            Ok(ts) => Some(ts.unix_timestamp_nanos()),
-            Err(e) => return error(StatusCode::BAD_REQUEST, &format!("invalid timestamp: {e}")),
-        },
+        Some(t) => {
+            match time::OffsetDateTime::parse(t, &time::format_description::well_known::Rfc3339) {
+                Ok(ts) => Some(ts.unix_timestamp_nanos()),
+                Err(e) => {
+                    return error(StatusCode::BAD_REQUEST, &format!("invalid timestamp: {e}"))
+                }
+            }
+        }
     };
     let entropy = match msg.entropy.as_deref().filter(|e| !e.is_empty()) {
         None => None,
@@ -92,7 +99,10 @@ pub async fn init(agent: Arc<Agent>, req: Request<Incoming>) -> Response<Body> {
     if let Some(ts) = timestamp {
         // Only a newer request may move the clock: a delayed retry must not set it back.
         let newer = {
-            let mut last = agent.last_init_nanos.lock().unwrap_or_else(|p| p.into_inner());
+            let mut last = agent
+                .last_init_nanos
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
             let newer = last.is_none_or(|l| ts > l);
             if newer {
                 *last = Some(ts);
@@ -124,7 +134,8 @@ pub async fn init(agent: Arc<Agent>, req: Request<Incoming>) -> Response<Body> {
 
     let mut resp = Response::new(connect::empty());
     *resp.status_mut() = StatusCode::NO_CONTENT;
-    resp.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    resp.headers_mut()
+        .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
     resp
 }
 

@@ -30,7 +30,10 @@ type ByteStream = Pin<Box<dyn Stream<Item = io::Result<Bytes>> + Send>>;
 
 /// An HTTP error with the `{code, message}` body the SDKs read.
 fn error(status: StatusCode, message: impl Into<String>) -> Response<Body> {
-    json_response(status, &serde_json::json!({ "code": status.as_u16(), "message": message.into() }))
+    json_response(
+        status,
+        &serde_json::json!({ "code": status.as_u16(), "message": message.into() }),
+    )
 }
 
 fn from_connect(e: ConnectError) -> Response<Body> {
@@ -71,7 +74,10 @@ fn percent_decode(s: &str) -> String {
         match b[i] {
             b'+' => out.push(b' '),
             b'%' if i + 3 <= b.len() => {
-                let hex = std::str::from_utf8(&b[i + 1..i + 3]).ok().and_then(|h| u8::from_str_radix(h, 16).ok());
+                let hex = std::str::from_utf8(&b[i + 1..i + 3])
+                    .ok()
+                    .filter(|h| h.bytes().all(|c| c.is_ascii_hexdigit()))
+                    .and_then(|h| u8::from_str_radix(h, 16).ok());
                 match hex {
                     Some(v) => {
                         out.push(v);
@@ -129,7 +135,9 @@ fn accepts_gzip(headers: &HeaderMap) -> bool {
             let name = parts.next().unwrap_or("").trim();
             let q_zero = parts.any(|p| {
                 let p = p.trim();
-                p.strip_prefix("q=").and_then(|q| q.trim().parse::<f32>().ok()) == Some(0.0)
+                p.strip_prefix("q=")
+                    .and_then(|q| q.trim().parse::<f32>().ok())
+                    == Some(0.0)
             });
             name.eq_ignore_ascii_case("gzip") && !q_zero
         })
@@ -150,10 +158,16 @@ pub async fn download(agent: Arc<Agent>, req: Request<Incoming>) -> Response<Bod
     };
     let p = path.clone();
     let opened = user::run_as(&user, move || {
-        let file = std::fs::File::open(&p).map_err(|e| ConnectError::from_io(&e, format!("opening {}", p.display())))?;
-        let meta = file.metadata().map_err(|e| ConnectError::from_io(&e, "stat"))?;
+        let file = std::fs::File::open(&p)
+            .map_err(|e| ConnectError::from_io(&e, format!("opening {}", p.display())))?;
+        let meta = file
+            .metadata()
+            .map_err(|e| ConnectError::from_io(&e, "stat"))?;
         if meta.is_dir() {
-            return Err(ConnectError::invalid(format!("path {} is a directory", p.display())));
+            return Err(ConnectError::invalid(format!(
+                "path {} is a directory",
+                p.display()
+            )));
         }
         Ok((file, meta.len()))
     })
@@ -173,9 +187,19 @@ pub async fn download(agent: Arc<Agent>, req: Request<Incoming>) -> Response<Bod
     let body = StreamBody::new(stream.map_ok(Frame::data)).boxed_unsync();
     let mut resp = Response::new(body);
     let h = resp.headers_mut();
-    h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/octet-stream"));
-    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    let safe: String = name.chars().filter(|c| c.is_ascii_graphic() || *c == ' ').filter(|c| *c != '"').collect();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/octet-stream"),
+    );
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let safe: String = name
+        .chars()
+        .filter(|c| c.is_ascii_graphic() || *c == ' ')
+        .filter(|c| *c != '"')
+        .collect();
     if let Ok(v) = HeaderValue::from_str(&format!("attachment; filename=\"{safe}\"")) {
         h.insert(header::CONTENT_DISPOSITION, v);
     }
@@ -202,7 +226,9 @@ struct WriteInfo {
 fn metadata_from(headers: &HeaderMap) -> Result<BTreeMap<String, String>, Response<Body>> {
     let mut out = BTreeMap::new();
     for (name, value) in headers {
-        let Some(key) = name.as_str().strip_prefix(METADATA_HEADER_PREFIX) else { continue };
+        let Some(key) = name.as_str().strip_prefix(METADATA_HEADER_PREFIX) else {
+            continue;
+        };
         if key.is_empty() {
             return Err(error(StatusCode::BAD_REQUEST, "empty metadata key"));
         }
@@ -210,7 +236,12 @@ fn metadata_from(headers: &HeaderMap) -> Result<BTreeMap<String, String>, Respon
             .to_str()
             .ok()
             .filter(|v| v.bytes().all(|b| (0x20..0x7f).contains(&b)))
-            .ok_or_else(|| error(StatusCode::BAD_REQUEST, format!("metadata value for {key} must be printable ASCII")))?;
+            .ok_or_else(|| {
+                error(
+                    StatusCode::BAD_REQUEST,
+                    format!("metadata value for {key} must be printable ASCII"),
+                )
+            })?;
         out.insert(key.to_ascii_lowercase(), value.to_string());
     }
     Ok(out)
@@ -247,7 +278,10 @@ pub async fn upload(agent: Arc<Agent>, req: Request<Incoming>) -> Response<Body>
             Box::pin(ReaderStream::with_capacity(dec, CHUNK))
         }
         other => {
-            return error(StatusCode::UNSUPPORTED_MEDIA_TYPE, format!("unsupported content encoding {other:?}"))
+            return error(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                format!("unsupported content encoding {other:?}"),
+            )
         }
     };
     let content_type = parts
@@ -257,14 +291,19 @@ pub async fn upload(agent: Arc<Agent>, req: Request<Incoming>) -> Response<Body>
         .unwrap_or("")
         .to_string();
     let query_path = q.get("path").filter(|p| !p.is_empty()).cloned();
-    let result = if content_type.to_ascii_lowercase().starts_with("multipart/form-data") {
+    let result = if content_type
+        .to_ascii_lowercase()
+        .starts_with("multipart/form-data")
+    {
         upload_multipart(&user, body, &content_type, query_path, &metadata).await
     } else {
         let Some(path) = query_path else {
             return error(StatusCode::BAD_REQUEST, "path is required for a raw upload");
         };
         match user.resolve(&path) {
-            Ok(dest) => write_one(&user, dest, body, &metadata).await.map(|w| vec![w]),
+            Ok(dest) => write_one(&user, dest, body, &metadata)
+                .await
+                .map(|w| vec![w]),
             Err(e) => Err(from_connect(e)),
         }
     };
@@ -281,31 +320,53 @@ async fn upload_multipart(
     query_path: Option<String>,
     metadata: &BTreeMap<String, String>,
 ) -> Result<Vec<WriteInfo>, Response<Body>> {
-    let boundary = multer::parse_boundary(content_type)
-        .map_err(|e| error(StatusCode::BAD_REQUEST, format!("invalid multipart content type: {e}")))?;
+    let boundary = multer::parse_boundary(content_type).map_err(|e| {
+        error(
+            StatusCode::BAD_REQUEST,
+            format!("invalid multipart content type: {e}"),
+        )
+    })?;
     let mut mp = multer::Multipart::new(body, boundary);
     let mut written = Vec::new();
     loop {
         let field = match mp.next_field().await {
             Ok(Some(f)) => f,
             Ok(None) => break,
-            Err(e) => return Err(error(StatusCode::BAD_REQUEST, format!("invalid multipart body: {e}"))),
+            Err(e) => {
+                return Err(error(
+                    StatusCode::BAD_REQUEST,
+                    format!("invalid multipart body: {e}"),
+                ))
+            }
         };
-        let Some(file_name) = field.file_name().map(str::to_string) else { continue };
+        let Some(file_name) = field.file_name().map(str::to_string) else {
+            continue;
+        };
         let target = match &query_path {
             Some(p) if written.is_empty() => p.clone(),
-            Some(_) => return Err(error(StatusCode::BAD_REQUEST, "the path parameter allows only one file")),
+            Some(_) => {
+                return Err(error(
+                    StatusCode::BAD_REQUEST,
+                    "the path parameter allows only one file",
+                ))
+            }
             None => file_name,
         };
         if target.is_empty() {
-            return Err(error(StatusCode::BAD_REQUEST, "a file part has no destination path"));
+            return Err(error(
+                StatusCode::BAD_REQUEST,
+                "a file part has no destination path",
+            ));
         }
         let dest = user.resolve(&target).map_err(from_connect)?;
         let stream: ByteStream = Box::pin(field.map_err(io::Error::other));
         written.push(write_one(user, dest, stream, metadata).await?);
     }
     if written.is_empty() {
-        return Err(error(StatusCode::BAD_REQUEST, "no file in the multipart body"));
+        return Err(error(
+            StatusCode::BAD_REQUEST,
+            "no file in the multipart body",
+        ));
     }
     Ok(written)
 }
@@ -318,28 +379,45 @@ async fn write_one(
     metadata: &BTreeMap<String, String>,
 ) -> Result<WriteInfo, Response<Body>> {
     let (d, md) = (dest.clone(), metadata.clone());
-    let file = user::run_as(user, move || open_for_write(&d, &md)).await.map_err(from_connect)?;
+    let file = user::run_as(user, move || open_for_write(&d, &md))
+        .await
+        .map_err(from_connect)?;
     let mut file = tokio::fs::File::from_std(file);
     while let Some(chunk) = body.next().await {
-        let chunk = chunk.map_err(|e| error(StatusCode::BAD_REQUEST, format!("reading upload: {e}")))?;
-        file.write_all(&chunk).await.map_err(|e| from_io(&e, format!("writing {}", dest.display())))?;
+        let chunk =
+            chunk.map_err(|e| error(StatusCode::BAD_REQUEST, format!("reading upload: {e}")))?;
+        file.write_all(&chunk)
+            .await
+            .map_err(|e| from_io(&e, format!("writing {}", dest.display())))?;
     }
-    file.flush().await.map_err(|e| from_io(&e, format!("writing {}", dest.display())))?;
+    file.flush()
+        .await
+        .map_err(|e| from_io(&e, format!("writing {}", dest.display())))?;
     Ok(WriteInfo {
-        name: dest.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
+        name: dest
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default(),
         kind: "file",
         path: dest.display().to_string(),
         metadata: metadata.clone(),
     })
 }
 
-fn open_for_write(dest: &Path, metadata: &BTreeMap<String, String>) -> Result<std::fs::File, ConnectError> {
+fn open_for_write(
+    dest: &Path,
+    metadata: &BTreeMap<String, String>,
+) -> Result<std::fs::File, ConnectError> {
     if std::fs::metadata(dest).map(|m| m.is_dir()).unwrap_or(false) {
-        return Err(ConnectError::invalid(format!("path {} is a directory", dest.display())));
+        return Err(ConnectError::invalid(format!(
+            "path {} is a directory",
+            dest.display()
+        )));
     }
     if let Some(parent) = dest.parent() {
-        std::fs::create_dir_all(parent)
-            .map_err(|e| ConnectError::from_io(&e, format!("creating directory {}", parent.display())))?;
+        std::fs::create_dir_all(parent).map_err(|e| {
+            ConnectError::from_io(&e, format!("creating directory {}", parent.display()))
+        })?;
     }
     let file = std::fs::OpenOptions::new()
         .write(true)
@@ -348,8 +426,9 @@ fn open_for_write(dest: &Path, metadata: &BTreeMap<String, String>) -> Result<st
         .open(dest)
         .map_err(|e| ConnectError::from_io(&e, format!("opening {}", dest.display())))?;
     for (k, v) in metadata {
-        entry::write_metadata(&file, k, v)
-            .map_err(|e| ConnectError::from_io(&e, format!("setting metadata {k} on {}", dest.display())))?;
+        entry::write_metadata(&file, k, v).map_err(|e| {
+            ConnectError::from_io(&e, format!("setting metadata {k} on {}", dest.display()))
+        })?;
     }
     Ok(file)
 }
@@ -360,7 +439,9 @@ mod tests {
 
     #[test]
     fn query_decoding() {
-        let q = parse_query(Some("path=%2Ftmp%2Fa+b.txt&username=&signature=v1_abc%2B%2F"));
+        let q = parse_query(Some(
+            "path=%2Ftmp%2Fa+b.txt&username=&signature=v1_abc%2B%2F",
+        ));
         assert_eq!(q["path"], "/tmp/a b.txt");
         assert_eq!(q["username"], "");
         assert_eq!(q["signature"], "v1_abc+/");

@@ -8,6 +8,9 @@
 //! permissions allow: envd runs as root, but processes run as the requesting user and file work
 //! is done with that user's filesystem identity, never as root on the user's behalf.
 
+// HTTP handlers return a ready response as their error; it is built once per failed request.
+#![allow(clippy::result_large_err)]
+
 pub mod agent;
 pub mod auth;
 pub mod connect;
@@ -39,14 +42,20 @@ pub struct ServeOptions {
 
 impl Default for ServeOptions {
     fn default() -> Self {
-        Self { default_user: "user".to_string(), access_token: None }
+        Self {
+            default_user: "user".to_string(),
+            access_token: None,
+        }
     }
 }
 
 /// Serves the envd API on `listener` until the process ends.
 pub async fn serve(listener: tokio::net::TcpListener, opts: ServeOptions) -> anyhow::Result<()> {
     user::remember_own_groups();
-    let agent = agent::Agent::new(opts.default_user, opts.access_token.filter(|t| !t.is_empty()));
+    let agent = agent::Agent::new(
+        opts.default_user,
+        opts.access_token.filter(|t| !t.is_empty()),
+    );
     tracing::info!(
         logger = "envd",
         version = ENVD_VERSION,

@@ -14,7 +14,12 @@ fn main() -> anyhow::Result<()> {
             Some((f, v)) => (f.to_string(), Some(v.to_string())),
             None => (arg.clone(), None),
         };
-        let mut value = || inline.clone().or_else(|| args.next()).ok_or_else(|| anyhow::anyhow!("{flag} needs a value"));
+        let mut value = || {
+            inline
+                .clone()
+                .or_else(|| args.next())
+                .ok_or_else(|| anyhow::anyhow!("{flag} needs a value"))
+        };
         match flag.as_str() {
             "--addr" => addr = value()?.parse()?,
             "--default-user" => opts.default_user = value()?,
@@ -24,14 +29,18 @@ fn main() -> anyhow::Result<()> {
                 return Ok(());
             }
             "-h" | "--help" => {
-                println!("envd [--addr 0.0.0.0:{DEFAULT_PORT}] [--default-user user] [--access-token T]");
+                println!(
+                    "envd [--addr 0.0.0.0:{DEFAULT_PORT}] [--default-user user] [--access-token T]"
+                );
                 return Ok(());
             }
             other => anyhow::bail!("unknown argument {other:?}"),
         }
     }
     if opts.access_token.is_none() {
-        opts.access_token = std::env::var("ENVD_ACCESS_TOKEN").ok().filter(|t| !t.is_empty());
+        opts.access_token = std::env::var("ENVD_ACCESS_TOKEN")
+            .ok()
+            .filter(|t| !t.is_empty());
     }
     tracing_subscriber::fmt()
         .json()
@@ -44,7 +53,9 @@ fn main() -> anyhow::Result<()> {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .init();
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
     rt.block_on(async move {
         let listener = tokio::net::TcpListener::bind(addr).await?;
         vmon_envd::serve(listener, opts).await

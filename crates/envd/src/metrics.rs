@@ -16,7 +16,11 @@ pub struct CpuSample {
 fn cpu_sample() -> Option<CpuSample> {
     let stat = std::fs::read_to_string("/proc/stat").ok()?;
     let line = stat.lines().next()?;
-    let v: Vec<u64> = line.split_whitespace().skip(1).filter_map(|x| x.parse().ok()).collect();
+    let v: Vec<u64> = line
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|x| x.parse().ok())
+        .collect();
     if v.len() < 4 {
         return None;
     }
@@ -42,7 +46,9 @@ fn meminfo() -> (u64, u64, u64) {
 }
 
 fn disk(path: &str) -> (u64, u64) {
-    let Ok(c) = CString::new(path) else { return (0, 0) };
+    let Ok(c) = CString::new(path) else {
+        return (0, 0);
+    };
     // SAFETY: zeroed statvfs is a valid out-parameter.
     let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
     // SAFETY: c is NUL-terminated and st writable.

@@ -39,7 +39,10 @@ pub async fn run(listener: TcpListener, agent: Arc<Agent>) -> anyhow::Result<()>
                 let agent = agent.clone();
                 async move { Ok::<_, Infallible>(with_cors(route(agent, req).await)) }
             });
-            if let Err(e) = builder.serve_connection(TokioIo::new(stream), service).await {
+            if let Err(e) = builder
+                .serve_connection(TokioIo::new(stream), service)
+                .await
+            {
                 tracing::debug!(error = %e, "connection ended with an error");
             }
         });
@@ -49,8 +52,14 @@ pub async fn run(listener: TcpListener, agent: Arc<Agent>) -> anyhow::Result<()>
 /// Browsers (the JS SDK) call envd directly, so every origin is allowed; auth is by token.
 fn with_cors(mut resp: Response<Body>) -> Response<Body> {
     let h = resp.headers_mut();
-    h.insert(header::ACCESS_CONTROL_ALLOW_ORIGIN, HeaderValue::from_static("*"));
-    h.insert(header::ACCESS_CONTROL_EXPOSE_HEADERS, HeaderValue::from_static("*"));
+    h.insert(
+        header::ACCESS_CONTROL_ALLOW_ORIGIN,
+        HeaderValue::from_static("*"),
+    );
+    h.insert(
+        header::ACCESS_CONTROL_EXPOSE_HEADERS,
+        HeaderValue::from_static("*"),
+    );
     resp
 }
 
@@ -65,9 +74,18 @@ async fn route(agent: Arc<Agent>, req: Request<Incoming>) -> Response<Body> {
     if req.method() == Method::OPTIONS {
         let mut r = status(StatusCode::NO_CONTENT);
         let h = r.headers_mut();
-        h.insert(header::ACCESS_CONTROL_ALLOW_METHODS, HeaderValue::from_static("GET, POST, OPTIONS"));
-        h.insert(header::ACCESS_CONTROL_ALLOW_HEADERS, HeaderValue::from_static("*"));
-        h.insert(header::ACCESS_CONTROL_MAX_AGE, HeaderValue::from_static("86400"));
+        h.insert(
+            header::ACCESS_CONTROL_ALLOW_METHODS,
+            HeaderValue::from_static("GET, POST, OPTIONS"),
+        );
+        h.insert(
+            header::ACCESS_CONTROL_ALLOW_HEADERS,
+            HeaderValue::from_static("*"),
+        );
+        h.insert(
+            header::ACCESS_CONTROL_MAX_AGE,
+            HeaderValue::from_static("86400"),
+        );
         return r;
     }
     match (req.method().clone(), path.as_str()) {
@@ -79,8 +97,12 @@ async fn route(agent: Arc<Agent>, req: Request<Incoming>) -> Response<Body> {
         (Method::GET, "/metrics") if auth::token_ok(&agent, req.headers()) => {
             connect::json_response(StatusCode::OK, &metrics::collect(&agent).await)
         }
-        (Method::GET, "/envs" | "/metrics") => auth::unauthorized("invalid or missing access token"),
-        (_, "/health" | "/init" | "/files" | "/envs" | "/metrics") => status(StatusCode::METHOD_NOT_ALLOWED),
+        (Method::GET, "/envs" | "/metrics") => {
+            auth::unauthorized("invalid or missing access token")
+        }
+        (_, "/health" | "/init" | "/files" | "/envs" | "/metrics") => {
+            status(StatusCode::METHOD_NOT_ALLOWED)
+        }
         _ => match path.strip_prefix('/').and_then(|p| p.split_once('/')) {
             Some((service, method)) => rpc(agent, service, method, req).await,
             None => status(StatusCode::NOT_FOUND),
@@ -88,25 +110,35 @@ async fn route(agent: Arc<Agent>, req: Request<Incoming>) -> Response<Body> {
     }
 }
 
-async fn rpc(agent: Arc<Agent>, service: &str, method: &str, req: Request<Incoming>) -> Response<Body> {
+async fn rpc(
+    agent: Arc<Agent>,
+    service: &str,
+    method: &str,
+    req: Request<Incoming>,
+) -> Response<Body> {
     let kind = match service {
         "process.Process" => process::kind(method),
         "filesystem.Filesystem" => filesystem::kind(method),
         _ => None,
     };
     let Some(kind) = kind else {
-        let mut r = ConnectError::new(Code::Unimplemented, format!("unknown procedure /{service}/{method}"))
-            .into_response();
+        let mut r = ConnectError::new(
+            Code::Unimplemented,
+            format!("unknown procedure /{service}/{method}"),
+        )
+        .into_response();
         *r.status_mut() = StatusCode::NOT_FOUND;
         return r;
     };
     if req.method() != Method::POST {
         let mut r = status(StatusCode::METHOD_NOT_ALLOWED);
-        r.headers_mut().insert(header::ALLOW, HeaderValue::from_static("POST"));
+        r.headers_mut()
+            .insert(header::ALLOW, HeaderValue::from_static("POST"));
         return r;
     }
     if !auth::token_ok(&agent, req.headers()) {
-        let mut r = ConnectError::new(Code::Unauthenticated, "invalid or missing access token").into_response();
+        let mut r = ConnectError::new(Code::Unauthenticated, "invalid or missing access token")
+            .into_response();
         *r.status_mut() = StatusCode::UNAUTHORIZED;
         return r;
     }
@@ -121,7 +153,15 @@ async fn rpc(agent: Arc<Agent>, service: &str, method: &str, req: Request<Incomi
     let method = method.to_string();
     let span = tracing::debug_span!("rpc", service, method = %method, user = %user.name);
     match service {
-        "process.Process" => process::dispatch(agent, user, &method, parts.headers, body).instrument(span).await,
-        _ => filesystem::dispatch(agent, user, &method, parts.headers, body).instrument(span).await,
+        "process.Process" => {
+            process::dispatch(agent, user, &method, parts.headers, body)
+                .instrument(span)
+                .await
+        }
+        _ => {
+            filesystem::dispatch(agent, user, &method, parts.headers, body)
+                .instrument(span)
+                .await
+        }
     }
 }

@@ -195,7 +195,10 @@ impl FsIdentity {
         // SAFETY: as above; -1 is rejected and only returns the current value.
         let (fsuid, fsgid) = unsafe { (libc::setfsuid(u32::MAX), libc::setfsgid(u32::MAX)) };
         if fsuid as u32 != user.uid || fsgid as u32 != user.gid {
-            return Err(fail("setfsuid", std::io::Error::from_raw_os_error(libc::EPERM)));
+            return Err(fail(
+                "setfsuid",
+                std::io::Error::from_raw_os_error(libc::EPERM),
+            ));
         }
         Ok(guard)
     }
@@ -251,16 +254,25 @@ mod tests {
     #[test]
     fn paths_resolve_in_home() {
         let home = Path::new("/home/u");
-        assert_eq!(resolve_in("a/b", home).unwrap(), PathBuf::from("/home/u/a/b"));
+        assert_eq!(
+            resolve_in("a/b", home).unwrap(),
+            PathBuf::from("/home/u/a/b")
+        );
         assert_eq!(resolve_in("~/x", home).unwrap(), PathBuf::from("/home/u/x"));
-        assert_eq!(resolve_in("/tmp/../etc/./p", home).unwrap(), PathBuf::from("/etc/p"));
+        assert_eq!(
+            resolve_in("/tmp/../etc/./p", home).unwrap(),
+            PathBuf::from("/etc/p")
+        );
         assert!(resolve_in("a\0b", home).is_err());
     }
 
     #[test]
     fn basic_auth_parses() {
         let mut h = http::HeaderMap::new();
-        h.insert(http::header::AUTHORIZATION, "Basic cm9vdDo=".parse().unwrap());
+        h.insert(
+            http::header::AUTHORIZATION,
+            "Basic cm9vdDo=".parse().unwrap(),
+        );
         assert_eq!(basic_auth_user(&h).unwrap().as_deref(), Some("root"));
         h.insert(http::header::AUTHORIZATION, "Bearer x".parse().unwrap());
         assert!(basic_auth_user(&h).is_err());

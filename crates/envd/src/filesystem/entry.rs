@@ -45,7 +45,10 @@ pub fn entry_info(path: &Path) -> io::Result<EntryInfo> {
         permissions: permissions_string(meta.mode()),
         owner: user_name(meta.uid()),
         group: group_name(meta.gid()),
-        modified_time: Some(json::timestamp(meta.mtime(), meta.mtime_nsec().clamp(0, 999_999_999) as u32)),
+        modified_time: Some(json::timestamp(
+            meta.mtime(),
+            meta.mtime_nsec().clamp(0, 999_999_999) as u32,
+        )),
         symlink_target,
         metadata: read_metadata(path),
         is_symlink,
@@ -66,12 +69,13 @@ pub fn permissions_string(mode: u32) -> String {
     let mut s = String::with_capacity(10);
     s.push(kind);
     let bit = |m: u32, c: char| if mode & m != 0 { c } else { '-' };
-    let exec = |x: u32, special: u32, set: char, unset: char| match (mode & x != 0, mode & special != 0) {
-        (true, true) => set,
-        (false, true) => unset,
-        (true, false) => 'x',
-        (false, false) => '-',
-    };
+    let exec =
+        |x: u32, special: u32, set: char, unset: char| match (mode & x != 0, mode & special != 0) {
+            (true, true) => set,
+            (false, true) => unset,
+            (true, false) => 'x',
+            (false, false) => '-',
+        };
     s.push(bit(0o400, 'r'));
     s.push(bit(0o200, 'w'));
     s.push(exec(0o100, 0o4000, 's', 'S'));
@@ -90,10 +94,13 @@ fn user_name(uid: u32) -> String {
     let mut pwd: libc::passwd = unsafe { std::mem::zeroed() };
     let mut res: *mut libc::passwd = std::ptr::null_mut();
     // SAFETY: pointers are valid for the call.
-    let rc = unsafe { libc::getpwuid_r(uid, &mut pwd, buf.as_mut_ptr().cast(), buf.len(), &mut res) };
+    let rc =
+        unsafe { libc::getpwuid_r(uid, &mut pwd, buf.as_mut_ptr().cast(), buf.len(), &mut res) };
     if rc == 0 && !res.is_null() {
         // SAFETY: on success pw_name points at a NUL-terminated string in buf.
-        return unsafe { CStr::from_ptr(pwd.pw_name) }.to_string_lossy().into_owned();
+        return unsafe { CStr::from_ptr(pwd.pw_name) }
+            .to_string_lossy()
+            .into_owned();
     }
     uid.to_string()
 }
@@ -104,16 +111,20 @@ fn group_name(gid: u32) -> String {
     let mut grp: libc::group = unsafe { std::mem::zeroed() };
     let mut res: *mut libc::group = std::ptr::null_mut();
     // SAFETY: pointers are valid for the call.
-    let rc = unsafe { libc::getgrgid_r(gid, &mut grp, buf.as_mut_ptr().cast(), buf.len(), &mut res) };
+    let rc =
+        unsafe { libc::getgrgid_r(gid, &mut grp, buf.as_mut_ptr().cast(), buf.len(), &mut res) };
     if rc == 0 && !res.is_null() {
         // SAFETY: on success gr_name points at a NUL-terminated string in buf.
-        return unsafe { CStr::from_ptr(grp.gr_name) }.to_string_lossy().into_owned();
+        return unsafe { CStr::from_ptr(grp.gr_name) }
+            .to_string_lossy()
+            .into_owned();
     }
     gid.to_string()
 }
 
 fn cpath(path: &Path) -> io::Result<CString> {
-    CString::new(path.as_os_str().as_bytes()).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))
+    CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))
 }
 
 /// The `user.e2b.*` attributes of a path (not following a final symlink), prefix stripped.
@@ -128,17 +139,31 @@ pub fn read_metadata(path: &Path) -> BTreeMap<String, String> {
     }
     names.truncate(n as usize);
     for name in names.split(|b| *b == 0).filter(|n| !n.is_empty()) {
-        let Ok(name) = std::str::from_utf8(name) else { continue };
-        let Some(key) = name.strip_prefix(XATTR_PREFIX) else { continue };
-        let Ok(cname) = CString::new(name) else { continue };
+        let Ok(name) = std::str::from_utf8(name) else {
+            continue;
+        };
+        let Some(key) = name.strip_prefix(XATTR_PREFIX) else {
+            continue;
+        };
+        let Ok(cname) = CString::new(name) else {
+            continue;
+        };
         let mut value = vec![0u8; 4096];
         // SAFETY: value is writable for its length.
         let len = unsafe {
-            libc::lgetxattr(c.as_ptr(), cname.as_ptr(), value.as_mut_ptr().cast(), value.len())
+            libc::lgetxattr(
+                c.as_ptr(),
+                cname.as_ptr(),
+                value.as_mut_ptr().cast(),
+                value.len(),
+            )
         };
         if len >= 0 {
             value.truncate(len as usize);
-            out.insert(key.to_string(), String::from_utf8_lossy(&value).into_owned());
+            out.insert(
+                key.to_string(),
+                String::from_utf8_lossy(&value).into_owned(),
+            );
         }
     }
     out
@@ -151,7 +176,13 @@ pub fn write_metadata(file: &std::fs::File, key: &str, value: &str) -> io::Resul
         .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
     // SAFETY: name is NUL-terminated, value is readable for its length.
     let rc = unsafe {
-        libc::fsetxattr(file.as_raw_fd(), name.as_ptr(), value.as_ptr().cast(), value.len(), 0)
+        libc::fsetxattr(
+            file.as_raw_fd(),
+            name.as_ptr(),
+            value.as_ptr().cast(),
+            value.len(),
+            0,
+        )
     };
     if rc != 0 {
         return Err(io::Error::last_os_error());

@@ -23,8 +23,8 @@ const DEFAULT_KEEPALIVE: Duration = Duration::from_secs(90);
 pub fn kind(method: &str) -> Option<Kind> {
     Some(match method {
         "WatchDir" => Kind::ServerStream,
-        "Stat" | "MakeDir" | "Move" | "ListDir" | "Remove" | "CreateWatcher" | "GetWatcherEvents"
-        | "RemoveWatcher" => Kind::Unary,
+        "Stat" | "MakeDir" | "Move" | "ListDir" | "Remove" | "CreateWatcher"
+        | "GetWatcherEvents" | "RemoveWatcher" => Kind::Unary,
         _ => return None,
     })
 }
@@ -60,7 +60,10 @@ pub async fn dispatch(
         "Remove" => unary!(|m: PathRequest| remove(&user, m)),
         "CreateWatcher" => unary!(|m: WatchRequest| create_watcher(&agent, &user, m)),
         "GetWatcherEvents" => unary!(|m: WatcherRequest| async move {
-            agent.watchers.take_events(&m.watcher_id).map(|events| GetWatcherEventsResponse { events })
+            agent
+                .watchers
+                .take_events(&m.watcher_id)
+                .map(|events| GetWatcherEventsResponse { events })
         }),
         "RemoveWatcher" => unary!(|m: WatcherRequest| async move {
             agent.watchers.remove(&m.watcher_id).map(|_| Empty {})
@@ -88,7 +91,9 @@ async fn stat(user: &User, m: PathRequest) -> Result<EntryResponse, ConnectError
     required(&m.path)?;
     let p = user.resolve(&m.path)?;
     run_as(user, move || {
-        entry_info(&p).map(|entry| EntryResponse { entry }).map_err(|e| io_err(e, "stat", &p))
+        entry_info(&p)
+            .map(|entry| EntryResponse { entry })
+            .map_err(|e| io_err(e, "stat", &p))
     })
     .await
 }
@@ -113,7 +118,9 @@ async fn make_dir(user: &User, m: PathRequest) -> Result<EntryResponse, ConnectE
             Err(_) => {}
         }
         std::fs::create_dir_all(&p).map_err(|e| io_err(e, "creating directory", &p))?;
-        entry_info(&p).map(|entry| EntryResponse { entry }).map_err(|e| io_err(e, "stat", &p))
+        entry_info(&p)
+            .map(|entry| EntryResponse { entry })
+            .map_err(|e| io_err(e, "stat", &p))
     })
     .await
 }
@@ -128,7 +135,9 @@ async fn move_entry(user: &User, m: MoveRequest) -> Result<EntryResponse, Connec
             std::fs::create_dir_all(parent).map_err(|e| io_err(e, "creating directory", parent))?;
         }
         std::fs::rename(&src, &dst).map_err(|e| io_err(e, "moving to", &dst))?;
-        entry_info(&dst).map(|entry| EntryResponse { entry }).map_err(|e| io_err(e, "stat", &dst))
+        entry_info(&dst)
+            .map(|entry| EntryResponse { entry })
+            .map_err(|e| io_err(e, "stat", &dst))
     })
     .await
 }
@@ -139,7 +148,10 @@ async fn list_dir(user: &User, m: ListDirRequest) -> Result<ListDirResponse, Con
     run_as(user, move || {
         let meta = std::fs::metadata(&p).map_err(|e| io_err(e, "listing", &p))?;
         if !meta.is_dir() {
-            return Err(ConnectError::invalid(format!("path {} is not a directory", p.display())));
+            return Err(ConnectError::invalid(format!(
+                "path {} is not a directory",
+                p.display()
+            )));
         }
         let mut entries = Vec::new();
         walk(&p, depth, &mut entries).map_err(|e| io_err(e, "listing", &p))?;
@@ -150,10 +162,15 @@ async fn list_dir(user: &User, m: ListDirRequest) -> Result<ListDirResponse, Con
 
 /// Depth-first, names in lexical order, not following symlinked directories.
 fn walk(dir: &Path, depth: u32, out: &mut Vec<EntryInfo>) -> std::io::Result<()> {
-    let mut names: Vec<PathBuf> = std::fs::read_dir(dir)?.flatten().map(|e| e.path()).collect();
+    let mut names: Vec<PathBuf> = std::fs::read_dir(dir)?
+        .flatten()
+        .map(|e| e.path())
+        .collect();
     names.sort();
     for path in names {
-        let Ok(info) = entry_info(&path) else { continue };
+        let Ok(info) = entry_info(&path) else {
+            continue;
+        };
         let recurse = depth > 1 && info.file_type == FileType::Directory && !info.is_symlink;
         out.push(info);
         if recurse {
@@ -173,7 +190,11 @@ async fn remove(user: &User, m: PathRequest) -> Result<Empty, ConnectError> {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Empty {}),
             Err(e) => return Err(io_err(e, "removing", &p)),
         };
-        let res = if meta.is_dir() { std::fs::remove_dir_all(&p) } else { std::fs::remove_file(&p) };
+        let res = if meta.is_dir() {
+            std::fs::remove_dir_all(&p)
+        } else {
+            std::fs::remove_file(&p)
+        };
         res.map_err(|e| io_err(e, "removing", &p))?;
         Ok(Empty {})
     })
@@ -185,12 +206,29 @@ async fn create_watcher(
     user: &User,
     m: WatchRequest,
 ) -> Result<CreateWatcherResponse, ConnectError> {
-    let w = Watch::new(user, &m.path, m.recursive, m.include_entry, m.allow_network_mounts).await?;
-    Ok(CreateWatcherResponse { watcher_id: agent.watchers.add(w) })
+    let w = Watch::new(
+        user,
+        &m.path,
+        m.recursive,
+        m.include_entry,
+        m.allow_network_mounts,
+    )
+    .await?;
+    Ok(CreateWatcherResponse {
+        watcher_id: agent.watchers.add(w),
+    })
 }
 
 async fn watch_dir(user: &User, headers: &HeaderMap, m: WatchRequest) -> Response<Body> {
-    let mut w = match Watch::new(user, &m.path, m.recursive, m.include_entry, m.allow_network_mounts).await {
+    let mut w = match Watch::new(
+        user,
+        &m.path,
+        m.recursive,
+        m.include_entry,
+        m.allow_network_mounts,
+    )
+    .await
+    {
         Ok(w) => w,
         Err(e) => return connect::stream_error_response(e),
     };
@@ -207,7 +245,8 @@ async fn watch_dir(user: &User, headers: &HeaderMap, m: WatchRequest) -> Respons
         if tx.send(&WatchDirResponse::Start(Empty {})).await.is_err() {
             return;
         }
-        let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + keepalive, keepalive);
+        let mut ticker =
+            tokio::time::interval_at(tokio::time::Instant::now() + keepalive, keepalive);
         let end = async {
             match deadline {
                 Some(d) => tokio::time::sleep(d).await,

@@ -44,14 +44,23 @@ pub struct Watch {
 
 /// Network filesystems where inotify misses remote changes.
 fn is_network_fs(path: &Path) -> bool {
-    let Ok(c) = CString::new(path.as_os_str().as_bytes()) else { return false };
+    let Ok(c) = CString::new(path.as_os_str().as_bytes()) else {
+        return false;
+    };
     // SAFETY: zeroed statfs is a valid out-parameter.
     let mut st: libc::statfs = unsafe { std::mem::zeroed() };
     // SAFETY: c is NUL-terminated; st is writable.
     if unsafe { libc::statfs(c.as_ptr(), &mut st) } != 0 {
         return false;
     }
-    const NETWORK: &[i64] = &[0x6969, 0x517B, 0xFF53_4D42u32 as i64, 0xFE53_4D42u32 as i64, 0x6573_5546, 0x0102_1997];
+    const NETWORK: &[i64] = &[
+        0x6969,
+        0x517B,
+        0xFF53_4D42u32 as i64,
+        0xFE53_4D42u32 as i64,
+        0x6573_5546,
+        0x0102_1997,
+    ];
     NETWORK.contains(&(st.f_type as i64))
 }
 
@@ -60,8 +69,13 @@ fn add_tree(fd: i32, root: &Path, rel: &Path, recursive: bool) -> io::Result<Vec
     let mut out = Vec::new();
     let mut stack = vec![rel.to_path_buf()];
     while let Some(rel) = stack.pop() {
-        let abs = if rel.as_os_str().is_empty() { root.to_path_buf() } else { root.join(&rel) };
-        let c = CString::new(abs.as_os_str().as_bytes()).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+        let abs = if rel.as_os_str().is_empty() {
+            root.to_path_buf()
+        } else {
+            root.join(&rel)
+        };
+        let c = CString::new(abs.as_os_str().as_bytes())
+            .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
         // SAFETY: fd is an inotify fd; c is NUL-terminated.
         let wd = unsafe { libc::inotify_add_watch(fd, c.as_ptr(), MASK) };
         if wd < 0 {
@@ -97,23 +111,34 @@ impl Watch {
         // SAFETY: inotify_init1 returns a new fd or -1.
         let raw = unsafe { libc::inotify_init1(libc::IN_NONBLOCK | libc::IN_CLOEXEC) };
         if raw < 0 {
-            return Err(ConnectError::from_io(&io::Error::last_os_error(), "creating watcher"));
+            return Err(ConnectError::from_io(
+                &io::Error::last_os_error(),
+                "creating watcher",
+            ));
         }
         // SAFETY: raw is a fresh fd we own.
         let fd = unsafe { OwnedFd::from_raw_fd(raw) };
         let r = root.clone();
         let added = user::run_as(user, move || {
-            let meta = std::fs::metadata(&r).map_err(|e| ConnectError::from_io(&e, format!("watching {}", r.display())))?;
+            let meta = std::fs::metadata(&r)
+                .map_err(|e| ConnectError::from_io(&e, format!("watching {}", r.display())))?;
             if !meta.is_dir() {
-                return Err(ConnectError::invalid(format!("path {} is not a directory", r.display())));
+                return Err(ConnectError::invalid(format!(
+                    "path {} is not a directory",
+                    r.display()
+                )));
             }
             if !allow_network_mounts && is_network_fs(&r) {
                 return Err(ConnectError::new(
                     Code::FailedPrecondition,
-                    format!("{} is on a network filesystem; set allow_network_mounts to watch it", r.display()),
+                    format!(
+                        "{} is on a network filesystem; set allow_network_mounts to watch it",
+                        r.display()
+                    ),
                 ));
             }
-            add_tree(raw, &r, Path::new(""), recursive).map_err(|e| ConnectError::from_io(&e, format!("watching {}", r.display())))
+            add_tree(raw, &r, Path::new(""), recursive)
+                .map_err(|e| ConnectError::from_io(&e, format!("watching {}", r.display())))
         })
         .await?;
         // SAFETY: the OwnedFd is moved into the AsyncFd and stays open for its whole lifetime.
@@ -161,12 +186,17 @@ impl Watch {
         const HDR: usize = std::mem::size_of::<libc::inotify_event>();
         while off + HDR <= n {
             // SAFETY: the kernel wrote a whole inotify_event header at off; read unaligned.
-            let ev: libc::inotify_event = unsafe { std::ptr::read_unaligned(buf[off..].as_ptr().cast()) };
+            let ev: libc::inotify_event =
+                unsafe { std::ptr::read_unaligned(buf[off..].as_ptr().cast()) };
             let name_start = off + HDR;
             let name_end = (name_start + ev.len as usize).min(n);
             let name = &buf[name_start..name_end];
             let name = name.split(|b| *b == 0).next().unwrap_or(&[]);
-            raw.push((ev.wd, ev.mask, std::ffi::OsStr::from_bytes(name).to_os_string()));
+            raw.push((
+                ev.wd,
+                ev.mask,
+                std::ffi::OsStr::from_bytes(name).to_os_string(),
+            ));
             off = name_end;
         }
         Ok(raw)
@@ -180,8 +210,14 @@ impl Watch {
                 self.dirs.remove(&wd);
                 continue;
             }
-            let Some(dir) = self.dirs.get(&wd).cloned() else { continue };
-            let rel = if name.is_empty() { dir.clone() } else { dir.join(&name) };
+            let Some(dir) = self.dirs.get(&wd).cloned() else {
+                continue;
+            };
+            let rel = if name.is_empty() {
+                dir.clone()
+            } else {
+                dir.join(&name)
+            };
             let event_type = if mask & (libc::IN_CREATE | libc::IN_MOVED_TO) != 0 {
                 EventType::Create
             } else if mask & libc::IN_MODIFY != 0 {
@@ -201,18 +237,31 @@ impl Watch {
             }
             let abs = self.root.join(&rel);
             if self.recursive && event_type == EventType::Create && mask & libc::IN_ISDIR != 0 {
-                let (fd, root, r) = (self.fd.get_ref().as_raw_fd(), self.root.clone(), rel.clone());
-                if let Ok(Ok(added)) = user::run_as(&self.user, move || Ok(add_tree(fd, &root, &r, true))).await {
+                let (fd, root, r) = (
+                    self.fd.get_ref().as_raw_fd(),
+                    self.root.clone(),
+                    rel.clone(),
+                );
+                if let Ok(Ok(added)) =
+                    user::run_as(&self.user, move || Ok(add_tree(fd, &root, &r, true))).await
+                {
                     self.dirs.extend(added);
                 }
             }
             let entry = if self.include_entry && event_type != EventType::Remove {
                 let p = abs.clone();
-                user::run_as(&self.user, move || Ok(entry_info(&p).ok())).await.ok().flatten()
+                user::run_as(&self.user, move || Ok(entry_info(&p).ok()))
+                    .await
+                    .ok()
+                    .flatten()
             } else {
                 None
             };
-            events.push(FilesystemEvent { name: rel.display().to_string(), event_type, entry });
+            events.push(FilesystemEvent {
+                name: rel.display().to_string(),
+                event_type,
+                entry,
+            });
         }
         events
     }
@@ -240,7 +289,9 @@ fn new_id() -> String {
     // SAFETY: b is writable for its length.
     let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
     if n != b.len() as isize {
-        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
         b[..8].copy_from_slice(&(t.as_nanos() as u64).to_le_bytes());
     }
     b.iter().map(|x| format!("{x:02x}")).collect()
@@ -269,13 +320,22 @@ impl Watchers {
                 }
             }
         });
-        lock(&self.map).insert(id.clone(), Polled { events, error, task });
+        lock(&self.map).insert(
+            id.clone(),
+            Polled {
+                events,
+                error,
+                task,
+            },
+        );
         id
     }
 
     pub fn take_events(&self, id: &str) -> Result<Vec<FilesystemEvent>, ConnectError> {
         let map = lock(&self.map);
-        let w = map.get(id).ok_or_else(|| ConnectError::not_found(format!("watcher {id} not found")))?;
+        let w = map
+            .get(id)
+            .ok_or_else(|| ConnectError::not_found(format!("watcher {id} not found")))?;
         if let Some(e) = lock(&w.error).clone() {
             return Err(ConnectError::internal(format!("watcher failed: {e}")));
         }

@@ -46,7 +46,9 @@ pub async fn dispatch(
         },
         "StreamInput" => connect::client_stream_response(stream_input(&agent, body).await),
         "List" => connect::unary_response(
-            connect::read_unary::<ListRequest>(body).await.map(|_| list(&agent)),
+            connect::read_unary::<ListRequest>(body)
+                .await
+                .map(|_| list(&agent)),
         ),
         "Update" => connect::unary_response(match connect::read_unary(body).await {
             Ok(msg) => update(&agent, msg),
@@ -64,8 +66,11 @@ pub async fn dispatch(
             Ok(msg) => close_stdin(&agent, msg).await,
             Err(e) => Err(e),
         }),
-        _ => ConnectError::new(Code::Unimplemented, format!("process.Process/{method} is not implemented"))
-            .into_response(),
+        _ => ConnectError::new(
+            Code::Unimplemented,
+            format!("process.Process/{method} is not implemented"),
+        )
+        .into_response(),
     }
 }
 
@@ -102,10 +107,17 @@ fn find(agent: &Agent, sel: Option<&ProcessSelector>) -> Result<Arc<Process>, Co
             .cloned()
             .ok_or_else(|| ConnectError::not_found(format!("process with tag {tag} not found")));
     }
-    Err(ConnectError::invalid("process selector needs a pid or a tag"))
+    Err(ConnectError::invalid(
+        "process selector needs a pid or a tag",
+    ))
 }
 
-async fn start(agent: Arc<Agent>, user: User, headers: &HeaderMap, msg: StartRequest) -> Response<Body> {
+async fn start(
+    agent: Arc<Agent>,
+    user: User,
+    headers: &HeaderMap,
+    msg: StartRequest,
+) -> Response<Body> {
     let spec = match spec_for(&agent, user, headers, msg).await {
         Ok(s) => s,
         Err(e) => return connect::stream_error_response(e),
@@ -133,7 +145,9 @@ async fn spec_for(
     headers: &HeaderMap,
     msg: StartRequest,
 ) -> Result<Spec, ConnectError> {
-    let config = msg.process.ok_or_else(|| ConnectError::invalid("process config is required"))?;
+    let config = msg
+        .process
+        .ok_or_else(|| ConnectError::invalid("process config is required"))?;
     if config.cmd.is_empty() {
         return Err(ConnectError::invalid("process cmd is required"));
     }
@@ -143,15 +157,22 @@ async fn spec_for(
         Some(c) => user::resolve_in(c, &user.home)?,
     };
     let check = cwd.clone();
-    let is_dir = user::run_as(&user, move || Ok(std::fs::metadata(&check).map(|m| m.is_dir()))).await?;
+    let is_dir = user::run_as(&user, move || {
+        Ok(std::fs::metadata(&check).map(|m| m.is_dir()))
+    })
+    .await?;
     if !matches!(is_dir, Ok(true)) {
-        return Err(ConnectError::invalid(format!("cwd '{}' does not exist", cwd.display())));
+        return Err(ConnectError::invalid(format!(
+            "cwd '{}' does not exist",
+            cwd.display()
+        )));
     }
     let mut env = std::collections::BTreeMap::new();
     env.insert(
         "PATH".to_string(),
-        std::env::var("PATH")
-            .unwrap_or_else(|_| "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into()),
+        std::env::var("PATH").unwrap_or_else(|_| {
+            "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into()
+        }),
     );
     env.insert("HOME".into(), user.home.display().to_string());
     env.insert("USER".into(), user.name.clone());
@@ -161,16 +182,26 @@ async fn spec_for(
     }
     env.extend(defaults.env_vars);
     env.extend(config.envs.iter().map(|(k, v)| (k.clone(), v.clone())));
-    if env.keys().any(|k| k.is_empty() || k.contains('=') || k.contains('\0'))
+    if env
+        .keys()
+        .any(|k| k.is_empty() || k.contains('=') || k.contains('\0'))
         || env.values().any(|v| v.contains('\0'))
         || config.args.iter().any(|a| a.contains('\0'))
         || config.cmd.contains('\0')
     {
-        return Err(ConnectError::invalid("command, arguments and environment must not contain NUL or '=' in names"));
+        return Err(ConnectError::invalid(
+            "command, arguments and environment must not contain NUL or '=' in names",
+        ));
     }
     let pty = msg.pty.map(|p| {
         let size = p.size.unwrap_or_default();
-        let clamp = |v: u32, d: u16| if v == 0 { d } else { v.min(u16::MAX as u32) as u16 };
+        let clamp = |v: u32, d: u16| {
+            if v == 0 {
+                d
+            } else {
+                v.min(u16::MAX as u32) as u16
+            }
+        };
         (clamp(size.cols, 80), clamp(size.rows, 24))
     });
     Ok(Spec {
@@ -193,7 +224,13 @@ fn connect_to(agent: &Agent, headers: &HeaderMap, msg: SelectorRequest) -> Respo
     let sub = process.subscribe();
     let (resp, tx) = connect::stream_response();
     let deadline = connect::timeout(headers).map(|t| tokio::time::Instant::now() + t);
-    tokio::spawn(stream_events(process.pid, sub, tx, keepalive_interval(headers), deadline));
+    tokio::spawn(stream_events(
+        process.pid,
+        sub,
+        tx,
+        keepalive_interval(headers),
+        deadline,
+    ));
     resp
 }
 
@@ -206,7 +243,11 @@ async fn stream_events(
     deadline: Option<tokio::time::Instant>,
 ) {
     let send = |event: ProcessEvent| EventResponse { event };
-    if tx.send(&send(ProcessEvent::Start(StartEvent { pid }))).await.is_err() {
+    if tx
+        .send(&send(ProcessEvent::Start(StartEvent { pid })))
+        .await
+        .is_err()
+    {
         return;
     }
     for d in std::mem::take(&mut sub.history) {
@@ -267,7 +308,11 @@ fn list(agent: &Agent) -> ListResponse {
     let table = agent.processes.lock().unwrap_or_else(|p| p.into_inner());
     let mut processes: Vec<ProcessInfo> = table
         .values()
-        .map(|p| ProcessInfo { config: p.config.clone(), pid: p.pid, tag: p.tag.clone() })
+        .map(|p| ProcessInfo {
+            config: p.config.clone(),
+            pid: p.pid,
+            tag: p.tag.clone(),
+        })
         .collect();
     processes.sort_by_key(|p| p.pid);
     ListResponse { processes }
@@ -277,17 +322,26 @@ fn update(agent: &Agent, msg: UpdateRequest) -> Result<Empty, ConnectError> {
     let p = find(agent, msg.process.as_ref())?;
     if let Some(pty) = msg.pty {
         let size = pty.size.unwrap_or_default();
-        if size.cols == 0 || size.rows == 0 || size.cols > u16::MAX as u32 || size.rows > u16::MAX as u32 {
-            return Err(ConnectError::invalid("pty size must have cols and rows in 1..=65535"));
+        if size.cols == 0
+            || size.rows == 0
+            || size.cols > u16::MAX as u32
+            || size.rows > u16::MAX as u32
+        {
+            return Err(ConnectError::invalid(
+                "pty size must have cols and rows in 1..=65535",
+            ));
         }
-        p.resize(size.cols as u16, size.rows as u16)
-            .map_err(|e| ConnectError::new(Code::FailedPrecondition, format!("resizing pty: {e}")))?;
+        p.resize(size.cols as u16, size.rows as u16).map_err(|e| {
+            ConnectError::new(Code::FailedPrecondition, format!("resizing pty: {e}"))
+        })?;
     }
     Ok(Empty {})
 }
 
 async fn write_input(p: &Process, input: ProcessInput) -> Result<(), ConnectError> {
-    let fail = |e: std::io::Error| ConnectError::new(Code::FailedPrecondition, format!("writing input: {e}"));
+    let fail = |e: std::io::Error| {
+        ConnectError::new(Code::FailedPrecondition, format!("writing input: {e}"))
+    };
     if let Some(data) = input.pty {
         p.write_pty(&data).await.map_err(fail)?;
     } else if let Some(data) = input.stdin {

@@ -27,7 +27,8 @@ fn cvt(rc: libc::c_int) -> io::Result<libc::c_int> {
 /// Opens a PTY pair with the given size; the slave is owned by `uid:gid`.
 pub fn open(cols: u16, rows: u16, uid: u32, gid: u32) -> io::Result<PtyPair> {
     // SAFETY: posix_openpt returns a new fd or -1.
-    let master = cvt(unsafe { libc::posix_openpt(libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC) })?;
+    let master =
+        cvt(unsafe { libc::posix_openpt(libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC) })?;
     // SAFETY: master is a fresh fd we own.
     let master = unsafe { OwnedFd::from_raw_fd(master) };
     // SAFETY: plain calls on a valid master fd.
@@ -43,7 +44,10 @@ pub fn open(cols: u16, rows: u16, uid: u32, gid: u32) -> io::Result<PtyPair> {
     }
     // SAFETY: ptsname_r wrote a NUL-terminated path into name.
     let slave = cvt(unsafe {
-        libc::open(name.as_ptr(), libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC)
+        libc::open(
+            name.as_ptr(),
+            libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC,
+        )
     })?;
     // SAFETY: slave is a fresh fd we own.
     let slave = unsafe { OwnedFd::from_raw_fd(slave) };
@@ -54,15 +58,27 @@ pub fn open(cols: u16, rows: u16, uid: u32, gid: u32) -> io::Result<PtyPair> {
     // SAFETY: fcntl on a valid fd.
     unsafe {
         let flags = cvt(libc::fcntl(master.as_raw_fd(), libc::F_GETFL))?;
-        cvt(libc::fcntl(master.as_raw_fd(), libc::F_SETFL, flags | libc::O_NONBLOCK))?;
+        cvt(libc::fcntl(
+            master.as_raw_fd(),
+            libc::F_SETFL,
+            flags | libc::O_NONBLOCK,
+        ))?;
     }
     // SAFETY: the OwnedFd is moved into the AsyncFd and stays open for its whole lifetime.
     let fd = unsafe { AsyncFd::register(master) }.map_err(|e| e.into_parts().1)?;
-    Ok(PtyPair { master: PtyMaster { fd }, slave })
+    Ok(PtyPair {
+        master: PtyMaster { fd },
+        slave,
+    })
 }
 
 fn set_size(fd: libc::c_int, cols: u16, rows: u16) -> io::Result<()> {
-    let ws = libc::winsize { ws_row: rows, ws_col: cols, ws_xpixel: 0, ws_ypixel: 0 };
+    let ws = libc::winsize {
+        ws_row: rows,
+        ws_col: cols,
+        ws_xpixel: 0,
+        ws_ypixel: 0,
+    };
     // SAFETY: TIOCSWINSZ reads a winsize from the pointer.
     cvt(unsafe { libc::ioctl(fd, libc::TIOCSWINSZ, &ws) })?;
     Ok(())

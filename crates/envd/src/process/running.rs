@@ -83,7 +83,10 @@ impl Process {
     /// Starts the child and its output pump, and registers it in `table`.
     pub fn start(spec: Spec, table: Table) -> io::Result<Arc<Process>> {
         let mut cmd = tokio::process::Command::new(&spec.config.cmd);
-        cmd.args(&spec.config.args).env_clear().envs(&spec.env).kill_on_drop(false);
+        cmd.args(&spec.config.args)
+            .env_clear()
+            .envs(&spec.env)
+            .kill_on_drop(false);
 
         let pty_pair = match spec.pty {
             Some((cols, rows)) => Some(pty::open(cols, rows, spec.user.uid, spec.user.gid)?),
@@ -96,7 +99,11 @@ impl Process {
                 cmd.stderr(Stdio::from(pair.slave.try_clone()?));
             }
             None => {
-                cmd.stdin(if spec.stdin { Stdio::piped() } else { Stdio::null() });
+                cmd.stdin(if spec.stdin {
+                    Stdio::piped()
+                } else {
+                    Stdio::null()
+                });
                 cmd.stdout(Stdio::piped());
                 cmd.stderr(Stdio::piped());
             }
@@ -110,7 +117,13 @@ impl Process {
         // async-signal-safe system calls on data prepared before the fork.
         unsafe {
             cmd.pre_exec(move || {
-                let check = |rc: libc::c_int| if rc < 0 { Err(io::Error::last_os_error()) } else { Ok(()) };
+                let check = |rc: libc::c_int| {
+                    if rc < 0 {
+                        Err(io::Error::last_os_error())
+                    } else {
+                        Ok(())
+                    }
+                };
                 // Own session (and process group), so signals reach the whole job.
                 check(libc::setsid())?;
                 if with_tty {
@@ -138,10 +151,18 @@ impl Process {
             }
             None => {
                 if let Some(out) = child.stdout.take() {
-                    readers.push(tokio::spawn(pump_pipe(out, DataEvent::Stdout, out_tx.clone())));
+                    readers.push(tokio::spawn(pump_pipe(
+                        out,
+                        DataEvent::Stdout,
+                        out_tx.clone(),
+                    )));
                 }
                 if let Some(err) = child.stderr.take() {
-                    readers.push(tokio::spawn(pump_pipe(err, DataEvent::Stderr, out_tx.clone())));
+                    readers.push(tokio::spawn(pump_pipe(
+                        err,
+                        DataEvent::Stderr,
+                        out_tx.clone(),
+                    )));
                 }
                 None
             }
@@ -168,7 +189,11 @@ impl Process {
                     match master.read(&mut buf).await {
                         Ok(0) | Err(_) => break,
                         Ok(n) => {
-                            if out_tx.send(DataEvent::Pty(buf[..n].to_vec())).await.is_err() {
+                            if out_tx
+                                .send(DataEvent::Pty(buf[..n].to_vec()))
+                                .await
+                                .is_err()
+                            {
                                 break;
                             }
                         }
@@ -289,7 +314,11 @@ impl Process {
         if ended.is_none() {
             hub.subscribers.push(tx);
         }
-        Subscription { history, ended, live: rx }
+        Subscription {
+            history,
+            ended,
+            live: rx,
+        }
     }
 
     pub fn has_pty(&self) -> bool {
@@ -303,14 +332,20 @@ impl Process {
                 s.write_all(data).await?;
                 s.flush().await
             }
-            None => Err(io::Error::new(io::ErrorKind::BrokenPipe, "stdin is not enabled or is closed")),
+            None => Err(io::Error::new(
+                io::ErrorKind::BrokenPipe,
+                "stdin is not enabled or is closed",
+            )),
         }
     }
 
     pub async fn write_pty(&self, data: &[u8]) -> io::Result<()> {
         match &self.pty {
             Some(m) => m.write_all(data).await,
-            None => Err(io::Error::new(io::ErrorKind::Unsupported, "process has no terminal")),
+            None => Err(io::Error::new(
+                io::ErrorKind::Unsupported,
+                "process has no terminal",
+            )),
         }
     }
 
@@ -324,7 +359,10 @@ impl Process {
     pub fn resize(&self, cols: u16, rows: u16) -> io::Result<()> {
         match &self.pty {
             Some(m) => m.resize(cols, rows),
-            None => Err(io::Error::new(io::ErrorKind::Unsupported, "process has no terminal")),
+            None => Err(io::Error::new(
+                io::ErrorKind::Unsupported,
+                "process has no terminal",
+            )),
         }
     }
 
@@ -335,7 +373,9 @@ impl Process {
 
 /// Signals the process's group (its whole job), or the process alone if that fails.
 fn signal(pid: u32, sig: libc::c_int) {
-    let Ok(pid) = libc::pid_t::try_from(pid) else { return };
+    let Ok(pid) = libc::pid_t::try_from(pid) else {
+        return;
+    };
     if pid <= 0 {
         return;
     }
@@ -396,7 +436,12 @@ fn end_event(status: io::Result<std::process::ExitStatus>) -> EndEvent {
                 if st.core_dumped() {
                     status.push_str(" (core dumped)");
                 }
-                EndEvent { exit_code: -1, exited: false, error: Some(status.clone()), status }
+                EndEvent {
+                    exit_code: -1,
+                    exited: false,
+                    error: Some(status.clone()),
+                    status,
+                }
             }
         }
     }

@@ -25,7 +25,10 @@ pub struct EntryInfo {
     #[serde(rename = "type")]
     pub file_type: FileType,
     pub path: String,
-    #[serde(serialize_with = "json::i64_as_string", skip_serializing_if = "json::is_zero_i64")]
+    #[serde(
+        serialize_with = "json::i64_as_string",
+        skip_serializing_if = "json::is_zero_i64"
+    )]
     pub size: i64,
     #[serde(skip_serializing_if = "json::is_zero_u32")]
     pub mode: u32,
@@ -90,7 +93,11 @@ pub struct WatchRequest {
     pub recursive: bool,
     #[serde(default, alias = "include_entry", deserialize_with = "json::de_bool")]
     pub include_entry: bool,
-    #[serde(default, alias = "allow_network_mounts", deserialize_with = "json::de_bool")]
+    #[serde(
+        default,
+        alias = "allow_network_mounts",
+        deserialize_with = "json::de_bool"
+    )]
     pub allow_network_mounts: bool,
 }
 
@@ -117,7 +124,8 @@ pub struct FilesystemEvent {
     pub entry: Option<EntryInfo>,
 }
 
-/// `WatchDirResponse` oneof.
+/// `WatchDirResponse` oneof (built and serialized at once, so its size does not matter).
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub enum WatchDirResponse {
@@ -173,7 +181,8 @@ mod tests {
         assert_eq!(v["modifiedTime"], "1970-01-01T00:00:00Z");
         assert!(v.get("isSymlink").is_none());
         let w: WatchRequest =
-            serde_json::from_str(r#"{"path":"/x","include_entry":true,"allowNetworkMounts":true}"#).unwrap();
+            serde_json::from_str(r#"{"path":"/x","include_entry":true,"allowNetworkMounts":true}"#)
+                .unwrap();
         assert!(w.include_entry && w.allow_network_mounts);
         let w: WatcherRequest = serde_json::from_str(r#"{"watcher_id":"w1"}"#).unwrap();
         assert_eq!(w.watcher_id, "w1");

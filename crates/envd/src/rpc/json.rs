@@ -85,10 +85,14 @@ pub fn de_opt_u32<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u32>, D::Err
             d.deserialize_any(V)
         }
         fn visit_u64<E: de::Error>(self, v: u64) -> Result<Self::Value, E> {
-            u32::try_from(v).map(Some).map_err(|_| E::custom("uint32 out of range"))
+            u32::try_from(v)
+                .map(Some)
+                .map_err(|_| E::custom("uint32 out of range"))
         }
         fn visit_i64<E: de::Error>(self, v: i64) -> Result<Self::Value, E> {
-            u32::try_from(v).map(Some).map_err(|_| E::custom("uint32 out of range"))
+            u32::try_from(v)
+                .map(Some)
+                .map_err(|_| E::custom("uint32 out of range"))
         }
         fn visit_f64<E: de::Error>(self, v: f64) -> Result<Self::Value, E> {
             if v.fract() == 0.0 && (0.0..=u32::MAX as f64).contains(&v) {
@@ -98,7 +102,9 @@ pub fn de_opt_u32<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u32>, D::Err
             }
         }
         fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
-            v.parse::<u32>().map(Some).map_err(|_| E::custom("invalid uint32 string"))
+            v.parse::<u32>()
+                .map(Some)
+                .map_err(|_| E::custom("invalid uint32 string"))
         }
     }
     d.deserialize_option(V)
@@ -147,8 +153,8 @@ pub fn de_enum<'de, D: Deserializer<'de>>(
 
 /// Formats a Unix time as a proto3 JSON Timestamp (RFC 3339, UTC, `Z`, 0/3/6/9 fraction digits).
 pub fn timestamp(secs: i64, nanos: u32) -> String {
-    let dt = time::OffsetDateTime::from_unix_timestamp(secs)
-        .unwrap_or(time::OffsetDateTime::UNIX_EPOCH);
+    let dt =
+        time::OffsetDateTime::from_unix_timestamp(secs).unwrap_or(time::OffsetDateTime::UNIX_EPOCH);
     let base = format!(
         "{:04}-{:02}-{:02}T{:02}:{:02}:{:02}",
         dt.year(),
@@ -160,9 +166,9 @@ pub fn timestamp(secs: i64, nanos: u32) -> String {
     );
     if nanos == 0 {
         format!("{base}Z")
-    } else if nanos % 1_000_000 == 0 {
+    } else if nanos.is_multiple_of(1_000_000) {
         format!("{base}.{:03}Z", nanos / 1_000_000)
-    } else if nanos % 1_000 == 0 {
+    } else if nanos.is_multiple_of(1_000) {
         format!("{base}.{:06}Z", nanos / 1_000)
     } else {
         format!("{base}.{nanos:09}Z")
@@ -170,13 +176,17 @@ pub fn timestamp(secs: i64, nanos: u32) -> String {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 
     #[test]
     fn timestamps_are_canonical() {
         assert_eq!(timestamp(0, 0), "1970-01-01T00:00:00Z");
-        assert_eq!(timestamp(1_700_000_000, 5_000_000), "2023-11-14T22:13:20.005Z");
+        assert_eq!(
+            timestamp(1_700_000_000, 5_000_000),
+            "2023-11-14T22:13:20.005Z"
+        );
         assert_eq!(timestamp(1, 1), "1970-01-01T00:00:01.000000001Z");
     }
 

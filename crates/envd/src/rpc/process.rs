@@ -9,9 +9,17 @@ use super::json::{self, bytes_b64};
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct PtySize {
-    #[serde(default, deserialize_with = "json::de_u32", skip_serializing_if = "json::is_zero_u32")]
+    #[serde(
+        default,
+        deserialize_with = "json::de_u32",
+        skip_serializing_if = "json::is_zero_u32"
+    )]
     pub cols: u32,
-    #[serde(default, deserialize_with = "json::de_u32", skip_serializing_if = "json::is_zero_u32")]
+    #[serde(
+        default,
+        deserialize_with = "json::de_u32",
+        skip_serializing_if = "json::is_zero_u32"
+    )]
     pub rows: u32,
 }
 
@@ -27,9 +35,17 @@ pub struct Pty {
 pub struct ProcessConfig {
     #[serde(default, deserialize_with = "json::de_string")]
     pub cmd: String,
-    #[serde(default, deserialize_with = "json::de_strings", skip_serializing_if = "Vec::is_empty")]
+    #[serde(
+        default,
+        deserialize_with = "json::de_strings",
+        skip_serializing_if = "Vec::is_empty"
+    )]
     pub args: Vec<String>,
-    #[serde(default, deserialize_with = "json::de_map", skip_serializing_if = "BTreeMap::is_empty")]
+    #[serde(
+        default,
+        deserialize_with = "json::de_map",
+        skip_serializing_if = "BTreeMap::is_empty"
+    )]
     pub envs: BTreeMap<String, String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cwd: Option<String>,
@@ -96,7 +112,8 @@ pub struct ProcessInput {
 
 fn opt_bytes<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Vec<u8>>, D::Error> {
     let s: Option<String> = Option::deserialize(d)?;
-    s.map(|s| json::decode_base64(&s).map_err(serde::de::Error::custom)).transpose()
+    s.map(|s| json::decode_base64(&s).map_err(serde::de::Error::custom))
+        .transpose()
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -228,8 +245,13 @@ mod tests {
 
     #[test]
     fn events_serialize_as_oneofs() {
-        let ev = EventResponse { event: ProcessEvent::Data(DataEvent::Stdout(b"hello\n".to_vec())) };
-        assert_eq!(serde_json::to_string(&ev).unwrap(), r#"{"event":{"data":{"stdout":"aGVsbG8K"}}}"#);
+        let ev = EventResponse {
+            event: ProcessEvent::Data(DataEvent::Stdout(b"hello\n".to_vec())),
+        };
+        assert_eq!(
+            serde_json::to_string(&ev).unwrap(),
+            r#"{"event":{"data":{"stdout":"aGVsbG8K"}}}"#
+        );
         let ev = EventResponse {
             event: ProcessEvent::End(EndEvent {
                 exit_code: 3,
@@ -242,8 +264,13 @@ mod tests {
             serde_json::to_string(&ev).unwrap(),
             r#"{"event":{"end":{"exitCode":3,"exited":true,"status":"exit status 3"}}}"#
         );
-        let ev = EventResponse { event: ProcessEvent::Keepalive(Empty2 {}) };
-        assert_eq!(serde_json::to_string(&ev).unwrap(), r#"{"event":{"keepalive":{}}}"#);
+        let ev = EventResponse {
+            event: ProcessEvent::Keepalive(Empty2 {}),
+        };
+        assert_eq!(
+            serde_json::to_string(&ev).unwrap(),
+            r#"{"event":{"keepalive":{}}}"#
+        );
     }
 
     #[test]
@@ -259,7 +286,8 @@ mod tests {
         let s: SendSignalRequest =
             serde_json::from_str(r#"{"process":{"pid":12},"signal":"SIGNAL_SIGKILL"}"#).unwrap();
         assert_eq!(s.signal, 9);
-        let s: SendSignalRequest = serde_json::from_str(r#"{"process":{"pid":"12"},"signal":15}"#).unwrap();
+        let s: SendSignalRequest =
+            serde_json::from_str(r#"{"process":{"pid":"12"},"signal":15}"#).unwrap();
         assert_eq!(s.signal, 15);
         assert_eq!(s.process.unwrap().pid, Some(12));
         let i: SendInputRequest =

@@ -36,7 +36,11 @@ fn crc32(data: &[u8]) -> u32 {
     for &b in data {
         crc ^= b as u32;
         for _ in 0..8 {
-            crc = if crc & 1 != 0 { (crc >> 1) ^ 0xedb8_8320 } else { crc >> 1 };
+            crc = if crc & 1 != 0 {
+                (crc >> 1) ^ 0xedb8_8320
+            } else {
+                crc >> 1
+            };
         }
     }
     !crc
@@ -49,26 +53,50 @@ async fn multipart_octet_gzip_metadata() {
     // Multipart with two files: each part's filename is its destination.
     let boundary = "XBOUNDARYX";
     let mut body = Vec::new();
-    for (name, data) in [(format!("{dir}/one.txt"), "first"), (format!("{dir}/nested/two.txt"), "second")] {
+    for (name, data) in [
+        (format!("{dir}/one.txt"), "first"),
+        (format!("{dir}/nested/two.txt"), "second"),
+    ] {
         write!(body, "--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{name}\"\r\nContent-Type: application/octet-stream\r\n\r\n{data}\r\n").unwrap();
     }
     write!(body, "--{boundary}--\r\n").unwrap();
     let req = Request::post("/files")
-        .header("content-type", format!("multipart/form-data; boundary={boundary}"))
+        .header(
+            "content-type",
+            format!("multipart/form-data; boundary={boundary}"),
+        )
         .header("x-metadata-Owner-Team", "infra")
         .body(full(body))
         .unwrap();
     let r = envd.request(req).await.unwrap();
     assert_eq!(r.status(), StatusCode::OK);
     let v: Value = serde_json::from_slice(&body_of(r).await).unwrap();
-    assert_eq!(v[0], json!({"name": "one.txt", "type": "file", "path": format!("{dir}/one.txt"), "metadata": {"owner-team": "infra"}}));
+    assert_eq!(
+        v[0],
+        json!({"name": "one.txt", "type": "file", "path": format!("{dir}/one.txt"), "metadata": {"owner-team": "infra"}})
+    );
     assert_eq!(v[1]["path"], format!("{dir}/nested/two.txt"));
-    assert_eq!(std::fs::read_to_string(format!("{dir}/nested/two.txt")).unwrap(), "second");
+    assert_eq!(
+        std::fs::read_to_string(format!("{dir}/nested/two.txt")).unwrap(),
+        "second"
+    );
     // Written as the user: owned by them, parents too.
-    let (_, st) = envd.unary("/filesystem.Filesystem/Stat", json!({"path": format!("{dir}/nested/two.txt")}), &[]).await;
+    let (_, st) = envd
+        .unary(
+            "/filesystem.Filesystem/Stat",
+            json!({"path": format!("{dir}/nested/two.txt")}),
+            &[],
+        )
+        .await;
     assert_eq!(st["entry"]["owner"], TEST_USER);
     assert_eq!(st["entry"]["metadata"], json!({"owner-team": "infra"}));
-    let (_, st) = envd.unary("/filesystem.Filesystem/Stat", json!({"path": format!("{dir}/nested")}), &[]).await;
+    let (_, st) = envd
+        .unary(
+            "/filesystem.Filesystem/Stat",
+            json!({"path": format!("{dir}/nested")}),
+            &[],
+        )
+        .await;
     assert_eq!(st["entry"]["owner"], TEST_USER);
 
     // Octet-stream with gzip content encoding, relative path into the home directory.
@@ -86,12 +114,27 @@ async fn multipart_octet_gzip_metadata() {
     assert_eq!(std::fs::read(&home_file).unwrap(), payload);
 
     // Download plain and gzip.
-    let r = envd.request(Request::get("/files?path=envd-test-gz.bin").body(full("")).unwrap()).await.unwrap();
+    let r = envd
+        .request(
+            Request::get("/files?path=envd-test-gz.bin")
+                .body(full(""))
+                .unwrap(),
+        )
+        .await
+        .unwrap();
     assert_eq!(r.status(), StatusCode::OK);
-    assert_eq!(r.headers()["content-length"], payload.len().to_string().as_str());
+    assert_eq!(
+        r.headers()["content-length"],
+        payload.len().to_string().as_str()
+    );
     assert_eq!(body_of(r).await.as_ref(), payload.as_slice());
     let r = envd
-        .request(Request::get("/files?path=envd-test-gz.bin").header("accept-encoding", "gzip").body(full("")).unwrap())
+        .request(
+            Request::get("/files?path=envd-test-gz.bin")
+                .header("accept-encoding", "gzip")
+                .body(full(""))
+                .unwrap(),
+        )
         .await
         .unwrap();
     assert_eq!(r.headers()["content-encoding"], "gzip");
@@ -108,15 +151,34 @@ async fn multipart_octet_gzip_metadata() {
     std::fs::remove_file(&home_file).unwrap();
 
     // Errors: missing file, directory, no path.
-    let r = envd.request(Request::get(format!("/files?path={dir}/nope")).body(full("")).unwrap()).await.unwrap();
+    let r = envd
+        .request(
+            Request::get(format!("/files?path={dir}/nope"))
+                .body(full(""))
+                .unwrap(),
+        )
+        .await
+        .unwrap();
     assert_eq!(r.status(), StatusCode::NOT_FOUND);
     let v: Value = serde_json::from_slice(&body_of(r).await).unwrap();
     assert_eq!(v["code"], 404);
     assert!(v["message"].is_string());
-    let r = envd.request(Request::get(format!("/files?path={dir}")).body(full("")).unwrap()).await.unwrap();
+    let r = envd
+        .request(
+            Request::get(format!("/files?path={dir}"))
+                .body(full(""))
+                .unwrap(),
+        )
+        .await
+        .unwrap();
     assert_eq!(r.status(), StatusCode::BAD_REQUEST);
     let r = envd
-        .request(Request::post("/files").header("content-type", "application/octet-stream").body(full("x")).unwrap())
+        .request(
+            Request::post("/files")
+                .header("content-type", "application/octet-stream")
+                .body(full("x"))
+                .unwrap(),
+        )
         .await
         .unwrap();
     assert_eq!(r.status(), StatusCode::BAD_REQUEST);
@@ -144,5 +206,10 @@ async fn disk_full_is_507() {
     let body = body_of(r).await;
     let _ = std::process::Command::new("umount").arg(&mnt).status();
     let _ = std::fs::remove_dir(&mnt);
-    assert_eq!(status, StatusCode::INSUFFICIENT_STORAGE, "{}", String::from_utf8_lossy(&body));
+    assert_eq!(
+        status,
+        StatusCode::INSUFFICIENT_STORAGE,
+        "{}",
+        String::from_utf8_lossy(&body)
+    );
 }

@@ -13,7 +13,10 @@ pub fn user_dir(name: &str) -> String {
     let dir = format!("/tmp/envd-test-{name}-{}", std::process::id());
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    let st = std::process::Command::new("chown").args([&format!("{TEST_USER}:{TEST_USER}"), &dir]).status().unwrap();
+    let st = std::process::Command::new("chown")
+        .args([&format!("{TEST_USER}:{TEST_USER}"), &dir])
+        .status()
+        .unwrap();
     assert!(st.success());
     dir
 }
@@ -53,13 +56,36 @@ async fn make_stat_list_move_remove() {
     assert_eq!(v["entry"]["symlinkTarget"], format!("{dir}/a/f.txt"));
 
     let (_, v) = fs(&envd, "ListDir", json!({"path": dir, "depth": 1})).await;
-    let names: Vec<&str> = v["entries"].as_array().unwrap().iter().map(|e| e["name"].as_str().unwrap()).collect();
+    let names: Vec<&str> = v["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["name"].as_str().unwrap())
+        .collect();
     assert_eq!(names, ["a"]);
     let (_, v) = fs(&envd, "ListDir", json!({"path": dir, "depth": "2"})).await;
-    let paths: Vec<&str> = v["entries"].as_array().unwrap().iter().map(|e| e["path"].as_str().unwrap()).collect();
-    assert_eq!(paths, [format!("{dir}/a"), format!("{dir}/a/b"), format!("{dir}/a/f.txt"), format!("{dir}/a/link")]);
+    let paths: Vec<&str> = v["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["path"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        paths,
+        [
+            format!("{dir}/a"),
+            format!("{dir}/a/b"),
+            format!("{dir}/a/f.txt"),
+            format!("{dir}/a/link")
+        ]
+    );
 
-    let (st, v) = fs(&envd, "Move", json!({"source": format!("{dir}/a/b"), "destination": format!("{dir}/c/d")})).await;
+    let (st, v) = fs(
+        &envd,
+        "Move",
+        json!({"source": format!("{dir}/a/b"), "destination": format!("{dir}/c/d")}),
+    )
+    .await;
     assert_eq!(st, http::StatusCode::OK, "{v}");
     assert_eq!(v["entry"]["path"], format!("{dir}/c/d"));
     let (st, v) = fs(&envd, "Stat", json!({"path": format!("{dir}/a/b")})).await;
@@ -85,22 +111,44 @@ async fn user_cannot_reach_what_root_only_allows() {
     std::fs::set_permissions(&secret_dir, std::fs::Permissions::from_mode(0o700)).unwrap();
     std::fs::write(format!("{secret_dir}/s.txt"), b"secret").unwrap();
     std::fs::write("/tmp/envd-test-rootonly", b"secret").unwrap();
-    std::fs::set_permissions("/tmp/envd-test-rootonly", std::fs::Permissions::from_mode(0o600)).unwrap();
+    std::fs::set_permissions(
+        "/tmp/envd-test-rootonly",
+        std::fs::Permissions::from_mode(0o600),
+    )
+    .unwrap();
 
-    let (st, v) = fs(&envd, "Stat", json!({"path": format!("{secret_dir}/s.txt")})).await;
+    let (st, v) = fs(
+        &envd,
+        "Stat",
+        json!({"path": format!("{secret_dir}/s.txt")}),
+    )
+    .await;
     assert_eq!(st, http::StatusCode::FORBIDDEN, "{v}");
     assert_eq!(v["code"], "permission_denied");
     let (st, _) = fs(&envd, "ListDir", json!({"path": secret_dir})).await;
     assert_eq!(st, http::StatusCode::FORBIDDEN);
-    let (st, _) = fs(&envd, "MakeDir", json!({"path": "/root/envd-should-not-exist"})).await;
+    let (st, _) = fs(
+        &envd,
+        "MakeDir",
+        json!({"path": "/root/envd-should-not-exist"}),
+    )
+    .await;
     assert_eq!(st, http::StatusCode::FORBIDDEN);
     let (st, _) = fs(&envd, "Remove", json!({"path": "/tmp/envd-test-rootonly"})).await;
-    assert_eq!(st, http::StatusCode::FORBIDDEN, "sticky /tmp: only the owner may remove");
+    assert_eq!(
+        st,
+        http::StatusCode::FORBIDDEN,
+        "sticky /tmp: only the owner may remove"
+    );
     assert!(std::path::Path::new("/tmp/envd-test-rootonly").exists());
 
     // Downloads too.
     let r = envd
-        .request(http::Request::get("/files?path=/tmp/envd-test-rootonly").body(full("")).unwrap())
+        .request(
+            http::Request::get("/files?path=/tmp/envd-test-rootonly")
+                .body(full(""))
+                .unwrap(),
+        )
         .await
         .unwrap();
     assert_eq!(r.status(), http::StatusCode::FORBIDDEN);
@@ -112,12 +160,18 @@ async fn user_cannot_reach_what_root_only_allows() {
     assert_eq!(end["exitCode"], 1);
     // Root may.
     let (st, _) = envd
-        .unary(&format!("{FS}Stat"), json!({"path": format!("{secret_dir}/s.txt")}), &[("authorization", &basic("root"))])
+        .unary(
+            &format!("{FS}Stat"),
+            json!({"path": format!("{secret_dir}/s.txt")}),
+            &[("authorization", &basic("root"))],
+        )
         .await;
     assert_eq!(st, http::StatusCode::OK);
     let r = envd
         .request(
-            http::Request::get("/files?path=/tmp/envd-test-rootonly&username=root").body(full("")).unwrap(),
+            http::Request::get("/files?path=/tmp/envd-test-rootonly&username=root")
+                .body(full(""))
+                .unwrap(),
         )
         .await
         .unwrap();
@@ -128,7 +182,12 @@ async fn user_cannot_reach_what_root_only_allows() {
 
 fn events_of(v: &[Value]) -> Vec<(String, String)> {
     v.iter()
-        .map(|e| (e["type"].as_str().unwrap().to_string(), e["name"].as_str().unwrap().to_string()))
+        .map(|e| {
+            (
+                e["type"].as_str().unwrap().to_string(),
+                e["name"].as_str().unwrap().to_string(),
+            )
+        })
         .collect()
 }
 
@@ -137,19 +196,31 @@ async fn watch_dir_stream_events() {
     let envd = Envd::start().await;
     let dir = user_dir("watch");
     let mut s = envd
-        .stream(&format!("{FS}WatchDir"), json!({"path": dir, "recursive": true, "includeEntry": true}), &[])
+        .stream(
+            &format!("{FS}WatchDir"),
+            json!({"path": dir, "recursive": true, "includeEntry": true}),
+            &[],
+        )
         .await;
     assert_eq!(s.msg().await, json!({"start": {}}));
     std::fs::write(format!("{dir}/keep.txt"), b"abc").unwrap();
     let m = s.msg().await;
     assert_eq!(m["filesystem"]["type"], "EVENT_TYPE_CREATE", "{m}");
     assert_eq!(m["filesystem"]["name"], "keep.txt");
-    assert_eq!(m["filesystem"]["entry"]["path"], format!("{dir}/keep.txt"), "includeEntry adds the entry");
+    assert_eq!(
+        m["filesystem"]["entry"]["path"],
+        format!("{dir}/keep.txt"),
+        "includeEntry adds the entry"
+    );
     std::fs::write(format!("{dir}/new.txt"), b"x").unwrap();
-    std::fs::OpenOptions::new().append(true).open(format!("{dir}/new.txt")).map(|mut f| {
-        use std::io::Write;
-        f.write_all(b"more").unwrap();
-    }).unwrap();
+    std::fs::OpenOptions::new()
+        .append(true)
+        .open(format!("{dir}/new.txt"))
+        .map(|mut f| {
+            use std::io::Write;
+            f.write_all(b"more").unwrap();
+        })
+        .unwrap();
     std::fs::rename(format!("{dir}/new.txt"), format!("{dir}/renamed.txt")).unwrap();
     std::fs::remove_file(format!("{dir}/renamed.txt")).unwrap();
     std::fs::create_dir(format!("{dir}/sub")).unwrap();
@@ -157,13 +228,20 @@ async fn watch_dir_stream_events() {
     std::fs::write(format!("{dir}/sub/deep.txt"), b"y").unwrap();
 
     let mut got = Vec::new();
-    while !got.iter().any(|(t, n): &(String, String)| t == "EVENT_TYPE_CREATE" && n == "sub/deep.txt") {
+    while !got
+        .iter()
+        .any(|(t, n): &(String, String)| t == "EVENT_TYPE_CREATE" && n == "sub/deep.txt")
+    {
         let m = s.msg().await;
         if let Some(ev) = m.get("filesystem") {
             got.extend(events_of(std::slice::from_ref(ev)));
         }
     }
-    let pos = |t: &str, n: &str| got.iter().position(|(a, b)| a == t && b == n).unwrap_or_else(|| panic!("no {t} {n} in {got:?}"));
+    let pos = |t: &str, n: &str| {
+        got.iter()
+            .position(|(a, b)| a == t && b == n)
+            .unwrap_or_else(|| panic!("no {t} {n} in {got:?}"))
+    };
     assert!(pos("EVENT_TYPE_CREATE", "new.txt") < pos("EVENT_TYPE_WRITE", "new.txt"));
     assert!(pos("EVENT_TYPE_WRITE", "new.txt") < pos("EVENT_TYPE_RENAME", "new.txt"));
     assert!(pos("EVENT_TYPE_RENAME", "new.txt") < pos("EVENT_TYPE_CREATE", "renamed.txt"));
@@ -177,7 +255,12 @@ async fn watch_dir_stream_events() {
 async fn polled_watchers() {
     let envd = Envd::start().await;
     let dir = user_dir("pollwatch");
-    let (st, v) = fs(&envd, "CreateWatcher", json!({"path": dir, "recursive": false})).await;
+    let (st, v) = fs(
+        &envd,
+        "CreateWatcher",
+        json!({"path": dir, "recursive": false}),
+    )
+    .await;
     assert_eq!(st, http::StatusCode::OK, "{v}");
     let id = v["watcherId"].as_str().unwrap().to_string();
     std::fs::write(format!("{dir}/p.txt"), b"1").unwrap();
@@ -185,20 +268,34 @@ async fn polled_watchers() {
     let mut got = Vec::new();
     for _ in 0..50 {
         let (_, v) = fs(&envd, "GetWatcherEvents", json!({"watcher_id": id})).await;
-        got.extend(events_of(v["events"].as_array().map(|a| a.as_slice()).unwrap_or(&[])));
+        got.extend(events_of(
+            v["events"].as_array().map(|a| a.as_slice()).unwrap_or(&[]),
+        ));
         if got.iter().any(|(t, _)| t == "EVENT_TYPE_REMOVE") {
             break;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    assert_eq!(got.first().map(|g| g.0.as_str()), Some("EVENT_TYPE_CREATE"), "{got:?}");
-    assert!(got.contains(&("EVENT_TYPE_REMOVE".into(), "p.txt".into())), "{got:?}");
+    assert_eq!(
+        got.first().map(|g| g.0.as_str()),
+        Some("EVENT_TYPE_CREATE"),
+        "{got:?}"
+    );
+    assert!(
+        got.contains(&("EVENT_TYPE_REMOVE".into(), "p.txt".into())),
+        "{got:?}"
+    );
     let (st, _) = fs(&envd, "RemoveWatcher", json!({"watcherId": id})).await;
     assert_eq!(st, http::StatusCode::OK);
     let (st, v) = fs(&envd, "GetWatcherEvents", json!({"watcherId": id})).await;
     assert_eq!(st, http::StatusCode::NOT_FOUND);
     assert_eq!(v["code"], "not_found");
-    let (st, _) = fs(&envd, "CreateWatcher", json!({"path": format!("{dir}/missing")})).await;
+    let (st, _) = fs(
+        &envd,
+        "CreateWatcher",
+        json!({"path": format!("{dir}/missing")}),
+    )
+    .await;
     assert_eq!(st, http::StatusCode::NOT_FOUND);
     std::fs::remove_dir_all(&dir).unwrap();
 }

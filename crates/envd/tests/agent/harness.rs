@@ -29,13 +29,19 @@ pub fn full(b: impl Into<Bytes>) -> ReqBody {
 pub fn channel() -> (mpsc::Sender<Bytes>, ReqBody) {
     let (tx, rx) = mpsc::channel::<Bytes>(4);
     let stream = futures::stream::unfold(rx, |mut rx| async move {
-        rx.recv().await.map(|b| (Ok::<_, Infallible>(Frame::data(b)), rx))
+        rx.recv()
+            .await
+            .map(|b| (Ok::<_, Infallible>(Frame::data(b)), rx))
     });
     (tx, StreamBody::new(stream).boxed())
 }
 
 pub fn ensure_test_user() {
-    let ok = Command::new("id").arg(TEST_USER).stdout(Stdio::null()).stderr(Stdio::null()).status();
+    let ok = Command::new("id")
+        .arg(TEST_USER)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status();
     if !matches!(ok, Ok(s) if s.success()) {
         let st = Command::new("useradd")
             .args(["-m", "-s", "/bin/bash", TEST_USER])
@@ -46,7 +52,10 @@ pub fn ensure_test_user() {
 }
 
 pub fn basic(user: &str) -> String {
-    format!("Basic {}", base64::engine::general_purpose::STANDARD.encode(format!("{user}:")))
+    format!(
+        "Basic {}",
+        base64::engine::general_purpose::STANDARD.encode(format!("{user}:"))
+    )
 }
 
 pub fn b64(data: &[u8]) -> String {
@@ -54,7 +63,9 @@ pub fn b64(data: &[u8]) -> String {
 }
 
 pub fn unb64(s: &str) -> Vec<u8> {
-    base64::engine::general_purpose::STANDARD.decode(s).expect("base64")
+    base64::engine::general_purpose::STANDARD
+        .decode(s)
+        .expect("base64")
 }
 
 /// A running envd; killed (with every process it started) on drop.
@@ -65,7 +76,11 @@ pub struct Envd {
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port()
 }
 
 impl Envd {
@@ -84,14 +99,20 @@ impl Envd {
             .stdout(Stdio::null())
             .spawn()
             .expect("spawn envd");
-        let token = extra.iter().position(|a| *a == "--access-token").map(|i| extra[i + 1].to_string());
+        let token = extra
+            .iter()
+            .position(|a| *a == "--access-token")
+            .map(|i| extra[i + 1].to_string());
         let envd = Envd { addr, child, token };
         for _ in 0..400 {
             if TcpStream::connect(addr).await.is_err() {
                 tokio::time::sleep(Duration::from_millis(25)).await;
                 continue;
             }
-            if let Ok(r) = envd.request(Request::get("/health").body(full("")).expect("req")).await {
+            if let Ok(r) = envd
+                .request(Request::get("/health").body(full("")).expect("req"))
+                .await
+            {
                 if r.status() == StatusCode::NO_CONTENT {
                     return envd;
                 }
@@ -119,14 +140,17 @@ impl Envd {
     pub async fn request(&self, mut req: Request<ReqBody>) -> hyper::Result<Response<Incoming>> {
         let stream = TcpStream::connect(self.addr).await.expect("connect");
         stream.set_nodelay(true).expect("nodelay");
-        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+        let (mut sender, conn) =
+            hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
         tokio::spawn(conn);
         if !req.headers().contains_key(http::header::HOST) {
-            req.headers_mut().insert(http::header::HOST, "localhost".parse().expect("host"));
+            req.headers_mut()
+                .insert(http::header::HOST, "localhost".parse().expect("host"));
         }
         if let Some(t) = &self.token {
             if !req.headers().contains_key("x-access-token") {
-                req.headers_mut().insert("x-access-token", t.parse().expect("token"));
+                req.headers_mut()
+                    .insert("x-access-token", t.parse().expect("token"));
             }
         }
         sender.send_request(req).await
@@ -136,23 +160,38 @@ impl Envd {
     pub async fn h2(&self) -> hyper::client::conn::http2::SendRequest<ReqBody> {
         let stream = TcpStream::connect(self.addr).await.expect("connect");
         stream.set_nodelay(true).expect("nodelay");
-        let (sender, conn) = hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(stream))
-            .await
-            .expect("h2 handshake");
+        let (sender, conn) =
+            hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(stream))
+                .await
+                .expect("h2 handshake");
         tokio::spawn(conn);
         sender
     }
 
     /// A unary Connect call; returns the HTTP status and the JSON body.
-    pub async fn unary(&self, path: &str, msg: Value, headers: &[(&str, &str)]) -> (StatusCode, Value) {
-        let mut b = Request::post(path).header("content-type", "application/json").header("connect-protocol-version", "1");
+    pub async fn unary(
+        &self,
+        path: &str,
+        msg: Value,
+        headers: &[(&str, &str)],
+    ) -> (StatusCode, Value) {
+        let mut b = Request::post(path)
+            .header("content-type", "application/json")
+            .header("connect-protocol-version", "1");
         for (k, v) in headers {
             b = b.header(*k, *v);
         }
-        let resp = self.request(b.body(full(msg.to_string())).expect("req")).await.expect("send");
+        let resp = self
+            .request(b.body(full(msg.to_string())).expect("req"))
+            .await
+            .expect("send");
         let status = resp.status();
         let body = resp.into_body().collect().await.expect("body").to_bytes();
-        let v = if body.is_empty() { Value::Null } else { serde_json::from_slice(&body).expect("json body") };
+        let v = if body.is_empty() {
+            Value::Null
+        } else {
+            serde_json::from_slice(&body).expect("json body")
+        };
         (status, v)
     }
 
@@ -179,7 +218,10 @@ impl Envd {
         });
         let resp = self.request(req).await.expect("send");
         assert_eq!(resp.status(), StatusCode::OK);
-        EnvelopeStream { body: resp.into_body(), buf: BytesMut::new() }
+        EnvelopeStream {
+            body: resp.into_body(),
+            buf: BytesMut::new(),
+        }
     }
 }
 
@@ -189,9 +231,15 @@ impl Drop for Envd {
         let me = self.pid();
         if let Ok(rd) = std::fs::read_dir("/proc") {
             for e in rd.flatten() {
-                let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else { continue };
+                let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
+                    continue;
+                };
                 let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-                let ppid = stat.rsplit(')').next().and_then(|r| r.split_whitespace().nth(1)).and_then(|p| p.parse::<u32>().ok());
+                let ppid = stat
+                    .rsplit(')')
+                    .next()
+                    .and_then(|r| r.split_whitespace().nth(1))
+                    .and_then(|p| p.parse::<u32>().ok());
                 if ppid == Some(me) {
                     // SAFETY: signalling a process group we started.
                     unsafe {
@@ -222,19 +270,26 @@ pub struct EnvelopeStream {
 
 impl EnvelopeStream {
     pub fn new(body: Incoming) -> Self {
-        Self { body, buf: BytesMut::new() }
+        Self {
+            body,
+            buf: BytesMut::new(),
+        }
     }
 
     /// Next `(flags, json)`; `None` at the end of the body.
     pub async fn next(&mut self) -> Option<(u8, Value)> {
         loop {
             if self.buf.len() >= 5 {
-                let len = u32::from_be_bytes([self.buf[1], self.buf[2], self.buf[3], self.buf[4]]) as usize;
+                let len = u32::from_be_bytes([self.buf[1], self.buf[2], self.buf[3], self.buf[4]])
+                    as usize;
                 if self.buf.len() >= 5 + len {
                     let flags = self.buf[0];
                     self.buf.advance(5);
                     let payload = self.buf.split_to(len);
-                    return Some((flags, serde_json::from_slice(&payload).expect("envelope json")));
+                    return Some((
+                        flags,
+                        serde_json::from_slice(&payload).expect("envelope json"),
+                    ));
                 }
             }
             match self.body.frame().await {
@@ -295,7 +350,12 @@ impl EnvelopeStream {
 }
 
 /// Starts a command and returns the stream positioned after the start event, plus the pid.
-pub async fn start(envd: &Envd, cmd: &str, extra: Value, headers: &[(&str, &str)]) -> (EnvelopeStream, u32) {
+pub async fn start(
+    envd: &Envd,
+    cmd: &str,
+    extra: Value,
+    headers: &[(&str, &str)],
+) -> (EnvelopeStream, u32) {
     let mut req = json!({"process": {"cmd": "/bin/sh", "args": ["-c", cmd]}});
     if let (Some(o), Some(e)) = (req.as_object_mut(), extra.as_object()) {
         for (k, v) in e {
@@ -304,6 +364,8 @@ pub async fn start(envd: &Envd, cmd: &str, extra: Value, headers: &[(&str, &str)
     }
     let mut s = envd.stream("/process.Process/Start", req, headers).await;
     let first = s.msg().await;
-    let pid = first["event"]["start"]["pid"].as_u64().unwrap_or_else(|| panic!("first event must be start: {first}"));
+    let pid = first["event"]["start"]["pid"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("first event must be start: {first}"));
     (s, pid as u32)
 }

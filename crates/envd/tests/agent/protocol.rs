@@ -10,7 +10,10 @@ use crate::harness::*;
 #[tokio::test]
 async fn health_unknown_and_malformed() {
     let envd = Envd::start().await;
-    let r = envd.request(Request::get("/health").body(full("")).unwrap()).await.unwrap();
+    let r = envd
+        .request(Request::get("/health").body(full("")).unwrap())
+        .await
+        .unwrap();
     assert_eq!(r.status(), StatusCode::NO_CONTENT);
 
     let (st, v) = envd.unary("/process.Process/Nope", json!({}), &[]).await;
@@ -27,16 +30,25 @@ async fn health_unknown_and_malformed() {
         .unwrap();
     let r = envd.request(req).await.unwrap();
     assert_eq!(r.status(), StatusCode::BAD_REQUEST);
-    let v: serde_json::Value = serde_json::from_slice(&r.into_body().collect().await.unwrap().to_bytes()).unwrap();
+    let v: serde_json::Value =
+        serde_json::from_slice(&r.into_body().collect().await.unwrap().to_bytes()).unwrap();
     assert_eq!(v["code"], "invalid_argument");
 
     // Wrong field type.
-    let (st, v) = envd.unary("/filesystem.Filesystem/Stat", json!({"path": 5}), &[]).await;
+    let (st, v) = envd
+        .unary("/filesystem.Filesystem/Stat", json!({"path": 5}), &[])
+        .await;
     assert_eq!(st, StatusCode::BAD_REQUEST, "{v}");
 
     // Unsupported codec.
-    let req = Request::post("/process.Process/List").header("content-type", "application/proto").body(full("")).unwrap();
-    assert_eq!(envd.request(req).await.unwrap().status(), StatusCode::UNSUPPORTED_MEDIA_TYPE);
+    let req = Request::post("/process.Process/List")
+        .header("content-type", "application/proto")
+        .body(full(""))
+        .unwrap();
+    assert_eq!(
+        envd.request(req).await.unwrap().status(),
+        StatusCode::UNSUPPORTED_MEDIA_TYPE
+    );
 
     // Oversized envelope: refused by its declared length, before it is read.
     let mut huge = vec![0u8];
@@ -61,7 +73,13 @@ async fn health_unknown_and_malformed() {
 
     // Oversized unary body.
     let big = format!("{{\"path\":\"{}\"}}", "a".repeat(17 << 20));
-    let (st, v) = envd.unary("/filesystem.Filesystem/Stat", serde_json::from_str(&big).unwrap(), &[]).await;
+    let (st, v) = envd
+        .unary(
+            "/filesystem.Filesystem/Stat",
+            serde_json::from_str(&big).unwrap(),
+            &[],
+        )
+        .await;
     assert_eq!(st, StatusCode::TOO_MANY_REQUESTS, "{}", v["code"]);
     assert_eq!(v["code"], "resource_exhausted");
 
@@ -86,7 +104,8 @@ async fn chunked_request_split_across_chunks() {
         .header("content-type", "application/connect+json")
         .body(body)
         .unwrap();
-    let msg = json!({"process": {"cmd": "/bin/echo", "args": ["chunked"]}, "stdin": false}).to_string();
+    let msg =
+        json!({"process": {"cmd": "/bin/echo", "args": ["chunked"]}, "stdin": false}).to_string();
     let env = envelope(0, msg.as_bytes());
     let feeder = tokio::spawn(async move {
         // Header split in two, payload in two: the server must reassemble.
@@ -134,11 +153,29 @@ async fn http2_prior_knowledge() {
 #[tokio::test]
 async fn metrics_envs_health() {
     let envd = Envd::start().await;
-    let r = envd.request(Request::get("/metrics").body(full("")).unwrap()).await.unwrap();
+    let r = envd
+        .request(Request::get("/metrics").body(full("")).unwrap())
+        .await
+        .unwrap();
     assert_eq!(r.status(), StatusCode::OK);
-    let v: serde_json::Value = serde_json::from_slice(&r.into_body().collect().await.unwrap().to_bytes()).unwrap();
-    for k in ["ts", "cpu_count", "cpu_used_pct", "mem_total", "mem_used", "mem_cache", "mem_total_mib", "mem_used_mib", "disk_used", "disk_total"] {
-        assert!(v.get(k).is_some_and(|x| x.is_number()), "metrics lacks {k}: {v}");
+    let v: serde_json::Value =
+        serde_json::from_slice(&r.into_body().collect().await.unwrap().to_bytes()).unwrap();
+    for k in [
+        "ts",
+        "cpu_count",
+        "cpu_used_pct",
+        "mem_total",
+        "mem_used",
+        "mem_cache",
+        "mem_total_mib",
+        "mem_used_mib",
+        "disk_used",
+        "disk_total",
+    ] {
+        assert!(
+            v.get(k).is_some_and(|x| x.is_number()),
+            "metrics lacks {k}: {v}"
+        );
     }
     assert!(v["mem_total"].as_u64().unwrap() > v["mem_used"].as_u64().unwrap());
     assert!(v["disk_total"].as_u64().unwrap() > 0);

@@ -37,7 +37,12 @@ async fn one_gib_up_and_down_with_bounded_rss() {
         std::thread::spawn(move || {
             while !stop.load(Ordering::Relaxed) {
                 let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-                let rss: u64 = s.lines().find(|l| l.starts_with("VmRSS:")).and_then(|l| l.split_whitespace().nth(1)).and_then(|v| v.parse().ok()).unwrap_or(0);
+                let rss: u64 = s
+                    .lines()
+                    .find(|l| l.starts_with("VmRSS:"))
+                    .and_then(|l| l.split_whitespace().nth(1))
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(0);
                 peak.fetch_max(rss, Ordering::Relaxed);
                 std::thread::sleep(std::time::Duration::from_millis(20));
             }
@@ -46,7 +51,10 @@ async fn one_gib_up_and_down_with_bounded_rss() {
     let base_rss = envd.rss_kib();
 
     let (tx, body) = channel();
-    let req = Request::post(format!("/files?path={path}")).header("content-type", "application/octet-stream").body(body).unwrap();
+    let req = Request::post(format!("/files?path={path}"))
+        .header("content-type", "application/octet-stream")
+        .body(body)
+        .unwrap();
     let feeder = tokio::spawn(async move {
         for i in 0..(GIB / CHUNK as u64) {
             tx.send(pattern(i)).await.unwrap();
@@ -61,16 +69,28 @@ async fn one_gib_up_and_down_with_bounded_rss() {
     assert_eq!(std::fs::metadata(&path).unwrap().len(), GIB);
 
     let t = Instant::now();
-    let r = envd.request(Request::get(format!("/files?path={path}")).body(full("")).unwrap()).await.unwrap();
+    let r = envd
+        .request(
+            Request::get(format!("/files?path={path}"))
+                .body(full(""))
+                .unwrap(),
+        )
+        .await
+        .unwrap();
     assert_eq!(r.status(), StatusCode::OK);
     let mut body = r.into_body();
     let (mut got, mut idx, mut pending) = (0u64, 0u64, Vec::<u8>::new());
     while let Some(frame) = body.frame().await {
-        let Ok(data) = frame.unwrap().into_data() else { continue };
+        let Ok(data) = frame.unwrap().into_data() else {
+            continue;
+        };
         got += data.len() as u64;
         pending.extend_from_slice(&data);
         while pending.len() >= CHUNK {
-            assert!(pending[..CHUNK] == pattern(idx)[..], "content differs in MiB {idx}");
+            assert!(
+                pending[..CHUNK] == pattern(idx)[..],
+                "content differs in MiB {idx}"
+            );
             pending.drain(..CHUNK);
             idx += 1;
         }
