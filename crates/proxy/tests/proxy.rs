@@ -1,0 +1,302 @@
+//! The proxy against a local "guest" HTTP server: routing, streaming, upgrades, errors,
+//! traffic tokens, /init, auto-resume.
+
+#![allow(clippy::unwrap_used)]
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, StreamBody};
+use hyper::body::{Frame, Incoming};
+use hyper::{Request, Response};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use vmon_proxy::{Proxy, ResumeError, Routes, SandboxRoute};
+
+#[derive(Default)]
+struct TestRoutes {
+    routes: Mutex<HashMap<String, SandboxRoute>>,
+    resumes: Mutex<u32>,
+}
+
+#[async_trait::async_trait]
+impl Routes for TestRoutes {
+    async fn lookup(&self, id: &str) -> Option<SandboxRoute> {
+        self.routes.lock().unwrap().get(id).cloned()
+    }
+    async fn resume_for_traffic(&self, id: &str) -> Result<IpAddr, ResumeError> {
+        *self.resumes.lock().unwrap() += 1;
+        let mut routes = self.routes.lock().unwrap();
+        let r = routes
+            .get_mut(id)
+            .ok_or_else(|| ResumeError::NotFound(id.into()))?;
+        let ip: IpAddr = "127.0.0.1".parse().unwrap();
+        r.guest_ip = Some(ip);
+        Ok(ip)
+    }
+}
+
+/// The guest: `/echo` returns the request body, `/stream` sends three chunks 300 ms apart,
+/// `/ws` switches protocols and echoes bytes.
+async fn guest(
+    req: Request<Incoming>,
+) -> Result<Response<http_body_util::combinators::BoxBody<Bytes, Infallible>>, Infallible> {
+    match req.uri().path() {
+        "/echo" => {
+            let body = req.into_body().collect().await.unwrap().to_bytes();
+            Ok(Response::new(Full::new(body).boxed()))
+        }
+        "/stream" => {
+            let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, Infallible>>(4);
+            tokio::spawn(async move {
+                for i in 0..3 {
+                    let _ = tx
+                        .send(Ok(Frame::data(Bytes::from(format!("chunk{i};")))))
+                        .await;
+                    tokio::time::sleep(Duration::from_millis(300)).await;
+                }
+            });
+            let stream = tokio_stream_from(rx);
+            Ok(Response::new(StreamBody::new(stream).boxed()))
+        }
+        "/ws" => {
+            let mut req = req;
+            tokio::spawn(async move {
+                if let Ok(up) = hyper::upgrade::on(&mut req).await {
+                    let mut io = TokioIo::new(up);
+                    let mut buf = [0u8; 64];
+                    while let Ok(n) = io.read(&mut buf).await {
+                        if n == 0 || io.write_all(&buf[..n]).await.is_err() {
+                            break;
+                        }
+                    }
+                }
+            });
+            Ok(Response::builder()
+                .status(101)
+                .header("connection", "upgrade")
+                .header("upgrade", "test")
+                .body(Full::new(Bytes::new()).boxed())
+                .unwrap())
+        }
+        _ => Ok(Response::new(
+            Full::new(Bytes::from_static(b"root")).boxed(),
+        )),
+    }
+}
+
+fn tokio_stream_from(
+    mut rx: tokio::sync::mpsc::Receiver<Result<Frame<Bytes>, Infallible>>,
+) -> impl futures::Stream<Item = Result<Frame<Bytes>, Infallible>> {
+    futures::stream::poll_fn(move |cx| rx.poll_recv(cx))
+}
+
+async fn start_guest() -> u16 {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = l.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        loop {
+            let (s, _) = l.accept().await.unwrap();
+            tokio::spawn(async move {
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(s), hyper::service::service_fn(guest))
+                    .with_upgrades()
+                    .await;
+            });
+        }
+    });
+    port
+}
+
+async fn start_proxy(routes: Arc<TestRoutes>) -> SocketAddr {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(Proxy::new(routes).serve(l, CancellationToken::new()));
+    addr
+}
+
+fn route(ip: Option<&str>, auto_resume: bool, token: Option<&str>) -> SandboxRoute {
+    SandboxRoute {
+        guest_ip: ip.map(|i| i.parse().unwrap()),
+        auto_resume,
+        traffic_access_token: token.map(str::to_string),
+    }
+}
+
+async fn raw(addr: SocketAddr, request: &str) -> String {
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(request.as_bytes()).await.unwrap();
+    let mut out = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut out)).await;
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+fn get(path: &str, id: &str, port: u16, extra: &str) -> String {
+    format!(
+        "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nE2b-Sandbox-Id: {id}\r\nE2b-Sandbox-Port: {port}\r\n{extra}Connection: close\r\n\r\n"
+    )
+}
+
+#[tokio::test]
+async fn routes_by_headers_and_host_and_answers_sdk_errors() {
+    let port = start_guest().await;
+    let routes = Arc::new(TestRoutes::default());
+    routes
+        .routes
+        .lock()
+        .unwrap()
+        .insert("isbx".into(), route(Some("127.0.0.1"), false, None));
+    let proxy = start_proxy(routes.clone()).await;
+
+    let r = raw(proxy, &get("/", "isbx", port, "")).await;
+    assert!(r.starts_with("HTTP/1.1 200"), "{r}");
+    assert!(r.ends_with("root"), "{r}");
+
+    let by_host =
+        format!("GET / HTTP/1.1\r\nHost: {port}-isbx.vmon.test\r\nConnection: close\r\n\r\n");
+    let r = raw(proxy, &by_host).await;
+    assert!(r.starts_with("HTTP/1.1 200"), "{r}");
+
+    let r = raw(proxy, &get("/", "inothere", port, "")).await;
+    assert!(r.starts_with("HTTP/1.1 502"), "{r}");
+    assert!(r.contains("was not found"), "{r}");
+
+    // Nothing listens on port 1 of the guest.
+    let r = raw(proxy, &get("/", "isbx", 1, "")).await;
+    assert!(r.starts_with("HTTP/1.1 502"), "{r}");
+    assert!(r.contains("port is not open"), "{r}");
+
+    let r = raw(proxy, &get("/init", "isbx", 49983, "")).await;
+    assert!(r.starts_with("HTTP/1.1 403"), "{r}");
+
+    let r = raw(
+        proxy,
+        "GET / HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(r.starts_with("HTTP/1.1 400"), "{r}");
+}
+
+#[tokio::test]
+async fn streams_both_ways_without_buffering() {
+    let port = start_guest().await;
+    let routes = Arc::new(TestRoutes::default());
+    routes
+        .routes
+        .lock()
+        .unwrap()
+        .insert("isbx".into(), route(Some("127.0.0.1"), false, None));
+    let proxy = start_proxy(routes).await;
+
+    // A chunked request body comes back whole.
+    let req = format!(
+        "POST /echo HTTP/1.1\r\nHost: 127.0.0.1\r\nE2b-Sandbox-Id: isbx\r\nE2b-Sandbox-Port: {port}\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n"
+    );
+    let r = raw(proxy, &req).await;
+    assert!(r.contains("hello world"), "{r}");
+
+    // The first chunk arrives before the stream ends.
+    let stream = tokio::net::TcpStream::connect(proxy).await.unwrap();
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let req = Request::get("/stream")
+        .header("host", "127.0.0.1")
+        .header("e2b-sandbox-id", "isbx")
+        .header("e2b-sandbox-port", port.to_string())
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    let started = std::time::Instant::now();
+    let mut body = sender.send_request(req).await.unwrap().into_body();
+    let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
+    assert_eq!(&first[..], b"chunk0;");
+    assert!(
+        started.elapsed() < Duration::from_millis(500),
+        "first chunk was held back"
+    );
+    let rest = body.collect().await.unwrap().to_bytes();
+    assert_eq!(&rest[..], b"chunk1;chunk2;");
+    let _ = TokioExecutor::new();
+}
+
+#[tokio::test]
+async fn upgrades_pass_through() {
+    let port = start_guest().await;
+    let routes = Arc::new(TestRoutes::default());
+    routes
+        .routes
+        .lock()
+        .unwrap()
+        .insert("isbx".into(), route(Some("127.0.0.1"), false, None));
+    let proxy = start_proxy(routes).await;
+    let mut s = tokio::net::TcpStream::connect(proxy).await.unwrap();
+    let req = format!(
+        "GET /ws HTTP/1.1\r\nHost: 127.0.0.1\r\nE2b-Sandbox-Id: isbx\r\nE2b-Sandbox-Port: {port}\r\nConnection: upgrade\r\nUpgrade: test\r\n\r\n"
+    );
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut head = vec![0u8; 0];
+    let mut buf = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        s.read_exact(&mut buf).await.unwrap();
+        head.push(buf[0]);
+    }
+    let head = String::from_utf8_lossy(&head);
+    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+    s.write_all(b"ping").await.unwrap();
+    let mut echo = [0u8; 4];
+    tokio::time::timeout(Duration::from_secs(5), s.read_exact(&mut echo))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(&echo, b"ping");
+}
+
+#[tokio::test]
+async fn traffic_token_and_auto_resume() {
+    let port = start_guest().await;
+    let routes = Arc::new(TestRoutes::default());
+    routes.routes.lock().unwrap().extend([
+        (
+            "iprivate".to_string(),
+            route(Some("127.0.0.1"), false, Some("sekrit")),
+        ),
+        ("ipaused".to_string(), route(None, false, None)),
+        ("isleepy".to_string(), route(None, true, None)),
+    ]);
+    let proxy = start_proxy(routes.clone()).await;
+
+    let r = raw(proxy, &get("/", "iprivate", port, "")).await;
+    assert!(r.starts_with("HTTP/1.1 403"), "{r}");
+    let r = raw(
+        proxy,
+        &get("/", "iprivate", port, "e2b-traffic-access-token: wrong\r\n"),
+    )
+    .await;
+    assert!(r.starts_with("HTTP/1.1 403"), "{r}");
+    let r = raw(
+        proxy,
+        &get(
+            "/",
+            "iprivate",
+            port,
+            "e2b-traffic-access-token: sekrit\r\n",
+        ),
+    )
+    .await;
+    assert!(r.starts_with("HTTP/1.1 200"), "{r}");
+
+    let r = raw(proxy, &get("/", "ipaused", port, "")).await;
+    assert!(r.starts_with("HTTP/1.1 502"), "{r}");
+    assert_eq!(*routes.resumes.lock().unwrap(), 0);
+
+    let r = raw(proxy, &get("/", "isleepy", port, "")).await;
+    assert!(r.starts_with("HTTP/1.1 200"), "{r}");
+    assert_eq!(*routes.resumes.lock().unwrap(), 1);
+}
