@@ -50,10 +50,7 @@ fn mount(src: &str, target: &str, fstype: &str, flags: libc::c_ulong, data: &str
 
 fn is_mounted(target: &str) -> bool {
     std::fs::read_to_string("/proc/mounts")
-        .map(|m| {
-            m.lines()
-                .any(|l| l.split_whitespace().nth(1) == Some(target))
-        })
+        .map(|m| m.lines().any(|l| l.split_whitespace().nth(1) == Some(target)))
         .unwrap_or(false)
 }
 
@@ -69,13 +66,7 @@ fn mount_all() {
         mount("devtmpfs", "/dev", "devtmpfs", libc::MS_NOSUID, "mode=0755");
     }
     if !is_mounted("/dev/pts") {
-        mount(
-            "devpts",
-            "/dev/pts",
-            "devpts",
-            libc::MS_NOSUID | libc::MS_NOEXEC,
-            "gid=5,mode=620,ptmxmode=666",
-        );
+        mount("devpts", "/dev/pts", "devpts", libc::MS_NOSUID | libc::MS_NOEXEC, "gid=5,mode=620,ptmxmode=666");
     }
     if !is_mounted("/dev/shm") {
         mount("tmpfs", "/dev/shm", "tmpfs", nosuid_nodev, "mode=1777");
@@ -84,13 +75,7 @@ fn mount_all() {
         mount("tmpfs", "/run", "tmpfs", nosuid_nodev, "mode=0755");
     }
     if !is_mounted("/sys/fs/cgroup") {
-        mount(
-            "cgroup2",
-            "/sys/fs/cgroup",
-            "cgroup2",
-            nosuid_nodev | libc::MS_NOEXEC,
-            "",
-        );
+        mount("cgroup2", "/sys/fs/cgroup", "cgroup2", nosuid_nodev | libc::MS_NOEXEC, "");
     }
     let _ = std::os::unix::fs::symlink("/proc/self/fd", "/dev/fd");
     let _ = std::os::unix::fs::symlink("/proc/self/fd/0", "/dev/stdin");
@@ -122,40 +107,9 @@ fn ip(args: &[&str]) {
     }
 }
 
-/// The guest's NIC: `eth0`, or the first non-loopback interface renamed to it (the
-/// initramfs's udev may have given it a predictable name).
-fn find_nic() -> Option<String> {
-    for _ in 0..50 {
-        let names: Vec<String> = std::fs::read_dir("/sys/class/net")
-            .into_iter()
-            .flatten()
-            .flatten()
-            .map(|e| e.file_name().to_string_lossy().to_string())
-            .filter(|n| n != "lo")
-            .collect();
-        if names.iter().any(|n| n == "eth0") {
-            return Some("eth0".into());
-        }
-        if let Some(first) = names.into_iter().min() {
-            ip(&["link", "set", &first, "name", "eth0"]);
-            return Some("eth0".into());
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    None
-}
-
 fn network() {
     let cmdline = std::fs::read_to_string("/proc/cmdline").unwrap_or_default();
     ip(&["link", "set", "lo", "up"]);
-    let _ = Command::new("modprobe")
-        .args(["-q", "virtio_net"])
-        .env("PATH", PATH)
-        .status();
-    if find_nic().is_none() {
-        log("error", "no network interface found");
-        return;
-    }
     if let Some(addr) = cmdline_value(&cmdline, "vmon.ip") {
         ip(&["addr", "add", &addr, "dev", "eth0"]);
         ip(&["link", "set", "eth0", "up"]);
@@ -255,10 +209,7 @@ pub fn run() -> anyhow::Result<()> {
             continue;
         }
         if Some(pid as u32) == server {
-            log(
-                "warn",
-                &format!("envd server exited (status {status}); restarting"),
-            );
+            log("warn", &format!("envd server exited (status {status}); restarting"));
             std::thread::sleep(Duration::from_millis(200));
             server = spawn_server();
         }
