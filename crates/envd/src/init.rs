@@ -50,7 +50,10 @@ fn mount(src: &str, target: &str, fstype: &str, flags: libc::c_ulong, data: &str
 
 fn is_mounted(target: &str) -> bool {
     std::fs::read_to_string("/proc/mounts")
-        .map(|m| m.lines().any(|l| l.split_whitespace().nth(1) == Some(target)))
+        .map(|m| {
+            m.lines()
+                .any(|l| l.split_whitespace().nth(1) == Some(target))
+        })
         .unwrap_or(false)
 }
 
@@ -66,7 +69,13 @@ fn mount_all() {
         mount("devtmpfs", "/dev", "devtmpfs", libc::MS_NOSUID, "mode=0755");
     }
     if !is_mounted("/dev/pts") {
-        mount("devpts", "/dev/pts", "devpts", libc::MS_NOSUID | libc::MS_NOEXEC, "gid=5,mode=620,ptmxmode=666");
+        mount(
+            "devpts",
+            "/dev/pts",
+            "devpts",
+            libc::MS_NOSUID | libc::MS_NOEXEC,
+            "gid=5,mode=620,ptmxmode=666",
+        );
     }
     if !is_mounted("/dev/shm") {
         mount("tmpfs", "/dev/shm", "tmpfs", nosuid_nodev, "mode=1777");
@@ -75,7 +84,13 @@ fn mount_all() {
         mount("tmpfs", "/run", "tmpfs", nosuid_nodev, "mode=0755");
     }
     if !is_mounted("/sys/fs/cgroup") {
-        mount("cgroup2", "/sys/fs/cgroup", "cgroup2", nosuid_nodev | libc::MS_NOEXEC, "");
+        mount(
+            "cgroup2",
+            "/sys/fs/cgroup",
+            "cgroup2",
+            nosuid_nodev | libc::MS_NOEXEC,
+            "",
+        );
     }
     let _ = std::os::unix::fs::symlink("/proc/self/fd", "/dev/fd");
     let _ = std::os::unix::fs::symlink("/proc/self/fd/0", "/dev/stdin");
@@ -209,7 +224,10 @@ pub fn run() -> anyhow::Result<()> {
             continue;
         }
         if Some(pid as u32) == server {
-            log("warn", &format!("envd server exited (status {status}); restarting"));
+            log(
+                "warn",
+                &format!("envd server exited (status {status}); restarting"),
+            );
             std::thread::sleep(Duration::from_millis(200));
             server = spawn_server();
         }

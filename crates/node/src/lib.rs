@@ -1,1 +1,15 @@
-//! vmon-node: (placeholder, see docs/architecture.md)
+//! Sandboxes on one host: QEMU processes, network slots, disk overlays, memory layers, builds,
+//! the restore pool, and the re-adoption of running VMs after a node restart.
+//!
+//! The node serves [`vmon_proto::node::NodeControl`]; it never parses REST and knows nothing of
+//! teams or API keys. Every sandbox's operations are serialized by its own lock, and every
+//! state change that must survive a crash is written (fsynced) before it is acted on.
+
+pub mod builds;
+pub mod envd_client;
+mod node;
+mod pool;
+pub mod sandbox;
+pub mod slots;
+
+pub use node::{Node, NodeConfig};

@@ -39,7 +39,7 @@ pub struct NetDevice {
 
 /// The kernel command line every guest boots with.
 pub fn kernel_cmdline(extra: &str) -> String {
-    let base = "console=ttyS0 root=/dev/vda rw panic=-1 quiet nokaslr \
+    let base = "console=ttyS0 root=/dev/vda rw panic=-1 quiet nokaslr net.ifnames=0 \
                 init=/usr/local/bin/envd vmon.ip=169.254.0.21/30 vmon.gw=169.254.0.22";
     if extra.is_empty() {
         base.to_string()
@@ -60,6 +60,9 @@ pub enum RamSharing {
 /// Everything per-process that completes a [`MachineDesc`] into a command line.
 #[derive(Debug, Clone)]
 pub struct Placement<'a> {
+    /// A unique word put in the process's command line (`-name vmon-<tag>`), by which a
+    /// restarted node recognises its QEMU.
+    pub tag: &'a str,
     pub ram_file: &'a Path,
     pub ram: RamSharing,
     pub disk: &'a Path,
@@ -79,7 +82,7 @@ impl MachineDesc {
         };
         let mut a: Vec<String> = vec![
             "-name".into(),
-            "vmon,debug-threads=off".into(),
+            format!("vmon-{}", p.tag),
             "-machine".into(),
             format!("pc,accel={},memory-backend=ram0", self.accel.as_str()),
             "-cpu".into(),
@@ -194,6 +197,7 @@ mod tests {
         };
         let net = NetDevice { tap: "tap0".into() };
         let a = m.args(&Placement {
+            tag: "t1",
             ram_file: Path::new("/r/mem0"),
             ram: RamSharing::Private,
             disk: Path::new("/d.qcow2"),

@@ -15,6 +15,8 @@ use crate::qmp::Qmp;
 /// Where and how to run one QEMU.
 #[derive(Debug, Clone)]
 pub struct LaunchSpec {
+    /// Unique per process (see [`crate::machine::Placement::tag`]).
+    pub tag: String,
     pub machine: MachineDesc,
     /// Directory holding `qmp.sock`, `qemu.pid`, `qemu.stderr`.
     pub run_dir: PathBuf,
@@ -57,6 +59,7 @@ impl Vm {
         let _ = std::fs::remove_file(&qmp_sock);
         let _ = std::fs::remove_file(&pidfile);
         let args = spec.machine.args(&Placement {
+            tag: &spec.tag,
             ram_file: &spec.ram_file,
             ram: spec.ram,
             disk: &spec.disk,
@@ -117,7 +120,7 @@ impl Vm {
     }
 
     /// Re-attaches to a QEMU that a previous node process started.
-    pub async fn adopt(run_dir: &Path) -> anyhow::Result<Vm> {
+    pub async fn adopt(run_dir: &Path, tag: &str) -> anyhow::Result<Vm> {
         let text = std::fs::read_to_string(pid_path(run_dir))
             .with_context(|| format!("no pidfile in {}", run_dir.display()))?;
         let pid: u32 = text.trim().parse().context("pidfile is not a number")?;
@@ -126,8 +129,7 @@ impl Vm {
         }
         let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
         let sock = qmp_path(run_dir);
-        let needle = sock.display().to_string();
-        if !String::from_utf8_lossy(&cmdline).contains(&needle) {
+        if !is_tagged(&cmdline, tag) {
             bail!("process {pid} is not the QEMU of {}", run_dir.display());
         }
         let qmp = Qmp::connect(&sock, Duration::from_secs(5)).await?;
@@ -195,15 +197,30 @@ pub fn signal(pid: u32, sig: i32) {
     }
 }
 
-/// Kills the QEMU recorded in `run_dir`, if any is still alive there.
-pub fn kill_recorded(run_dir: &Path) {
-    if let Ok(text) = std::fs::read_to_string(pid_path(run_dir)) {
-        if let Ok(pid) = text.trim().parse::<u32>() {
-            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-            if String::from_utf8_lossy(&cmdline).contains(&qmp_path(run_dir).display().to_string())
-            {
-                signal(pid, libc::SIGKILL);
+fn is_tagged(cmdline: &[u8], tag: &str) -> bool {
+    let want = format!("vmon-{tag}");
+    cmdline.split(|&b| b == 0).any(|w| w == want.as_bytes())
+}
+
+/// Kills the QEMU recorded in `run_dir` if it is still alive and carries `tag`; returns
+/// whether one was killed.
+pub fn kill_recorded(run_dir: &Path, tag: &str) -> bool {
+    let Ok(text) = std::fs::read_to_string(pid_path(run_dir)) else {
+        return false;
+    };
+    let Ok(pid) = text.trim().parse::<u32>() else {
+        return false;
+    };
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+    if is_alive(pid) && is_tagged(&cmdline, tag) {
+        signal(pid, libc::SIGKILL);
+        for _ in 0..200 {
+            if !is_alive(pid) {
+                break;
             }
+            std::thread::sleep(std::time::Duration::from_millis(10));
         }
+        return true;
     }
+    false
 }

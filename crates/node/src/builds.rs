@@ -1,0 +1,213 @@
+//! Builds: what sandboxes restore from, and the artifact files they are made of.
+//!
+//! A build is a record (`builds/<id>.json`) naming artifacts in `artifacts/`: the RAM base file
+//! (`mem0`), the memory layers written on top of it in order, the device state, and the top of
+//! the disk chain (a frozen qcow2 overlay whose backing chain ends in the image's raw rootfs).
+//! Artifacts never move once written (qcow2 overlays name their backing files by path), and
+//! are shared between builds: a paused sandbox's build shares mem0 with its template, a fork
+//! build shares the frozen disk with every child. An artifact is deleted by a sweep, once no
+//! build record and no live sandbox names it.
+//!
+//! Durability: every artifact is fsynced before the record that names it is written, and
+//! records are written by rename, so a crash leaves either no record or a complete one.
+
+use std::collections::HashSet;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context};
+use serde::{Deserialize, Serialize};
+use vmon_vm::MachineDesc;
+
+/// How many memory layers a build may stack before the next capture flattens them.
+pub const MAX_LAYERS: usize = 8;
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct BuildRecord {
+    pub id: String,
+    pub parent: Option<String>,
+    pub machine: MachineDesc,
+    pub image_hash: String,
+    /// Guest RAM base (artifact name), when the build carries memory.
+    pub mem_base: Option<String>,
+    /// Memory layers applied on top of `mem_base`, oldest first.
+    #[serde(default)]
+    pub layers: Vec<String>,
+    /// Device state (artifact name), when the build carries memory.
+    pub devstate: Option<String>,
+    /// Top of the disk chain: an artifact name, or the image rootfs when `None`.
+    pub disk: Option<String>,
+    /// Every disk artifact in the chain under `disk` (for the sweep).
+    #[serde(default)]
+    pub disk_chain: Vec<String>,
+    pub disk_mb: u32,
+    pub envd_version: String,
+    /// The envd token the guest in this build holds (needed to re-`/init` it after a restore).
+    pub envd_token: Option<String>,
+    /// Memory restores the state in this build went through.
+    pub resume_generation: u32,
+    pub created_unix: u64,
+}
+
+impl BuildRecord {
+    pub fn has_memory(&self) -> bool {
+        self.mem_base.is_some() && self.devstate.is_some()
+    }
+
+    /// Every artifact this build needs.
+    pub fn artifacts(&self) -> impl Iterator<Item = &String> {
+        self.mem_base
+            .iter()
+            .chain(self.layers.iter())
+            .chain(self.devstate.iter())
+            .chain(self.disk.iter())
+            .chain(self.disk_chain.iter())
+    }
+}
+
+/// The build and artifact directories of a node.
+#[derive(Debug, Clone)]
+pub struct Builds {
+    pub records: PathBuf,
+    pub artifacts: PathBuf,
+}
+
+pub fn now_unix() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// A fresh random id (lowercase hex).
+pub fn new_id(prefix: &str) -> String {
+    let mut b = [0u8; 10];
+    rand::RngCore::fill_bytes(&mut rand::rngs::OsRng, &mut b);
+    format!("{prefix}{}", hex::encode(b))
+}
+
+fn valid_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 128
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.')
+        && !s.starts_with('.')
+}
+
+pub fn fsync_dir(dir: &Path) -> std::io::Result<()> {
+    std::fs::File::open(dir)?.sync_all()
+}
+
+impl Builds {
+    pub fn open(data_dir: &Path) -> anyhow::Result<Builds> {
+        let b = Builds {
+            records: data_dir.join("builds"),
+            artifacts: data_dir.join("artifacts"),
+        };
+        std::fs::create_dir_all(&b.records)?;
+        std::fs::create_dir_all(&b.artifacts)?;
+        Ok(b)
+    }
+
+    pub fn artifact(&self, name: &str) -> PathBuf {
+        self.artifacts.join(name)
+    }
+
+    /// A new artifact path (not yet created).
+    pub fn new_artifact(&self, kind: &str, ext: &str) -> (String, PathBuf) {
+        let name = format!("{}.{ext}", new_id(&format!("{kind}-")));
+        let path = self.artifact(&name);
+        (name, path)
+    }
+
+    pub fn get(&self, id: &str) -> anyhow::Result<Option<BuildRecord>> {
+        if !valid_name(id) {
+            return Ok(None);
+        }
+        let p = self.records.join(format!("{id}.json"));
+        match std::fs::read_to_string(&p) {
+            Ok(t) => {
+                Ok(Some(serde_json::from_str(&t).with_context(|| {
+                    format!("build record {id} is corrupt")
+                })?))
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    pub fn list(&self) -> anyhow::Result<Vec<BuildRecord>> {
+        let mut out = Vec::new();
+        for e in std::fs::read_dir(&self.records)?.flatten() {
+            let name = e.file_name().to_string_lossy().to_string();
+            if let Some(id) = name.strip_suffix(".json") {
+                if let Some(r) = self.get(id)? {
+                    out.push(r);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Writes a record once all its artifacts are durable.
+    pub fn put(&self, rec: &BuildRecord) -> anyhow::Result<()> {
+        if !valid_name(&rec.id) {
+            bail!("{:?} is not a valid build id", rec.id);
+        }
+        for a in rec.artifacts() {
+            let p = self.artifact(a);
+            std::fs::File::open(&p)
+                .with_context(|| format!("artifact {a} of build {} is missing", rec.id))?
+                .sync_all()?;
+        }
+        fsync_dir(&self.artifacts)?;
+        let tmp = self.records.join(format!(".{}.json.tmp", rec.id));
+        {
+            let mut f = std::fs::File::create(&tmp)?;
+            f.write_all(serde_json::to_string_pretty(rec)?.as_bytes())?;
+            f.sync_all()?;
+        }
+        // The record holds an envd token: owner-only.
+        std::fs::set_permissions(&tmp, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
+        std::fs::rename(&tmp, self.records.join(format!("{}.json", rec.id)))?;
+        fsync_dir(&self.records)?;
+        Ok(())
+    }
+
+    pub fn remove_record(&self, id: &str) -> anyhow::Result<()> {
+        if !valid_name(id) {
+            bail!("{id:?} is not a valid build id");
+        }
+        match std::fs::remove_file(self.records.join(format!("{id}.json"))) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e.into()),
+        }
+        fsync_dir(&self.records)?;
+        Ok(())
+    }
+
+    /// Deletes every artifact named by no build record and not in `live` (the artifacts of
+    /// running sandboxes). Also removes half-written temporary files. Returns what it deleted.
+    pub fn sweep(&self, live: &HashSet<String>) -> anyhow::Result<Vec<String>> {
+        let mut keep: HashSet<String> = live.clone();
+        for r in self.list()? {
+            keep.extend(r.artifacts().cloned());
+        }
+        let mut removed = Vec::new();
+        for e in std::fs::read_dir(&self.artifacts)?.flatten() {
+            let name = e.file_name().to_string_lossy().to_string();
+            if !keep.contains(&name) {
+                let _ = std::fs::remove_file(e.path());
+                removed.push(name);
+            }
+        }
+        for e in std::fs::read_dir(&self.records)?.flatten() {
+            let name = e.file_name().to_string_lossy().to_string();
+            if name.starts_with('.') && name.ends_with(".tmp") {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+        Ok(removed)
+    }
+}

@@ -1,0 +1,1451 @@
+//! The node: sandboxes' lifecycles on top of `vmon_vm`, slots and builds.
+
+use std::collections::{HashMap, HashSet};
+use std::net::{IpAddr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use tokio::sync::{Mutex, RwLock};
+use vmon_proto::node::{
+    BuildInfo, NetworkPolicy, NodeControl, NodeError, Running, StartSpec, TemplateSpec,
+};
+use vmon_vm::disk::{create_overlay, BackingFormat};
+use vmon_vm::machine::{kernel_cmdline, qemu_version, RamSharing};
+use vmon_vm::{memory, Accel, AccelChoice, LaunchSpec, MachineDesc, NetDevice, Vm};
+
+use crate::builds::{new_id, now_unix, BuildRecord, Builds, MAX_LAYERS};
+use crate::envd_client::{self, InitRequest, ENVD_PORT};
+use crate::pool::{Pool, Prepared};
+use crate::sandbox::{Live, RamSource, SandboxState};
+use crate::slots::{Slots, TAP};
+
+/// The envd feature level our guest agent implements (the SDK gates features on it).
+pub const ENVD_VERSION: &str = "0.6.4";
+
+/// QMP commands the snapshot recipe cannot do without.
+const REQUIRED_QMP: &[&str] = &[
+    "xen-save-devices-state",
+    "migrate-incoming",
+    "blockdev-snapshot-sync",
+    "stop",
+    "cont",
+    "query-migrate",
+];
+
+/// Settings of one node.
+#[derive(Debug, Clone)]
+pub struct NodeConfig {
+    pub data_dir: PathBuf,
+    /// Force an accelerator instead of probing.
+    pub accel: Option<Accel>,
+    pub qemu_binary: PathBuf,
+    /// The envd binary baked into the image (default: `envd` beside the running binary).
+    pub envd_binary: Option<PathBuf>,
+    /// Pre-spawned restore processes kept per hot build.
+    pub pool_size: usize,
+    /// How long a cold boot may take to reach envd.
+    pub boot_timeout: Duration,
+    /// How long a restored guest may take to answer `/init`.
+    pub restore_timeout: Duration,
+    /// Which block of slot addresses and namespace names this node owns (several nodes may
+    /// share a host). Default: derived from the data dir.
+    pub slot_block: Option<u32>,
+}
+
+impl NodeConfig {
+    pub fn new(data_dir: PathBuf) -> NodeConfig {
+        NodeConfig {
+            data_dir,
+            accel: None,
+            qemu_binary: PathBuf::from("/usr/bin/qemu-system-x86_64"),
+            envd_binary: None,
+            pool_size: 1,
+            boot_timeout: Duration::from_secs(240),
+            restore_timeout: Duration::from_secs(60),
+            slot_block: None,
+        }
+    }
+}
+
+/// One host's sandboxes.
+pub struct Node {
+    cfg: NodeConfig,
+    accel: AccelChoice,
+    qemu_version: String,
+    image: vmon_image::Image,
+    builds: Builds,
+    slots: Slots,
+    sandboxes: std::sync::Mutex<HashMap<String, Arc<Mutex<Live>>>>,
+    pool: Pool,
+    /// Held (shared) by every operation that creates artifacts not yet named by a record;
+    /// held exclusively by the sweep.
+    artifacts_guard: RwLock<()>,
+    host_memory_mb: u64,
+    me: std::sync::Weak<Node>,
+}
+
+fn err(e: anyhow::Error) -> NodeError {
+    NodeError::Failed(format!("{e:#}"))
+}
+
+fn valid_id(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 128
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+}
+
+fn host_memory_mb() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .find(|l| l.starts_with("MemTotal:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<u64>().ok())
+        })
+        .map(|kb| kb / 1024)
+        .unwrap_or(0)
+}
+
+/// Checks that `qemu` offers what snapshots need, with a throwaway machine-less process.
+async fn probe_qmp(qemu: &Path, dir: &Path) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let sock = dir.join("probe.sock");
+    let _ = std::fs::remove_file(&sock);
+    let mut child = tokio::process::Command::new(qemu)
+        .args([
+            "-machine",
+            "none",
+            "-nodefaults",
+            "-display",
+            "none",
+            "-qmp",
+        ])
+        .arg(format!("unix:{},server=on,wait=off", sock.display()))
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .with_context(|| format!("starting {}", qemu.display()))?;
+    let result = async {
+        let qmp = vmon_vm::Qmp::connect(&sock, Duration::from_secs(10)).await?;
+        let cmds: HashSet<String> = qmp.query_commands().await?.into_iter().collect();
+        let missing: Vec<&str> = REQUIRED_QMP
+            .iter()
+            .copied()
+            .filter(|c| !cmds.contains(*c))
+            .collect();
+        if !missing.is_empty() {
+            bail!(
+                "{} lacks the QMP commands {} that snapshots need",
+                qemu.display(),
+                missing.join(", ")
+            );
+        }
+        anyhow::Ok(())
+    }
+    .await;
+    let _ = child.start_kill();
+    let _ = child.wait().await;
+    let _ = std::fs::remove_file(&sock);
+    result
+}
+
+impl Node {
+    /// Opens the node: probes the host, finds or builds the guest image, re-adopts sandboxes
+    /// that survived a restart and cleans up what a crash left.
+    pub async fn open(cfg: NodeConfig) -> anyhow::Result<Arc<Node>> {
+        std::fs::create_dir_all(&cfg.data_dir)?;
+        let accel = vmon_vm::probe_accel(cfg.accel).map_err(|e| anyhow::anyhow!(e))?;
+        tracing::info!(accel = accel.accel.as_str(), reason = %accel.reason, "accelerator");
+        let qemu_version = qemu_version(&cfg.qemu_binary)?;
+        probe_qmp(&cfg.qemu_binary, &cfg.data_dir.join("run")).await?;
+        let envd = match &cfg.envd_binary {
+            Some(p) => p.clone(),
+            None => std::env::current_exe()?.with_file_name("envd"),
+        };
+        let recipe = vmon_image::Recipe::for_host(envd)?;
+        let image = vmon_image::build(&cfg.data_dir, &recipe).await?;
+        let builds = Builds::open(&cfg.data_dir)?;
+        Slots::prepare_host().await?;
+        let slot_block = cfg.slot_block.unwrap_or_else(|| {
+            let canon =
+                std::fs::canonicalize(&cfg.data_dir).unwrap_or_else(|_| cfg.data_dir.clone());
+            let h = xxhash_rust::xxh3::xxh3_64(canon.as_os_str().as_encoded_bytes());
+            (h % u64::from(crate::slots::BLOCKS)) as u32
+        });
+        tracing::info!(slot_block, "network slot block");
+        let node = Arc::new_cyclic(|me| Node {
+            me: me.clone(),
+            pool: Pool::new(cfg.pool_size),
+            cfg,
+            accel,
+            qemu_version,
+            image,
+            builds,
+            slots: Slots::new(slot_block),
+            sandboxes: std::sync::Mutex::new(HashMap::new()),
+            artifacts_guard: RwLock::new(()),
+            host_memory_mb: host_memory_mb(),
+        });
+        node.recover().await?;
+        Ok(node)
+    }
+
+    pub(crate) fn pool_ref(&self) -> &Pool {
+        &self.pool
+    }
+
+    pub(crate) fn builds_ref(&self) -> &Builds {
+        &self.builds
+    }
+
+    /// Pre-spawned processes ready for `build_id`.
+    pub fn pool_depth(&self, build_id: &str) -> usize {
+        self.pool.depth(build_id)
+    }
+
+    /// Fills the restore pool of a build in the background.
+    pub fn warm(self: &Arc<Self>, build_id: &str) {
+        self.pool.refill(self.clone(), build_id.to_string());
+    }
+
+    async fn discard_prepared(&self, p: Prepared) {
+        let Prepared {
+            mut vm,
+            slot,
+            overlay,
+            run_dir,
+            ..
+        } = p;
+        vm.kill().await;
+        let _ = self.slots.release(&slot).await;
+        let _ = std::fs::remove_file(self.builds.artifact(&overlay));
+        let _ = std::fs::remove_dir_all(run_dir);
+    }
+
+    /// Stops every pooled process (shutdown).
+    pub async fn drain_pool(&self) {
+        for id in self.pool.builds() {
+            for p in self.pool.discard(&id).await {
+                self.discard_prepared(p).await;
+            }
+        }
+    }
+
+    pub fn accel(&self) -> &AccelChoice {
+        &self.accel
+    }
+
+    pub fn qemu_version(&self) -> &str {
+        &self.qemu_version
+    }
+
+    pub fn image(&self) -> &vmon_image::Image {
+        &self.image
+    }
+
+    pub fn data_dir(&self) -> &Path {
+        &self.cfg.data_dir
+    }
+
+    fn sandbox_root(&self, id: &str) -> PathBuf {
+        self.cfg.data_dir.join("sandboxes").join(id)
+    }
+
+    /// The console logs of a sandbox, oldest execution first.
+    pub fn console_logs(&self, sandbox_id: &str) -> Vec<PathBuf> {
+        if !valid_id(sandbox_id) {
+            return Vec::new();
+        }
+        let mut v: Vec<(std::time::SystemTime, PathBuf)> =
+            std::fs::read_dir(self.sandbox_root(sandbox_id))
+                .into_iter()
+                .flatten()
+                .flatten()
+                .filter_map(|e| {
+                    let p = e.path().join("console.log");
+                    let t = std::fs::metadata(e.path())
+                        .and_then(|m| m.created().or(m.modified()))
+                        .ok()?;
+                    p.is_file().then_some((t, p))
+                })
+                .collect();
+        v.sort();
+        v.into_iter().map(|(_, p)| p).collect()
+    }
+
+    /// Where envd of a running sandbox is reachable.
+    pub fn envd_addr(&self, sandbox_id: &str) -> Option<SocketAddr> {
+        let map = self.sandboxes.lock().ok()?;
+        let live = map.get(sandbox_id)?.clone();
+        drop(map);
+        let l = live.try_lock().ok()?;
+        Some(SocketAddr::new(IpAddr::V4(l.slot.addr()), ENVD_PORT))
+    }
+
+    fn machine(&self, vcpus: u32, memory_mb: u32) -> Result<MachineDesc, NodeError> {
+        if vcpus == 0 {
+            return Err(NodeError::InvalidArgument(
+                "vCPUs must be at least 1".into(),
+            ));
+        }
+        if vcpus > 64 {
+            return Err(NodeError::InvalidArgument(format!(
+                "{vcpus} vCPUs is more than 64"
+            )));
+        }
+        if memory_mb < 128 {
+            return Err(NodeError::InvalidArgument(format!(
+                "memory of {memory_mb} MiB is below the 128 MiB a guest needs"
+            )));
+        }
+        if self.host_memory_mb > 0 && u64::from(memory_mb) > self.host_memory_mb {
+            return Err(NodeError::InvalidArgument(format!(
+                "memory of {memory_mb} MiB is more than this host's {} MiB",
+                self.host_memory_mb
+            )));
+        }
+        Ok(MachineDesc {
+            qemu_binary: self.cfg.qemu_binary.clone(),
+            qemu_version: self.qemu_version.clone(),
+            accel: self.accel.accel,
+            cpu_model: self.accel.accel.cpu_model().to_string(),
+            vcpus,
+            memory_mb,
+            kernel: self.image.vmlinuz.clone(),
+            initrd: self.image.initrd.clone(),
+            cmdline: kernel_cmdline(""),
+        })
+    }
+
+    /// A restore only loads into the machine a build was made on.
+    fn check_compatible(&self, rec: &BuildRecord) -> Result<(), NodeError> {
+        let m = &rec.machine;
+        if m.accel != self.accel.accel || m.qemu_version != self.qemu_version {
+            return Err(NodeError::InvalidArgument(format!(
+                "build {} was made with {} on {} and cannot restore here ({} on {})",
+                rec.id,
+                m.accel.as_str(),
+                m.qemu_version,
+                self.accel.accel.as_str(),
+                self.qemu_version
+            )));
+        }
+        Ok(())
+    }
+
+    fn record(&self, id: &str) -> Result<BuildRecord, NodeError> {
+        match self.builds.get(id) {
+            Ok(Some(r)) => Ok(r),
+            Ok(None) => Err(NodeError::BuildNotFound(id.to_string())),
+            Err(e) => Err(err(e)),
+        }
+    }
+
+    fn info(rec: &BuildRecord) -> BuildInfo {
+        BuildInfo {
+            build_id: rec.id.clone(),
+            has_memory: rec.has_memory(),
+            vcpus: rec.machine.vcpus,
+            memory_mb: rec.machine.memory_mb,
+            disk_mb: rec.disk_mb,
+            envd_version: rec.envd_version.clone(),
+            parent: rec.parent.clone(),
+        }
+    }
+
+    fn live(&self, sandbox_id: &str) -> Result<Arc<Mutex<Live>>, NodeError> {
+        self.sandboxes
+            .lock()
+            .map_err(|_| NodeError::Failed("sandbox table poisoned".into()))?
+            .get(sandbox_id)
+            .cloned()
+            .ok_or_else(|| NodeError::NotFound(sandbox_id.to_string()))
+    }
+
+    fn running(l: &Live) -> Running {
+        Running {
+            sandbox_id: l.state.id.clone(),
+            execution_id: l.state.execution_id.clone(),
+            guest_ip: IpAddr::V4(l.slot.addr()),
+            envd_version: l.state.envd_version.clone(),
+            vcpus: l.state.machine.vcpus,
+            memory_mb: l.state.machine.memory_mb,
+            disk_mb: l.state.disk_mb,
+            resume_generation: l.state.resume_generation,
+        }
+    }
+
+    /// Cold-boots a VM with its own shared RAM file over `disk` (the image rootfs when `None`).
+    #[allow(clippy::too_many_arguments)]
+    async fn boot(
+        &self,
+        run_dir: &Path,
+        id: &str,
+        execution_id: &str,
+        machine: MachineDesc,
+        disk: Option<(&str, &[String])>,
+        disk_mb: u32,
+        policy: &NetworkPolicy,
+        init: &InitRequest,
+        resume_generation: u32,
+    ) -> anyhow::Result<Live> {
+        let _guard = self.artifacts_guard.read().await;
+        let slot = self.slots.acquire(policy).await?;
+        let mut made: Vec<PathBuf> = Vec::new();
+        let r = async {
+            std::fs::create_dir_all(run_dir)?;
+            let (overlay, overlay_path) = self.builds.new_artifact("disk", "qcow2");
+            let chain: Vec<String> = match disk {
+                Some((top, below)) => {
+                    create_overlay(
+                        &self.builds.artifact(top),
+                        BackingFormat::Qcow2,
+                        &overlay_path,
+                    )
+                    .await?;
+                    std::iter::once(top.to_string())
+                        .chain(below.iter().cloned())
+                        .collect()
+                }
+                None => {
+                    create_overlay(&self.image.rootfs, BackingFormat::Raw, &overlay_path).await?;
+                    Vec::new()
+                }
+            };
+            made.push(overlay_path);
+            let (ram, ram_path) = self.builds.new_artifact("ram", "mem");
+            made.push(ram_path.clone());
+            let tag = new_id("");
+            let vm = Vm::launch(&LaunchSpec {
+                tag: tag.clone(),
+                machine: machine.clone(),
+                run_dir: run_dir.to_path_buf(),
+                console_log: run_dir.join("console.log"),
+                ram_file: ram_path,
+                ram: RamSharing::Shared,
+                disk: self.builds.artifact(&overlay),
+                net: Some(NetDevice { tap: TAP.into() }),
+                netns: Some(slot.netns()),
+                incoming: false,
+            })
+            .await?;
+            let mut live = Live {
+                state: SandboxState {
+                    id: id.to_string(),
+                    execution_id: execution_id.to_string(),
+                    slot: slot.index,
+                    machine,
+                    ram: RamSource::Shared { file: ram },
+                    overlay,
+                    disk_chain: chain,
+                    disk_node: "d0".into(),
+                    disk_seq: 0,
+                    envd_token: init.access_token.clone(),
+                    envd_version: ENVD_VERSION.into(),
+                    disk_mb,
+                    resume_generation,
+                    qemu_tag: tag,
+                    pausing_build: None,
+                },
+                vm: Some(vm),
+                slot: slot.clone(),
+                dir: run_dir.to_path_buf(),
+            };
+            let addr = SocketAddr::new(IpAddr::V4(slot.addr()), ENVD_PORT);
+            let ready = async {
+                envd_client::wait_healthy(addr, self.cfg.boot_timeout).await?;
+                envd_client::init(addr, init, Duration::from_secs(60)).await
+            };
+            if let Err(e) = ready.await {
+                if let Some(mut vm) = live.vm.take() {
+                    vm.kill().await;
+                }
+                let console =
+                    std::fs::read_to_string(run_dir.join("console.log")).unwrap_or_default();
+                let tail: String = console
+                    .lines()
+                    .rev()
+                    .take(15)
+                    .collect::<Vec<_>>()
+                    .into_iter()
+                    .rev()
+                    .collect::<Vec<_>>()
+                    .join("\n");
+                bail!("{e:#}\nlast console lines:\n{tail}");
+            }
+            live.state.save(run_dir)?;
+            anyhow::Ok(live)
+        }
+        .await;
+        if r.is_err() {
+            let _ = self.slots.release(&slot).await;
+            for p in made {
+                let _ = std::fs::remove_file(p);
+            }
+        }
+        r
+    }
+
+    /// Spawns a QEMU waiting for `migrate-incoming` on `rec`'s memory, with its own slot and
+    /// overlay, and its layers already written in.
+    pub(crate) async fn prepare(&self, rec: &BuildRecord) -> anyhow::Result<Prepared> {
+        let Some(mem_base) = rec.mem_base.clone() else {
+            bail!("build {} has no memory", rec.id);
+        };
+        let _guard = self.artifacts_guard.read().await;
+        let slot = self
+            .slots
+            .acquire(&NetworkPolicy {
+                allow_internet_access: true,
+                ..Default::default()
+            })
+            .await?;
+        let tag = new_id("");
+        let run_dir = self.cfg.data_dir.join("pool").join(&tag);
+        let (overlay, overlay_path) = self.builds.new_artifact("disk", "qcow2");
+        let r = async {
+            std::fs::create_dir_all(&run_dir)?;
+            match &rec.disk {
+                Some(d) => {
+                    create_overlay(
+                        &self.builds.artifact(d),
+                        BackingFormat::Qcow2,
+                        &overlay_path,
+                    )
+                    .await?
+                }
+                None => {
+                    create_overlay(&self.image.rootfs, BackingFormat::Raw, &overlay_path).await?
+                }
+            }
+            let ram_file = self.builds.artifact(&mem_base);
+            let vm = Vm::launch(&LaunchSpec {
+                tag: tag.clone(),
+                machine: rec.machine.clone(),
+                run_dir: run_dir.clone(),
+                console_log: run_dir.join("console.log"),
+                ram_file: ram_file.clone(),
+                ram: RamSharing::Private,
+                disk: overlay_path.clone(),
+                net: Some(NetDevice { tap: TAP.into() }),
+                netns: Some(slot.netns()),
+                incoming: true,
+            })
+            .await?;
+            let pid = vm.pid;
+            let layers: Vec<PathBuf> = rec.layers.iter().map(|l| self.builds.artifact(l)).collect();
+            let written = tokio::task::spawn_blocking(move || {
+                for l in &layers {
+                    memory::write_in(pid, &ram_file, l)?;
+                }
+                anyhow::Ok(())
+            })
+            .await
+            .map_err(|e| anyhow::anyhow!("write-in task: {e}"))?;
+            if let Err(e) = written {
+                let mut vm = vm;
+                vm.kill().await;
+                return Err(e);
+            }
+            anyhow::Ok(vm)
+        }
+        .await;
+        match r {
+            Ok(vm) => Ok(Prepared {
+                tag,
+                slot,
+                overlay,
+                vm,
+                run_dir,
+            }),
+            Err(e) => {
+                let _ = self.slots.release(&slot).await;
+                let _ = std::fs::remove_file(&overlay_path);
+                let _ = std::fs::remove_dir_all(&run_dir);
+                Err(e)
+            }
+        }
+    }
+
+    /// Restores `rec` for a sandbox: a pooled process when one is ready, else a fresh one.
+    async fn restore(
+        self: &Arc<Self>,
+        spec: &StartSpec,
+        rec: &BuildRecord,
+    ) -> anyhow::Result<Live> {
+        let (Some(mem_base), Some(devstate)) = (rec.mem_base.clone(), rec.devstate.clone()) else {
+            bail!("build {} has no memory to restore", rec.id);
+        };
+        let prepared = match self.pool.take(&rec.id) {
+            Some(p) => p,
+            None => self.prepare(rec).await?,
+        };
+        self.pool.refill(self.clone(), rec.id.clone());
+        let Prepared {
+            tag,
+            slot,
+            overlay,
+            mut vm,
+            run_dir: pool_dir,
+            ..
+        } = prepared;
+        let run_dir = self.sandbox_root(&spec.sandbox_id).join(&spec.execution_id);
+        let r = async {
+            if let Some(parent) = run_dir.parent() {
+                std::fs::create_dir_all(parent)?;
+            }
+            if run_dir.exists() {
+                std::fs::remove_dir_all(&run_dir)?;
+            }
+            std::fs::rename(&pool_dir, &run_dir)?;
+            if spec.network
+                != (NetworkPolicy {
+                    allow_internet_access: true,
+                    ..Default::default()
+                })
+            {
+                slot.set_policy(&spec.network).await?;
+            }
+            vm.qmp
+                .migrate_incoming_file(&self.builds.artifact(&devstate))
+                .await?;
+            vm.qmp.cont().await?;
+            let addr = SocketAddr::new(IpAddr::V4(slot.addr()), ENVD_PORT);
+            envd_client::init(
+                addr,
+                &InitRequest {
+                    env_vars: spec.env_vars.clone(),
+                    access_token: spec.envd_access_token.clone(),
+                    current_token: rec.envd_token.clone(),
+                    default_user: None,
+                },
+                self.cfg.restore_timeout,
+            )
+            .await?;
+            let state = SandboxState {
+                id: spec.sandbox_id.clone(),
+                execution_id: spec.execution_id.clone(),
+                slot: slot.index,
+                machine: rec.machine.clone(),
+                ram: RamSource::Private {
+                    mem_base,
+                    layers: rec.layers.clone(),
+                    basis: rec.id.clone(),
+                },
+                overlay: overlay.clone(),
+                disk_chain: rec
+                    .disk
+                    .iter()
+                    .chain(rec.disk_chain.iter())
+                    .cloned()
+                    .collect(),
+                disk_node: "d0".into(),
+                disk_seq: 0,
+                envd_token: spec.envd_access_token.clone(),
+                envd_version: rec.envd_version.clone(),
+                disk_mb: rec.disk_mb,
+                resume_generation: rec.resume_generation + 1,
+                qemu_tag: tag.clone(),
+                pausing_build: None,
+            };
+            state.save(&run_dir)?;
+            anyhow::Ok(state)
+        }
+        .await;
+        match r {
+            Ok(state) => Ok(Live {
+                state,
+                vm: Some(vm),
+                slot,
+                dir: run_dir,
+            }),
+            Err(e) => {
+                vm.kill().await;
+                let _ = self.slots.release(&slot).await;
+                let _ = std::fs::remove_file(self.builds.artifact(&overlay));
+                let _ = std::fs::remove_dir_all(&pool_dir);
+                Err(e)
+            }
+        }
+    }
+
+    fn insert(&self, live: Live) -> Result<Running, NodeError> {
+        let running = Self::running(&live);
+        self.sandboxes
+            .lock()
+            .map_err(|_| NodeError::Failed("sandbox table poisoned".into()))?
+            .insert(live.state.id.clone(), Arc::new(Mutex::new(live)));
+        Ok(running)
+    }
+
+    fn remove(&self, sandbox_id: &str) {
+        if let Ok(mut m) = self.sandboxes.lock() {
+            m.remove(sandbox_id);
+        }
+    }
+
+    /// Stops and forgets a live sandbox: QEMU, slot, its own artifacts.
+    async fn destroy(&self, live: &mut Live, keep_artifacts: bool) {
+        if let Some(vm) = live.vm.take() {
+            vm.quit().await;
+        }
+        vmon_vm::process::kill_recorded(&live.dir, &live.state.qemu_tag);
+        let _ = self.slots.release(&live.slot).await;
+        if !keep_artifacts {
+            let _ = std::fs::remove_file(self.builds.artifact(&live.state.overlay));
+            if let RamSource::Shared { file } = &live.state.ram {
+                let _ = std::fs::remove_file(self.builds.artifact(file));
+            }
+        }
+        let _ = std::fs::remove_file(SandboxState::path(&live.dir));
+        for f in ["qmp.sock", "qemu.pid"] {
+            let _ = std::fs::remove_file(live.dir.join(f));
+        }
+    }
+
+    /// Captures memory (when asked) and device state of a *stopped* VM into a new build that
+    /// shares this sandbox's disk `disk` (frozen). Does not resume or stop the VM.
+    async fn capture(
+        &self,
+        live: &Live,
+        build_id: &str,
+        memory: bool,
+        disk: String,
+        disk_chain: Vec<String>,
+    ) -> anyhow::Result<BuildRecord> {
+        let vm = live.vm.as_ref().context("sandbox has no VM")?;
+        let mut rec = BuildRecord {
+            id: build_id.to_string(),
+            parent: None,
+            machine: live.state.machine.clone(),
+            image_hash: self.image.manifest.hash.clone(),
+            mem_base: None,
+            layers: Vec::new(),
+            devstate: None,
+            disk: Some(disk),
+            disk_chain,
+            disk_mb: live.state.disk_mb,
+            envd_version: live.state.envd_version.clone(),
+            envd_token: live.state.envd_token.clone(),
+            resume_generation: live.state.resume_generation,
+            created_unix: now_unix(),
+        };
+        if !memory {
+            return Ok(rec);
+        }
+        let (dev, dev_path) = self.builds.new_artifact("dev", "state");
+        vm.qmp.save_devices_state(&dev_path).await?;
+        rec.devstate = Some(dev);
+        match &live.state.ram {
+            RamSource::Private {
+                mem_base,
+                layers,
+                basis,
+            } => {
+                rec.parent = Some(basis.clone());
+                let flatten = layers.len() >= MAX_LAYERS;
+                let previous = if flatten || layers.is_empty() {
+                    None
+                } else {
+                    Some(layers.clone())
+                };
+                let (layer, layer_path) = self.builds.new_artifact("layer", "mem");
+                let pid = vm.pid;
+                let ram_file = self.builds.artifact(mem_base);
+                let layer_files: Option<Vec<PathBuf>> = previous
+                    .as_ref()
+                    .map(|ls| ls.iter().map(|l| self.builds.artifact(l)).collect());
+                let stats = tokio::task::spawn_blocking(move || {
+                    let hashes = match layer_files {
+                        Some(files) => {
+                            let mut h = memory::PageHashes::new();
+                            for f in files {
+                                h.extend(memory::read_layer_index(&f)?.page_hashes());
+                            }
+                            Some(h)
+                        }
+                        None => None,
+                    };
+                    memory::capture(pid, &ram_file, &layer_path, hashes.as_ref())
+                })
+                .await
+                .map_err(|e| anyhow::anyhow!("capture task: {e}"))??;
+                tracing::debug!(pages = stats.pages, skipped = stats.skipped, "memory layer");
+                rec.mem_base = Some(mem_base.clone());
+                rec.layers = if flatten { Vec::new() } else { layers.clone() };
+                if stats.pages > 0 || rec.layers.is_empty() {
+                    rec.layers.push(layer);
+                } else {
+                    let _ = std::fs::remove_file(self.builds.artifact(&layer));
+                }
+            }
+            RamSource::Shared { file } => {
+                // The running VM keeps writing its file: the build gets a copy.
+                let (copy, copy_path) = self.builds.new_artifact("ram", "mem");
+                let src = self.builds.artifact(file);
+                tokio::task::spawn_blocking(move || sparse_copy(&src, &copy_path))
+                    .await
+                    .map_err(|e| anyhow::anyhow!("copy task: {e}"))??;
+                rec.mem_base = Some(copy);
+            }
+        }
+        Ok(rec)
+    }
+
+    /// Re-adopts running VMs and cleans up after a crash.
+    async fn recover(self: &Arc<Self>) -> anyhow::Result<()> {
+        let root = self.cfg.data_dir.join("sandboxes");
+        std::fs::create_dir_all(&root)?;
+        let mut keep_slots = Vec::new();
+        for sb in std::fs::read_dir(&root)?.flatten() {
+            for ex in std::fs::read_dir(sb.path()).into_iter().flatten().flatten() {
+                let dir = ex.path();
+                let Ok(state) = SandboxState::load(&dir) else {
+                    continue;
+                };
+                match self.adopt(&dir, state).await {
+                    Ok(Some(slot)) => keep_slots.push(slot),
+                    Ok(None) => {}
+                    Err(e) => tracing::warn!(dir = %dir.display(), "cannot adopt: {e:#}"),
+                }
+            }
+        }
+        // Pool processes are not worth adopting: kill them.
+        let pool = self.cfg.data_dir.join("pool");
+        if let Ok(rd) = std::fs::read_dir(&pool) {
+            for e in rd.flatten() {
+                let tag = e.file_name().to_string_lossy().to_string();
+                vmon_vm::process::kill_recorded(&e.path(), &tag);
+                let _ = std::fs::remove_dir_all(e.path());
+            }
+        }
+        let removed = self.slots.reclaim(&keep_slots).await?;
+        if !removed.is_empty() {
+            tracing::info!(?removed, "reclaimed network slots");
+        }
+        self.sweep().await?;
+        Ok(())
+    }
+
+    async fn adopt(&self, dir: &Path, state: SandboxState) -> anyhow::Result<Option<u32>> {
+        let slot = self.slots.slot(state.slot);
+        match Vm::adopt(dir, &state.qemu_tag).await {
+            Ok(vm) => {
+                self.slots.mark_used(slot.index);
+                let status = vm.qmp.query_status().await?;
+                let mut live = Live {
+                    state,
+                    vm: Some(vm),
+                    slot: slot.clone(),
+                    dir: dir.to_path_buf(),
+                };
+                if let Some(b) = live.state.pausing_build.clone() {
+                    if self.builds.get(&b)?.is_some() {
+                        // The pause was committed: finish it.
+                        tracing::info!(sandbox = %live.state.id, build = %b, "finishing a pause cut by a restart");
+                        self.destroy(&mut live, true).await;
+                        return Ok(None);
+                    }
+                }
+                if !status.running {
+                    if let Some(vm) = &live.vm {
+                        vm.qmp.cont().await?;
+                    }
+                }
+                live.state.pausing_build = None;
+                live.state.save(dir)?;
+                tracing::info!(sandbox = %live.state.id, "re-adopted running sandbox");
+                let idx = live.slot.index;
+                self.insert(live).map_err(|e| anyhow::anyhow!(e))?;
+                Ok(Some(idx))
+            }
+            Err(e) => {
+                tracing::warn!(sandbox = %state.id, "QEMU is gone ({e:#}); cleaning up");
+                vmon_vm::process::kill_recorded(dir, &state.qemu_tag);
+                let committed = match &state.pausing_build {
+                    Some(b) => self.builds.get(b)?.is_some(),
+                    None => false,
+                };
+                if !committed {
+                    let _ = std::fs::remove_file(self.builds.artifact(&state.overlay));
+                }
+                let _ = std::fs::remove_file(SandboxState::path(dir));
+                Ok(None)
+            }
+        }
+    }
+
+    /// Deletes artifacts nothing names any more.
+    pub async fn sweep(&self) -> anyhow::Result<Vec<String>> {
+        let _g = self.artifacts_guard.write().await;
+        let mut live: HashSet<String> = HashSet::new();
+        let lives: Vec<Arc<Mutex<Live>>> = self
+            .sandboxes
+            .lock()
+            .map_err(|_| anyhow::anyhow!("sandbox table poisoned"))?
+            .values()
+            .cloned()
+            .collect();
+        for l in lives {
+            let l = l.lock().await;
+            live.extend(l.state.live_artifacts());
+        }
+        live.extend(self.pool.artifacts());
+        let removed = self.builds.sweep(&live)?;
+        if !removed.is_empty() {
+            tracing::debug!(count = removed.len(), "swept artifacts");
+        }
+        Ok(removed)
+    }
+
+    /// Runs a shell command in a sandbox as `user` (tests, template start commands).
+    pub async fn exec(
+        &self,
+        sandbox_id: &str,
+        user: &str,
+        cmd: &str,
+        timeout: Duration,
+    ) -> anyhow::Result<envd_client::CommandOutput> {
+        let live = self.live(sandbox_id).map_err(|e| anyhow::anyhow!(e))?;
+        let (addr, token) = {
+            let l = live.lock().await;
+            (
+                SocketAddr::new(IpAddr::V4(l.slot.addr()), ENVD_PORT),
+                l.state.envd_token.clone(),
+            )
+        };
+        envd_client::run(addr, token.as_deref(), user, cmd, timeout).await
+    }
+
+    /// Boots a fresh sandbox straight from the image (no build): the slow path every build
+    /// starts from.
+    pub async fn boot_image(
+        &self,
+        sandbox_id: &str,
+        vcpus: u32,
+        memory_mb: u32,
+        policy: &NetworkPolicy,
+    ) -> Result<Running, NodeError> {
+        if !valid_id(sandbox_id) {
+            return Err(NodeError::InvalidArgument(format!(
+                "{sandbox_id:?} is not a valid id"
+            )));
+        }
+        let machine = self.machine(vcpus, memory_mb)?;
+        crate::slots::validate_policy(policy).map_err(NodeError::InvalidArgument)?;
+        let exec = new_id("e");
+        let dir = self.sandbox_root(sandbox_id).join(&exec);
+        let live = self
+            .boot(
+                &dir,
+                sandbox_id,
+                &exec,
+                machine,
+                None,
+                self.image.manifest.disk_mb,
+                policy,
+                &InitRequest::default(),
+                0,
+            )
+            .await
+            .map_err(err)?;
+        self.insert(live)
+    }
+
+    /// Finds sandboxes whose QEMU died and cleans up after them; returns their ids.
+    pub async fn reap_dead(&self) -> Vec<String> {
+        let lives: Vec<(String, Arc<Mutex<Live>>)> = match self.sandboxes.lock() {
+            Ok(m) => m.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+            Err(_) => return Vec::new(),
+        };
+        let mut dead = Vec::new();
+        for (id, l) in lives {
+            let Ok(mut l) = l.try_lock() else { continue };
+            let alive =
+                l.vm.as_ref()
+                    .is_some_and(|v| vmon_vm::process::is_alive(v.pid));
+            if !alive {
+                tracing::warn!(sandbox = %id, "QEMU died; cleaning up");
+                self.remove(&id);
+                if let Some(mut vm) = l.vm.take() {
+                    vm.wait_exit(Duration::from_millis(100)).await;
+                }
+                self.destroy(&mut l, false).await;
+                dead.push(id);
+            }
+        }
+        dead
+    }
+
+    /// Kills a sandbox's QEMU without telling it (tests of crash recovery).
+    pub async fn crash_vm(&self, sandbox_id: &str) -> Result<u32, NodeError> {
+        let live = self.live(sandbox_id)?;
+        let mut l = live.lock().await;
+        let pid = l.vm.as_ref().map(|v| v.pid).unwrap_or(0);
+        vmon_vm::process::signal(pid, libc::SIGKILL);
+        if let Some(vm) = l.vm.as_mut() {
+            vm.wait_exit(Duration::from_secs(10)).await;
+        }
+        Ok(pid)
+    }
+
+    /// Forgets every in-memory handle without stopping anything, as a crashed node would.
+    pub fn forget_all(&self) {
+        if let Ok(mut m) = self.sandboxes.lock() {
+            m.clear();
+        }
+        self.pool.forget_all();
+    }
+}
+
+/// Copies a sparse file keeping its holes.
+fn sparse_copy(src: &Path, dst: &Path) -> anyhow::Result<()> {
+    use std::os::unix::fs::FileExt;
+    let s = std::fs::File::open(src)?;
+    let len = s.metadata()?.len();
+    let d = std::fs::File::create(dst)?;
+    d.set_len(len)?;
+    let mut buf = vec![0u8; 1 << 20];
+    let mut off = 0u64;
+    while off < len {
+        let n = ((len - off) as usize).min(buf.len());
+        s.read_exact_at(&mut buf[..n], off)?;
+        if buf[..n].iter().any(|&b| b != 0) {
+            d.write_all_at(&buf[..n], off)?;
+        }
+        off += n as u64;
+    }
+    d.sync_all()?;
+    Ok(())
+}
+
+#[async_trait::async_trait]
+impl NodeControl for Node {
+    async fn build_template(&self, spec: TemplateSpec) -> Result<BuildInfo, NodeError> {
+        if !valid_id(&spec.build_id) {
+            return Err(NodeError::InvalidArgument(format!(
+                "{:?} is not a valid build id",
+                spec.build_id
+            )));
+        }
+        if let Some(rec) = self.builds.get(&spec.build_id).map_err(err)? {
+            return Ok(Self::info(&rec));
+        }
+        let machine = self.machine(spec.vcpus, spec.memory_mb)?;
+        let exec = new_id("t");
+        let dir = self
+            .cfg
+            .data_dir
+            .join("run")
+            .join(format!("template-{}", spec.build_id));
+        let t0 = std::time::Instant::now();
+        tracing::info!(build = %spec.build_id, "booting the template VM");
+        let mut live = self
+            .boot(
+                &dir,
+                &spec.build_id,
+                &exec,
+                machine,
+                None,
+                self.image.manifest.disk_mb.max(spec.disk_mb),
+                &NetworkPolicy {
+                    allow_internet_access: true,
+                    ..Default::default()
+                },
+                &InitRequest {
+                    env_vars: spec.env_vars.clone(),
+                    ..Default::default()
+                },
+                0,
+            )
+            .await
+            .map_err(err)?;
+        tracing::info!(build = %spec.build_id, secs = t0.elapsed().as_secs_f64(), "template VM is up");
+        let result = async {
+            let addr = SocketAddr::new(IpAddr::V4(live.slot.addr()), ENVD_PORT);
+            if let Some(cmd) = &spec.start_cmd {
+                let quoted = cmd.replace('\'', "'\\''");
+                let out = envd_client::run(
+                    addr,
+                    None,
+                    "user",
+                    &format!("setsid -f bash -l -c '{quoted}' >/dev/null 2>&1 </dev/null"),
+                    Duration::from_secs(60),
+                )
+                .await?;
+                if out.exit_code != 0 {
+                    bail!(
+                        "start command could not be launched: {}",
+                        String::from_utf8_lossy(&out.stderr)
+                    );
+                }
+            }
+            if let Some(ready) = &spec.ready_cmd {
+                let start = tokio::time::Instant::now();
+                loop {
+                    let out = envd_client::run(addr, None, "user", ready, Duration::from_secs(60))
+                        .await?;
+                    if out.exit_code == 0 {
+                        break;
+                    }
+                    if start.elapsed() > Duration::from_secs(600) {
+                        bail!(
+                            "ready command never succeeded: {}",
+                            String::from_utf8_lossy(&out.stderr)
+                        );
+                    }
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+            }
+            // Let the guest settle (page cache, deferred work) so restores start quiet.
+            envd_client::run(addr, None, "root", "sync", Duration::from_secs(60)).await?;
+            let vm = live.vm.as_ref().context("no VM")?;
+            vm.qmp.stop().await?;
+            let (dev, dev_path) = self.builds.new_artifact("dev", "state");
+            vm.qmp.save_devices_state(&dev_path).await?;
+            let RamSource::Shared { file } = live.state.ram.clone() else {
+                bail!("template VM must own its RAM");
+            };
+            let rec = BuildRecord {
+                id: spec.build_id.clone(),
+                parent: None,
+                machine: live.state.machine.clone(),
+                image_hash: self.image.manifest.hash.clone(),
+                mem_base: Some(file),
+                layers: Vec::new(),
+                devstate: Some(dev),
+                disk: Some(live.state.overlay.clone()),
+                disk_chain: Vec::new(),
+                disk_mb: live.state.disk_mb,
+                envd_version: ENVD_VERSION.into(),
+                envd_token: None,
+                resume_generation: 0,
+                created_unix: now_unix(),
+            };
+            if let Some(vm) = live.vm.take() {
+                vm.quit().await;
+            }
+            self.builds.put(&rec)?;
+            anyhow::Ok(rec)
+        }
+        .await;
+        self.destroy(&mut live, result.is_ok()).await;
+        let _ = std::fs::remove_dir_all(&dir);
+        let rec = result.map_err(err)?;
+        tracing::info!(build = %rec.id, secs = t0.elapsed().as_secs_f64(), "template built");
+        Ok(Self::info(&rec))
+    }
+
+    async fn build_info(&self, build_id: &str) -> Result<BuildInfo, NodeError> {
+        self.record(build_id).map(|r| Self::info(&r))
+    }
+
+    async fn delete_build(&self, build_id: &str) -> Result<(), NodeError> {
+        let _ = self.record(build_id)?;
+        let lives: Vec<Arc<Mutex<Live>>> = self
+            .sandboxes
+            .lock()
+            .map_err(|_| NodeError::Failed("sandbox table poisoned".into()))?
+            .values()
+            .cloned()
+            .collect();
+        for l in lives {
+            let l = l.lock().await;
+            if matches!(&l.state.ram, RamSource::Private { basis, .. } if basis == build_id) {
+                return Err(NodeError::BuildInUse(build_id.to_string()));
+            }
+        }
+        for p in self.pool.discard(build_id).await {
+            self.discard_prepared(p).await;
+        }
+        self.builds.remove_record(build_id).map_err(err)?;
+        self.sweep().await.map_err(err)?;
+        Ok(())
+    }
+
+    async fn start(&self, spec: StartSpec) -> Result<Running, NodeError> {
+        let me = self
+            .me
+            .upgrade()
+            .ok_or_else(|| NodeError::Failed("node is shutting down".into()))?;
+        me.start_sandbox(spec).await
+    }
+
+    async fn kill(&self, sandbox_id: &str, execution_id: &str) -> Result<(), NodeError> {
+        let live = self.live(sandbox_id)?;
+        let mut l = live.lock().await;
+        if l.state.execution_id != execution_id {
+            return Err(NodeError::NotFound(format!(
+                "{sandbox_id} (execution {execution_id})"
+            )));
+        }
+        self.remove(sandbox_id);
+        self.destroy(&mut l, false).await;
+        Ok(())
+    }
+
+    async fn pause(
+        &self,
+        sandbox_id: &str,
+        execution_id: &str,
+        memory: bool,
+    ) -> Result<BuildInfo, NodeError> {
+        let live = self.live(sandbox_id)?;
+        let mut l = live.lock().await;
+        if l.state.execution_id != execution_id {
+            return Err(NodeError::NotFound(format!(
+                "{sandbox_id} (execution {execution_id})"
+            )));
+        }
+        let _guard = self.artifacts_guard.read().await;
+        let build_id = new_id("p");
+        if !memory {
+            // Flush the guest's page cache so the disk holds every file written.
+            let addr = SocketAddr::new(IpAddr::V4(l.slot.addr()), ENVD_PORT);
+            if let Err(e) = envd_client::run(
+                addr,
+                l.state.envd_token.as_deref(),
+                "root",
+                "sync",
+                Duration::from_secs(60),
+            )
+            .await
+            {
+                tracing::warn!(
+                    sandbox = sandbox_id,
+                    "guest sync before pause failed: {e:#}"
+                );
+            }
+        }
+        let vm =
+            l.vm.as_ref()
+                .ok_or_else(|| NodeError::Failed("sandbox has no VM".into()))?;
+        vm.qmp.stop().await.map_err(|e| err(e.into()))?;
+        l.state.pausing_build = Some(build_id.clone());
+        let captured = async {
+            l.state.save(&l.dir)?;
+            let rec = self
+                .capture(
+                    &l,
+                    &build_id,
+                    memory,
+                    l.state.overlay.clone(),
+                    l.state.disk_chain.clone(),
+                )
+                .await?;
+            // QEMU must be gone before the build is usable: its RAM file and overlay are then
+            // frozen.
+            anyhow::Ok(rec)
+        }
+        .await;
+        let rec = match captured {
+            Ok(r) => r,
+            Err(e) => {
+                // A failed pause leaves the sandbox running.
+                l.state.pausing_build = None;
+                let _ = l.state.save(&l.dir);
+                if let Some(vm) = l.vm.as_ref() {
+                    let _ = vm.qmp.cont().await;
+                }
+                return Err(err(e));
+            }
+        };
+        if let Some(vm) = l.vm.take() {
+            vm.quit().await;
+        }
+        let mut rec = rec;
+        if let RamSource::Shared { file } = &l.state.ram {
+            if memory {
+                // The VM's own RAM file is frozen now that QEMU is gone: it becomes the base.
+                let copy = rec.mem_base.replace(file.clone());
+                if let Some(c) = copy {
+                    let _ = std::fs::remove_file(self.builds.artifact(&c));
+                }
+            }
+        }
+        if let Err(e) = self.builds.put(&rec) {
+            // QEMU is gone; the sandbox cannot keep running. Report it.
+            self.remove(sandbox_id);
+            self.destroy(&mut l, false).await;
+            return Err(err(e));
+        }
+        self.remove(sandbox_id);
+        // Artifacts now belong to the build.
+        let _ = self.slots.release(&l.slot).await;
+        let _ = std::fs::remove_file(SandboxState::path(&l.dir));
+        for f in ["qmp.sock", "qemu.pid"] {
+            let _ = std::fs::remove_file(l.dir.join(f));
+        }
+        if !memory {
+            if let RamSource::Shared { file } = &l.state.ram {
+                let _ = std::fs::remove_file(self.builds.artifact(file));
+            }
+        }
+        Ok(Self::info(&rec))
+    }
+
+    async fn checkpoint(
+        &self,
+        sandbox_id: &str,
+        execution_id: &str,
+        memory: bool,
+    ) -> Result<BuildInfo, NodeError> {
+        let live = self.live(sandbox_id)?;
+        let mut l = live.lock().await;
+        if l.state.execution_id != execution_id {
+            return Err(NodeError::NotFound(format!(
+                "{sandbox_id} (execution {execution_id})"
+            )));
+        }
+        let _guard = self.artifacts_guard.read().await;
+        let build_id = new_id("c");
+        let vm =
+            l.vm.as_ref()
+                .ok_or_else(|| NodeError::Failed("sandbox has no VM".into()))?;
+        if !memory {
+            let addr = SocketAddr::new(IpAddr::V4(l.slot.addr()), ENVD_PORT);
+            if let Err(e) = envd_client::run(
+                addr,
+                l.state.envd_token.as_deref(),
+                "root",
+                "sync",
+                Duration::from_secs(60),
+            )
+            .await
+            {
+                tracing::warn!(
+                    sandbox = sandbox_id,
+                    "guest sync before snapshot failed: {e:#}"
+                );
+            }
+        }
+        vm.qmp.stop().await.map_err(|e| err(e.into()))?;
+        let result = async {
+            let vm = l.vm.as_ref().context("sandbox has no VM")?;
+            // Switch the running disk to a fresh overlay; the old one freezes for the build.
+            let (next, next_path) = self.builds.new_artifact("disk", "qcow2");
+            let next_node = format!("d{}", l.state.disk_seq + 1);
+            vm.qmp
+                .blockdev_snapshot_sync(&l.state.disk_node, &next_path, &next_node)
+                .await?;
+            let frozen = std::mem::replace(&mut l.state.overlay, next);
+            let chain = l.state.disk_chain.clone();
+            l.state.disk_chain.insert(0, frozen.clone());
+            l.state.disk_node = next_node;
+            l.state.disk_seq += 1;
+            l.state.save(&l.dir)?;
+            let rec = self.capture(&l, &build_id, memory, frozen, chain).await?;
+            self.builds.put(&rec)?;
+            if let RamSource::Private { mem_base, .. } = &l.state.ram {
+                // Later captures of this sandbox compare with the checkpoint.
+                l.state.ram = RamSource::Private {
+                    mem_base: mem_base.clone(),
+                    layers: rec.layers.clone(),
+                    basis: rec.id.clone(),
+                };
+                l.state.save(&l.dir)?;
+            }
+            anyhow::Ok(rec)
+        }
+        .await;
+        if let Some(vm) = l.vm.as_ref() {
+            if let Err(e) = vm.qmp.cont().await {
+                tracing::error!(sandbox = sandbox_id, "cont after checkpoint failed: {e}");
+            }
+        }
+        let rec = result.map_err(err)?;
+        if memory {
+            // The source's own RNG must not be shared with its children: reseed it too.
+            let addr = SocketAddr::new(IpAddr::V4(l.slot.addr()), ENVD_PORT);
+            let token = l.state.envd_token.clone();
+            let req = InitRequest {
+                access_token: token.clone(),
+                current_token: token,
+                ..Default::default()
+            };
+            if let Err(e) = envd_client::init(addr, &req, Duration::from_secs(10)).await {
+                tracing::warn!(sandbox = sandbox_id, "reseeding the source failed: {e:#}");
+            }
+        }
+        Ok(Self::info(&rec))
+    }
+
+    async fn list_running(&self) -> Vec<Running> {
+        let lives: Vec<Arc<Mutex<Live>>> = match self.sandboxes.lock() {
+            Ok(m) => m.values().cloned().collect(),
+            Err(_) => return Vec::new(),
+        };
+        let mut out = Vec::new();
+        for l in lives {
+            let l = l.lock().await;
+            out.push(Self::running(&l));
+        }
+        out
+    }
+}
+
+impl Node {
+    /// Starts a sandbox from a build: a memory restore, or a cold boot when asked or when the
+    /// build has no memory.
+    pub async fn start_sandbox(self: &Arc<Self>, spec: StartSpec) -> Result<Running, NodeError> {
+        if !valid_id(&spec.sandbox_id) || !valid_id(&spec.execution_id) {
+            return Err(NodeError::InvalidArgument(
+                "sandbox and execution ids must be [A-Za-z0-9_-]".into(),
+            ));
+        }
+        crate::slots::validate_policy(&spec.network).map_err(NodeError::InvalidArgument)?;
+        if self.live(&spec.sandbox_id).is_ok() {
+            return Err(NodeError::InvalidArgument(format!(
+                "sandbox {} is already running",
+                spec.sandbox_id
+            )));
+        }
+        let rec = self.record(&spec.build_id)?;
+        self.check_compatible(&rec)?;
+        let t0 = std::time::Instant::now();
+        let live = if rec.has_memory() && !spec.cold_boot {
+            self.restore(&spec, &rec).await.map_err(err)?
+        } else {
+            let dir = self.sandbox_root(&spec.sandbox_id).join(&spec.execution_id);
+            let disk = rec.disk.as_deref().map(|d| (d, rec.disk_chain.as_slice()));
+            self.boot(
+                &dir,
+                &spec.sandbox_id,
+                &spec.execution_id,
+                rec.machine.clone(),
+                disk,
+                rec.disk_mb,
+                &spec.network,
+                &InitRequest {
+                    env_vars: spec.env_vars.clone(),
+                    access_token: spec.envd_access_token.clone(),
+                    current_token: None,
+                    default_user: None,
+                },
+                0,
+            )
+            .await
+            .map_err(err)?
+        };
+        tracing::info!(sandbox = %spec.sandbox_id, build = %rec.id, ms = t0.elapsed().as_millis() as u64, "sandbox started");
+        self.insert(live)
+    }
+
+    /// Replaces a running sandbox's egress policy.
+    pub async fn update_network(
+        &self,
+        sandbox_id: &str,
+        policy: &NetworkPolicy,
+    ) -> Result<(), NodeError> {
+        crate::slots::validate_policy(policy).map_err(NodeError::InvalidArgument)?;
+        let live = self.live(sandbox_id)?;
+        let l = live.lock().await;
+        l.slot.set_policy(policy).await.map_err(err)
+    }
+}

@@ -1,0 +1,93 @@
+//! One sandbox on this node: its VM, slot, disk overlay and where its RAM comes from, plus the
+//! small JSON file that lets a restarted node re-adopt it.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use vmon_vm::{MachineDesc, Vm};
+
+use crate::slots::Slot;
+
+/// Where a sandbox's guest RAM lives.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum RamSource {
+    /// Its own RAM file, mapped shared (cold boots): the file is the memory.
+    Shared { file: String },
+    /// A build's `mem0` mapped privately; written pages are anonymous copies. `basis` is the
+    /// build whose memory lies under those pages (for incremental captures).
+    Private {
+        mem_base: String,
+        layers: Vec<String>,
+        basis: String,
+    },
+}
+
+/// What survives a node restart about a running sandbox.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SandboxState {
+    pub id: String,
+    pub execution_id: String,
+    pub slot: u32,
+    pub machine: MachineDesc,
+    pub ram: RamSource,
+    /// The disk overlay QEMU writes (artifact name).
+    pub overlay: String,
+    /// Artifacts under `overlay` (frozen overlays), top first.
+    pub disk_chain: Vec<String>,
+    /// QMP node name of the active disk layer.
+    pub disk_node: String,
+    pub disk_seq: u32,
+    pub envd_token: Option<String>,
+    pub envd_version: String,
+    pub disk_mb: u32,
+    pub resume_generation: u32,
+    /// A unique word in QEMU's command line, to recognise the process after a restart.
+    pub qemu_tag: String,
+    /// Set while a pause is being committed: the build it is writing.
+    #[serde(default)]
+    pub pausing_build: Option<String>,
+}
+
+impl SandboxState {
+    pub fn path(dir: &Path) -> PathBuf {
+        dir.join("sandbox.json")
+    }
+
+    pub fn save(&self, dir: &Path) -> anyhow::Result<()> {
+        let tmp = dir.join(".sandbox.json.tmp");
+        std::fs::write(&tmp, serde_json::to_vec_pretty(self)?)?;
+        std::fs::set_permissions(&tmp, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
+        std::fs::File::open(&tmp)?.sync_all()?;
+        std::fs::rename(&tmp, Self::path(dir))?;
+        Ok(())
+    }
+
+    pub fn load(dir: &Path) -> anyhow::Result<SandboxState> {
+        Ok(serde_json::from_slice(&std::fs::read(Self::path(dir))?)?)
+    }
+
+    /// The artifacts this sandbox writes or reads outside of any build.
+    pub fn live_artifacts(&self) -> Vec<String> {
+        let mut v = vec![self.overlay.clone()];
+        v.extend(self.disk_chain.iter().cloned());
+        match &self.ram {
+            RamSource::Shared { file } => v.push(file.clone()),
+            RamSource::Private {
+                mem_base, layers, ..
+            } => {
+                v.push(mem_base.clone());
+                v.extend(layers.iter().cloned());
+            }
+        }
+        v
+    }
+}
+
+/// A running sandbox: its state and its QEMU.
+pub struct Live {
+    pub state: SandboxState,
+    pub vm: Option<Vm>,
+    pub slot: Slot,
+    pub dir: PathBuf,
+}

@@ -1,0 +1,329 @@
+//! Boot sandboxes: real VMs under QEMU (TCG here), the real envd, real network slots.
+
+mod common;
+
+use std::net::{IpAddr, SocketAddr};
+use std::time::Duration;
+
+use common::{host_lock, netns_list, node, runtime, unique};
+use vmon_node::envd_client;
+use vmon_proto::node::{NetworkPolicy, NodeControl, NodeError, StartSpec};
+
+fn open_policy() -> NetworkPolicy {
+    NetworkPolicy {
+        allow_internet_access: true,
+        ..Default::default()
+    }
+}
+
+#[test]
+fn boots_answers_health_and_runs_a_command() {
+    let node = node();
+    let _shared = host_lock().read();
+    runtime().block_on(async {
+        let id = unique("boot");
+        let r = node
+            .boot_image(&id, 1, 512, &open_policy())
+            .await
+            .expect("boot");
+        assert!(
+            envd_client::healthy(r.addr(49983)).await,
+            "envd /health over the slot network"
+        );
+        let out = node
+            .exec(&id, "user", "echo hi; id -un", Duration::from_secs(60))
+            .await
+            .expect("Process.Start");
+        assert_eq!(out.exit_code, 0);
+        assert_eq!(String::from_utf8_lossy(&out.stdout), "hi\nuser\n");
+        let ip = node
+            .exec(
+                &id,
+                "root",
+                "ip -4 -o addr show eth0",
+                Duration::from_secs(60),
+            )
+            .await
+            .expect("ip addr");
+        assert!(
+            String::from_utf8_lossy(&ip.stdout).contains("169.254.0.21/30"),
+            "{}",
+            String::from_utf8_lossy(&ip.stdout)
+        );
+        let running = node.list_running().await;
+        let me = running.iter().find(|s| s.sandbox_id == id).expect("listed");
+        node.kill(&id, &me.execution_id).await.expect("kill");
+        assert!(!envd_client::healthy(r.addr(49983)).await);
+    });
+}
+
+#[test]
+fn rootfs_writes_survive_a_cold_reboot_from_the_same_disk() {
+    let node = node();
+    let _shared = host_lock().read();
+    runtime().block_on(async {
+        let id = unique("disk");
+        let r = node
+            .boot_image(&id, 1, 512, &open_policy())
+            .await
+            .expect("boot");
+        let out = node
+            .exec(
+                &id,
+                "user",
+                "echo persisted-$((6*7)) > /home/user/note.txt",
+                Duration::from_secs(60),
+            )
+            .await
+            .expect("write");
+        assert_eq!(out.exit_code, 0, "{}", String::from_utf8_lossy(&out.stderr));
+        let build = node
+            .pause(&id, &r.execution_id, false)
+            .await
+            .expect("filesystem pause");
+        assert!(!build.has_memory);
+        assert!(!envd_client::healthy(r.addr(49983)).await, "VM stopped");
+        let again = node
+            .start(StartSpec {
+                sandbox_id: id.clone(),
+                execution_id: unique("e"),
+                build_id: build.build_id.clone(),
+                cold_boot: true,
+                env_vars: Default::default(),
+                envd_access_token: None,
+                network: open_policy(),
+            })
+            .await
+            .expect("boot again from the same disk");
+        let out = node
+            .exec(
+                &id,
+                "user",
+                "cat /home/user/note.txt",
+                Duration::from_secs(60),
+            )
+            .await
+            .expect("read back");
+        assert_eq!(String::from_utf8_lossy(&out.stdout), "persisted-42\n");
+        node.kill(&id, &again.execution_id).await.expect("kill");
+        node.delete_build(&build.build_id)
+            .await
+            .expect("delete build");
+    });
+}
+
+#[test]
+fn two_vms_on_two_slots_share_the_guest_address() {
+    let node = node();
+    let _shared = host_lock().read();
+    runtime().block_on(async {
+        let (a, b) = (unique("twa"), unique("twb"));
+        let open = open_policy();
+        let (ra, rb) = tokio::join!(
+            node.boot_image(&a, 1, 384, &open),
+            node.boot_image(&b, 1, 384, &open)
+        );
+        let (ra, rb) = (ra.expect("boot a"), rb.expect("boot b"));
+        assert_ne!(ra.guest_ip, rb.guest_ip, "distinct host addresses");
+        for id in [&a, &b] {
+            let out = node
+                .exec(
+                    id,
+                    "root",
+                    "ip -4 -o addr show eth0; hostname",
+                    Duration::from_secs(60),
+                )
+                .await
+                .expect("exec");
+            let s = String::from_utf8_lossy(&out.stdout).to_string();
+            assert!(s.contains("169.254.0.21/30"), "{s}");
+        }
+        node.kill(&a, &ra.execution_id).await.expect("kill a");
+        node.kill(&b, &rb.execution_id).await.expect("kill b");
+    });
+}
+
+#[test]
+fn kill_9_of_qemu_then_reclaim_leaves_nothing() {
+    let node = node();
+    let _shared = host_lock().read();
+    runtime().block_on(async {
+        let id = unique("k9");
+        let r = node
+            .boot_image(&id, 1, 384, &open_policy())
+            .await
+            .expect("boot");
+        let IpAddr::V4(v4) = r.guest_ip else {
+            panic!("v4")
+        };
+        let n = (u32::from(v4) - u32::from(std::net::Ipv4Addr::new(169, 254, 128, 0))) / 4;
+        let (block, slot_index) = (n / 512, n % 512);
+        let ns = format!("vmon{block:x}-s{slot_index}");
+        assert!(
+            netns_list().contains(&ns),
+            "slot namespace exists while running"
+        );
+        let artifacts_before: Vec<String> = std::fs::read_dir(node.data_dir().join("artifacts"))
+            .expect("artifacts")
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().to_string())
+            .collect();
+        let pid = node.crash_vm(&id).await.expect("kill -9");
+        assert!(pid > 0);
+        let dead = node.reap_dead().await;
+        assert!(dead.contains(&id), "reaper saw the dead VM: {dead:?}");
+        assert!(
+            !netns_list().contains(&ns),
+            "namespace (tap, nft table) removed"
+        );
+        let links = std::process::Command::new("ip")
+            .args(["-o", "link"])
+            .output()
+            .expect("ip link");
+        assert!(
+            !String::from_utf8_lossy(&links.stdout)
+                .contains(&format!("vmh{block:x}-{slot_index}:")),
+            "host veth removed"
+        );
+        let artifacts_after: Vec<String> = std::fs::read_dir(node.data_dir().join("artifacts"))
+            .expect("artifacts")
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().to_string())
+            .collect();
+        let leaked: Vec<&String> = artifacts_after
+            .iter()
+            .filter(|a| a.starts_with("disk-") && artifacts_before.contains(a))
+            .filter(|a| !node_artifact_is_referenced(&node, a))
+            .collect();
+        assert!(leaked.is_empty(), "overlay left behind: {leaked:?}");
+        assert!(node.list_running().await.iter().all(|s| s.sandbox_id != id));
+    });
+}
+
+fn node_artifact_is_referenced(node: &vmon_node::Node, name: &str) -> bool {
+    // Other tests running at the same time own their overlays; a referenced one is theirs.
+    let builds = vmon_node::builds::Builds::open(node.data_dir()).expect("builds");
+    let in_builds = builds
+        .list()
+        .expect("list")
+        .iter()
+        .any(|b| b.artifacts().any(|a| a == name));
+    let in_sandboxes = std::fs::read_dir(node.data_dir().join("sandboxes"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .flat_map(|d| std::fs::read_dir(d.path()).into_iter().flatten().flatten())
+        .filter_map(|e| vmon_node::sandbox::SandboxState::load(&e.path()).ok())
+        .any(|s| s.live_artifacts().iter().any(|a| a == name));
+    in_builds || in_sandboxes
+}
+
+#[test]
+fn egress_is_dropped_when_internet_access_is_off() {
+    let node = node();
+    let _shared = host_lock().read();
+    runtime().block_on(async {
+        let (open_id, closed_id) = (unique("egy"), unique("egn"));
+        let closed = NetworkPolicy {
+            allow_internet_access: false,
+            ..Default::default()
+        };
+        let open = open_policy();
+        let (ro, rc) = tokio::join!(
+            node.boot_image(&open_id, 1, 384, &open),
+            node.boot_image(&closed_id, 1, 384, &closed)
+        );
+        let (ro, rc) = (ro.expect("boot open"), rc.expect("boot closed"));
+        // A listener on each slot's host end of the veth: the guest's way out.
+        let host_end = |ip: IpAddr| match ip {
+            IpAddr::V4(v) => IpAddr::V4(std::net::Ipv4Addr::from(u32::from(v) - 1)),
+            other => other,
+        };
+        for (id, r, expect_ok) in [(&open_id, &ro, true), (&closed_id, &rc, false)] {
+            let listener = tokio::net::TcpListener::bind(SocketAddr::new(host_end(r.guest_ip), 0))
+                .await
+                .expect("bind");
+            let port = listener.local_addr().expect("addr").port();
+            let accept = tokio::spawn(async move {
+                tokio::time::timeout(Duration::from_secs(20), listener.accept())
+                    .await
+                    .is_ok()
+            });
+            let cmd = format!(
+                "timeout 8 bash -c 'echo x > /dev/tcp/{}/{port}' && echo reached || echo blocked",
+                host_end(r.guest_ip)
+            );
+            let out = node
+                .exec(id, "user", &cmd, Duration::from_secs(60))
+                .await
+                .expect("exec");
+            let s = String::from_utf8_lossy(&out.stdout).trim().to_string();
+            if expect_ok {
+                assert_eq!(s, "reached", "egress allowed");
+                assert!(accept.await.expect("join"), "host saw the connection");
+            } else {
+                assert_eq!(s, "blocked", "egress dropped");
+                accept.abort();
+            }
+            // Inbound to envd still works either way.
+            assert!(envd_client::healthy(r.addr(49983)).await);
+        }
+        node.kill(&open_id, &ro.execution_id).await.expect("kill");
+        node.kill(&closed_id, &rc.execution_id).await.expect("kill");
+    });
+}
+
+#[test]
+fn bad_input_gets_clear_errors_and_leaves_nothing() {
+    let node = node();
+    let _exclusive = host_lock().write();
+    runtime().block_on(async {
+        let before = netns_list().len();
+        let cases: [(u32, u32, &str); 3] = [
+            (1, 0, "memory"),
+            (0, 512, "vCPUs"),
+            (1, 64 * 1024 * 1024, "more than this host"),
+        ];
+        for (vcpus, mem, needle) in cases {
+            let id = unique("bad");
+            match node.boot_image(&id, vcpus, mem, &open_policy()).await {
+                Err(NodeError::InvalidArgument(m)) => assert!(m.contains(needle), "{m}"),
+                other => panic!("vcpus={vcpus} mem={mem}: expected InvalidArgument, got {other:?}"),
+            }
+            assert!(node.list_running().await.iter().all(|s| s.sandbox_id != id));
+        }
+        let bad_policy = NetworkPolicy {
+            allow_internet_access: true,
+            allow_out: vec!["1.2.3.4; flush ruleset".into()],
+            deny_out: vec![],
+        };
+        assert!(matches!(
+            node.boot_image(&unique("bad"), 1, 256, &bad_policy).await,
+            Err(NodeError::InvalidArgument(_))
+        ));
+        let missing = node
+            .start(StartSpec {
+                sandbox_id: unique("bad"),
+                execution_id: unique("e"),
+                build_id: "no-such-build".into(),
+                cold_boot: false,
+                env_vars: Default::default(),
+                envd_access_token: None,
+                network: open_policy(),
+            })
+            .await;
+        assert!(
+            matches!(missing, Err(NodeError::BuildNotFound(_))),
+            "{missing:?}"
+        );
+        assert!(
+            vmon_image::find(node.data_dir(), "0123456789abcdef").is_err(),
+            "missing image"
+        );
+        assert!(
+            "hvf".parse::<vmon_vm::Accel>().is_err(),
+            "unknown accelerator"
+        );
+        assert!(netns_list().len() <= before, "no namespace left behind");
+    });
+}
