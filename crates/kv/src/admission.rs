@@ -1,5 +1,7 @@
 //! Bounded counters for team admission: a CAS loop on one key holding a decimal count, so no
-//! interleaving of acquirers can push it past the limit.
+//! interleaving of acquirers can push it past the limit. Each write also carries a random
+//! nonce (`<count>:<nonce>`): when a retried transaction reports a failed comparison, the nonce
+//! tells whether the first attempt had in fact applied, so a retry never counts twice.
 
 use std::sync::Arc;
 
@@ -11,6 +13,7 @@ fn parse(key: &str, entry: &Option<Entry>) -> Result<u64, KvError> {
         None => Ok(0),
         Some(e) => std::str::from_utf8(&e.value)
             .ok()
+            .and_then(|s| s.split(':').next())
             .and_then(|s| s.parse().ok())
             .ok_or_else(|| KvError::Malformed(key.to_owned())),
     }
@@ -23,21 +26,31 @@ fn unchanged(key: &str, entry: &Option<Entry>) -> Cmp {
     }
 }
 
+fn encode(count: u64) -> Vec<u8> {
+    format!("{count}:{:016x}", rand::random::<u64>()).into_bytes()
+}
+
 async fn swap(
     engine: &Arc<dyn Engine>,
     key: &str,
     entry: &Option<Entry>,
-    value: u64,
+    count: u64,
 ) -> Result<bool, KvError> {
+    let value = encode(count);
     let op = Op::Put {
         key: key.to_owned(),
-        value: value.to_string().into_bytes(),
+        value: value.clone(),
         lease: None,
     };
-    Ok(engine
+    if engine
         .txn(vec![unchanged(key, entry)], vec![op])
         .await?
-        .succeeded)
+        .succeeded
+    {
+        return Ok(true);
+    }
+    // Our own earlier attempt of this very write may be what made the comparison fail.
+    Ok(engine.get(key).await?.is_some_and(|e| e.value == value))
 }
 
 pub(crate) async fn acquire(
@@ -83,7 +96,7 @@ pub(crate) async fn set(engine: &Arc<dyn Engine>, name: &str, value: u64) -> Res
     let key = format!("{COUNTERS}{name}");
     let op = Op::Put {
         key,
-        value: value.to_string().into_bytes(),
+        value: encode(value),
         lease: None,
     };
     engine.txn(Vec::new(), vec![op]).await?;

@@ -30,17 +30,19 @@ fn unix_ms(t: SystemTime) -> i64 {
         .unwrap_or(0)
 }
 
+/// `[expires_at ms: 8][nonce: 8][value]`; the nonce recognises our own write after a retry.
 fn encode(value: &[u8], expires_at: SystemTime) -> Vec<u8> {
-    let mut out = Vec::with_capacity(8 + value.len());
+    let mut out = Vec::with_capacity(16 + value.len());
     out.extend_from_slice(&unix_ms(expires_at).to_be_bytes());
+    out.extend_from_slice(&rand::random::<u64>().to_be_bytes());
     out.extend_from_slice(value);
     out
 }
 
 fn decode(key: &str, raw: &[u8]) -> Result<IdempotencyRecord, KvError> {
-    let (head, value) = raw
-        .split_at_checked(8)
-        .ok_or_else(|| KvError::Malformed(key.to_owned()))?;
+    let malformed = || KvError::Malformed(key.to_owned());
+    let (head, rest) = raw.split_at_checked(8).ok_or_else(malformed)?;
+    let value = rest.get(8..).ok_or_else(malformed)?;
     let mut ms = [0u8; 8];
     ms.copy_from_slice(head);
     let ms = u64::try_from(i64::from_be_bytes(ms)).unwrap_or(0);
@@ -73,12 +75,17 @@ pub(crate) async fn put_if_absent(
         let remaining = expires_at.duration_since(now).unwrap_or_default();
         // The lease only collects garbage: one second past the value's own expiry.
         let lease = engine.grant(remaining + Duration::from_secs(1)).await?;
+        let encoded = encode(value, expires_at);
         let op = Op::Put {
             key: key.clone(),
-            value: encode(value, expires_at),
+            value: encoded.clone(),
             lease: Some(lease),
         };
         if engine.txn(vec![cmp], vec![op]).await?.succeeded {
+            return Ok(IdempotencyOutcome::Inserted);
+        }
+        if engine.get(&key).await?.is_some_and(|e| e.value == encoded) {
+            // A retried request whose first attempt had applied.
             return Ok(IdempotencyOutcome::Inserted);
         }
         engine.revoke(lease).await?;

@@ -129,7 +129,11 @@ async fn keep_alive(
             _ = stop.cancelled() => return,
             _ = lost.cancelled() => return,
             _ = sleep_until(next) => {}
-            _ = sleep_until(acknowledged + ttl) => { lost.cancel(); return; }
+            _ = sleep_until(acknowledged + ttl) => {
+                tracing::warn!(lease = id, "no lease refresh succeeded within its TTL; lease lost");
+                lost.cancel();
+                return;
+            }
         }
         let sent = Instant::now();
         tokio::select! {
@@ -139,14 +143,17 @@ async fn keep_alive(
                 lost.cancel();
                 return;
             }
-            refreshed = engine.keep_alive_once(id) => match refreshed {
-                Ok(true) => acknowledged = sent,
-                Ok(false) => {
+            // One attempt may hang on a member that lost its leader; give up on it after an
+            // interval and try again (likely through another member) while the TTL lasts.
+            refreshed = tokio::time::timeout(interval, engine.keep_alive_once(id)) => match refreshed {
+                Ok(Ok(true)) => acknowledged = sent,
+                Ok(Ok(false)) => {
                     tracing::warn!(lease = id, "lease expired on the server");
                     lost.cancel();
                     return;
                 }
-                Err(error) => tracing::debug!(lease = id, %error, "lease refresh failed; retrying"),
+                Ok(Err(error)) => tracing::debug!(lease = id, %error, "lease refresh failed; retrying"),
+                Err(_) => tracing::debug!(lease = id, "lease refresh timed out; retrying"),
             },
         }
     }

@@ -192,7 +192,9 @@ impl Write {
 pub enum WriteOutcome {
     /// Applied at this revision.
     Committed { revision: Revision },
-    /// The [`Expect`] did not hold; `current` is the key as read just after.
+    /// The [`Expect`] did not hold; `current` is the key as read just after. After a transient
+    /// etcd failure the write is retried; if its first attempt had applied, the retry reports a
+    /// conflict whose `current` value is this very write (make values unique to tell).
     Conflict { current: Option<Entry> },
     /// The fence's holder no longer holds: a stale holder's write, refused.
     Fenced,
@@ -479,7 +481,8 @@ impl Kv {
     }
 
     /// Campaigns in `election` as `candidate` and returns once elected. Fails with
-    /// [`KvError::Cancelled`] when `cancel` fires first.
+    /// [`KvError::Cancelled`] when `cancel` fires first. A candidate whose own lease is lost
+    /// while waiting (an etcd outage longer than the session TTL) joins the queue again.
     pub async fn campaign(
         &self,
         election: &str,
@@ -487,16 +490,21 @@ impl Kv {
         cancel: &CancellationToken,
     ) -> Result<Leadership> {
         let prefix = format!("{ELECTIONS}{}/", lock::escape(election));
-        let position = lock::join_queue(
-            &self.engine,
-            &prefix,
-            candidate.as_bytes(),
-            self.session_ttl,
-            None,
-            Some(cancel),
-        )
-        .await?;
-        Ok(Leadership::new(election, candidate, position))
+        loop {
+            let ttl = self.session_ttl;
+            let value = candidate.as_bytes();
+            match lock::join_queue(&self.engine, &prefix, value, ttl, None, Some(cancel)).await {
+                Ok(position) => return Ok(Leadership::new(election, candidate, position)),
+                Err(KvError::LeaseLost) if !cancel.is_cancelled() => {
+                    tracing::warn!(
+                        election,
+                        candidate,
+                        "campaign lease lost; campaigning again"
+                    );
+                }
+                Err(error) => return Err(error),
+            }
+        }
     }
 
     /// The current leader of `election`, if any.
