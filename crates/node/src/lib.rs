@@ -12,4 +12,4 @@ mod pool;
 pub mod sandbox;
 pub mod slots;
 
-pub use node::{Node, NodeConfig};
+pub use node::{probe_qmp, Node, NodeConfig, ENVD_VERSION};

@@ -111,7 +111,7 @@ fn host_memory_mb() -> u64 {
 }
 
 /// Checks that `qemu` offers what snapshots need, with a throwaway machine-less process.
-async fn probe_qmp(qemu: &Path, dir: &Path) -> anyhow::Result<()> {
+pub async fn probe_qmp(qemu: &Path, dir: &Path) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir)?;
     let sock = dir.join("probe.sock");
     let _ = std::fs::remove_file(&sock);
