@@ -390,7 +390,7 @@ impl Engine for EmbeddedEngine {
                     Op::Put { key, value, lease } => {
                         let lease = lease.unwrap_or(0);
                         if lease != 0
-                            && !state.leases.get(&lease).is_some_and(|l| l.expires_ms > now)
+                            && !matches!(state.leases.get(&lease), Some(l) if l.expires_ms > now)
                         {
                             return Err(KvError::LeaseLost);
                         }

@@ -62,7 +62,7 @@ impl EtcdEngine {
             .with_keep_alive(Duration::from_secs(2), Duration::from_secs(2));
         let client = Client::connect(&config.endpoints, Some(options))
             .await
-            .map_err(KvError::Etcd)?;
+            .map_err(|e| KvError::Etcd(Box::new(e)))?;
         Ok(Arc::new(EtcdEngine {
             client,
             prefix: config.prefix.clone(),
@@ -86,7 +86,7 @@ impl EtcdEngine {
                     backoff = (backoff * 2).min(Duration::from_millis(500));
                 }
                 Err(error) if lease_not_found(&error) => return Err(KvError::LeaseLost),
-                Err(error) => return Err(KvError::Etcd(error)),
+                Err(error) => return Err(KvError::Etcd(Box::new(error))),
             }
         }
     }

@@ -106,7 +106,7 @@ pub enum KvError {
     Embedded(#[source] Box<dyn std::error::Error + Send + Sync>),
     /// etcd failed (after retries of transient errors).
     #[error("the etcd request failed")]
-    Etcd(#[source] etcd_client::Error),
+    Etcd(#[source] Box<etcd_client::Error>),
 }
 
 /// One key as stored.

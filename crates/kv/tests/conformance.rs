@@ -1,6 +1,8 @@
 //! One conformance suite, run against both backends: embedded (redb in a temp dir) and etcd (a
 //! member started by the test). Every test gets a fresh backend.
 
+#![allow(clippy::unwrap_used)] // Tests: a failed unwrap is a failed test.
+
 mod support;
 
 use std::collections::HashSet;

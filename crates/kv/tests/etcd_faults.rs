@@ -1,6 +1,8 @@
 //! Fault tests on a 3-member etcd cluster started by the test: the raft leader is killed while
 //! lock holders, admission acquirers and election candidates run.
 
+#![allow(clippy::unwrap_used)] // Tests: a failed unwrap is a failed test.
+
 mod support;
 
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering};

@@ -1,6 +1,8 @@
 //! PostgreSQL restarted under load by the test: the store reconnects by itself, and no half
 //! transaction is ever visible (every committed state change has exactly its event).
 
+#![allow(clippy::unwrap_used)] // Tests: a failed unwrap is a failed test.
+
 mod support;
 
 use std::sync::atomic::{AtomicU64, Ordering};
