@@ -96,3 +96,77 @@ pub fn host_lock() -> &'static std::sync::RwLock<()> {
     static L: OnceLock<std::sync::RwLock<()>> = OnceLock::new();
     L.get_or_init(|| std::sync::RwLock::new(()))
 }
+
+/// The template every snapshot test restores from: built once per image (the build id carries
+/// the image hash), then found in the data dir by later runs.
+pub fn template(node: &std::sync::Arc<Node>) -> String {
+    static T: OnceLock<String> = OnceLock::new();
+    T.get_or_init(|| {
+        use vmon_proto::node::{NodeControl, TemplateSpec};
+        let id = format!("test-tpl-{}", node.image().manifest.hash);
+        runtime().block_on(async {
+            node.build_template(TemplateSpec {
+                build_id: id.clone(),
+                vcpus: 1,
+                memory_mb: 512,
+                disk_mb: 0,
+                start_cmd: None,
+                ready_cmd: None,
+                env_vars: Default::default(),
+            })
+            .await
+            .expect("template build")
+        });
+        id
+    })
+    .clone()
+}
+
+/// Starts a sandbox from `build` (memory restore unless `cold`).
+pub async fn start(node: &Node, id: &str, build: &str, cold: bool) -> vmon_proto::node::Running {
+    use vmon_proto::node::{NetworkPolicy, NodeControl, StartSpec};
+    node.start(StartSpec {
+        sandbox_id: id.to_string(),
+        execution_id: unique("e"),
+        build_id: build.to_string(),
+        cold_boot: cold,
+        env_vars: [("VMON_TEST".to_string(), "1".to_string())].into(),
+        envd_access_token: Some(format!("tok-{id}")),
+        network: NetworkPolicy {
+            allow_internet_access: true,
+            ..Default::default()
+        },
+    })
+    .await
+    .unwrap_or_else(|e| panic!("start {id} from {build}: {e}"))
+}
+
+/// Runs `cmd` as root and returns its trimmed stdout, failing the test on a non-zero exit.
+pub async fn sh(node: &Node, id: &str, cmd: &str) -> String {
+    let out = node
+        .exec(id, "root", cmd, std::time::Duration::from_secs(120))
+        .await
+        .unwrap_or_else(|e| panic!("exec {cmd:?} in {id}: {e:#}"));
+    assert_eq!(
+        out.exit_code,
+        0,
+        "{cmd:?} in {id}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+/// A python process that keeps a random token only in its memory and serves it on a port.
+pub const TOKEN_SERVER: &str = r#"cat > /tmp/tok.py <<'PY'
+import os, socket
+tok = os.urandom(16).hex()
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", 7777)); s.listen(8)
+while True:
+    c, _ = s.accept(); c.sendall(tok.encode()); c.close()
+PY
+setsid -f python3 /tmp/tok.py >/dev/null 2>&1 </dev/null
+for i in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/7777) 2>/dev/null && break; sleep 0.1; done
+rm /tmp/tok.py"#;
+
+pub const READ_TOKEN: &str = "timeout 10 bash -c 'exec 3<>/dev/tcp/127.0.0.1/7777; cat <&3'";

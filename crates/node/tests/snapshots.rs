@@ -1,0 +1,287 @@
+//! Memory snapshots on one node: pause/resume keeping processes, deltas, forks, snapshots as
+//! templates, filesystem-only pauses. Real VMs under QEMU (TCG here) and the real envd.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{host_lock, node, runtime, sh, start, template, unique, READ_TOKEN, TOKEN_SERVER};
+use vmon_proto::node::NodeControl;
+
+#[test]
+fn a_process_and_its_files_survive_ten_pause_resume_cycles() {
+    let node = node();
+    let _shared = host_lock().read();
+    let tpl = template(&node);
+    runtime().block_on(async {
+        let id = unique("cyc");
+        let mut r = start(&node, &id, &tpl, false).await;
+        sh(&node, &id, TOKEN_SERVER).await;
+        let token = sh(&node, &id, READ_TOKEN).await;
+        assert_eq!(token.len(), 32, "token {token:?}");
+        let sums = sh(
+            &node,
+            &id,
+            "head -c 64M /dev/urandom > /dev/shm/ram.bin && head -c 64M /dev/urandom > /home/user/disk.bin && sync && sha256sum /dev/shm/ram.bin /home/user/disk.bin | cut -d' ' -f1",
+        )
+        .await;
+        let generation0 = r.resume_generation;
+        for cycle in 1..=10u32 {
+            let b = node.pause(&id, &r.execution_id, true).await.expect("pause");
+            assert!(b.has_memory);
+            r = start(&node, &id, &b.build_id, false).await;
+            assert_eq!(r.resume_generation, generation0 + cycle, "resume_generation counts");
+            assert_eq!(sh(&node, &id, READ_TOKEN).await, token, "cycle {cycle}: RAM token");
+            if cycle == 5 || cycle == 10 {
+                let now = sh(&node, &id, "sha256sum /dev/shm/ram.bin /home/user/disk.bin | cut -d' ' -f1").await;
+                assert_eq!(now, sums, "cycle {cycle}: tmpfs and disk contents");
+            }
+        }
+        node.kill(&id, &r.execution_id).await.expect("kill");
+    });
+}
+
+#[test]
+fn five_forks_see_the_parent_then_diverge() {
+    let node = node();
+    let _shared = host_lock().read();
+    let tpl = template(&node);
+    runtime().block_on(async {
+        let parent = unique("par");
+        let pr = start(&node, &parent, &tpl, false).await;
+        sh(&node, &parent, TOKEN_SERVER).await;
+        let token = sh(&node, &parent, READ_TOKEN).await;
+        sh(&node, &parent, "echo before > /home/user/parent-pre.txt").await;
+        let fork = node
+            .checkpoint(&parent, &pr.execution_id, true)
+            .await
+            .expect("checkpoint");
+        sh(&node, &parent, "echo after > /home/user/parent-post.txt").await;
+        let kids: Vec<String> = (0..5).map(|i| unique(&format!("kid{i}x"))).collect();
+        let started =
+            futures_join(kids.iter().map(|k| start(&node, k, &fork.build_id, false))).await;
+        let mut randoms = Vec::new();
+        for (i, k) in kids.iter().enumerate() {
+            assert_eq!(
+                sh(&node, k, READ_TOKEN).await,
+                token,
+                "child sees the parent's RAM"
+            );
+            assert_eq!(
+                sh(&node, k, "cat /home/user/parent-pre.txt").await,
+                "before"
+            );
+            assert_eq!(
+                sh(
+                    &node,
+                    k,
+                    "test -e /home/user/parent-post.txt && echo yes || echo no"
+                )
+                .await,
+                "no",
+                "writes after the fork stay in the parent"
+            );
+            sh(&node, k, &format!("echo {i} > /home/user/kid-{i}.txt")).await;
+            randoms.push(
+                sh(
+                    &node,
+                    k,
+                    "head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \\n'",
+                )
+                .await,
+            );
+        }
+        for (i, k) in kids.iter().enumerate() {
+            let seen = sh(&node, k, "ls /home/user | grep -c '^kid-' || true").await;
+            assert_eq!(seen, "1", "child {i} sees only its own file");
+        }
+        let parent_sees = sh(&node, &parent, "ls /home/user | grep -c '^kid-' || true").await;
+        assert_eq!(parent_sees, "0");
+        let mut uniq = randoms.clone();
+        uniq.sort();
+        uniq.dedup();
+        assert_eq!(
+            uniq.len(),
+            randoms.len(),
+            "children's /dev/urandom differ: {randoms:?}"
+        );
+        // The parent still runs under its id and execution.
+        assert_eq!(sh(&node, &parent, READ_TOKEN).await, token);
+        let listed = node.list_running().await;
+        assert!(listed
+            .iter()
+            .any(|s| s.sandbox_id == parent && s.execution_id == pr.execution_id));
+        for (k, r) in kids.iter().zip(started) {
+            node.kill(k, &r.execution_id).await.expect("kill kid");
+        }
+        node.kill(&parent, &pr.execution_id)
+            .await
+            .expect("kill parent");
+        node.delete_build(&fork.build_id)
+            .await
+            .expect("delete fork build");
+    });
+}
+
+async fn futures_join<F, T>(futs: impl Iterator<Item = F>) -> Vec<T>
+where
+    F: std::future::Future<Output = T>,
+{
+    let mut out = Vec::new();
+    let handles: Vec<_> = futs.collect();
+    for f in handles {
+        out.push(f.await);
+    }
+    out
+}
+
+#[test]
+fn a_paused_sandbox_forks_and_resumes_with_a_correct_clock() {
+    let node = node();
+    let _shared = host_lock().read();
+    let tpl = template(&node);
+    runtime().block_on(async {
+        let id = unique("pf");
+        let r = start(&node, &id, &tpl, false).await;
+        sh(&node, &id, TOKEN_SERVER).await;
+        let token = sh(&node, &id, READ_TOKEN).await;
+        let b = node.pause(&id, &r.execution_id, true).await.expect("pause");
+        // Children straight from the paused build.
+        let kid = unique("pfk");
+        let kr = start(&node, &kid, &b.build_id, false).await;
+        assert_eq!(sh(&node, &kid, READ_TOKEN).await, token);
+        node.kill(&kid, &kr.execution_id).await.expect("kill kid");
+        tokio::time::sleep(Duration::from_secs(30)).await;
+        let r2 = start(&node, &id, &b.build_id, false).await;
+        assert_eq!(
+            sh(&node, &id, READ_TOKEN).await,
+            token,
+            "the paused sandbox resumes too"
+        );
+        let before = now_secs();
+        let guest: f64 = sh(&node, &id, "date +%s.%N").await.parse().expect("date");
+        let after = now_secs();
+        assert!(
+            guest >= before - 1.0 && guest <= after + 1.0,
+            "guest clock {guest} vs host [{before}, {after}] after a 30 s pause"
+        );
+        node.kill(&id, &r2.execution_id).await.expect("kill");
+    });
+}
+
+fn now_secs() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
+}
+
+#[test]
+fn filesystem_pause_loses_processes_and_keeps_synced_files() {
+    let node = node();
+    let _shared = host_lock().read();
+    let tpl = template(&node);
+    runtime().block_on(async {
+        let id = unique("fs");
+        let r = start(&node, &id, &tpl, false).await;
+        sh(&node, &id, TOKEN_SERVER).await;
+        sh(&node, &id, "echo kept > /home/user/kept.txt").await;
+        let b = node
+            .pause(&id, &r.execution_id, false)
+            .await
+            .expect("fs pause");
+        assert!(!b.has_memory);
+        let r2 = start(&node, &id, &b.build_id, false).await;
+        assert_eq!(sh(&node, &id, "cat /home/user/kept.txt").await, "kept");
+        let gone = sh(
+            &node,
+            &id,
+            &format!("{READ_TOKEN} >/dev/null 2>&1 && echo alive || echo gone"),
+        )
+        .await;
+        assert_eq!(gone, "gone", "processes do not survive a filesystem pause");
+        assert_eq!(r2.resume_generation, 0, "a cold boot restores no memory");
+        node.kill(&id, &r2.execution_id).await.expect("kill");
+    });
+}
+
+#[test]
+fn a_snapshot_outlives_its_source_and_deletes_cleanly() {
+    let node = node();
+    let _shared = host_lock().read();
+    let tpl = template(&node);
+    runtime().block_on(async {
+        let src = unique("snap");
+        let r = start(&node, &src, &tpl, false).await;
+        sh(&node, &src, "echo from-snapshot > /home/user/s.txt").await;
+        let snap = node
+            .checkpoint(&src, &r.execution_id, true)
+            .await
+            .expect("snapshot");
+        node.kill(&src, &r.execution_id).await.expect("kill source");
+        let a = unique("sna");
+        let ra = start(&node, &a, &snap.build_id, false).await;
+        assert_eq!(sh(&node, &a, "cat /home/user/s.txt").await, "from-snapshot");
+        // In use: refused.
+        assert!(matches!(
+            node.delete_build(&snap.build_id).await,
+            Err(vmon_proto::node::NodeError::BuildInUse(_))
+        ));
+        node.kill(&a, &ra.execution_id).await.expect("kill");
+        let artifacts_before = count_artifacts(&node);
+        node.delete_build(&snap.build_id)
+            .await
+            .expect("delete snapshot");
+        assert!(node.build_info(&snap.build_id).await.is_err(), "gone");
+        assert!(
+            count_artifacts(&node) < artifacts_before,
+            "its files were freed"
+        );
+    });
+}
+
+fn count_artifacts(node: &vmon_node::Node) -> usize {
+    std::fs::read_dir(node.data_dir().join("artifacts"))
+        .map(|r| r.count())
+        .unwrap_or(0)
+}
+
+#[test]
+fn a_corrupt_layer_fails_the_resume_clearly() {
+    let node = node();
+    let _shared = host_lock().read();
+    let tpl = template(&node);
+    runtime().block_on(async {
+        let id = unique("cor");
+        let r = start(&node, &id, &tpl, false).await;
+        sh(&node, &id, "head -c 4M /dev/urandom > /dev/shm/x").await;
+        let b = node.pause(&id, &r.execution_id, true).await.expect("pause");
+        let builds = vmon_node::builds::Builds::open(node.data_dir()).expect("builds");
+        let rec = builds.get(&b.build_id).expect("get").expect("record");
+        let layer = builds.artifact(rec.layers.last().expect("a layer"));
+        let mut bytes = std::fs::read(&layer).expect("read layer");
+        let n = bytes.len();
+        bytes[n - 100] ^= 0x5a;
+        std::fs::write(&layer, &bytes).expect("corrupt");
+        let res = node
+            .start(vmon_proto::node::StartSpec {
+                sandbox_id: id.clone(),
+                execution_id: unique("e"),
+                build_id: b.build_id.clone(),
+                cold_boot: false,
+                env_vars: Default::default(),
+                envd_access_token: None,
+                network: vmon_proto::node::NetworkPolicy {
+                    allow_internet_access: true,
+                    ..Default::default()
+                },
+            })
+            .await;
+        match res {
+            Err(e) => assert!(e.to_string().contains("corrupt"), "{e}"),
+            Ok(_) => panic!("a corrupt layer restored"),
+        }
+        assert!(node.list_running().await.iter().all(|s| s.sandbox_id != id));
+        node.delete_build(&b.build_id).await.expect("delete");
+    });
+}
