@@ -77,8 +77,11 @@ impl Proxy {
         let mut connector = HttpConnector::new();
         connector.set_connect_timeout(Some(Duration::from_secs(10)));
         connector.set_nodelay(true);
+        // No idle pooling: guest addresses belong to slots, and a slot passes to another
+        // sandbox after a kill or pause, so a pooled connection could reach a dead guest (or
+        // a different one). A fresh connection per request to a local guest costs little.
         let client = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(30))
+            .pool_max_idle_per_host(0)
             .build(connector);
         Self { routes, client }
     }
