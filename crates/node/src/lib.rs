@@ -13,3 +13,4 @@ pub mod sandbox;
 pub mod slots;
 
 pub use node::{probe_qmp, Node, NodeConfig, ENVD_VERSION};
+pub use slots::BLOCKS as SLOT_BLOCKS;

@@ -34,6 +34,16 @@ const REQUIRED_QMP: &[&str] = &[
     "query-migrate",
 ];
 
+/// Crash-test hook: `VMON_FAULT=<point>` aborts the process at that point, as a node crash
+/// would. Points: `pause:captured` (artifacts written, no record), `pause:committed` (record
+/// written, QEMU not yet gone).
+fn fault(point: &str) {
+    if std::env::var("VMON_FAULT").as_deref() == Ok(point) {
+        tracing::error!(point, "VMON_FAULT: aborting");
+        std::process::abort();
+    }
+}
+
 /// Settings of one node.
 #[derive(Debug, Clone)]
 pub struct NodeConfig {
@@ -235,6 +245,11 @@ impl Node {
                 self.discard_prepared(p).await;
             }
         }
+    }
+
+    /// The block of slot addresses this node owns.
+    pub fn slot_block(&self) -> u32 {
+        self.slots.block()
     }
 
     pub fn accel(&self) -> &AccelChoice {
@@ -716,6 +731,7 @@ impl Node {
         live: &Live,
         build_id: &str,
         memory: bool,
+        for_pause: bool,
         disk: String,
         disk_chain: Vec<String>,
     ) -> anyhow::Result<BuildRecord> {
@@ -784,6 +800,11 @@ impl Node {
                 } else {
                     let _ = std::fs::remove_file(self.builds.artifact(&layer));
                 }
+            }
+            RamSource::Shared { file } if for_pause => {
+                // The VM stops for good: its own RAM file becomes the base, no copy.
+                std::fs::File::open(self.builds.artifact(file))?.sync_all()?;
+                rec.mem_base = Some(file.clone());
             }
             RamSource::Shared { file } => {
                 // The running VM keeps writing its file: the build gets a copy.
@@ -1235,12 +1256,16 @@ impl NodeControl for Node {
                     &l,
                     &build_id,
                     memory,
+                    true,
                     l.state.overlay.clone(),
                     l.state.disk_chain.clone(),
                 )
                 .await?;
-            // QEMU must be gone before the build is usable: its RAM file and overlay are then
-            // frozen.
+            fault("pause:captured");
+            // The commit point: from here the pause has happened. QEMU is stopped, so its RAM
+            // file and overlay no longer change; a crash before it quits is finished by the
+            // next start (see `adopt`).
+            self.builds.put(&rec)?;
             anyhow::Ok(rec)
         }
         .await;
@@ -1256,24 +1281,9 @@ impl NodeControl for Node {
                 return Err(err(e));
             }
         };
+        fault("pause:committed");
         if let Some(vm) = l.vm.take() {
             vm.quit().await;
-        }
-        let mut rec = rec;
-        if let RamSource::Shared { file } = &l.state.ram {
-            if memory {
-                // The VM's own RAM file is frozen now that QEMU is gone: it becomes the base.
-                let copy = rec.mem_base.replace(file.clone());
-                if let Some(c) = copy {
-                    let _ = std::fs::remove_file(self.builds.artifact(&c));
-                }
-            }
-        }
-        if let Err(e) = self.builds.put(&rec) {
-            // QEMU is gone; the sandbox cannot keep running. Report it.
-            self.remove(sandbox_id);
-            self.destroy(&mut l, false).await;
-            return Err(err(e));
         }
         self.remove(sandbox_id);
         // Artifacts now belong to the build.
@@ -1340,7 +1350,9 @@ impl NodeControl for Node {
             l.state.disk_node = next_node;
             l.state.disk_seq += 1;
             l.state.save(&l.dir)?;
-            let rec = self.capture(&l, &build_id, memory, frozen, chain).await?;
+            let rec = self
+                .capture(&l, &build_id, memory, false, frozen, chain)
+                .await?;
             self.builds.put(&rec)?;
             if let RamSource::Private { mem_base, .. } = &l.state.ram {
                 // Later captures of this sandbox compare with the checkpoint.

@@ -1,0 +1,160 @@
+//! A node process killed in the middle of a pause, then restarted: the sandbox is either still
+//! running (the pause had not committed) or paused and restorable (it had), never broken.
+//!
+//! The crashing node is this test binary re-run as a child with `VMON_CRASH_CHILD` set and
+//! `VMON_FAULT` naming the point where it aborts. It uses its own data dir (sharing the image
+//! cache) and its own slot block, so it never touches the other test binaries' node.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+
+use common::{data_dir, envd_binary, runtime, sh, start, READ_TOKEN, TOKEN_SERVER};
+use vmon_node::{Node, NodeConfig};
+use vmon_proto::node::{NodeControl, TemplateSpec};
+
+fn crash_dir() -> PathBuf {
+    let d = data_dir().join("crash-test");
+    std::fs::create_dir_all(&d).expect("crash dir");
+    let images = d.join("images");
+    if !images.exists() {
+        std::fs::create_dir_all(data_dir().join("images")).expect("images");
+        std::os::unix::fs::symlink(data_dir().join("images"), &images).expect("link images");
+    }
+    d
+}
+
+async fn open(dir: &Path) -> Arc<Node> {
+    let mut cfg = NodeConfig::new(dir.to_path_buf());
+    cfg.envd_binary = Some(envd_binary());
+    cfg.pool_size = 0;
+    // Far from the block the other test binaries' node derives from its data dir.
+    cfg.slot_block = Some(15);
+    Node::open(cfg).await.expect("node opens")
+}
+
+/// In the child: start a sandbox with a RAM token, print its ids, and pause it (which aborts
+/// at the fault point). Does nothing when run as an ordinary test.
+#[test]
+fn crash_child() {
+    if std::env::var_os("VMON_CRASH_CHILD").is_none() {
+        return;
+    }
+    runtime().block_on(async {
+        let node = open(&crash_dir()).await;
+        let tpl = format!("crash-tpl-{}", node.image().manifest.hash);
+        node.build_template(TemplateSpec {
+            build_id: tpl.clone(),
+            vcpus: 1,
+            memory_mb: 384,
+            disk_mb: 0,
+            start_cmd: None,
+            ready_cmd: None,
+            env_vars: Default::default(),
+        })
+        .await
+        .expect("template");
+        let id = common::unique("crash");
+        let r = start(&node, &id, &tpl, false).await;
+        sh(&node, &id, TOKEN_SERVER).await;
+        let token = sh(&node, &id, READ_TOKEN).await;
+        println!("CRASH-READY {id} {} {token}", r.execution_id);
+        // Aborts inside.
+        let _ = node.pause(&id, &r.execution_id, true).await;
+        println!("CRASH-NOT-REACHED");
+    });
+}
+
+fn run_child(point: &str) -> (String, String, String) {
+    let out = Command::new(std::env::current_exe().expect("exe"))
+        .args([
+            "--exact",
+            "crash_child",
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ])
+        .env("VMON_CRASH_CHILD", "1")
+        .env("VMON_FAULT", point)
+        .output()
+        .expect("run child");
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        !out.status.success(),
+        "the child must die at {point}: {stdout}"
+    );
+    assert!(
+        !stdout.contains("CRASH-NOT-REACHED"),
+        "fault point {point} was not hit"
+    );
+    let line = stdout
+        .lines()
+        .find_map(|l| l.find("CRASH-READY").map(|i| &l[i..]))
+        .unwrap_or_else(|| {
+            panic!(
+                "child never got ready: {stdout}\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            )
+        });
+    let mut w = line.split_whitespace().skip(1);
+    let (id, exec, token) = (w.next(), w.next(), w.next());
+    (
+        id.expect("id").to_string(),
+        exec.expect("exec").to_string(),
+        token.expect("token").to_string(),
+    )
+}
+
+#[test]
+fn node_killed_mid_pause_leaves_a_running_or_a_paused_sandbox() {
+    if std::env::var_os("VMON_CRASH_CHILD").is_some() {
+        return;
+    }
+    // Killed after the capture, before the commit: the sandbox must come back running.
+    let (id, exec, token) = run_child("pause:captured");
+    let dir = crash_dir();
+    runtime().block_on(async {
+        let node = open(&dir).await;
+        let running = node.list_running().await;
+        let me = running
+            .iter()
+            .find(|s| s.sandbox_id == id)
+            .expect("re-adopted as running");
+        assert_eq!(me.execution_id, exec);
+        assert_eq!(
+            sh(&node, &id, READ_TOKEN).await,
+            token,
+            "its process survived"
+        );
+        node.kill(&id, &exec).await.expect("kill");
+        node.drain_pool().await;
+    });
+
+    // Killed after the commit, before QEMU quit: the sandbox must be paused and restorable.
+    let (id, _exec, token) = run_child("pause:committed");
+    runtime().block_on(async {
+        let node = open(&dir).await;
+        assert!(
+            node.list_running().await.iter().all(|s| s.sandbox_id != id),
+            "a committed pause is finished, not re-adopted"
+        );
+        let builds = vmon_node::builds::Builds::open(&dir).expect("builds");
+        let newest = builds
+            .list()
+            .expect("list")
+            .into_iter()
+            .filter(|b| b.id.starts_with('p'))
+            .max_by_key(|b| b.created_unix)
+            .expect("the paused build");
+        let r = start(&node, &id, &newest.id, false).await;
+        assert_eq!(
+            sh(&node, &id, READ_TOKEN).await,
+            token,
+            "resumed with its RAM"
+        );
+        node.kill(&id, &r.execution_id).await.expect("kill");
+        node.delete_build(&newest.id).await.expect("delete");
+    });
+}
