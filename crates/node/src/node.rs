@@ -247,6 +247,18 @@ impl Node {
         }
     }
 
+    /// Changes how many processes are kept ready per hot build (0 turns the pool off).
+    pub fn set_pool_size(&self, n: usize) {
+        self.pool.set_size(n);
+    }
+
+    /// The QEMU process of a running sandbox.
+    pub async fn qemu_pid(&self, sandbox_id: &str) -> Option<u32> {
+        let live = self.live(sandbox_id).ok()?;
+        let l = live.lock().await;
+        l.vm.as_ref().map(|v| v.pid)
+    }
+
     /// The block of slot addresses this node owns.
     pub fn slot_block(&self) -> u32 {
         self.slots.block()
@@ -601,7 +613,10 @@ impl Node {
             Some(p) => p,
             None => self.prepare(rec).await?,
         };
-        self.pool.refill(self.clone(), rec.id.clone());
+        if rec.parent.is_none() {
+            // Templates are hot: keep a process ready. Paused builds restore once.
+            self.pool.refill(self.clone(), rec.id.clone());
+        }
         let Prepared {
             tag,
             slot,

@@ -20,7 +20,7 @@ pub(crate) struct Prepared {
 }
 
 pub(crate) struct Pool {
-    size: usize,
+    size: std::sync::atomic::AtomicUsize,
     ready: Mutex<HashMap<String, Vec<Prepared>>>,
     /// Builds with a refill in flight, so one claim does not start several.
     filling: Mutex<std::collections::HashSet<String>>,
@@ -29,10 +29,18 @@ pub(crate) struct Pool {
 impl Pool {
     pub fn new(size: usize) -> Pool {
         Pool {
-            size,
+            size: std::sync::atomic::AtomicUsize::new(size),
             ready: Mutex::new(HashMap::new()),
             filling: Mutex::new(Default::default()),
         }
+    }
+
+    pub fn size(&self) -> usize {
+        self.size.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    pub fn set_size(&self, n: usize) {
+        self.size.store(n, std::sync::atomic::Ordering::Relaxed)
     }
 
     pub fn take(&self, build_id: &str) -> Option<Prepared> {
@@ -49,7 +57,7 @@ impl Pool {
 
     /// Tops the build's pool up to its size in the background.
     pub fn refill(&self, node: Arc<Node>, build_id: String) {
-        if self.size == 0 {
+        if self.size() == 0 {
             return;
         }
         match self.filling.lock() {
@@ -61,7 +69,7 @@ impl Pool {
             Err(_) => return,
         }
         tokio::spawn(async move {
-            while node.pool_ref().depth(&build_id) < node.pool_ref().size {
+            while node.pool_ref().depth(&build_id) < node.pool_ref().size() {
                 let rec = match node.builds_ref().get(&build_id) {
                     Ok(Some(r)) => r,
                     _ => break,

@@ -29,6 +29,8 @@ enum Command {
     Image(cmd::image::Args),
     /// Check this host: accelerator, QEMU, networking.
     Doctor(cmd::doctor::Args),
+    /// Benchmarks that print medians and p99 with the machine they ran on.
+    Bench(cmd::bench::Args),
     /// Run api, proxy and one node in one process (prints the E2B_* exports).
     Up(cmd::up::Args),
     /// Run the REST api (with its node in-process), without the proxy.
@@ -57,6 +59,7 @@ fn main() -> anyhow::Result<()> {
         match cli.command {
             Command::Image(a) => cmd::image::run(&cli.data_dir, a).await,
             Command::Doctor(a) => cmd::doctor::run(&cli.data_dir, a).await,
+            Command::Bench(a) => cmd::bench::run(&cli.data_dir, a).await,
             Command::Up(a) => cmd::up::run(&cli.data_dir, a).await,
             Command::Api(a) => cmd::api::run(&cli.data_dir, a).await,
             Command::Proxy(a) => cmd::proxy::run(&cli.data_dir, a).await,

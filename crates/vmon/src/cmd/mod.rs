@@ -1,3 +1,4 @@
+pub mod bench;
 pub mod admin;
 pub mod api;
 pub mod doctor;

@@ -1,0 +1,284 @@
+//! `vmon bench snapshot`: create, pause, resume and fork figures on this machine, printed as
+//! medians and p99 with the machine, QEMU version and accelerator.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use vmon_node::{Node, NodeConfig};
+use vmon_proto::node::{NetworkPolicy, NodeControl, Running, StartSpec, TemplateSpec};
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(subcommand)]
+    what: What,
+}
+
+#[derive(clap::Subcommand)]
+enum What {
+    /// Memory snapshots: create (pooled, cold), pause, resume, fork, idle fork PSS.
+    Snapshot(SnapshotArgs),
+}
+
+#[derive(clap::Args)]
+struct SnapshotArgs {
+    /// Repetitions of each measurement.
+    #[arg(long, default_value_t = 5)]
+    runs: usize,
+    /// Guest RAM of the benchmark template.
+    #[arg(long, default_value_t = 1024)]
+    memory_mb: u32,
+    /// Dirty sizes (MiB) to pause with.
+    #[arg(long, value_delimiter = ',', default_value = "16,64,256")]
+    dirty: Vec<u32>,
+    /// Skip the fork ×10 and PSS part.
+    #[arg(long)]
+    no_fork10: bool,
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
+
+/// Median and p99 (nearest rank) of a sample.
+pub fn summary(v: &[f64]) -> (f64, f64) {
+    if v.is_empty() {
+        return (f64::NAN, f64::NAN);
+    }
+    let mut s = v.to_vec();
+    s.sort_by(|a, b| a.total_cmp(b));
+    let med = if s.len() % 2 == 1 {
+        s[s.len() / 2]
+    } else {
+        (s[s.len() / 2 - 1] + s[s.len() / 2]) / 2.0
+    };
+    let rank = ((0.99 * s.len() as f64).ceil() as usize).clamp(1, s.len());
+    (med, s[rank - 1])
+}
+
+pub fn machine_line() -> String {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|c| {
+            c.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split_once(':'))
+                .map(|(_, v)| v.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown CPU".into());
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0);
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let mem_gib = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .next()
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|k| k.parse::<f64>().ok())
+        })
+        .map(|kb| kb / 1024.0 / 1024.0)
+        .unwrap_or(0.0);
+    format!("{cores} cores, {cpu}, {mem_gib:.0} GiB, kernel {}", kernel.trim())
+}
+
+fn row(name: &str, v: &[f64], unit: &str) {
+    let (med, p99) = summary(v);
+    println!("| {name} | {med:.1} {unit} | {p99:.1} {unit} | {} |", v.len());
+}
+
+fn spec(id: &str, build: &str) -> StartSpec {
+    StartSpec {
+        sandbox_id: id.to_string(),
+        execution_id: format!("e{}", rand_hex()),
+        build_id: build.to_string(),
+        cold_boot: false,
+        env_vars: Default::default(),
+        envd_access_token: Some(format!("t{}", rand_hex())),
+        network: NetworkPolicy {
+            allow_internet_access: true,
+            ..Default::default()
+        },
+    }
+}
+
+fn rand_hex() -> String {
+    let mut b = [0u8; 8];
+    if let Ok(mut f) = std::fs::File::open("/dev/urandom") {
+        use std::io::Read;
+        let _ = f.read_exact(&mut b);
+    }
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+async fn exec(node: &Node, id: &str, cmd: &str) -> anyhow::Result<()> {
+    let out = node.exec(id, "root", cmd, Duration::from_secs(300)).await?;
+    if out.exit_code != 0 {
+        anyhow::bail!("{cmd}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    Ok(())
+}
+
+async fn wait_pool(node: &Node, build: &str) {
+    let start = Instant::now();
+    while node.pool_depth(build) == 0 && start.elapsed() < Duration::from_secs(60) {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn pss_kib(pid: u32) -> Option<f64> {
+    let t = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?;
+    t.lines()
+        .find(|l| l.starts_with("Pss:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+}
+
+pub async fn run(data_dir: &Path, args: Args) -> anyhow::Result<()> {
+    match args.what {
+        What::Snapshot(a) => snapshot(data_dir, a).await,
+    }
+}
+
+async fn snapshot(data_dir: &Path, a: SnapshotArgs) -> anyhow::Result<()> {
+    let mut cfg = NodeConfig::new(data_dir.to_path_buf());
+    cfg.pool_size = 1;
+    let node = Node::open(cfg).await?;
+    let tpl = format!("bench-{}-{}", a.memory_mb, node.image().manifest.hash);
+    node.build_template(TemplateSpec {
+        build_id: tpl.clone(),
+        vcpus: 1,
+        memory_mb: a.memory_mb,
+        disk_mb: 0,
+        start_cmd: None,
+        ready_cmd: None,
+        env_vars: Default::default(),
+    })
+    .await?;
+    let n = a.runs.max(1);
+    eprintln!("warming up");
+    node.warm(&tpl);
+    wait_pool(&node, &tpl).await;
+    let w = node.start(spec("benchwarm", &tpl)).await?;
+    node.kill("benchwarm", &w.execution_id).await?;
+
+    let mut pooled = Vec::new();
+    for i in 0..n {
+        wait_pool(&node, &tpl).await;
+        let id = format!("bp{i}{}", rand_hex());
+        let t = Instant::now();
+        let r = node.start(spec(&id, &tpl)).await?;
+        pooled.push(ms(t.elapsed()));
+        node.kill(&id, &r.execution_id).await?;
+    }
+    node.set_pool_size(0);
+    node.drain_pool().await;
+    let mut cold = Vec::new();
+    for i in 0..n {
+        let id = format!("bc{i}{}", rand_hex());
+        let t = Instant::now();
+        let r = node.start(spec(&id, &tpl)).await?;
+        cold.push(ms(t.elapsed()));
+        node.kill(&id, &r.execution_id).await?;
+    }
+
+    let mut pauses: Vec<(u32, Vec<f64>)> = Vec::new();
+    let mut resumes = Vec::new();
+    for &mib in &a.dirty {
+        let mut v = Vec::new();
+        for i in 0..n {
+            let id = format!("bd{mib}x{i}{}", rand_hex());
+            let r = node.start(spec(&id, &tpl)).await?;
+            exec(&node, &id, &format!("head -c {mib}M /dev/urandom > /dev/shm/dirty")).await?;
+            let t = Instant::now();
+            let b = node.pause(&id, &r.execution_id, true).await?;
+            v.push(ms(t.elapsed()));
+            let t = Instant::now();
+            let r2 = node.start(spec(&id, &b.build_id)).await?;
+            resumes.push(ms(t.elapsed()));
+            node.kill(&id, &r2.execution_id).await?;
+            node.delete_build(&b.build_id).await?;
+        }
+        pauses.push((mib, v));
+    }
+
+    let mut fork1 = Vec::new();
+    let mut fork10 = Vec::new();
+    let mut pss = Vec::new();
+    let counts: Vec<usize> = if a.no_fork10 { vec![1] } else { vec![1, 10] };
+    for count in counts {
+        let runs = if count == 10 { n.min(3) } else { n };
+        for i in 0..runs {
+            let src = format!("bf{count}x{i}{}", rand_hex());
+            let r = node.start(spec(&src, &tpl)).await?;
+            exec(&node, &src, "head -c 16M /dev/urandom > /dev/shm/state").await?;
+            let t = Instant::now();
+            let b = node.checkpoint(&src, &r.execution_id, true).await?;
+            let kids: Vec<String> = (0..count).map(|k| format!("{src}k{k}")).collect();
+            let futs = kids.iter().map(|k| {
+                let node: Arc<Node> = node.clone();
+                let s = spec(k, &b.build_id);
+                async move { node.start(s).await }
+            });
+            let started: Vec<Result<Running, _>> = futures::future::join_all(futs).await;
+            let elapsed = ms(t.elapsed());
+            if count == 1 {
+                fork1.push(elapsed);
+            } else {
+                fork10.push(elapsed);
+            }
+            if count == 10 && i == 0 {
+                tokio::time::sleep(Duration::from_secs(5)).await;
+                for k in &kids {
+                    if let Some(p) = node.qemu_pid(k).await.and_then(pss_kib) {
+                        pss.push(p / 1024.0);
+                    }
+                }
+            }
+            for (k, r) in kids.iter().zip(started) {
+                if let Ok(r) = r {
+                    node.kill(k, &r.execution_id).await?;
+                }
+            }
+            node.kill(&src, &r.execution_id).await?;
+            node.delete_build(&b.build_id).await?;
+        }
+    }
+
+    println!("## vmon bench snapshot\n");
+    println!(
+        "machine: {}; {}; accelerator {} ({}); guest {} MiB, 1 vCPU\n",
+        machine_line(),
+        node.qemu_version(),
+        node.accel().accel.as_str(),
+        node.accel().reason,
+        a.memory_mb
+    );
+    println!("| operation | median | p99 | n |\n|---|---|---|---|");
+    row("create, pooled (restore → envd /init answered)", &pooled, "ms");
+    row("create, cold process (spawn + restore + /init)", &cold, "ms");
+    for (mib, v) in &pauses {
+        row(&format!("pause with {mib} MiB dirtied"), v, "ms");
+    }
+    row("resume (all pause sizes)", &resumes, "ms");
+    row("fork ×1 (checkpoint + child up)", &fork1, "ms");
+    if !fork10.is_empty() {
+        row("fork ×10 (checkpoint + 10 children up)", &fork10, "ms");
+        row("PSS of each idle fork child", &pss, "MiB");
+    }
+    node.drain_pool().await;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::summary;
+
+    #[test]
+    fn median_and_p99() {
+        let (m, p) = summary(&[5.0, 1.0, 3.0]);
+        assert_eq!(m, 3.0);
+        assert_eq!(p, 5.0);
+        let (m, _) = summary(&[1.0, 2.0, 3.0, 4.0]);
+        assert_eq!(m, 2.5);
+    }
+}
