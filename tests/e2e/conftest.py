@@ -44,6 +44,29 @@ def _build() -> Path:
     return target / "debug" / "vmon"
 
 
+def _kill_leftover_vms() -> None:
+    """QEMU processes outlive their node by design (re-adoption); in tests, the ones this data
+    dir's node started are ours to stop once the server is gone."""
+    mine = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if cmd and cmd[0].endswith(b"qemu-system-x86_64") and any(str(DATA_DIR).encode() + b"/" in a for a in cmd):
+            mine.append(int(proc.name))
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in mine:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        if sig == signal.SIGTERM and mine:
+            time.sleep(3)
+
+
 def _reset_data_dir() -> None:
     DATA_DIR.mkdir(parents=True, exist_ok=True)
     for entry in DATA_DIR.iterdir():
@@ -96,6 +119,7 @@ def vmon():
         return
 
     binary = _build()
+    _kill_leftover_vms()
     _reset_data_dir()
     api_port, proxy_port = _free_port(), _free_port()
     env = dict(os.environ)
@@ -157,6 +181,7 @@ def vmon():
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        _kill_leftover_vms()
         log.close()
         print(f"vmon up log: {log_path}", file=sys.stderr)
 
