@@ -28,6 +28,7 @@
 //! // Leases: keep-alive runs in the background; `lost()` is a CancellationToken.
 //! let lease = kv.grant_lease(Duration::from_secs(10)).await?;      // a node's session
 //! kv.write(Write::put(format!("routes/{sandbox_id}"), node_id).lease(&lease)).await?;
+//! lease.id();  lease.lost();  lease.revoke().await?;  kv.revoke_lease(id)   // e.g. a dead node's
 //!
 //! // Per-sandbox transition lock: waits up to the deadline, returns a fencing token.
 //! let guard = kv.lock(&format!("sandbox/{id}"), Duration::from_secs(120)).await?;  // Err(LockTimeout)
