@@ -84,6 +84,7 @@ struct Admission {
     admitted_now: AtomicI64,
     max_admitted: AtomicI64,
     admissions: AtomicU64,
+    refusals: AtomicU64,
     errors: AtomicU64,
 }
 
@@ -94,14 +95,18 @@ async fn acquirer(kv: Kv, stats: Arc<Admission>, rounds: usize, limit: u64) {
                 let now = stats.admitted_now.fetch_add(1, Ordering::SeqCst) + 1;
                 stats.max_admitted.fetch_max(now, Ordering::SeqCst);
                 stats.admissions.fetch_add(1, Ordering::SeqCst);
-                tokio::time::sleep(Duration::from_millis(30)).await;
+                // Held long enough that the 50 acquirers keep the counter at its limit.
+                tokio::time::sleep(Duration::from_millis(250)).await;
                 stats.admitted_now.fetch_sub(1, Ordering::SeqCst);
                 // Release until it succeeds: a lost release would leak a slot, not over-admit.
                 while kv.release("team/t/running").await.is_err() {
                     tokio::time::sleep(Duration::from_millis(100)).await;
                 }
             }
-            Ok(false) => tokio::time::sleep(Duration::from_millis(20)).await,
+            Ok(false) => {
+                stats.refusals.fetch_add(1, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
             Err(error) => {
                 eprintln!("acquire failed: {error}");
                 stats.errors.fetch_add(1, Ordering::SeqCst);
@@ -185,9 +190,10 @@ async fn killing_the_etcd_leader_keeps_locks_counters_and_election_safe() {
     let entries = locks.entries.load(Ordering::SeqCst);
     println!(
         "lock entries {entries} ({entries_before} before the kill), lock errors {}, admissions {}, \
-         max admitted at once {}, acquire errors {}",
+         refusals at the limit {}, max admitted at once {}, acquire errors {}",
         locks.errors.load(Ordering::SeqCst),
         admission.admissions.load(Ordering::SeqCst),
+        admission.refusals.load(Ordering::SeqCst),
         admission.max_admitted.load(Ordering::SeqCst),
         admission.errors.load(Ordering::SeqCst),
     );
@@ -208,6 +214,10 @@ async fn killing_the_etcd_leader_keeps_locks_counters_and_election_safe() {
     assert!(
         admission.max_admitted.load(Ordering::SeqCst) <= LIMIT as i64,
         "over-admission"
+    );
+    assert!(
+        admission.refusals.load(Ordering::SeqCst) > 0,
+        "the limit was reached"
     );
     assert_eq!(
         a.counter("team/t/running").await.unwrap(),
