@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PKGS=(qemu-system-x86 qemu-utils debootstrap e2fsprogs nftables iproute2 procps
+PKGS=(qemu-system-x86 qemu-utils debootstrap e2fsprogs nftables iproute2 procps protobuf-compiler
       etcd-server postgresql python3-venv ca-certificates curl)
 missing=()
 for p in "${PKGS[@]}"; do

@@ -44,6 +44,14 @@ fn fault(point: &str) {
     }
 }
 
+/// Crash-test hook: `VMON_FAULT=<point>` makes that step fail with an error.
+fn fault_err(point: &str) -> anyhow::Result<()> {
+    if std::env::var("VMON_FAULT").as_deref() == Ok(point) {
+        bail!("injected failure at {point}");
+    }
+    Ok(())
+}
+
 /// Settings of one node.
 #[derive(Debug, Clone)]
 pub struct NodeConfig {
@@ -94,6 +102,8 @@ pub struct Node {
     artifacts_guard: RwLock<()>,
     host_memory_mb: u64,
     me: std::sync::Weak<Node>,
+    /// Held for the node's life: no other node on this host may use the same slot block.
+    _block_lock: std::fs::File,
 }
 
 fn err(e: anyhow::Error) -> NodeError {
@@ -118,6 +128,60 @@ fn host_memory_mb() -> u64 {
         })
         .map(|kb| kb / 1024)
         .unwrap_or(0)
+}
+
+/// Picks this node's slot block and locks it host-wide (`flock` on `/run/vmon`), so two nodes
+/// never hand out the same namespaces and addresses. The block is remembered in the data dir,
+/// so a restarted node finds its sandboxes' slots again.
+fn claim_slot_block(cfg: &NodeConfig) -> anyhow::Result<(u32, std::fs::File)> {
+    use std::os::fd::AsRawFd;
+    let lock_dir = Path::new("/run/vmon");
+    std::fs::create_dir_all(lock_dir)?;
+    let remembered = cfg.data_dir.join("slot-block");
+    let try_lock = |b: u32| -> anyhow::Result<Option<std::fs::File>> {
+        let f = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(lock_dir.join(format!("slots-{b}.lock")))?;
+        // SAFETY: flock on a descriptor we own; no memory is passed.
+        let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+        Ok((rc == 0).then_some(f))
+    };
+    if let Some(b) = cfg.slot_block {
+        let b = b % crate::slots::BLOCKS;
+        return match try_lock(b)? {
+            Some(f) => {
+                std::fs::write(&remembered, b.to_string())?;
+                Ok((b, f))
+            }
+            None => bail!("slot block {b} is in use by another vmon node on this host"),
+        };
+    }
+    if let Some(b) = std::fs::read_to_string(&remembered)
+        .ok()
+        .and_then(|t| t.trim().parse::<u32>().ok())
+    {
+        if let Some(f) = try_lock(b % crate::slots::BLOCKS)? {
+            return Ok((b % crate::slots::BLOCKS, f));
+        }
+        // Another node holds it now (and has reclaimed whatever we left there).
+        tracing::warn!(block = b, "remembered slot block is taken by another node");
+    }
+    let canon = std::fs::canonicalize(&cfg.data_dir).unwrap_or_else(|_| cfg.data_dir.clone());
+    let start = (xxhash_rust::xxh3::xxh3_64(canon.as_os_str().as_encoded_bytes())
+        % u64::from(crate::slots::BLOCKS)) as u32;
+    for i in 0..crate::slots::BLOCKS {
+        let b = (start + i) % crate::slots::BLOCKS;
+        if let Some(f) = try_lock(b)? {
+            std::fs::write(&remembered, b.to_string())?;
+            return Ok((b, f));
+        }
+    }
+    bail!(
+        "all {} slot blocks on this host are taken by other vmon nodes",
+        crate::slots::BLOCKS
+    )
 }
 
 /// Checks that `qemu` offers what snapshots need, with a throwaway machine-less process.
@@ -182,12 +246,7 @@ impl Node {
         let image = vmon_image::build(&cfg.data_dir, &recipe).await?;
         let builds = Builds::open(&cfg.data_dir)?;
         Slots::prepare_host().await?;
-        let slot_block = cfg.slot_block.unwrap_or_else(|| {
-            let canon =
-                std::fs::canonicalize(&cfg.data_dir).unwrap_or_else(|_| cfg.data_dir.clone());
-            let h = xxhash_rust::xxh3::xxh3_64(canon.as_os_str().as_encoded_bytes());
-            (h % u64::from(crate::slots::BLOCKS)) as u32
-        });
+        let (slot_block, block_lock) = claim_slot_block(&cfg)?;
         tracing::info!(slot_block, "network slot block");
         let node = Arc::new_cyclic(|me| Node {
             me: me.clone(),
@@ -201,6 +260,7 @@ impl Node {
             sandboxes: std::sync::Mutex::new(HashMap::new()),
             artifacts_guard: RwLock::new(()),
             host_memory_mb: host_memory_mb(),
+            _block_lock: block_lock,
         });
         node.recover().await?;
         Ok(node)
@@ -1277,6 +1337,7 @@ impl NodeControl for Node {
                 )
                 .await?;
             fault("pause:captured");
+            fault_err("pause:error")?;
             // The commit point: from here the pause has happened. QEMU is stopped, so its RAM
             // file and overlay no longer change; a crash before it quits is finished by the
             // next start (see `adopt`).

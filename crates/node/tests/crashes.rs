@@ -15,6 +15,9 @@ use common::{data_dir, envd_binary, runtime, sh, start, READ_TOKEN, TOKEN_SERVER
 use vmon_node::{Node, NodeConfig};
 use vmon_proto::node::{NodeControl, TemplateSpec};
 
+/// The children share one data dir and slot block: one at a time.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 fn crash_dir() -> PathBuf {
     let d = data_dir().join("crash-test");
     std::fs::create_dir_all(&d).expect("crash dir");
@@ -30,8 +33,8 @@ async fn open(dir: &Path) -> Arc<Node> {
     let mut cfg = NodeConfig::new(dir.to_path_buf());
     cfg.envd_binary = Some(envd_binary());
     cfg.pool_size = 0;
-    // Far from the block the other test binaries' node derives from its data dir.
-    cfg.slot_block = Some(15);
+    // The block is locked host-wide and remembered in the crash dir, so the restarted node
+    // finds the slots of the one that died, and no other node can share them.
     Node::open(cfg).await.expect("node opens")
 }
 
@@ -61,8 +64,23 @@ fn crash_child() {
         sh(&node, &id, TOKEN_SERVER).await;
         let token = sh(&node, &id, READ_TOKEN).await;
         println!("CRASH-READY {id} {} {token}", r.execution_id);
-        // Aborts inside.
-        let _ = node.pause(&id, &r.execution_id, true).await;
+        // Aborts inside (or, for `pause:error`, fails and must leave the sandbox running).
+        let res = node.pause(&id, &r.execution_id, true).await;
+        if std::env::var("VMON_FAULT").as_deref() == Ok("pause:error") {
+            assert!(res.is_err(), "the injected failure surfaces");
+            let running = node.list_running().await;
+            assert!(running
+                .iter()
+                .any(|s| s.sandbox_id == id && s.execution_id == r.execution_id));
+            assert_eq!(
+                sh(&node, &id, READ_TOKEN).await,
+                token,
+                "still running, same process"
+            );
+            node.kill(&id, &r.execution_id).await.expect("kill");
+            println!("CRASH-ERROR-OK");
+            std::process::exit(3);
+        }
         println!("CRASH-NOT-REACHED");
     });
 }
@@ -108,10 +126,37 @@ fn run_child(point: &str) -> (String, String, String) {
 }
 
 #[test]
+fn a_failed_pause_leaves_the_sandbox_running() {
+    if std::env::var_os("VMON_CRASH_CHILD").is_some() {
+        return;
+    }
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let out = Command::new(std::env::current_exe().expect("exe"))
+        .args([
+            "--exact",
+            "crash_child",
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ])
+        .env("VMON_CRASH_CHILD", "1")
+        .env("VMON_FAULT", "pause:error")
+        .output()
+        .expect("run child");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("CRASH-ERROR-OK"),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
 fn node_killed_mid_pause_leaves_a_running_or_a_paused_sandbox() {
     if std::env::var_os("VMON_CRASH_CHILD").is_some() {
         return;
     }
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     // Killed after the capture, before the commit: the sandbox must come back running.
     let (id, exec, token) = run_child("pause:captured");
     let dir = crash_dir();
