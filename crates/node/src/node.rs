@@ -1464,6 +1464,23 @@ impl NodeControl for Node {
         Ok(Self::info(&rec))
     }
 
+    async fn update_network(
+        &self,
+        sandbox_id: &str,
+        execution_id: &str,
+        policy: NetworkPolicy,
+    ) -> Result<(), NodeError> {
+        crate::slots::validate_policy(&policy).map_err(NodeError::InvalidArgument)?;
+        let live = self.live(sandbox_id)?;
+        let l = live.lock().await;
+        if l.state.execution_id != execution_id {
+            return Err(NodeError::NotFound(format!(
+                "{sandbox_id} (execution {execution_id})"
+            )));
+        }
+        l.slot.set_policy(&policy).await.map_err(err)
+    }
+
     async fn list_running(&self) -> Vec<Running> {
         let lives: Vec<Arc<Mutex<Live>>> = match self.sandboxes.lock() {
             Ok(m) => m.values().cloned().collect(),
@@ -1525,15 +1542,4 @@ impl Node {
         self.insert(live)
     }
 
-    /// Replaces a running sandbox's egress policy.
-    pub async fn update_network(
-        &self,
-        sandbox_id: &str,
-        policy: &NetworkPolicy,
-    ) -> Result<(), NodeError> {
-        crate::slots::validate_policy(policy).map_err(NodeError::InvalidArgument)?;
-        let live = self.live(sandbox_id)?;
-        let l = live.lock().await;
-        l.slot.set_policy(policy).await.map_err(err)
-    }
 }

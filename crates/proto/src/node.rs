@@ -135,4 +135,11 @@ pub trait NodeControl: Send + Sync + 'static {
     ) -> Result<BuildInfo, NodeError>;
     /// The sandboxes this node is running (re-adopted ones included).
     async fn list_running(&self) -> Vec<Running>;
+    /// Replaces a running sandbox's egress policy.
+    async fn update_network(
+        &self,
+        sandbox_id: &str,
+        execution_id: &str,
+        policy: NetworkPolicy,
+    ) -> Result<(), NodeError>;
 }

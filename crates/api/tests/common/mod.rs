@@ -157,6 +157,18 @@ impl NodeControl for FakeNode {
     async fn list_running(&self) -> Vec<Running> {
         self.running.lock().unwrap().values().cloned().collect()
     }
+    async fn update_network(
+        &self,
+        sandbox_id: &str,
+        _execution_id: &str,
+        _policy: vmon_proto::node::NetworkPolicy,
+    ) -> Result<(), NodeError> {
+        if self.running.lock().unwrap().contains_key(sandbox_id) {
+            Ok(())
+        } else {
+            Err(NodeError::NotFound(sandbox_id.into()))
+        }
+    }
 }
 
 pub struct Harness {
