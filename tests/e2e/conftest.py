@@ -1,8 +1,9 @@
 """End-to-end fixtures: one `vmon up` per test session, the official SDK configured only by
 E2B_API_URL, E2B_API_KEY and E2B_SANDBOX_URL.
 
-The data dir (VMON_E2E_DATA_DIR, default /var/tmp/vmon-e2e) keeps its guest-image cache
-(`images/`) across runs; everything else in it is deleted at the start of a session.
+Each session gets its own data dir (VMON_E2E_DATA_DIR, default /var/tmp/vmon-e2e/run-<pid>), so
+concurrent sessions never share a node; its `images/` is a link to the shared guest-image cache
+(VMON_IMAGE_CACHE, default $VMON_TEST_DATA_DIR/images), which survives runs.
 Set VMON_E2E_EXTERNAL=1 to run against an already running server configured by the three
 E2B_* variables instead (team-creating tests are then skipped).
 """
@@ -22,7 +23,14 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-DATA_DIR = Path(os.environ.get("VMON_E2E_DATA_DIR", "/var/tmp/vmon-e2e"))
+E2E_ROOT = Path("/var/tmp/vmon-e2e")
+DATA_DIR = Path(os.environ.get("VMON_E2E_DATA_DIR", str(E2E_ROOT / f"run-{os.getpid()}")))
+IMAGE_CACHE = Path(
+    os.environ.get(
+        "VMON_IMAGE_CACHE",
+        str(Path(os.environ.get("VMON_TEST_DATA_DIR", "/var/tmp/vmon-ci")) / "images"),
+    )
+)
 KEEP = {"images"}
 # First start builds the base template (and maybe the guest image) under TCG.
 STARTUP_TIMEOUT = float(os.environ.get("VMON_E2E_STARTUP_TIMEOUT", "3600"))
@@ -67,8 +75,26 @@ def _kill_leftover_vms() -> None:
             time.sleep(3)
 
 
+def _remove_stale_runs() -> None:
+    """Data dirs of earlier sessions whose process is gone."""
+    if not E2E_ROOT.is_dir():
+        return
+    for d in E2E_ROOT.glob("run-*"):
+        try:
+            pid = int(d.name.removeprefix("run-"))
+        except ValueError:
+            continue
+        if pid != os.getpid() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(d, ignore_errors=True)
+
+
 def _reset_data_dir() -> None:
+    _remove_stale_runs()
     DATA_DIR.mkdir(parents=True, exist_ok=True)
+    IMAGE_CACHE.mkdir(parents=True, exist_ok=True)
+    link = DATA_DIR / "images"
+    if not link.exists():
+        link.symlink_to(IMAGE_CACHE)
     for entry in DATA_DIR.iterdir():
         if entry.name in KEEP:
             continue

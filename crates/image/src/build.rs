@@ -146,6 +146,15 @@ pub async fn build(data_dir: &Path, recipe: &Recipe) -> anyhow::Result<Image> {
         return Ok(img);
     }
     std::fs::create_dir_all(&images)?;
+    // Several nodes (tests, benches) may share one image cache: one builder at a time.
+    let lock_path = images.join(".build.lock");
+    let _lock = tokio::task::spawn_blocking(move || lock_exclusive(&lock_path))
+        .await
+        .map_err(|e| anyhow::anyhow!("lock task: {e}"))??;
+    if let Ok(img) = Image::at(dir.clone()) {
+        tracing::info!(hash, "image built by another process meanwhile");
+        return Ok(img);
+    }
     let tree = ensure_tree(&images, recipe).await?;
 
     let staging = images.join(format!("{hash}.tmp"));
@@ -205,6 +214,24 @@ pub async fn build(data_dir: &Path, recipe: &Recipe) -> anyhow::Result<Image> {
     std::fs::File::open(&images)?.sync_all()?;
     tracing::info!(hash, dir = %dir.display(), "image built");
     Image::at(dir)
+}
+
+/// Blocks until this process holds an exclusive `flock` on `path`; released when the file is
+/// dropped (or the process dies).
+fn lock_exclusive(path: &Path) -> anyhow::Result<std::fs::File> {
+    use std::os::fd::AsRawFd;
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(path)
+        .with_context(|| format!("opening {}", path.display()))?;
+    // SAFETY: flock on a descriptor we own; no memory is passed.
+    let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) };
+    if rc != 0 {
+        bail!("locking {}: {}", path.display(), std::io::Error::last_os_error());
+    }
+    Ok(f)
 }
 
 fn spinner(msg: String) -> ProgressBar {
