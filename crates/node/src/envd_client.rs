@@ -18,7 +18,7 @@ pub const ENVD_PORT: u16 = 49983;
 /// Largest envd answer read by the node.
 const MAX_ANSWER: usize = 8 << 20;
 
-async fn request(
+pub(crate) async fn request(
     addr: SocketAddr,
     method: &str,
     path: &str,

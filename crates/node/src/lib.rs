@@ -11,6 +11,7 @@ mod node;
 mod pool;
 pub mod sandbox;
 pub mod slots;
+pub mod telemetry;
 
 pub use node::{probe_qmp, Node, NodeConfig, ENVD_VERSION};
 pub use slots::BLOCKS as SLOT_BLOCKS;

@@ -9,7 +9,8 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use tokio::sync::{Mutex, RwLock};
 use vmon_proto::node::{
-    BuildInfo, NetworkPolicy, NodeControl, NodeError, Running, StartSpec, TemplateSpec,
+    BuildInfo, LogEntry, LogQuery, MetricSample, NetworkPolicy, NodeControl, NodeError, Running,
+    StartSpec, TemplateSpec,
 };
 use vmon_vm::disk::{create_overlay, BackingFormat};
 use vmon_vm::machine::{kernel_cmdline, qemu_version, RamSharing};
@@ -101,6 +102,7 @@ pub struct Node {
     /// held exclusively by the sweep.
     artifacts_guard: RwLock<()>,
     host_memory_mb: u64,
+    pub(crate) telemetry: crate::telemetry::Telemetry,
     me: std::sync::Weak<Node>,
     /// Held for the node's life: no other node on this host may use the same slot block.
     _block_lock: std::fs::File,
@@ -260,9 +262,11 @@ impl Node {
             sandboxes: std::sync::Mutex::new(HashMap::new()),
             artifacts_guard: RwLock::new(()),
             host_memory_mb: host_memory_mb(),
+            telemetry: Default::default(),
             _block_lock: block_lock,
         });
         node.recover().await?;
+        crate::telemetry::spawn(Arc::downgrade(&node));
         Ok(node)
     }
 
@@ -373,6 +377,23 @@ impl Node {
         drop(map);
         let l = live.try_lock().ok()?;
         Some(SocketAddr::new(IpAddr::V4(l.slot.addr()), ENVD_PORT))
+    }
+
+    /// Running sandboxes the telemetry scraper may sample now (busy ones wait a round).
+    pub(crate) fn scrape_targets(&self) -> Vec<crate::telemetry::Target> {
+        let Ok(map) = self.sandboxes.lock() else {
+            return Vec::new();
+        };
+        map.values()
+            .filter_map(|live| {
+                let l = live.try_lock().ok()?;
+                Some(crate::telemetry::Target {
+                    sandbox_id: l.state.id.clone(),
+                    envd: SocketAddr::new(IpAddr::V4(l.slot.addr()), ENVD_PORT),
+                    token: l.state.envd_token.clone(),
+                })
+            })
+            .collect()
     }
 
     fn machine(&self, vcpus: u32, memory_mb: u32) -> Result<MachineDesc, NodeError> {
@@ -1492,6 +1513,45 @@ impl NodeControl for Node {
             out.push(Self::running(&l));
         }
         out
+    }
+
+    async fn metrics(
+        &self,
+        sandbox_id: &str,
+        start_unix: i64,
+        end_unix: i64,
+    ) -> Result<Vec<MetricSample>, NodeError> {
+        let dir = self.cfg.data_dir.clone();
+        let id = sandbox_id.to_string();
+        tokio::task::spawn_blocking(move || {
+            crate::telemetry::read_samples(&dir, &id, start_unix, end_unix)
+        })
+        .await
+        .map_err(|e| NodeError::Failed(format!("metrics task: {e}")))
+    }
+
+    async fn latest_metrics(&self, sandbox_ids: &[String]) -> Vec<(String, MetricSample)> {
+        self.telemetry.latest_of(sandbox_ids)
+    }
+
+    async fn logs(&self, sandbox_id: &str, query: LogQuery) -> Result<Vec<LogEntry>, NodeError> {
+        let consoles = self.console_logs(sandbox_id);
+        tokio::task::spawn_blocking(move || {
+            crate::telemetry::select(crate::telemetry::read_entries(&consoles), &query)
+        })
+        .await
+        .map_err(|e| NodeError::Failed(format!("logs task: {e}")))
+    }
+
+    async fn pool_depths(&self) -> Vec<(String, usize)> {
+        let builds = self.pool.builds();
+        builds
+            .into_iter()
+            .map(|b| {
+                let d = self.pool.depth(&b);
+                (b, d)
+            })
+            .collect()
     }
 }
 

@@ -87,6 +87,82 @@ pub struct TemplateSpec {
     pub env_vars: BTreeMap<String, String>,
 }
 
+/// One sample of a guest's usage, scraped by the node from envd `GET /metrics`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MetricSample {
+    /// When the node took the sample (host clock, not the guest's), Unix seconds.
+    pub timestamp_unix: i64,
+    pub cpu_count: u32,
+    /// 0–100 (clamped: the guest reports it).
+    pub cpu_used_pct: f32,
+    pub mem_used: u64,
+    pub mem_total: u64,
+    pub mem_cache: u64,
+    pub disk_used: u64,
+    pub disk_total: u64,
+}
+
+/// Severity of a console log entry, lowest first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogLevel {
+    Debug,
+    Info,
+    Warn,
+    Error,
+}
+
+impl LogLevel {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LogLevel::Debug => "debug",
+            LogLevel::Info => "info",
+            LogLevel::Warn => "warn",
+            LogLevel::Error => "error",
+        }
+    }
+}
+
+/// Which way a log query walks from its cursor.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogDirection {
+    /// Oldest first, from the cursor on.
+    #[default]
+    Forward,
+    /// Newest first, from the cursor back.
+    Backward,
+}
+
+/// A query of a sandbox's console logs.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct LogQuery {
+    /// Unix milliseconds, inclusive. Forward: entries at or after it (`None`: from the first);
+    /// backward: at or before it (`None`: from the last).
+    pub cursor_ms: Option<i64>,
+    pub direction: LogDirection,
+    /// At most this many entries (the node caps it too).
+    pub limit: usize,
+    /// Only entries at this level or above.
+    pub min_level: Option<LogLevel>,
+    /// Only entries whose line contains this text (case-insensitive).
+    pub search: Option<String>,
+}
+
+/// One line of a sandbox's console (kernel text, or a JSON line of the init or envd).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LogEntry {
+    /// Unix milliseconds: the guest's own timestamp when it is plausible, else the previous
+    /// entry's.
+    pub timestamp_ms: i64,
+    pub level: LogLevel,
+    pub message: String,
+    /// Every other key of a JSON line, values as strings.
+    pub fields: BTreeMap<String, String>,
+    /// The line as the guest wrote it (length-bounded).
+    pub line: String,
+}
+
 #[derive(Debug, thiserror::Error, Serialize, Deserialize)]
 pub enum NodeError {
     #[error("sandbox {0} is not on this node")]
@@ -142,4 +218,19 @@ pub trait NodeControl: Send + Sync + 'static {
         execution_id: &str,
         policy: NetworkPolicy,
     ) -> Result<(), NodeError>;
+
+    /// A sandbox's samples with `start_unix <= timestamp <= end_unix`, oldest first: while it
+    /// runs and for 7 days after its last execution ended. Empty when the node has none.
+    async fn metrics(
+        &self,
+        sandbox_id: &str,
+        start_unix: i64,
+        end_unix: i64,
+    ) -> Result<Vec<MetricSample>, NodeError>;
+    /// The newest sample of each of these sandboxes that is running and has one.
+    async fn latest_metrics(&self, sandbox_ids: &[String]) -> Vec<(String, MetricSample)>;
+    /// A sandbox's console log entries over all its executions (kept as long as its metrics).
+    async fn logs(&self, sandbox_id: &str, query: LogQuery) -> Result<Vec<LogEntry>, NodeError>;
+    /// Pre-spawned restore processes per build (the restore pool's depth).
+    async fn pool_depths(&self) -> Vec<(BuildId, usize)>;
 }

@@ -25,6 +25,9 @@ pub struct FakeNode {
     pub fail_starts: AtomicUsize,
     pub fail_pauses: AtomicUsize,
     pub starts: Mutex<Vec<StartSpec>>,
+    /// Samples and console entries the telemetry tests plant, per sandbox.
+    pub samples: Mutex<HashMap<String, Vec<vmon_proto::node::MetricSample>>>,
+    pub log_entries: Mutex<HashMap<String, Vec<vmon_proto::node::LogEntry>>>,
 }
 
 impl FakeNode {
@@ -36,6 +39,8 @@ impl FakeNode {
             fail_starts: AtomicUsize::new(0),
             fail_pauses: AtomicUsize::new(0),
             starts: Mutex::new(Vec::new()),
+            samples: Mutex::new(HashMap::new()),
+            log_entries: Mutex::new(HashMap::new()),
         })
     }
     pub fn running_count(&self) -> usize {
@@ -168,6 +173,63 @@ impl NodeControl for FakeNode {
         } else {
             Err(NodeError::NotFound(sandbox_id.into()))
         }
+    }
+    async fn metrics(
+        &self,
+        sandbox_id: &str,
+        start_unix: i64,
+        end_unix: i64,
+    ) -> Result<Vec<vmon_proto::node::MetricSample>, NodeError> {
+        let all = self.samples.lock().unwrap();
+        Ok(all
+            .get(sandbox_id)
+            .into_iter()
+            .flatten()
+            .filter(|s| (start_unix..=end_unix).contains(&s.timestamp_unix))
+            .cloned()
+            .collect())
+    }
+    async fn latest_metrics(
+        &self,
+        sandbox_ids: &[String],
+    ) -> Vec<(String, vmon_proto::node::MetricSample)> {
+        let all = self.samples.lock().unwrap();
+        let running = self.running.lock().unwrap();
+        sandbox_ids
+            .iter()
+            .filter(|id| running.contains_key(*id))
+            .filter_map(|id| Some((id.clone(), all.get(id)?.last()?.clone())))
+            .collect()
+    }
+    async fn logs(
+        &self,
+        sandbox_id: &str,
+        query: vmon_proto::node::LogQuery,
+    ) -> Result<Vec<vmon_proto::node::LogEntry>, NodeError> {
+        let all = self.log_entries.lock().unwrap();
+        let mut v: Vec<_> = all
+            .get(sandbox_id)
+            .into_iter()
+            .flatten()
+            .filter(|e| match query.direction {
+                vmon_proto::node::LogDirection::Forward => {
+                    query.cursor_ms.is_none_or(|c| e.timestamp_ms >= c)
+                }
+                vmon_proto::node::LogDirection::Backward => {
+                    query.cursor_ms.is_none_or(|c| e.timestamp_ms <= c)
+                }
+            })
+            .filter(|e| query.min_level.is_none_or(|l| e.level >= l))
+            .cloned()
+            .collect();
+        if query.direction == vmon_proto::node::LogDirection::Backward {
+            v.reverse();
+        }
+        v.truncate(query.limit);
+        Ok(v)
+    }
+    async fn pool_depths(&self) -> Vec<(String, usize)> {
+        vec![("base-build".into(), 1)]
     }
 }
 
