@@ -425,15 +425,16 @@ pub fn parse_console(text: &str, born_ms: i64, modified_ms: i64) -> Vec<LogEntry
     parsed.into_iter().map(|(e, _)| e).collect()
 }
 
-/// Reads the tail of a console log (at most `max` bytes, from the first whole line).
-fn read_tail(path: &Path, max: u64) -> std::io::Result<String> {
+/// Reads the tail of a console log (at most `max` bytes, from the first whole line), never
+/// its first `from` bytes.
+fn read_tail(path: &Path, max: u64, from: u64) -> std::io::Result<String> {
     let mut f = std::fs::File::open(path)?;
     let len = f.metadata()?.len();
-    let skip = len.saturating_sub(max);
+    let skip = len.saturating_sub(max).max(from.min(len));
     f.seek(SeekFrom::Start(skip))?;
     let mut bytes = Vec::new();
     f.take(max).read_to_end(&mut bytes)?;
-    if skip > 0 {
+    if skip > from {
         let cut = bytes
             .iter()
             .position(|b| *b == b'\n')
@@ -456,7 +457,13 @@ pub fn read_entries(consoles: &[PathBuf]) -> Vec<LogEntry> {
             continue;
         };
         let max = MAX_CONSOLE_READ.min(budget);
-        let Ok(text) = read_tail(path, max) else {
+        // A pooled process warmed up before it became this sandbox: its output is not ours.
+        let from = path
+            .parent()
+            .and_then(|d| std::fs::read_to_string(d.join("console.skip")).ok())
+            .and_then(|t| t.trim().parse::<u64>().ok())
+            .unwrap_or(0);
+        let Ok(text) = read_tail(path, max, from) else {
             continue;
         };
         budget = budget.saturating_sub(meta.len().min(max));
@@ -581,6 +588,20 @@ mod tests {
         assert_eq!(e[0].timestamp_ms, born + 10_500);
         assert_eq!(e[3].timestamp_ms, born + 10_500);
         assert_eq!(e[3].level, LogLevel::Warn);
+    }
+
+    #[test]
+    fn warm_up_output_is_skipped() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let ex = dir.path().join("e1");
+        std::fs::create_dir_all(&ex).expect("mkdir");
+        std::fs::write(ex.join("console.log"), "pool line\nmine\n").expect("write");
+        std::fs::write(ex.join("console.skip"), "10").expect("write");
+        let e = read_entries(&[ex.join("console.log")]);
+        assert_eq!(
+            e.iter().map(|e| e.message.as_str()).collect::<Vec<_>>(),
+            vec!["mine"]
+        );
     }
 
     #[test]
