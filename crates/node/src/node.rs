@@ -602,7 +602,13 @@ impl Node {
 
     /// Spawns a QEMU waiting for `migrate-incoming` on `rec`'s memory, with its own slot and
     /// overlay, and its layers already written in.
-    pub(crate) async fn prepare(&self, rec: &BuildRecord) -> anyhow::Result<Prepared> {
+    ///
+    /// With `warm`, the process also loads the device state, runs the guest until envd has
+    /// answered a few requests (so QEMU's translation cache holds the hot paths: under TCG the
+    /// first request after a load costs most of a restore), and stops it again. A claim then
+    /// costs `cont` and `/init`. Only template builds are warmed: their guest running a moment
+    /// longer before its first claim is indistinguishable from a template captured later.
+    pub(crate) async fn prepare(&self, rec: &BuildRecord, warm: bool) -> anyhow::Result<Prepared> {
         let Some(mem_base) = rec.mem_base.clone() else {
             bail!("build {} has no memory", rec.id);
         };
@@ -661,6 +667,13 @@ impl Node {
                 vm.kill().await;
                 return Err(e);
             }
+            if warm {
+                if let Err(e) = self.warm_up(&vm, rec, &slot).await {
+                    let mut vm = vm;
+                    vm.kill().await;
+                    return Err(e);
+                }
+            }
             anyhow::Ok(vm)
         }
         .await;
@@ -671,6 +684,7 @@ impl Node {
                 overlay,
                 vm,
                 run_dir,
+                loaded: warm,
             }),
             Err(e) => {
                 let _ = self.slots.release(&slot).await;
@@ -679,6 +693,31 @@ impl Node {
                 Err(e)
             }
         }
+    }
+
+    async fn warm_up(
+        &self,
+        vm: &Vm,
+        rec: &BuildRecord,
+        slot: &crate::slots::Slot,
+    ) -> anyhow::Result<()> {
+        let devstate = rec
+            .devstate
+            .as_deref()
+            .context("build has no device state")?;
+        vm.qmp
+            .migrate_incoming_file(&self.builds.artifact(devstate))
+            .await?;
+        vm.qmp.cont().await?;
+        let addr = SocketAddr::new(IpAddr::V4(slot.addr()), ENVD_PORT);
+        envd_client::wait_healthy(addr, self.cfg.restore_timeout).await?;
+        let token = rec.envd_token.as_deref();
+        for _ in 0..3 {
+            envd_client::healthy(addr).await;
+            envd_client::run(addr, token, "user", "true", Duration::from_secs(30)).await?;
+        }
+        vm.qmp.stop().await?;
+        Ok(())
     }
 
     /// Restores `rec` for a sandbox: a pooled process when one is ready, else a fresh one.
@@ -692,7 +731,7 @@ impl Node {
         };
         let prepared = match self.pool.take(&rec.id) {
             Some(p) => p,
-            None => self.prepare(rec).await?,
+            None => self.prepare(rec, false).await?,
         };
         if rec.parent.is_none() {
             // Templates are hot: keep a process ready. Paused builds restore once.
@@ -704,7 +743,7 @@ impl Node {
             overlay,
             mut vm,
             run_dir: pool_dir,
-            ..
+            loaded,
         } = prepared;
         let run_dir = self.sandbox_root(&spec.sandbox_id).join(&spec.execution_id);
         let r = async {
@@ -715,6 +754,14 @@ impl Node {
                 std::fs::remove_dir_all(&run_dir)?;
             }
             std::fs::rename(&pool_dir, &run_dir)?;
+            if loaded {
+                // What the guest printed while it warmed up in the pool is not this sandbox's:
+                // log readers start after this many console bytes.
+                let len = std::fs::metadata(run_dir.join("console.log"))
+                    .map(|m| m.len())
+                    .unwrap_or(0);
+                std::fs::write(run_dir.join("console.skip"), len.to_string())?;
+            }
             if spec.network
                 != (NetworkPolicy {
                     allow_internet_access: true,
@@ -723,12 +770,17 @@ impl Node {
             {
                 slot.set_policy(&spec.network).await?;
             }
-            vm.qmp
-                .migrate_incoming_file(&self.builds.artifact(&devstate))
-                .await?;
+            let t0 = std::time::Instant::now();
+            if !loaded {
+                vm.qmp
+                    .migrate_incoming_file(&self.builds.artifact(&devstate))
+                    .await?;
+            }
+            let t_load = t0.elapsed();
             vm.qmp.cont().await?;
+            let t_cont = t0.elapsed();
             let addr = SocketAddr::new(IpAddr::V4(slot.addr()), ENVD_PORT);
-            envd_client::init(
+            let init = envd_client::init(
                 addr,
                 &InitRequest {
                     env_vars: spec.env_vars.clone(),
@@ -738,7 +790,15 @@ impl Node {
                 },
                 self.cfg.restore_timeout,
             )
-            .await?;
+            .await;
+            tracing::debug!(
+                sandbox = %spec.sandbox_id,
+                load_ms = t_load.as_secs_f64() * 1e3,
+                cont_ms = (t_cont - t_load).as_secs_f64() * 1e3,
+                init_ms = (t0.elapsed() - t_cont).as_secs_f64() * 1e3,
+                "restore stages"
+            );
+            init?;
             let state = SandboxState {
                 id: spec.sandbox_id.clone(),
                 execution_id: spec.execution_id.clone(),
@@ -1601,5 +1661,4 @@ impl Node {
         tracing::info!(sandbox = %spec.sandbox_id, build = %rec.id, ms = t0.elapsed().as_millis() as u64, "sandbox started");
         self.insert(live)
     }
-
 }

@@ -17,6 +17,8 @@ pub(crate) struct Prepared {
     pub overlay: String,
     pub vm: Vm,
     pub run_dir: PathBuf,
+    /// The device state is loaded already (a warmed, stopped guest): a claim only `cont`s.
+    pub loaded: bool,
 }
 
 pub(crate) struct Pool {
@@ -74,7 +76,7 @@ impl Pool {
                     Ok(Some(r)) => r,
                     _ => break,
                 };
-                match node.prepare(&rec).await {
+                match node.prepare(&rec, true).await {
                     Ok(p) => {
                         if let Ok(mut m) = node.pool_ref().ready.lock() {
                             m.entry(build_id.clone()).or_default().push(p);

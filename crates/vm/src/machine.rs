@@ -15,6 +15,9 @@ use crate::accel::Accel;
 const NET_ADDR: &str = "0x3";
 const BLK_ADDR: &str = "0x4";
 
+/// TCG translation-block cache size (MiB).
+const TCG_TB_MIB: u32 = 32;
+
 /// The guest's fixed MAC: every slot gives its guest the same address, so snapshots move freely.
 pub const GUEST_MAC: &str = "52:54:00:a9:00:15";
 
@@ -84,7 +87,14 @@ impl MachineDesc {
             "-name".into(),
             format!("vmon-{}", p.tag),
             "-machine".into(),
-            format!("pc,accel={},memory-backend=ram0", self.accel.as_str()),
+            "pc,memory-backend=ram0".into(),
+            "-accel".into(),
+            match self.accel {
+                // A small translation cache: a sandbox's hot code fits, and every idle sandbox
+                // would otherwise keep a large one resident.
+                Accel::Tcg => format!("tcg,tb-size={TCG_TB_MIB}"),
+                Accel::Kvm => "kvm".into(),
+            },
             "-cpu".into(),
             self.cpu_model.clone(),
             "-smp".into(),
@@ -209,7 +219,7 @@ mod tests {
         });
         let s = a.join(" ");
         assert!(s.contains("share=off"), "{s}");
-        assert!(s.contains("accel=tcg"));
+        assert!(s.contains("-accel tcg,tb-size="), "{s}");
         assert!(s.contains("-incoming defer -S"));
         assert!(s.contains(&format!("mac={GUEST_MAC}")));
         assert!(s.contains("-smp 2"));
