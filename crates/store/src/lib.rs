@@ -178,16 +178,30 @@ struct Migration {
     sql: &'static str,
 }
 
-const SQLITE_MIGRATIONS: &[Migration] = &[Migration {
-    version: 1,
-    description: "init",
-    sql: include_str!("../migrations/sqlite/0001_init.sql"),
-}];
-const POSTGRES_MIGRATIONS: &[Migration] = &[Migration {
-    version: 1,
-    description: "init",
-    sql: include_str!("../migrations/postgres/0001_init.sql"),
-}];
+const SQLITE_MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        description: "init",
+        sql: include_str!("../migrations/sqlite/0001_init.sql"),
+    },
+    Migration {
+        version: 2,
+        description: "build memory and parent",
+        sql: include_str!("../migrations/sqlite/0002_build_memory.sql"),
+    },
+];
+const POSTGRES_MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        description: "init",
+        sql: include_str!("../migrations/postgres/0001_init.sql"),
+    },
+    Migration {
+        version: 2,
+        description: "build memory and parent",
+        sql: include_str!("../migrations/postgres/0002_build_memory.sql"),
+    },
+];
 
 /// Serializes concurrent migrations of several `vmon api` replicas on PostgreSQL.
 const MIGRATION_LOCK: i64 = 0x766d_6f6e_0001;

@@ -124,6 +124,10 @@ pub struct Build {
     pub envd_version: String,
     /// The node holding the build's layers.
     pub node_id: Option<String>,
+    /// Whether the build holds guest memory (a restore), or only a disk (a cold boot).
+    pub has_memory: bool,
+    /// The build this one was captured on top of (its layers chain onto the parent's).
+    pub parent_build_id: Option<String>,
     pub created_at: OffsetDateTime,
     pub finished_at: Option<OffsetDateTime>,
 }
@@ -138,6 +142,8 @@ pub struct NewBuild {
     pub disk_mb: i64,
     pub envd_version: String,
     pub node_id: Option<String>,
+    pub has_memory: bool,
+    pub parent_build_id: Option<String>,
 }
 
 /// A template reference resolved to the build a create should start from.

@@ -158,6 +158,15 @@ impl Store {
         row.as_ref().map(api_key).transpose()
     }
 
+    /// One key by id, revoked or not.
+    pub async fn api_key(&self, key_id: &str) -> Result<Option<ApiKey>> {
+        let row = sqlx::query(&format!("SELECT {KEY_COLUMNS} FROM api_keys WHERE id = $1"))
+            .bind(key_id)
+            .fetch_optional(&self.reader)
+            .await?;
+        row.as_ref().map(api_key).transpose()
+    }
+
     /// The team's keys, revoked ones included.
     pub async fn api_keys(&self, team_id: &str) -> Result<Vec<ApiKey>> {
         let rows = sqlx::query(&format!(

@@ -16,7 +16,8 @@ pub(crate) const DEFAULT_TAG: &str = "default";
 const TEMPLATE_COLUMNS: &str =
     "id, team_id, kind, source_sandbox_id, public, created_at, updated_at";
 const BUILD_COLUMNS: &str =
-    "id, template_id, status, vcpus, memory_mb, disk_mb, envd_version, node_id, created_at, finished_at";
+    "id, template_id, status, vcpus, memory_mb, disk_mb, envd_version, node_id, created_at, finished_at, \
+     has_memory, parent_build_id";
 
 /// Splits `name[:tag]`; a colon before the last `/` is not a tag separator.
 pub fn split_reference(reference: &str) -> (&str, &str) {
@@ -50,6 +51,8 @@ fn build(row: &AnyRow) -> Result<Build> {
         disk_mb: get(row, "disk_mb")?,
         envd_version: get(row, "envd_version")?,
         node_id: get(row, "node_id")?,
+        has_memory: flag(row, "has_memory")?,
+        parent_build_id: get(row, "parent_build_id")?,
         created_at: time(row, "created_at")?,
         finished_at: opt_time(row, "finished_at")?,
     })
@@ -126,7 +129,8 @@ pub(crate) async fn add_alias(c: &mut AnyConnection, template_id: &str, alias: &
 
 pub(crate) async fn create_build(c: &mut AnyConnection, new: &NewBuild) -> Result<Build> {
     let row = sqlx::query(&format!(
-        "INSERT INTO builds ({BUILD_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, NULL) RETURNING {BUILD_COLUMNS}"
+        "INSERT INTO builds ({BUILD_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, NULL, $10, $11) \
+         RETURNING {BUILD_COLUMNS}"
     ))
     .bind(&new.id)
     .bind(&new.template_id)
@@ -137,6 +141,8 @@ pub(crate) async fn create_build(c: &mut AnyConnection, new: &NewBuild) -> Resul
     .bind(&new.envd_version)
     .bind(new.node_id.clone())
     .bind(now_ms())
+    .bind(i64::from(new.has_memory))
+    .bind(new.parent_build_id.clone())
     .fetch_one(c)
     .await?;
     build(&row)
@@ -188,6 +194,55 @@ pub(crate) async fn build_by_id(c: &mut AnyConnection, id: &str) -> Result<Optio
         .fetch_optional(c)
         .await?;
     row.as_ref().map(build).transpose()
+}
+
+/// A template's tags with the build each points at, by tag.
+pub(crate) async fn tagged_builds(
+    c: &mut AnyConnection,
+    template_id: &str,
+) -> Result<Vec<(String, Build)>> {
+    let rows =
+        sqlx::query("SELECT tag, build_id FROM template_tags WHERE template_id = $1 ORDER BY tag")
+            .bind(template_id)
+            .fetch_all(&mut *c)
+            .await?;
+    let mut out = Vec::with_capacity(rows.len());
+    for row in &rows {
+        let tag: String = get(row, "tag")?;
+        let build_id: String = get(row, "build_id")?;
+        let build = build_by_id(&mut *c, &build_id)
+            .await?
+            .ok_or_else(|| StoreError::Malformed(format!("tag {tag:?} names a missing build")))?;
+        out.push((tag, build));
+    }
+    Ok(out)
+}
+
+pub(crate) async fn template_by_alias(
+    c: &mut AnyConnection,
+    alias: &str,
+) -> Result<Option<Template>> {
+    let row = sqlx::query("SELECT template_id FROM template_aliases WHERE alias = $1")
+        .bind(alias)
+        .fetch_optional(&mut *c)
+        .await?;
+    match row {
+        None => Ok(None),
+        Some(row) => template_by_id(c, &get::<String>(&row, "template_id")?).await,
+    }
+}
+
+pub(crate) async fn remove_tag(
+    c: &mut AnyConnection,
+    template_id: &str,
+    tag: &str,
+) -> Result<bool> {
+    let done = sqlx::query("DELETE FROM template_tags WHERE template_id = $1 AND tag = $2")
+        .bind(template_id)
+        .bind(tag)
+        .execute(c)
+        .await?;
+    Ok(done.rows_affected() > 0)
 }
 
 pub(crate) async fn delete_template(c: &mut AnyConnection, template_id: &str) -> Result<bool> {
@@ -246,6 +301,26 @@ impl Store {
     pub async fn build(&self, id: &str) -> Result<Option<Build>> {
         let mut c = self.reader.acquire().await?;
         build_by_id(&mut c, id).await
+    }
+
+    /// A template's tags with the build each points at, ordered by tag.
+    pub async fn tagged_builds(&self, template_id: &str) -> Result<Vec<(String, Build)>> {
+        let mut c = self.reader.acquire().await?;
+        tagged_builds(&mut c, template_id).await
+    }
+
+    /// The live template that owns `alias` (a name without tag), if any.
+    pub async fn template_by_alias(&self, alias: &str) -> Result<Option<Template>> {
+        let mut c = self.reader.acquire().await?;
+        template_by_alias(&mut c, alias).await
+    }
+
+    /// Removes one tag of a template; `false` if it had no such tag.
+    pub async fn remove_tag(&self, template_id: &str, tag: &str) -> Result<bool> {
+        let mut tx = self.begin().await?;
+        let done = tx.remove_tag(template_id, tag).await?;
+        tx.commit().await?;
+        Ok(done)
     }
 
     /// The team's templates (and, with `include_shared`, those without a team or public).

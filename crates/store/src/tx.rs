@@ -63,6 +63,24 @@ impl StoreTx {
         templates::set_tag(&mut self.tx, template_id, tag, build_id).await
     }
 
+    pub async fn remove_tag(&mut self, template_id: &str, tag: &str) -> Result<bool> {
+        templates::remove_tag(&mut self.tx, template_id, tag).await
+    }
+
+    /// Reads a live template inside the transaction.
+    pub async fn template(&mut self, template_id: &str) -> Result<Option<Template>> {
+        templates::template_by_id(&mut self.tx, template_id).await
+    }
+
+    /// Reads a build inside the transaction.
+    pub async fn build(&mut self, build_id: &str) -> Result<Option<Build>> {
+        templates::build_by_id(&mut self.tx, build_id).await
+    }
+
+    pub async fn tagged_builds(&mut self, template_id: &str) -> Result<Vec<(String, Build)>> {
+        templates::tagged_builds(&mut self.tx, template_id).await
+    }
+
     pub async fn delete_template(&mut self, template_id: &str) -> Result<bool> {
         templates::delete_template(&mut self.tx, template_id).await
     }

@@ -142,7 +142,96 @@ fn build(id: &str, template: &str, vcpus: i64) -> NewBuild {
         disk_mb: 2048,
         envd_version: "0.2.0".to_owned(),
         node_id: Some("node-a".to_owned()),
+        has_memory: true,
+        parent_build_id: None,
     }
+}
+
+/// What the api needs to rebuild its template records: memory flag and parent on builds,
+/// tags with their builds, lookup by alias, removal of one tag, keys by id.
+pub async fn builds_tags_and_aliases(b: &support::Backend) {
+    let store = &b.store;
+    store.create_team(&team("t1")).await.unwrap();
+    store
+        .create_template(&NewTemplate {
+            id: "tpl-snap".to_owned(),
+            team_id: Some("t1".to_owned()),
+            kind: TemplateKind::Snapshot,
+            source_sandbox_id: Some("isbx1".to_owned()),
+            public: false,
+        })
+        .await
+        .unwrap();
+    store.add_alias("tpl-snap", "t1-slug/snap").await.unwrap();
+    let mut disk_only = build("b-disk", "tpl-snap", 2);
+    disk_only.has_memory = false;
+    disk_only.parent_build_id = Some("b-parent".to_owned());
+    let mut tx = store.begin().await.unwrap();
+    let created = tx.create_build(&disk_only).await.unwrap();
+    assert!(!created.has_memory);
+    tx.create_build(&build("b-mem", "tpl-snap", 2))
+        .await
+        .unwrap();
+    tx.set_tag("tpl-snap", "v1", "b-disk").await.unwrap();
+    tx.set_tag("tpl-snap", "v2", "b-mem").await.unwrap();
+    assert_eq!(
+        tx.build("b-disk")
+            .await
+            .unwrap()
+            .unwrap()
+            .parent_build_id
+            .as_deref(),
+        Some("b-parent")
+    );
+    assert_eq!(
+        tx.template("tpl-snap").await.unwrap().unwrap().aliases,
+        ["t1-slug/snap"]
+    );
+    assert_eq!(tx.tagged_builds("tpl-snap").await.unwrap().len(), 2);
+    tx.commit().await.unwrap();
+
+    let b_disk = store.build("b-disk").await.unwrap().unwrap();
+    assert_eq!(
+        (b_disk.has_memory, b_disk.parent_build_id.as_deref()),
+        (false, Some("b-parent"))
+    );
+    assert!(store.build("b-mem").await.unwrap().unwrap().has_memory);
+    let tags: Vec<(String, String, bool)> = store
+        .tagged_builds("tpl-snap")
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|(t, b)| (t, b.id, b.has_memory))
+        .collect();
+    assert_eq!(
+        tags,
+        [
+            ("v1".to_owned(), "b-disk".to_owned(), false),
+            ("v2".to_owned(), "b-mem".to_owned(), true)
+        ]
+    );
+    assert_eq!(
+        store
+            .template_by_alias("t1-slug/snap")
+            .await
+            .unwrap()
+            .unwrap()
+            .id,
+        "tpl-snap"
+    );
+    assert_eq!(store.template_by_alias("snap").await.unwrap(), None);
+    assert!(store.remove_tag("tpl-snap", "v1").await.unwrap());
+    assert!(!store.remove_tag("tpl-snap", "v1").await.unwrap());
+    assert_eq!(store.tagged_builds("tpl-snap").await.unwrap().len(), 1);
+    assert!(store.delete_template("tpl-snap").await.unwrap());
+    assert_eq!(store.template_by_alias("t1-slug/snap").await.unwrap(), None);
+
+    let key = store
+        .create_api_key("t1", "ci", "e2b_0123456789abcdef")
+        .await
+        .unwrap();
+    assert_eq!(store.api_key(&key.id).await.unwrap().unwrap().team_id, "t1");
+    assert_eq!(store.api_key("nope").await.unwrap(), None);
 }
 
 pub async fn templates_and_snapshots(b: &support::Backend) {
@@ -943,6 +1032,7 @@ macro_rules! conformance {
             }
             case!(teams_and_keys);
             case!(templates_and_snapshots);
+            case!(builds_tags_and_aliases);
             case!(sandbox_records_and_listing);
             case!(transition_commits_with_event);
             case!(events_query_and_retention);
