@@ -64,6 +64,8 @@ pub struct NodeConfig {
     pub envd_binary: Option<PathBuf>,
     /// Pre-spawned restore processes kept per hot build.
     pub pool_size: usize,
+    /// Network slots kept ready ahead of time.
+    pub spare_slots: usize,
     /// How long a cold boot may take to reach envd.
     pub boot_timeout: Duration,
     /// How long a restored guest may take to answer `/init`.
@@ -81,6 +83,7 @@ impl NodeConfig {
             qemu_binary: PathBuf::from("/usr/bin/qemu-system-x86_64"),
             envd_binary: None,
             pool_size: 1,
+            spare_slots: 2,
             boot_timeout: Duration::from_secs(240),
             restore_timeout: Duration::from_secs(60),
             slot_block: None,
@@ -95,7 +98,7 @@ pub struct Node {
     qemu_version: String,
     image: vmon_image::Image,
     builds: Builds,
-    slots: Slots,
+    slots: Arc<Slots>,
     sandboxes: std::sync::Mutex<HashMap<String, Arc<Mutex<Live>>>>,
     pool: Pool,
     /// Held (shared) by every operation that creates artifacts not yet named by a record;
@@ -258,7 +261,7 @@ impl Node {
             qemu_version,
             image,
             builds,
-            slots: Slots::new(slot_block),
+            slots: Arc::new(Slots::new(slot_block)),
             sandboxes: std::sync::Mutex::new(HashMap::new()),
             artifacts_guard: RwLock::new(()),
             host_memory_mb: host_memory_mb(),
@@ -266,6 +269,8 @@ impl Node {
             _block_lock: block_lock,
         });
         node.recover().await?;
+        node.slots.set_spares(node.cfg.spare_slots);
+        node.slots.refill();
         crate::telemetry::spawn(Arc::downgrade(&node));
         Ok(node)
     }
@@ -302,8 +307,9 @@ impl Node {
         let _ = std::fs::remove_dir_all(run_dir);
     }
 
-    /// Stops every pooled process (shutdown).
+    /// Stops every pooled process and frees the spare slots (shutdown).
     pub async fn drain_pool(&self) {
+        self.slots.drain_spares().await;
         for id in self.pool.builds() {
             for p in self.pool.discard(&id).await {
                 self.discard_prepared(p).await;
@@ -505,6 +511,7 @@ impl Node {
     ) -> anyhow::Result<Live> {
         let _guard = self.artifacts_guard.read().await;
         let slot = self.slots.acquire(policy).await?;
+        self.slots.refill();
         let mut made: Vec<PathBuf> = Vec::new();
         let r = async {
             std::fs::create_dir_all(run_dir)?;
@@ -620,6 +627,7 @@ impl Node {
                 ..Default::default()
             })
             .await?;
+        self.slots.refill();
         let tag = new_id("");
         let run_dir = self.cfg.data_dir.join("pool").join(&tag);
         let (overlay, overlay_path) = self.builds.new_artifact("disk", "qcow2");

@@ -57,6 +57,18 @@ impl Slot {
 pub struct Slots {
     block: u32,
     used: Mutex<BTreeSet<u32>>,
+    /// Slots made ahead of time with the default (open) policy: creating one costs tens of
+    /// milliseconds of `ip`/`nft` calls, which then stay off the restore path.
+    spares: Mutex<Vec<Slot>>,
+    spare_target: std::sync::atomic::AtomicUsize,
+    refilling: std::sync::atomic::AtomicBool,
+}
+
+fn open_policy() -> NetworkPolicy {
+    NetworkPolicy {
+        allow_internet_access: true,
+        ..Default::default()
+    }
 }
 
 async fn sh(script: &str, what: &str) -> anyhow::Result<()> {
@@ -121,6 +133,58 @@ impl Slots {
         Slots {
             block: block % BLOCKS,
             used: Mutex::new(BTreeSet::new()),
+            spares: Mutex::new(Vec::new()),
+            spare_target: std::sync::atomic::AtomicUsize::new(0),
+            refilling: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+
+    /// How many spare slots to keep ready.
+    pub fn set_spares(&self, n: usize) {
+        self.spare_target
+            .store(n, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Tops the spare slots up in the background.
+    pub fn refill(self: &std::sync::Arc<Self>) {
+        use std::sync::atomic::Ordering;
+        if self.spare_target.load(Ordering::Relaxed) == 0
+            || self.refilling.swap(true, Ordering::AcqRel)
+        {
+            return;
+        }
+        let me = self.clone();
+        tokio::spawn(async move {
+            loop {
+                let have = me.spares.lock().map(|s| s.len()).unwrap_or(usize::MAX);
+                if have >= me.spare_target.load(Ordering::Relaxed) {
+                    break;
+                }
+                match me.create_new(&open_policy()).await {
+                    Ok(slot) => {
+                        if let Ok(mut s) = me.spares.lock() {
+                            s.push(slot);
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!("spare slot: {e:#}");
+                        break;
+                    }
+                }
+            }
+            me.refilling.store(false, Ordering::Release);
+        });
+    }
+
+    /// Destroys the spare slots (shutdown).
+    pub async fn drain_spares(&self) {
+        let spares: Vec<Slot> = self
+            .spares
+            .lock()
+            .map(|mut s| std::mem::take(&mut *s))
+            .unwrap_or_default();
+        for s in spares {
+            let _ = self.release(&s).await;
         }
     }
 
@@ -220,6 +284,20 @@ EOF",
     /// Creates a fresh slot with the given egress policy.
     pub async fn acquire(&self, policy: &NetworkPolicy) -> anyhow::Result<Slot> {
         validate_policy(policy).map_err(|e| anyhow::anyhow!(e))?;
+        let spare = self.spares.lock().ok().and_then(|mut s| s.pop());
+        if let Some(slot) = spare {
+            if *policy != open_policy() {
+                if let Err(e) = slot.set_policy(policy).await {
+                    let _ = self.release(&slot).await;
+                    return Err(e);
+                }
+            }
+            return Ok(slot);
+        }
+        self.create_new(policy).await
+    }
+
+    async fn create_new(&self, policy: &NetworkPolicy) -> anyhow::Result<Slot> {
         let index = {
             let mut used = self
                 .used

@@ -33,6 +33,7 @@ async fn open(dir: &Path) -> Arc<Node> {
     let mut cfg = NodeConfig::new(dir.to_path_buf());
     cfg.envd_binary = Some(envd_binary());
     cfg.pool_size = 0;
+    cfg.spare_slots = 0;
     // The block is locked host-wide and remembered in the crash dir, so the restarted node
     // finds the slots of the one that died, and no other node can share them.
     Node::open(cfg).await.expect("node opens")

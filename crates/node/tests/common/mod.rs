@@ -51,6 +51,8 @@ pub fn node() -> Arc<Node> {
         runtime().block_on(async {
             let mut cfg = NodeConfig::new(data_dir());
             cfg.envd_binary = Some(envd_binary());
+            // Tests count namespaces: no background slot creation.
+            cfg.spare_slots = 0;
             cfg.pool_size = std::env::var("VMON_TEST_POOL")
                 .ok()
                 .and_then(|v| v.parse().ok())
