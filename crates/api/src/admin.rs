@@ -73,7 +73,7 @@ async fn resume_route(
     }
 }
 
-struct Admin;
+pub(crate) struct Admin;
 
 #[axum::async_trait]
 impl FromRequestParts<AppState> for Admin {
@@ -156,9 +156,7 @@ pub async fn create_team_with_key(
     };
     records.put_team(team.clone()).await?;
     let api_key = ids::api_key();
-    let key = records
-        .add_key(&team.id, &ids::hash_key(&api_key), &ids::mask_key(&api_key))
-        .await?;
+    let key = records.add_key(&team.id, &api_key).await?;
     Ok(TeamWithKey { team, api_key, key })
 }
 
@@ -214,7 +212,7 @@ async fn create_key(
         .ok_or_else(|| ApiError::not_found(format!("team {team_id} not found")))?;
     let api_key = ids::api_key();
     let key = records
-        .add_key(&team.id, &ids::hash_key(&api_key), &ids::mask_key(&api_key))
+        .add_key(&team.id, &api_key)
         .await
         .map_err(|e| ApiError::internal(e.to_string()))?;
     Ok((

@@ -30,6 +30,12 @@ pub struct Config {
     pub default_limits: TeamLimits,
     /// The `base` template `vmon up` builds when it is missing.
     pub base_template: BaseTemplate,
+    /// PostgreSQL URL of the records store (`VMON_STORE_URL`), for clusters; default SQLite
+    /// `<data dir>/vmon.db`.
+    pub store_url: Option<String>,
+    /// The key (64 hex characters) webhook secrets are encrypted with
+    /// (`VMON_WEBHOOK_KEY_FILE`); default `<data dir>/webhook-key`, created on first start.
+    pub webhook_key_file: Option<std::path::PathBuf>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -62,6 +68,8 @@ impl Default for Config {
             lock_wait_secs: 120,
             default_limits: TeamLimits::default(),
             base_template: BaseTemplate::default(),
+            store_url: None,
+            webhook_key_file: None,
         }
     }
 }
@@ -123,6 +131,12 @@ impl Config {
         }
         if let Some(v) = var("VMON_MAX_LIFETIME_SECS") {
             self.default_limits.max_lifetime_secs = parse("VMON_MAX_LIFETIME_SECS", v)?;
+        }
+        if let Some(v) = var("VMON_STORE_URL") {
+            self.store_url = (!v.is_empty()).then_some(v);
+        }
+        if let Some(v) = var("VMON_WEBHOOK_KEY_FILE") {
+            self.webhook_key_file = (!v.is_empty()).then(|| v.into());
         }
         if let Some(v) = var("VMON_BASE_VCPUS") {
             self.base_template.vcpus = parse("VMON_BASE_VCPUS", v)?;

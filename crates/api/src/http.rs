@@ -45,6 +45,11 @@ pub fn router(state: AppState) -> Router {
         .route("/snapshots", get(list_snapshots))
         .route("/templates/*id", delete(delete_template))
         .merge(admin::routes())
+        .merge(crate::telemetry::routes())
+        .layer(axum::middleware::from_fn(
+            crate::telemetry::track_transitions,
+        ))
+        .merge(crate::events::routes())
         .fallback(|| async { ApiError::not_found("no such endpoint") })
         .with_state(state)
 }
@@ -77,7 +82,7 @@ impl FromRequestParts<AppState> for Auth {
 
 /// Parses a JSON body leniently (unknown keys ignored; an empty body is `{}`) and answers
 /// type errors with an E2B 400 instead of axum's plain-text rejection.
-fn body<T: DeserializeOwned>(bytes: &Bytes) -> ApiResult<T> {
+pub(crate) fn body<T: DeserializeOwned>(bytes: &Bytes) -> ApiResult<T> {
     let text: &[u8] = if bytes.iter().all(u8::is_ascii_whitespace) {
         b"{}"
     } else {
@@ -98,7 +103,7 @@ where
         .unwrap_or_else(|e| Err(ApiError::internal(format!("the operation failed: {e}"))))
 }
 
-fn query_pairs(raw: Option<String>) -> ApiResult<Vec<(String, String)>> {
+pub(crate) fn query_pairs(raw: Option<String>) -> ApiResult<Vec<(String, String)>> {
     serde_urlencoded::from_str::<Vec<(String, String)>>(raw.as_deref().unwrap_or(""))
         .map_err(|e| ApiError::bad_request(format!("invalid query: {e}")))
 }
@@ -311,12 +316,10 @@ async fn update_network(
     Path(id): Path<String>,
     bytes: Bytes,
 ) -> ApiResult<StatusCode> {
-    let _req: wire::NetworkUpdate = body(&bytes)?;
-    s.control.detail(&team, &id).await?;
-    Err(ApiError::new(
-        StatusCode::NOT_IMPLEMENTED,
-        "changing the network of an existing sandbox is not supported yet",
-    ))
+    let req: wire::NetworkUpdate = body(&bytes)?;
+    let control = s.control.clone();
+    detached(async move { control.update_network(&team, &id, req).await }).await?;
+    Ok(StatusCode::NO_CONTENT)
 }
 
 async fn delete_template(

@@ -11,6 +11,7 @@ pub mod admin;
 pub mod config;
 pub mod control;
 pub mod error;
+pub mod events;
 pub mod http;
 pub mod ids;
 pub mod records;

@@ -2,19 +2,29 @@
 //! templates (snapshots are templates too), and sandbox records.
 //!
 //! Every change of a sandbox record goes through [`Records::commit`] together with the
-//! lifecycle event that reports it, so a store can write both in one transaction.
-//! [`MemoryRecords`] is the in-process implementation (tests, and `vmon up` until the SQL
-//! store is wired in).
+//! lifecycle event that reports it and the fence of the sandbox's KV lock, so the store writes
+//! both in one transaction and refuses a stale writer. Events, webhooks and the webhook outbox
+//! are read and written through the same port, in the store's own types.
+//!
+//! [`StoreRecords`] implements it on `vmon-store` (SQLite in the data dir, or PostgreSQL).
 
-use std::collections::{BTreeMap, HashMap};
+mod store;
+
+use std::collections::BTreeMap;
 use std::net::IpAddr;
-use std::sync::Mutex;
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 use vmon_proto::node::BuildInfo;
 
 use crate::wire::{NetworkConfig, StringMap, VolumeMount};
+
+pub use store::{secret_key, StoreRecords, SQLITE_FILE, WEBHOOK_KEY_FILE};
+pub use vmon_store::{
+    Delivery, DeliveryAttempt, Event, EventQuery, NewWebhook, OutboxItem, Webhook, WebhookPatch,
+    WebhookStats,
+};
 
 pub type RecordResult<T> = anyhow::Result<T>;
 
@@ -167,15 +177,45 @@ pub struct LifecycleEvent {
     pub at: OffsetDateTime,
 }
 
-/// One change of a sandbox record.
+/// One change of a sandbox record. Every variant but [`Change::Insert`] names the execution it
+/// expects to find: a record that has moved on (another execution, or written under a newer
+/// lock fence) is left alone and the commit reports it stale.
 #[derive(Debug, Clone)]
 pub enum Change {
-    /// Insert or replace the record.
-    Put(Box<SandboxRecord>),
+    /// A new sandbox.
+    Insert(Box<SandboxRecord>),
+    /// Replace the record of `expected_execution_id` (a resume moves it to a new execution).
+    Update {
+        record: Box<SandboxRecord>,
+        expected_execution_id: String,
+    },
     /// The sandbox is gone.
-    Delete { team_id: String, sandbox_id: String },
-    /// Only an event (a checkpoint leaves the record as it is).
-    None,
+    Delete {
+        sandbox_id: String,
+        execution_id: String,
+    },
+    /// Only an event; the record must still be this running execution (a checkpoint).
+    Touch {
+        sandbox_id: String,
+        execution_id: String,
+    },
+}
+
+impl Change {
+    pub fn update(record: &SandboxRecord, expected_execution_id: &str) -> Change {
+        Change::Update {
+            record: Box::new(record.clone()),
+            expected_execution_id: expected_execution_id.to_string(),
+        }
+    }
+}
+
+/// How a commit ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Committed {
+    Done,
+    /// Nothing written: the record is another execution or a newer fence wrote it.
+    Stale,
 }
 
 #[async_trait::async_trait]
@@ -183,10 +223,12 @@ pub trait Records: Send + Sync + 'static {
     async fn team_by_key_hash(&self, key_hash: &str) -> RecordResult<Option<Team>>;
     async fn team(&self, team_id: &str) -> RecordResult<Option<Team>>;
     async fn teams(&self) -> RecordResult<Vec<Team>>;
+    /// Creates the team, or replaces the limits of an existing one.
     async fn put_team(&self, team: Team) -> RecordResult<()>;
-    async fn add_key(&self, team_id: &str, key_hash: &str, mask: &str) -> RecordResult<ApiKeyInfo>;
+    /// Keeps the hash of `raw_key`; the plaintext is the caller's to show once.
+    async fn add_key(&self, team_id: &str, raw_key: &str) -> RecordResult<ApiKeyInfo>;
     async fn keys(&self, team_id: Option<&str>) -> RecordResult<Vec<ApiKeyInfo>>;
-    /// `false` when no such key exists.
+    /// `false` when no such unrevoked key exists.
     async fn revoke_key(&self, key_id: &str) -> RecordResult<bool>;
 
     async fn template_by_id(&self, id: &str) -> RecordResult<Option<TemplateRecord>>;
@@ -198,216 +240,55 @@ pub trait Records: Send + Sync + 'static {
     ) -> RecordResult<Option<TemplateRecord>>;
     async fn put_template(&self, template: TemplateRecord) -> RecordResult<()>;
     async fn delete_template(&self, id: &str) -> RecordResult<bool>;
-    /// The team's templates of the snapshot kind.
+    /// The team's templates of the snapshot kind, newest first.
     async fn snapshots(&self, team_id: &str) -> RecordResult<Vec<TemplateRecord>>;
 
     async fn sandbox(&self, id: &str) -> RecordResult<Option<SandboxRecord>>;
     /// Every team's sandboxes when `team_id` is `None`.
     async fn sandboxes(&self, team_id: Option<&str>) -> RecordResult<Vec<SandboxRecord>>;
-    /// Apply a change and record its event, atomically.
-    async fn commit(&self, change: Change, event: LifecycleEvent) -> RecordResult<()>;
-}
+    /// Running sandboxes whose end time is not after `now` (the reaper's work).
+    async fn expired_sandboxes(&self, now: OffsetDateTime) -> RecordResult<Vec<SandboxRecord>>;
+    /// Applies a change and records its event (and the event's webhook deliveries),
+    /// atomically, if `fence` (the sandbox lock's token) is not older than the record's.
+    async fn commit(
+        &self,
+        change: Change,
+        event: LifecycleEvent,
+        fence: i64,
+    ) -> RecordResult<Committed>;
 
-/// Records in memory, optionally saved to a JSON file after every change (the interim
-/// durable store of `vmon up` until the SQL store is wired in). Events stay in memory only.
-#[derive(Default)]
-pub struct MemoryRecords {
-    inner: Mutex<Memory>,
-    file: Option<std::path::PathBuf>,
-}
+    async fn events(&self, query: &EventQuery) -> RecordResult<Vec<Event>>;
+    /// Deletes events (and delivery attempts) past their retention; returns how many events.
+    async fn run_retention(&self, now: OffsetDateTime) -> RecordResult<u64>;
 
-#[derive(Default, Serialize, Deserialize)]
-struct Memory {
-    teams: HashMap<String, Team>,
-    keys: HashMap<String, (String, ApiKeyInfo)>,
-    templates: HashMap<String, TemplateRecord>,
-    sandboxes: HashMap<String, SandboxRecord>,
-    #[serde(skip)]
-    events: Vec<LifecycleEvent>,
-}
-
-/// Events kept in memory at most.
-const MEMORY_EVENTS: usize = 10_000;
-
-impl MemoryRecords {
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// Loads `file` if it exists and saves every change to it.
-    pub fn persistent(file: std::path::PathBuf) -> anyhow::Result<Self> {
-        let memory = match std::fs::read(&file) {
-            Ok(bytes) => serde_json::from_slice(&bytes)
-                .map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Memory::default(),
-            Err(e) => return Err(anyhow::anyhow!("{}: {e}", file.display())),
-        };
-        Ok(Self {
-            inner: Mutex::new(memory),
-            file: Some(file),
-        })
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, Memory> {
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Writes the state (under the lock, so saves never interleave): temp file, fsync, rename.
-    fn save(&self, m: &Memory) -> RecordResult<()> {
-        let Some(file) = &self.file else {
-            return Ok(());
-        };
-        use std::io::Write;
-        let tmp = file.with_extension("tmp");
-        let bytes = serde_json::to_vec(m)?;
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(&bytes)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, file)?;
-        Ok(())
-    }
-
-    /// Every event committed so far, oldest first.
-    pub fn events(&self) -> Vec<LifecycleEvent> {
-        self.lock().events.clone()
-    }
-}
-
-#[async_trait::async_trait]
-impl Records for MemoryRecords {
-    async fn team_by_key_hash(&self, key_hash: &str) -> RecordResult<Option<Team>> {
-        let m = self.lock();
-        Ok(m.keys
-            .values()
-            .find(|(h, k)| h == key_hash && !k.revoked)
-            .and_then(|(_, k)| m.teams.get(&k.team_id).cloned()))
-    }
-    async fn team(&self, team_id: &str) -> RecordResult<Option<Team>> {
-        Ok(self.lock().teams.get(team_id).cloned())
-    }
-    async fn teams(&self) -> RecordResult<Vec<Team>> {
-        let mut t: Vec<_> = self.lock().teams.values().cloned().collect();
-        t.sort_by(|a, b| a.name.cmp(&b.name));
-        Ok(t)
-    }
-    async fn put_team(&self, team: Team) -> RecordResult<()> {
-        let mut m = self.lock();
-        m.teams.insert(team.id.clone(), team);
-        self.save(&m)
-    }
-    async fn add_key(&self, team_id: &str, key_hash: &str, mask: &str) -> RecordResult<ApiKeyInfo> {
-        let info = ApiKeyInfo {
-            id: crate::ids::random_lower(12),
-            team_id: team_id.to_string(),
-            mask: mask.to_string(),
-            created_at: OffsetDateTime::now_utc(),
-            revoked: false,
-        };
-        let mut m = self.lock();
-        m.keys
-            .insert(info.id.clone(), (key_hash.to_string(), info.clone()));
-        self.save(&m)?;
-        Ok(info)
-    }
-    async fn keys(&self, team_id: Option<&str>) -> RecordResult<Vec<ApiKeyInfo>> {
-        let mut k: Vec<_> = self
-            .lock()
-            .keys
-            .values()
-            .filter(|(_, k)| team_id.is_none_or(|t| t == k.team_id))
-            .map(|(_, k)| k.clone())
-            .collect();
-        k.sort_by_key(|k| k.created_at);
-        Ok(k)
-    }
-    async fn revoke_key(&self, key_id: &str) -> RecordResult<bool> {
-        let mut m = self.lock();
-        let found = match m.keys.get_mut(key_id) {
-            Some((_, k)) => {
-                k.revoked = true;
-                true
-            }
-            None => false,
-        };
-        self.save(&m)?;
-        Ok(found)
-    }
-
-    async fn template_by_id(&self, id: &str) -> RecordResult<Option<TemplateRecord>> {
-        Ok(self.lock().templates.get(id).cloned())
-    }
-    async fn template_by_alias(
+    async fn create_webhook(&self, new: &NewWebhook) -> RecordResult<Webhook>;
+    async fn webhook(&self, team_id: &str, id: &str) -> RecordResult<Option<Webhook>>;
+    async fn webhooks(&self, team_id: &str) -> RecordResult<Vec<Webhook>>;
+    async fn update_webhook(
         &self,
         team_id: &str,
-        alias: &str,
-    ) -> RecordResult<Option<TemplateRecord>> {
-        let m = self.lock();
-        let mut shared = None;
-        for t in m.templates.values() {
-            if t.alias.as_deref() != Some(alias) {
-                continue;
-            }
-            match t.team_id.as_deref() {
-                Some(owner) if owner == team_id => return Ok(Some(t.clone())),
-                None => shared = Some(t.clone()),
-                Some(_) => {}
-            }
-        }
-        Ok(shared)
-    }
-    async fn put_template(&self, template: TemplateRecord) -> RecordResult<()> {
-        let mut m = self.lock();
-        m.templates.insert(template.id.clone(), template);
-        self.save(&m)
-    }
-    async fn delete_template(&self, id: &str) -> RecordResult<bool> {
-        let mut m = self.lock();
-        let found = m.templates.remove(id).is_some();
-        self.save(&m)?;
-        Ok(found)
-    }
-    async fn snapshots(&self, team_id: &str) -> RecordResult<Vec<TemplateRecord>> {
-        let mut s: Vec<_> = self
-            .lock()
-            .templates
-            .values()
-            .filter(|t| {
-                t.team_id.as_deref() == Some(team_id)
-                    && matches!(t.kind, TemplateKind::Snapshot { .. })
-            })
-            .cloned()
-            .collect();
-        s.sort_by(|a, b| b.created_at.cmp(&a.created_at).then(a.id.cmp(&b.id)));
-        Ok(s)
-    }
-
-    async fn sandbox(&self, id: &str) -> RecordResult<Option<SandboxRecord>> {
-        Ok(self.lock().sandboxes.get(id).cloned())
-    }
-    async fn sandboxes(&self, team_id: Option<&str>) -> RecordResult<Vec<SandboxRecord>> {
-        Ok(self
-            .lock()
-            .sandboxes
-            .values()
-            .filter(|s| team_id.is_none_or(|t| t == s.team_id))
-            .cloned()
-            .collect())
-    }
-    async fn commit(&self, change: Change, event: LifecycleEvent) -> RecordResult<()> {
-        let mut m = self.lock();
-        match change {
-            Change::Put(r) => {
-                m.sandboxes.insert(r.id.clone(), *r);
-            }
-            Change::Delete { sandbox_id, .. } => {
-                m.sandboxes.remove(&sandbox_id);
-            }
-            Change::None => {}
-        }
-        if m.events.len() >= MEMORY_EVENTS {
-            m.events.drain(..MEMORY_EVENTS / 10);
-        }
-        m.events.push(event);
-        self.save(&m)
-    }
+        id: &str,
+        patch: &WebhookPatch,
+    ) -> RecordResult<Option<Webhook>>;
+    async fn delete_webhook(&self, team_id: &str, id: &str) -> RecordResult<bool>;
+    /// For the dispatcher only: never put it in a response.
+    async fn webhook_secret(&self, id: &str) -> RecordResult<Option<String>>;
+    async fn deliveries(
+        &self,
+        webhook_id: &str,
+        limit: i64,
+        offset: i64,
+    ) -> RecordResult<Vec<Delivery>>;
+    async fn webhook_stats(&self, webhook_id: &str) -> RecordResult<WebhookStats>;
+    async fn record_delivery(&self, attempt: &DeliveryAttempt) -> RecordResult<()>;
+    /// Claims pending deliveries as leader `epoch`; `Ok(None)` when a newer epoch holds the
+    /// outbox (this leader is deposed).
+    async fn claim_outbox(
+        &self,
+        dispatcher: &str,
+        epoch: i64,
+        limit: i64,
+        visibility: Duration,
+    ) -> RecordResult<Option<Vec<OutboxItem>>>;
+    async fn complete_outbox(&self, epoch: i64, seq: i64) -> RecordResult<bool>;
 }

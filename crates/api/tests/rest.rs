@@ -504,16 +504,22 @@ async fn pause_connect_kill() {
     let g = h.req("GET", &format!("/sandboxes/{id}"), None).await;
     assert_eq!(g.status, StatusCode::NOT_FOUND);
 
-    let kinds: Vec<EventKind> = h
-        .records
-        .events()
+    let kinds: Vec<String> = h
+        .events(&id)
+        .await
         .into_iter()
-        .filter(|e| e.sandbox_id == id)
-        .map(|e| e.kind)
+        .map(|e| e.event_type)
         .collect();
-    assert_eq!(kinds.first(), Some(&EventKind::Created));
-    assert_eq!(kinds.last(), Some(&EventKind::Killed));
-    assert!(kinds.contains(&EventKind::Paused) && kinds.contains(&EventKind::Resumed));
+    assert_eq!(
+        kinds.first().map(String::as_str),
+        Some(EventKind::Created.as_str())
+    );
+    assert_eq!(
+        kinds.last().map(String::as_str),
+        Some(EventKind::Killed.as_str())
+    );
+    assert!(kinds.iter().any(|k| k == EventKind::Paused.as_str()));
+    assert!(kinds.iter().any(|k| k == EventKind::Resumed.as_str()));
 }
 
 #[tokio::test]
@@ -748,12 +754,12 @@ async fn reaper_kills_or_pauses_and_a_failed_pause_kills() {
     let r = h.req("GET", &format!("/sandboxes/{keep}"), None).await;
     assert_eq!(r.json["state"], "running");
     let killed = h
-        .records
-        .events()
+        .events(&kill_me)
+        .await
         .into_iter()
-        .find(|e| e.sandbox_id == kill_me && e.kind == EventKind::Killed)
+        .find(|e| e.event_type == EventKind::Killed.as_str())
         .unwrap();
-    assert_eq!(killed.data["kill_reason"], "timeout");
+    assert_eq!(killed.event_data.unwrap()["kill_reason"], "timeout");
 
     let fails = h
         .create(r#"{"templateID":"base","timeout":0,"autoPause":true}"#)
@@ -789,6 +795,7 @@ async fn admin_routes_need_the_admin_token() {
     assert_eq!(r.status, StatusCode::CREATED);
     let key = r.json["apiKey"].as_str().unwrap().to_string();
     let key_id = r.json["key"]["id"].as_str().unwrap().to_string();
+    let ops_team = r.json["team"]["id"].as_str().unwrap().to_string();
     let c = h
         .call(
             "POST",
@@ -827,10 +834,10 @@ async fn admin_routes_need_the_admin_token() {
         .await;
     assert_eq!(r.status, StatusCode::NO_CONTENT);
     let ev = h
-        .records
-        .events()
+        .events_in(&ops_team, &id)
+        .await
         .into_iter()
-        .find(|e| e.sandbox_id == id && e.kind == EventKind::Killed)
+        .find(|e| e.event_type == EventKind::Killed.as_str())
         .unwrap();
-    assert_eq!(ev.data["kill_reason"], "admin");
+    assert_eq!(ev.event_data.unwrap()["kill_reason"], "admin");
 }

@@ -186,7 +186,15 @@ impl Control {
                 EventKind::Checkpointed,
                 serde_json::json!({ "reason": "fork", "build_id": build.build_id, "count": count }),
             );
-            self.commit(Change::None, ev).await?;
+            self.commit(
+                Change::Touch {
+                    sandbox_id: rec.id.clone(),
+                    execution_id: rec.execution_id.clone(),
+                },
+                ev,
+                guard.fence().token(),
+            )
+            .await?;
             Ok((rec, build))
         }
         .await;
@@ -312,7 +320,15 @@ impl Control {
                 EventKind::Checkpointed,
                 serde_json::json!({ "reason": "snapshot", "snapshot_id": info.snapshot_id, "build_id": build.build_id }),
             );
-            self.commit(Change::None, ev).await?;
+            self.commit(
+                Change::Touch {
+                    sandbox_id: rec.id.clone(),
+                    execution_id: rec.execution_id.clone(),
+                },
+                ev,
+                guard.fence().token(),
+            )
+            .await?;
             if let Some(old) = replaced {
                 self.drop_build(&old.build_id).await;
             }

@@ -180,7 +180,9 @@ impl Control {
                 .map_err(kv_error)?
             {
                 IdempotencyOutcome::Inserted => {
-                    let result = self.launch_locked(&id, &launch).await;
+                    let result = self
+                        .launch_locked(&id, &launch, guard.fence().token())
+                        .await;
                     if result.is_err() {
                         if let Err(e) = self.kv.idempotency_delete(&kv_key).await {
                             tracing::warn!(error = %e, "freeing the idempotency key of a failed create failed");
@@ -227,13 +229,20 @@ impl Control {
     ) -> ApiResult<wire::Sandbox> {
         let id = id.unwrap_or_else(ids::sandbox_id);
         let guard = self.lock(&id).await?;
-        let result = self.launch_locked(&id, &launch).await;
+        let result = self
+            .launch_locked(&id, &launch, guard.fence().token())
+            .await;
         let _ = guard.unlock().await;
         result
     }
 
     /// Admission, node start, record. Nothing is left behind on failure.
-    async fn launch_locked(&self, id: &str, launch: &Launch<'_>) -> ApiResult<wire::Sandbox> {
+    async fn launch_locked(
+        &self,
+        id: &str,
+        launch: &Launch<'_>,
+        fence: i64,
+    ) -> ApiResult<wire::Sandbox> {
         let team = launch.team;
         let counter = admission_key(&team.id);
         if !self
@@ -309,7 +318,7 @@ impl Control {
             serde_json::json!({ "sandbox_metadata": rec.metadata }),
         );
         if let Err(e) = self
-            .commit(Change::Put(Box::new(rec.clone())), created)
+            .commit(Change::Insert(Box::new(rec.clone())), created, fence)
             .await
         {
             let _ = self.node.kill(id, &execution_id).await;
@@ -330,7 +339,9 @@ impl Control {
         self.owned(team, id).await?;
         let guard = self.lock(id).await?;
         let result = match self.records.sandbox(id).await.map_err(record_error)? {
-            Some(rec) if rec.team_id == team.id => self.kill_locked(rec, reason).await,
+            Some(rec) if rec.team_id == team.id => {
+                self.kill_locked(rec, reason, guard.fence().token()).await
+            }
             _ => Err(ApiError::sandbox_not_found(id)),
         };
         let _ = guard.unlock().await;
@@ -341,6 +352,7 @@ impl Control {
         &self,
         rec: SandboxRecord,
         reason: KillReason,
+        fence: i64,
     ) -> ApiResult<()> {
         let span =
             tracing::info_span!("kill", sandbox_id = %rec.id, execution_id = %rec.execution_id);
@@ -355,10 +367,11 @@ impl Control {
         let killed = event(&rec, EventKind::Killed, reason.data());
         self.commit(
             Change::Delete {
-                team_id: rec.team_id.clone(),
                 sandbox_id: rec.id.clone(),
+                execution_id: rec.execution_id.clone(),
             },
             killed,
+            fence,
         )
         .await?;
         if rec.state == SandboxState::Running {
@@ -386,14 +399,19 @@ impl Control {
                     "sandbox {id} is already paused"
                 )));
             }
-            self.pause_locked(rec, memory).await
+            self.pause_locked(rec, memory, guard.fence().token()).await
         }
         .await;
         let _ = guard.unlock().await;
         result
     }
 
-    pub(crate) async fn pause_locked(&self, mut rec: SandboxRecord, memory: bool) -> ApiResult<()> {
+    pub(crate) async fn pause_locked(
+        &self,
+        mut rec: SandboxRecord,
+        memory: bool,
+        fence: i64,
+    ) -> ApiResult<()> {
         let build = self.node.pause(&rec.id, &rec.execution_id, memory).await?;
         let superseded = rec.owned_build.take();
         rec.state = SandboxState::Paused;
@@ -405,7 +423,7 @@ impl Control {
             EventKind::Paused,
             serde_json::json!({ "memory": build.has_memory }),
         );
-        self.commit(Change::Put(Box::new(rec.clone())), paused)
+        self.commit(Change::update(&rec, &rec.execution_id), paused, fence)
             .await?;
         self.release(&admission_key(&rec.team_id)).await;
         if let Some(old) = superseded {
@@ -440,14 +458,20 @@ impl Control {
                             EventKind::Updated,
                             serde_json::json!({ "set_timeout": super::rfc3339(wanted) }),
                         );
-                        self.commit(Change::Put(Box::new(rec.clone())), updated)
-                            .await?;
+                        self.commit(
+                            Change::update(&rec, &rec.execution_id),
+                            updated,
+                            guard.fence().token(),
+                        )
+                        .await?;
                     }
                     Ok((self.sandbox_view(&rec), false))
                 }
                 SandboxState::Paused => {
                     let cold = memory == Some(false);
-                    let rec = self.resume_locked(team, rec, timeout, cold).await?;
+                    let rec = self
+                        .resume_locked(team, rec, timeout, cold, guard.fence().token())
+                        .await?;
                     Ok((self.sandbox_view(&rec), true))
                 }
             }
@@ -479,7 +503,13 @@ impl Control {
                 rec.auto_pause = p;
             }
             let rec = self
-                .resume_locked(team, rec, timeout, memory == Some(false))
+                .resume_locked(
+                    team,
+                    rec,
+                    timeout,
+                    memory == Some(false),
+                    guard.fence().token(),
+                )
                 .await?;
             Ok(self.sandbox_view(&rec))
         }
@@ -495,6 +525,7 @@ impl Control {
         mut rec: SandboxRecord,
         timeout: u64,
         cold_boot: bool,
+        fence: i64,
     ) -> ApiResult<SandboxRecord> {
         let counter = admission_key(&team.id);
         if !self
@@ -526,7 +557,7 @@ impl Control {
         };
         let now = OffsetDateTime::now_utc();
         let timeout = timeout.min(team.limits.max_lifetime_secs);
-        rec.execution_id = execution_id;
+        let paused_execution = std::mem::replace(&mut rec.execution_id, execution_id);
         rec.state = SandboxState::Running;
         rec.guest_ip = Some(running.guest_ip);
         rec.envd_version = running.envd_version;
@@ -539,7 +570,7 @@ impl Control {
             serde_json::json!({ "cold_boot": cold_boot }),
         );
         if let Err(e) = self
-            .commit(Change::Put(Box::new(rec.clone())), resumed)
+            .commit(Change::update(&rec, &paused_execution), resumed, fence)
             .await
         {
             let _ = self.node.kill(&rec.id, &rec.execution_id).await;
@@ -588,7 +619,12 @@ impl Control {
                     EventKind::Updated,
                     serde_json::json!({ "set_timeout": super::rfc3339(rec.end_at) }),
                 );
-                self.commit(Change::Put(Box::new(rec)), updated).await?;
+                self.commit(
+                    Change::update(&rec, &rec.execution_id),
+                    updated,
+                    guard.fence().token(),
+                )
+                .await?;
             }
             Ok(())
         }
@@ -616,7 +652,9 @@ impl Control {
             timeout,
             base: Inherited::of(source),
         };
-        let result = self.launch_locked(&id, &launch).await;
+        let result = self
+            .launch_locked(&id, &launch, guard.fence().token())
+            .await;
         let _ = guard.unlock().await;
         result
     }

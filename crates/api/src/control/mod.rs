@@ -8,7 +8,9 @@
 //! client goes away.
 
 mod checkpoint;
+mod delivery;
 mod lifecycle;
+mod network;
 mod reaper;
 mod routes;
 
@@ -24,11 +26,12 @@ use vmon_proxy::SandboxRoute;
 use crate::config::Config;
 use crate::error::{ApiError, ApiResult};
 use crate::records::{
-    Change, EventKind, LifecycleEvent, Records, SandboxRecord, SandboxState, Team,
+    Change, Committed, EventKind, LifecycleEvent, Records, SandboxRecord, SandboxState, Team,
 };
 use crate::wire;
 
 pub use checkpoint::{parse_template_ref, TemplateRef};
+pub use delivery::{signature, DeliveryPolicy, WebhookPayload};
 pub use lifecycle::{CreateParams, KillReason};
 pub use routes::ProxyRoutes;
 
@@ -40,6 +43,9 @@ pub struct Control {
     pub(crate) kv: Kv,
     /// What the proxy needs per sandbox, kept in step with every commit.
     routes: RwLock<HashMap<String, SandboxRoute>>,
+    /// Wakes this process's webhook dispatcher after a commit queued deliveries.
+    pub(crate) deliveries_due: tokio::sync::Notify,
+    pub(crate) delivery_policy: DeliveryPolicy,
 }
 
 impl Control {
@@ -56,6 +62,8 @@ impl Control {
             records,
             kv,
             routes: RwLock::new(HashMap::new()),
+            deliveries_due: tokio::sync::Notify::new(),
+            delivery_policy: DeliveryPolicy::default(),
         });
         control.reconcile().await?;
         Ok(control)
@@ -95,15 +103,20 @@ impl Control {
                 }
                 None => {
                     tracing::warn!(sandbox_id = %rec.id, "sandbox record without a VM: reporting it killed (orphaned)");
+                    let guard = self.lock(&rec.id).await?;
                     let event = event(rec, EventKind::Killed, KillReason::Orphaned.data());
-                    self.commit(
-                        Change::Delete {
-                            team_id: rec.team_id.clone(),
-                            sandbox_id: rec.id.clone(),
-                        },
-                        event,
-                    )
-                    .await?;
+                    let result = self
+                        .commit(
+                            Change::Delete {
+                                sandbox_id: rec.id.clone(),
+                                execution_id: rec.execution_id.clone(),
+                            },
+                            event,
+                            guard.fence().token(),
+                        )
+                        .await;
+                    let _ = guard.unlock().await;
+                    result?;
                 }
             }
         }
@@ -124,18 +137,35 @@ impl Control {
         Ok(())
     }
 
-    /// The one door for state changes: writes the record change and its event together and
-    /// keeps the proxy's routes in step.
-    pub(crate) async fn commit(&self, change: Change, event: LifecycleEvent) -> ApiResult<()> {
+    /// The one door for state changes: writes the record change and its event together, under
+    /// `fence` (the token of the sandbox lock the caller holds), and keeps the proxy's routes in
+    /// step. A record that moved on meanwhile (another execution, a newer lock holder) is left
+    /// alone and the change answers 409.
+    pub(crate) async fn commit(
+        &self,
+        change: Change,
+        event: LifecycleEvent,
+        fence: i64,
+    ) -> ApiResult<()> {
+        let sandbox_id = event.sandbox_id.clone();
         let route_update = match &change {
-            Change::Put(rec) => Some(Ok(rec.as_ref().clone())),
+            Change::Insert(rec) | Change::Update { record: rec, .. } => {
+                Some(Ok(rec.as_ref().clone()))
+            }
             Change::Delete { sandbox_id, .. } => Some(Err(sandbox_id.clone())),
-            Change::None => None,
+            Change::Touch { .. } => None,
         };
-        self.records
-            .commit(change, event)
+        let committed = self
+            .records
+            .commit(change, event, fence)
             .await
             .map_err(|e| ApiError::internal(format!("writing the sandbox record failed: {e:#}")))?;
+        if committed == Committed::Stale {
+            return Err(ApiError::conflict(format!(
+                "sandbox {sandbox_id} was changed by another operation; try again"
+            )));
+        }
+        self.deliveries_due.notify_one();
         match route_update {
             Some(Ok(rec)) => self.set_route(&rec),
             Some(Err(id)) => {

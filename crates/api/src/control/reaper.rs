@@ -1,5 +1,6 @@
-//! The timeout reaper: every second, on the KV leader only, expired running sandboxes pause
-//! (autoPause) or die; a failed auto-pause kills.
+//! The KV leader's duties: the timeout reaper (every second, expired running sandboxes pause
+//! when autoPause, otherwise die; a failed auto-pause kills), the event retention job (hourly),
+//! and the webhook dispatcher (`delivery.rs`), fenced by the leader epoch.
 
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
@@ -9,6 +10,9 @@ use time::OffsetDateTime;
 use tokio_util::sync::CancellationToken;
 
 use super::{Control, KillReason};
+
+/// How often the leader deletes expired events.
+const RETENTION_EVERY: Duration = Duration::from_secs(3600);
 use crate::records::SandboxState;
 
 impl Control {
@@ -31,10 +35,16 @@ impl Control {
                     }
                 }
             };
-            tracing::info!(epoch = leadership.epoch(), "this api is the reaper");
+            tracing::info!(epoch = leadership.epoch(), "this api is the leader");
             let lost = leadership.lost();
+            let leading = CancellationToken::new();
+            // Stops the dispatcher however this leadership ends.
+            let _leading_guard = leading.clone().drop_guard();
+            tokio::spawn(self.clone().run_dispatcher(leadership.epoch(), leading));
             let mut tick = tokio::time::interval(Duration::from_secs(1));
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut retention = tokio::time::interval(RETENTION_EVERY);
+            retention.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 tokio::select! {
                     _ = cancel.cancelled() => {
@@ -46,6 +56,7 @@ impl Control {
                         break;
                     }
                     _ = tick.tick() => self.reap_once(&in_flight).await,
+                    _ = retention.tick() => self.expire_events().await,
                 }
             }
         }
@@ -55,7 +66,7 @@ impl Control {
     /// sandbox's lock, so a slow pause never holds up the others).
     pub async fn reap_once(self: &Arc<Self>, in_flight: &Arc<Mutex<HashSet<String>>>) {
         let now = OffsetDateTime::now_utc();
-        let records = match self.records.sandboxes(None).await {
+        let records = match self.records.expired_sandboxes(now).await {
             Ok(r) => r,
             Err(e) => {
                 tracing::warn!(error = %e, "reaper could not list sandboxes");
@@ -85,6 +96,15 @@ impl Control {
         }
     }
 
+    /// Deletes events (and delivery attempts) older than the 30-day retention.
+    pub async fn expire_events(&self) {
+        match self.records.run_retention(OffsetDateTime::now_utc()).await {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(deleted = n, "expired lifecycle events deleted"),
+            Err(e) => tracing::warn!(error = %e, "the event retention job failed"),
+        }
+    }
+
     async fn expire(&self, id: &str, execution_id: &str) {
         let Ok(guard) = self.lock(id).await else {
             return;
@@ -101,16 +121,23 @@ impl Control {
             let _e = span.enter();
             drop(_e);
             if rec.auto_pause {
-                match self.pause_locked(rec.clone(), rec.auto_pause_memory).await {
+                let fence = guard.fence().token();
+                match self
+                    .pause_locked(rec.clone(), rec.auto_pause_memory, fence)
+                    .await
+                {
                     Ok(()) => tracing::info!(sandbox_id = id, "timeout: sandbox auto-paused"),
                     Err(e) => {
                         tracing::warn!(sandbox_id = id, error = %e, "auto-pause failed: killing the sandbox");
-                        if let Err(e) = self.kill_locked(rec, KillReason::Timeout).await {
+                        if let Err(e) = self.kill_locked(rec, KillReason::Timeout, fence).await {
                             tracing::warn!(sandbox_id = id, error = %e, "killing after a failed auto-pause failed");
                         }
                     }
                 }
-            } else if let Err(e) = self.kill_locked(rec, KillReason::Timeout).await {
+            } else if let Err(e) = self
+                .kill_locked(rec, KillReason::Timeout, guard.fence().token())
+                .await
+            {
                 tracing::warn!(sandbox_id = id, error = %e, "timeout kill failed");
             }
         }

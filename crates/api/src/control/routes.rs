@@ -69,7 +69,7 @@ impl Control {
                 .max(TRAFFIC_RESUME_MIN_SECS)
                 .min(team.limits.max_lifetime_secs);
             let rec = self
-                .resume_locked(&team, rec, timeout, false)
+                .resume_locked(&team, rec, timeout, false, guard.fence().token())
                 .await
                 .map_err(|e| ResumeError::Failed(e.message))?;
             rec.guest_ip.ok_or_else(not_found)

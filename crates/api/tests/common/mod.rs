@@ -1,5 +1,5 @@
-//! In-memory parts for the api's integration tests: a fake node, memory records, an embedded
-//! KV in a temp dir, and helpers to drive the router.
+//! Parts for the api's integration tests: a fake node, the real records store (SQLite) and an
+//! embedded KV in a temp dir, and helpers to drive the router.
 
 #![allow(dead_code)]
 
@@ -12,7 +12,9 @@ use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use http_body_util::BodyExt;
 use tower::ServiceExt;
-use vmon_api::records::{MemoryRecords, Records, TeamLimits, TemplateKind, TemplateRecord};
+use vmon_api::records::{
+    Event, EventQuery, Records, StoreRecords, TeamLimits, TemplateKind, TemplateRecord,
+};
 use vmon_api::{admin, Config, Control};
 use vmon_proto::node::{BuildInfo, NodeControl, NodeError, Running, StartSpec, TemplateSpec};
 
@@ -180,7 +182,7 @@ impl NodeControl for FakeNode {
         start_unix: i64,
         end_unix: i64,
     ) -> Result<Vec<vmon_proto::node::MetricSample>, NodeError> {
-        let all = self.samples.lock().unwrap();
+        let all = self.samples.lock().expect("lock");
         Ok(all
             .get(sandbox_id)
             .into_iter()
@@ -193,8 +195,8 @@ impl NodeControl for FakeNode {
         &self,
         sandbox_ids: &[String],
     ) -> Vec<(String, vmon_proto::node::MetricSample)> {
-        let all = self.samples.lock().unwrap();
-        let running = self.running.lock().unwrap();
+        let all = self.samples.lock().expect("lock");
+        let running = self.running.lock().expect("lock");
         sandbox_ids
             .iter()
             .filter(|id| running.contains_key(*id))
@@ -206,7 +208,7 @@ impl NodeControl for FakeNode {
         sandbox_id: &str,
         query: vmon_proto::node::LogQuery,
     ) -> Result<Vec<vmon_proto::node::LogEntry>, NodeError> {
-        let all = self.log_entries.lock().unwrap();
+        let all = self.log_entries.lock().expect("lock");
         let mut v: Vec<_> = all
             .get(sandbox_id)
             .into_iter()
@@ -236,7 +238,8 @@ impl NodeControl for FakeNode {
 pub struct Harness {
     pub control: Arc<Control>,
     pub node: Arc<FakeNode>,
-    pub records: Arc<MemoryRecords>,
+    pub records: Arc<StoreRecords>,
+    pub team_id: String,
     pub router: axum::Router,
     pub key: String,
     pub other_key: String,
@@ -253,11 +256,11 @@ pub async fn harness_at(guest_ip: IpAddr, limits: TeamLimits) -> Harness {
         .await
         .unwrap();
     let node = FakeNode::new(guest_ip);
-    let records = Arc::new(MemoryRecords::new());
     let config = Config {
         lock_wait_secs: 5,
         ..Config::default()
     };
+    let records = Arc::new(StoreRecords::open(&config, dir.path()).await.unwrap());
     let control = Control::open(config, node.clone(), records.clone(), kv)
         .await
         .unwrap();
@@ -304,6 +307,7 @@ pub async fn harness_at(guest_ip: IpAddr, limits: TeamLimits) -> Harness {
         node,
         records,
         router,
+        team_id: team.team.id.clone(),
         key: team.api_key,
         other_key: other.api_key,
         _dir: dir,
@@ -357,6 +361,24 @@ impl Harness {
     pub async fn req(&self, method: &str, path: &str, body: Option<&str>) -> Reply {
         let key = self.key.clone();
         self.call(method, path, Some(&key), body, &[]).await
+    }
+
+    /// The sandbox's events (of the harness team), oldest first, as the store holds them.
+    pub async fn events(&self, sandbox_id: &str) -> Vec<Event> {
+        self.events_in(&self.team_id.clone(), sandbox_id).await
+    }
+
+    pub async fn events_in(&self, team_id: &str, sandbox_id: &str) -> Vec<Event> {
+        self.records
+            .events(&EventQuery {
+                team_id: team_id.to_string(),
+                sandbox_id: Some(sandbox_id.to_string()),
+                limit: 1000,
+                order_asc: true,
+                ..Default::default()
+            })
+            .await
+            .unwrap()
     }
 
     /// Creates a sandbox from `base` and returns its id.

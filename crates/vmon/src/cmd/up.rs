@@ -1,4 +1,5 @@
-//! `vmon up`: api + proxy + one node in one process, embedded KV and records in the data dir.
+//! `vmon up`: api + proxy + one node in one process, embedded KV and the records store (SQLite
+//! `vmon.db`, or PostgreSQL when `store_url` is configured) in the data dir.
 //!
 //! First start: creates the default team and its API key (the plaintext is kept in
 //! `<data dir>/api-key`, mode 0600, so later starts can print it again; the records hold only
@@ -16,7 +17,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use tokio_util::sync::CancellationToken;
-use vmon_api::records::{MemoryRecords, Records};
+use vmon_api::records::{Records, StoreRecords};
 use vmon_api::{Config, Control, ProxyRoutes};
 
 #[derive(clap::Args)]
@@ -57,8 +58,18 @@ pub async fn serve(data_dir: &Path, config: Config, parts: Parts) -> anyhow::Res
     let kv = vmon_kv::Kv::open_embedded(&vmon_kv::EmbeddedConfig::new(data_dir.join("kv")))
         .await
         .context("opening the embedded KV")?;
-    let records: Arc<dyn Records> =
-        Arc::new(MemoryRecords::persistent(data_dir.join("records.json"))?);
+    let records: Arc<dyn Records> = Arc::new(
+        StoreRecords::open(&config, data_dir)
+            .await
+            .context("opening the records store")?,
+    );
+    if data_dir.join("records.json").exists() {
+        tracing::warn!(
+            "{} is from an older vmon and is no longer read; records now live in {}",
+            data_dir.join("records.json").display(),
+            data_dir.join(vmon_api::records::SQLITE_FILE).display()
+        );
+    }
     let api_key = bootstrap_team(records.as_ref(), data_dir, &config).await?;
     let admin_token = secret_file(&data_dir.join(ADMIN_TOKEN_FILE))?;
 

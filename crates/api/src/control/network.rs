@@ -1,0 +1,130 @@
+//! `PUT /sandboxes/{id}/network`: replaces a running sandbox's egress rules on its node and in
+//! its record, and reports the change as `sandbox.lifecycle.updated`.
+
+use std::net::IpAddr;
+
+use super::{event, network_policy, Control};
+use crate::error::{ApiError, ApiResult};
+use crate::records::{Change, EventKind, SandboxState, Team};
+use crate::wire::NetworkUpdate;
+
+/// More rules than this is a mistake, not a policy.
+const MAX_RULES: usize = 1000;
+
+/// `ip` or `ip/prefix`.
+fn valid_cidr(s: &str) -> bool {
+    let (ip, prefix) = match s.split_once('/') {
+        Some((ip, p)) => (ip, Some(p)),
+        None => (s, None),
+    };
+    let Ok(ip) = ip.parse::<IpAddr>() else {
+        return false;
+    };
+    let max = if ip.is_ipv4() { 32 } else { 128 };
+    prefix.is_none_or(|p| p.parse::<u8>().is_ok_and(|p| p <= max))
+}
+
+pub(crate) fn validate(update: &NetworkUpdate) -> ApiResult<()> {
+    for (field, list) in [
+        ("allowOut", &update.allow_out),
+        ("denyOut", &update.deny_out),
+    ] {
+        let list = list.as_deref().unwrap_or_default();
+        if list.len() > MAX_RULES {
+            return Err(ApiError::bad_request(format!(
+                "{field} may hold at most {MAX_RULES} entries"
+            )));
+        }
+        if let Some(bad) = list.iter().find(|e| !valid_cidr(e.trim())) {
+            return Err(ApiError::bad_request(format!(
+                "{field} entry {bad:?} is not an IP address or CIDR block (domain names are not supported)"
+            )));
+        }
+    }
+    let dns = update.dns_servers.as_deref().unwrap_or_default();
+    if let Some(bad) = dns
+        .iter()
+        .find(|d| !d.trim().parse::<IpAddr>().is_ok_and(|ip| ip.is_ipv4()))
+    {
+        return Err(ApiError::bad_request(format!(
+            "dnsServers entry {bad:?} is not an IPv4 address"
+        )));
+    }
+    Ok(())
+}
+
+fn trimmed(list: Option<Vec<String>>) -> Option<Vec<String>> {
+    list.map(|l| l.into_iter().map(|e| e.trim().to_string()).collect())
+}
+
+impl Control {
+    /// Replace-all: a field left out is cleared (internet access then defaults to allowed).
+    pub async fn update_network(
+        &self,
+        team: &Team,
+        id: &str,
+        update: NetworkUpdate,
+    ) -> ApiResult<()> {
+        validate(&update)?;
+        self.owned(team, id).await?;
+        let guard = self.lock(id).await?;
+        let result = async {
+            let mut rec = self.owned(team, id).await?;
+            if rec.state != SandboxState::Running {
+                return Err(ApiError::conflict(format!(
+                    "sandbox {id} is paused; resume it before changing its network"
+                )));
+            }
+            rec.network.allow_out = trimmed(update.allow_out);
+            rec.network.deny_out = trimmed(update.deny_out);
+            rec.network.dns_servers = trimmed(update.dns_servers);
+            rec.allow_internet_access = update.allow_internet_access;
+            self.node
+                .update_network(&rec.id, &rec.execution_id, network_policy(&rec))
+                .await?;
+            let updated = event(
+                &rec,
+                EventKind::Updated,
+                serde_json::json!({ "network": {
+                    "allowOut": rec.network.allow_out,
+                    "denyOut": rec.network.deny_out,
+                    "dnsServers": rec.network.dns_servers,
+                    "allowInternetAccess": rec.allow_internet_access,
+                }}),
+            );
+            self.commit(
+                Change::update(&rec, &rec.execution_id),
+                updated,
+                guard.fence().token(),
+            )
+            .await?;
+            tracing::info!(sandbox_id = %rec.id, "sandbox network updated");
+            Ok(())
+        }
+        .await;
+        let _ = guard.unlock().await;
+        result
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cidrs() {
+        for ok in ["8.8.8.8", "10.0.0.0/8", "0.0.0.0/0", "::1", "2001:db8::/32"] {
+            assert!(valid_cidr(ok), "{ok}");
+        }
+        for bad in [
+            "example.com",
+            "10.0.0.0/33",
+            "1.2.3",
+            "",
+            "::/129",
+            "1.1.1.1/x",
+        ] {
+            assert!(!valid_cidr(bad), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,707 @@
+//! [`Records`] on `vmon-store`: the api's records mapped onto the store's tables.
+//!
+//! What the store does not model lives in the sandbox row's `extra` JSON (the full build the
+//! record stands on, the guest address, volume mounts, the build owned by the sandbox). Team
+//! snapshot names are stored as `<slug>/<alias>` (the store's alias namespace is global);
+//! shared templates keep their bare alias.
+
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::Context;
+use serde::{Deserialize, Serialize};
+use time::OffsetDateTime;
+use vmon_proto::node::BuildInfo;
+use vmon_store::{
+    BuildStatus, NewBuild, NewEvent, NewTeam, NewTemplate, PauseMode, SandboxQuery, SnapshotQuery,
+    Store, StoreConfig, StoreError,
+};
+
+use super::*;
+
+/// The records of the control plane in a [`vmon_store::Store`].
+#[derive(Clone)]
+pub struct StoreRecords {
+    store: Store,
+}
+
+/// Where the webhook secret key lives when the config names no file.
+pub const WEBHOOK_KEY_FILE: &str = "webhook-key";
+/// The SQLite file of `vmon up`.
+pub const SQLITE_FILE: &str = "vmon.db";
+
+impl StoreRecords {
+    pub fn new(store: Store) -> StoreRecords {
+        StoreRecords { store }
+    }
+
+    /// Opens the store the config names (`store_url`, PostgreSQL for clusters), else SQLite in
+    /// the data dir. The webhook secret key comes from `webhook_key_file` or
+    /// `<data dir>/webhook-key`, created (0600) on first start.
+    pub async fn open(config: &crate::Config, data_dir: &Path) -> anyhow::Result<StoreRecords> {
+        let key_file = config
+            .webhook_key_file
+            .clone()
+            .unwrap_or_else(|| data_dir.join(WEBHOOK_KEY_FILE));
+        let key = secret_key(&key_file)?;
+        let store_config = match &config.store_url {
+            Some(url) => StoreConfig::postgres(url.clone(), key),
+            None => StoreConfig::sqlite(data_dir.join(SQLITE_FILE), key),
+        };
+        let store = Store::open(&store_config)
+            .await
+            .with_context(|| format!("opening the store {}", store_config.url))?;
+        Ok(StoreRecords { store })
+    }
+
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+}
+
+/// Reads the 32-byte key (hex) from `path`, creating it with a fresh key, mode 0600, if absent.
+pub fn secret_key(path: &Path) -> anyhow::Result<[u8; 32]> {
+    match std::fs::read_to_string(path) {
+        Ok(text) => parse_key(text.trim()).with_context(|| {
+            format!(
+                "{} must hold 64 hex characters (a 32-byte key)",
+                path.display()
+            )
+        }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            use std::io::Write;
+            let key: [u8; 32] = rand::random();
+            if let Some(dir) = path.parent() {
+                std::fs::create_dir_all(dir)
+                    .with_context(|| format!("creating {}", dir.display()))?;
+            }
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(path)
+                .with_context(|| format!("creating {}", path.display()))?;
+            f.write_all(hex::encode(key).as_bytes())?;
+            f.sync_all()?;
+            Ok(key)
+        }
+        Err(e) => Err(anyhow::anyhow!("reading {}: {e}", path.display())),
+    }
+}
+
+fn parse_key(text: &str) -> Option<[u8; 32]> {
+    hex::decode(text).ok()?.try_into().ok()
+}
+
+/// The sandbox fields the store keeps as opaque JSON.
+#[derive(Default, Serialize, Deserialize)]
+struct Extra {
+    build: Option<BuildInfo>,
+    guest_ip: Option<IpAddr>,
+    allow_internet_access: Option<bool>,
+    #[serde(default)]
+    volume_mounts: Vec<VolumeMount>,
+    owned_build: Option<String>,
+}
+
+fn to_i64<T: TryInto<i64>>(v: T) -> i64 {
+    v.try_into().unwrap_or(i64::MAX)
+}
+
+fn to_u32(v: i64) -> u32 {
+    u32::try_from(v.max(0)).unwrap_or(u32::MAX)
+}
+
+fn to_store(rec: &SandboxRecord, fence: i64) -> RecordResult<vmon_store::SandboxRecord> {
+    let paused = rec.state == SandboxState::Paused;
+    let extra = Extra {
+        build: Some(rec.build.clone()),
+        guest_ip: rec.guest_ip,
+        allow_internet_access: rec.allow_internet_access,
+        volume_mounts: rec.volume_mounts.clone(),
+        owned_build: rec.owned_build.clone(),
+    };
+    Ok(vmon_store::SandboxRecord {
+        sandbox_id: rec.id.clone(),
+        team_id: rec.team_id.clone(),
+        execution_id: rec.execution_id.clone(),
+        template_id: rec.template_id.clone(),
+        build_id: rec.build.build_id.clone(),
+        paused_build_id: paused.then(|| rec.build.build_id.clone()),
+        alias: rec.alias.clone(),
+        state: if paused {
+            vmon_store::SandboxState::Paused
+        } else {
+            vmon_store::SandboxState::Running
+        },
+        node_id: None,
+        pause_mode: paused.then_some(if rec.build.has_memory {
+            PauseMode::Full
+        } else {
+            PauseMode::Filesystem
+        }),
+        vcpus: i64::from(rec.vcpus),
+        memory_mb: i64::from(rec.memory_mb),
+        disk_mb: i64::from(rec.disk_mb),
+        envd_version: rec.envd_version.clone(),
+        metadata: rec.metadata.clone(),
+        env_vars: rec.env_vars.clone(),
+        network: Some(serde_json::to_value(&rec.network)?),
+        auto_pause: rec.auto_pause,
+        auto_pause_memory: rec.auto_pause_memory,
+        auto_resume: rec.auto_resume,
+        timeout_secs: to_i64(rec.timeout_secs),
+        started_at: rec.started_at,
+        end_at: rec.end_at,
+        envd_access_token: Some(rec.envd_access_token.clone()),
+        traffic_access_token: rec.traffic_access_token.clone(),
+        extra: serde_json::to_value(&extra)?,
+        fence,
+    })
+}
+
+fn from_store(s: vmon_store::SandboxRecord) -> SandboxRecord {
+    let extra: Extra = serde_json::from_value(s.extra).unwrap_or_default();
+    let state = match s.state {
+        vmon_store::SandboxState::Paused => SandboxState::Paused,
+        _ => SandboxState::Running,
+    };
+    let build = extra.build.unwrap_or_else(|| BuildInfo {
+        build_id: s.paused_build_id.clone().unwrap_or(s.build_id.clone()),
+        has_memory: s.pause_mode != Some(PauseMode::Filesystem),
+        vcpus: to_u32(s.vcpus),
+        memory_mb: to_u32(s.memory_mb),
+        disk_mb: to_u32(s.disk_mb),
+        envd_version: s.envd_version.clone(),
+        parent: None,
+    });
+    SandboxRecord {
+        id: s.sandbox_id,
+        team_id: s.team_id,
+        template_id: s.template_id,
+        alias: s.alias,
+        execution_id: s.execution_id,
+        state,
+        started_at: s.started_at,
+        end_at: s.end_at,
+        build,
+        guest_ip: extra.guest_ip,
+        envd_version: s.envd_version,
+        vcpus: to_u32(s.vcpus),
+        memory_mb: to_u32(s.memory_mb),
+        disk_mb: to_u32(s.disk_mb),
+        metadata: s.metadata,
+        env_vars: s.env_vars,
+        timeout_secs: u64::try_from(s.timeout_secs).unwrap_or(0),
+        auto_pause: s.auto_pause,
+        auto_pause_memory: s.auto_pause_memory,
+        auto_resume: s.auto_resume,
+        allow_internet_access: extra.allow_internet_access,
+        network: s
+            .network
+            .and_then(|n| serde_json::from_value(n).ok())
+            .unwrap_or_default(),
+        envd_access_token: s.envd_access_token.unwrap_or_default(),
+        traffic_access_token: s.traffic_access_token,
+        volume_mounts: extra.volume_mounts,
+        owned_build: extra.owned_build,
+    }
+}
+
+fn team_from_store(t: vmon_store::Team) -> Team {
+    let l = t.limits;
+    Team {
+        id: t.id,
+        name: t.name,
+        slug: t.slug,
+        limits: TeamLimits {
+            max_concurrent: to_u32(l.max_concurrent_sandboxes),
+            max_vcpus: to_u32(l.max_vcpus),
+            max_memory_mb: to_u32(l.max_memory_mb),
+            max_disk_mb: to_u32(l.max_disk_mb),
+            max_lifetime_secs: u64::try_from(l.max_lifetime_secs).unwrap_or(0),
+        },
+    }
+}
+
+fn limits_to_store(l: &TeamLimits) -> vmon_store::TeamLimits {
+    vmon_store::TeamLimits {
+        max_concurrent_sandboxes: i64::from(l.max_concurrent),
+        max_vcpus: i64::from(l.max_vcpus),
+        max_memory_mb: i64::from(l.max_memory_mb),
+        max_disk_mb: i64::from(l.max_disk_mb),
+        max_lifetime_secs: to_i64(l.max_lifetime_secs),
+    }
+}
+
+fn key_from_store(k: vmon_store::ApiKey) -> ApiKeyInfo {
+    ApiKeyInfo {
+        id: k.id,
+        team_id: k.team_id,
+        mask: k.mask,
+        created_at: k.created_at,
+        revoked: k.revoked_at.is_some(),
+    }
+}
+
+fn build_info(b: vmon_store::Build) -> BuildInfo {
+    BuildInfo {
+        build_id: b.id,
+        has_memory: b.has_memory,
+        vcpus: to_u32(b.vcpus),
+        memory_mb: to_u32(b.memory_mb),
+        disk_mb: to_u32(b.disk_mb),
+        envd_version: b.envd_version,
+        parent: b.parent_build_id,
+    }
+}
+
+/// The store's name for a template alias: team names live under the team's slug.
+fn stored_alias(slug: Option<&str>, alias: &str) -> String {
+    match slug {
+        Some(slug) => format!("{slug}/{alias}"),
+        None => alias.to_string(),
+    }
+}
+
+fn event_to_store(e: LifecycleEvent) -> NewEvent {
+    NewEvent {
+        event_type: e.kind.as_str().to_string(),
+        event_data: (!e.data.is_null()).then_some(e.data),
+        sandbox_id: e.sandbox_id,
+        execution_id: e.execution_id,
+        build_id: e.build_id,
+        team_id: e.team_id,
+        template_id: e.template_id,
+        timestamp: e.at,
+    }
+}
+
+impl StoreRecords {
+    async fn slug_of(&self, team_id: &str) -> RecordResult<Option<String>> {
+        Ok(self.store.team(team_id).await?.map(|t| t.slug))
+    }
+
+    async fn load_template(&self, t: vmon_store::Template) -> RecordResult<Option<TemplateRecord>> {
+        let kind = match t.kind {
+            vmon_store::TemplateKind::Snapshot => TemplateKind::Snapshot {
+                source_sandbox_id: t.source_sandbox_id.clone().unwrap_or_default(),
+            },
+            vmon_store::TemplateKind::Template => TemplateKind::Template,
+            // Never written by the api; not a template a create may name.
+            vmon_store::TemplateKind::ForkHidden => return Ok(None),
+        };
+        let tags = self
+            .store
+            .tagged_builds(&t.id)
+            .await?
+            .into_iter()
+            .map(|(tag, b)| (tag, build_info(b)))
+            .collect();
+        let alias = t
+            .aliases
+            .first()
+            .map(|a| a.rsplit('/').next().unwrap_or(a).to_string());
+        Ok(Some(TemplateRecord {
+            id: t.id,
+            team_id: t.team_id,
+            alias,
+            kind,
+            tags,
+            // Snapshots list newest first by their last new tag.
+            created_at: t.updated_at,
+        }))
+    }
+
+    async fn all_sandboxes(&self, team_id: &str) -> RecordResult<Vec<SandboxRecord>> {
+        let mut out = Vec::new();
+        let mut cursor = None;
+        loop {
+            let page = self
+                .store
+                .sandboxes(&SandboxQuery {
+                    team_id: team_id.to_string(),
+                    limit: 1000,
+                    cursor,
+                    ..Default::default()
+                })
+                .await?;
+            out.extend(page.items.into_iter().map(from_store));
+            match page.next_cursor {
+                Some(c) => cursor = Some(c),
+                None => return Ok(out),
+            }
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl Records for StoreRecords {
+    async fn team_by_key_hash(&self, key_hash: &str) -> RecordResult<Option<Team>> {
+        let Some(key) = self.store.api_key_by_hash(key_hash).await? else {
+            return Ok(None);
+        };
+        Ok(self.store.team(&key.team_id).await?.map(team_from_store))
+    }
+
+    async fn team(&self, team_id: &str) -> RecordResult<Option<Team>> {
+        Ok(self.store.team(team_id).await?.map(team_from_store))
+    }
+
+    async fn teams(&self) -> RecordResult<Vec<Team>> {
+        let mut t: Vec<Team> = self
+            .store
+            .teams()
+            .await?
+            .into_iter()
+            .map(team_from_store)
+            .collect();
+        t.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(t)
+    }
+
+    async fn put_team(&self, team: Team) -> RecordResult<()> {
+        let limits = limits_to_store(&team.limits);
+        if self.store.team(&team.id).await?.is_some() {
+            self.store.set_team_limits(&team.id, &limits).await?;
+            return Ok(());
+        }
+        self.store
+            .create_team(&NewTeam {
+                id: team.id,
+                name: team.name,
+                slug: team.slug,
+                limits,
+            })
+            .await?;
+        Ok(())
+    }
+
+    async fn add_key(&self, team_id: &str, raw_key: &str) -> RecordResult<ApiKeyInfo> {
+        let key = self
+            .store
+            .create_api_key(team_id, "default", raw_key)
+            .await?;
+        Ok(key_from_store(key))
+    }
+
+    async fn keys(&self, team_id: Option<&str>) -> RecordResult<Vec<ApiKeyInfo>> {
+        let teams = match team_id {
+            Some(t) => vec![t.to_string()],
+            None => self
+                .store
+                .teams()
+                .await?
+                .into_iter()
+                .map(|t| t.id)
+                .collect(),
+        };
+        let mut out = Vec::new();
+        for team in teams {
+            out.extend(
+                self.store
+                    .api_keys(&team)
+                    .await?
+                    .into_iter()
+                    .map(key_from_store),
+            );
+        }
+        out.sort_by_key(|k| k.created_at);
+        Ok(out)
+    }
+
+    async fn revoke_key(&self, key_id: &str) -> RecordResult<bool> {
+        match self.store.api_key(key_id).await? {
+            Some(k) => Ok(self.store.revoke_api_key(&k.team_id, key_id).await?),
+            None => Ok(false),
+        }
+    }
+
+    async fn template_by_id(&self, id: &str) -> RecordResult<Option<TemplateRecord>> {
+        match self.store.template(id).await? {
+            Some(t) => self.load_template(t).await,
+            None => Ok(None),
+        }
+    }
+
+    async fn template_by_alias(
+        &self,
+        team_id: &str,
+        alias: &str,
+    ) -> RecordResult<Option<TemplateRecord>> {
+        if !team_id.is_empty() {
+            if let Some(slug) = self.slug_of(team_id).await? {
+                let owned = self
+                    .store
+                    .template_by_alias(&stored_alias(Some(&slug), alias))
+                    .await?;
+                if let Some(t) = owned.filter(|t| t.team_id.as_deref() == Some(team_id)) {
+                    return self.load_template(t).await;
+                }
+            }
+        }
+        match self.store.template_by_alias(alias).await? {
+            Some(t) if t.team_id.is_none() => self.load_template(t).await,
+            _ => Ok(None),
+        }
+    }
+
+    async fn put_template(&self, template: TemplateRecord) -> RecordResult<()> {
+        let slug = match &template.team_id {
+            Some(team) => Some(
+                self.slug_of(team)
+                    .await?
+                    .ok_or_else(|| anyhow::anyhow!("team {team} does not exist"))?,
+            ),
+            None => None,
+        };
+        let alias = template
+            .alias
+            .as_deref()
+            .map(|a| stored_alias(slug.as_deref(), a));
+        let mut tx = self.store.begin().await?;
+        let existing = tx.template(&template.id).await?;
+        let old_tags: Vec<String> = match &existing {
+            Some(_) => tx
+                .tagged_builds(&template.id)
+                .await?
+                .into_iter()
+                .map(|(tag, _)| tag)
+                .collect(),
+            None => Vec::new(),
+        };
+        if existing.is_none() {
+            let (kind, source) = match &template.kind {
+                TemplateKind::Template => (vmon_store::TemplateKind::Template, None),
+                TemplateKind::Snapshot { source_sandbox_id } => (
+                    vmon_store::TemplateKind::Snapshot,
+                    Some(source_sandbox_id.clone()),
+                ),
+            };
+            tx.create_template(&NewTemplate {
+                id: template.id.clone(),
+                team_id: template.team_id.clone(),
+                kind,
+                source_sandbox_id: source,
+                public: template.team_id.is_none(),
+            })
+            .await?;
+        }
+        if let Some(alias) = &alias {
+            let named = existing
+                .as_ref()
+                .is_some_and(|t| t.aliases.iter().any(|a| a == alias));
+            if !named {
+                tx.add_alias(&template.id, alias).await?;
+            }
+        }
+        for (tag, build) in &template.tags {
+            if tx.build(&build.build_id).await?.is_none() {
+                tx.create_build(&NewBuild {
+                    id: build.build_id.clone(),
+                    template_id: template.id.clone(),
+                    status: BuildStatus::Ready,
+                    vcpus: i64::from(build.vcpus),
+                    memory_mb: i64::from(build.memory_mb),
+                    disk_mb: i64::from(build.disk_mb),
+                    envd_version: build.envd_version.clone(),
+                    node_id: None,
+                    has_memory: build.has_memory,
+                    parent_build_id: build.parent.clone(),
+                })
+                .await?;
+            }
+            tx.set_tag(&template.id, tag, &build.build_id).await?;
+        }
+        for tag in old_tags.iter().filter(|t| !template.tags.contains_key(*t)) {
+            tx.remove_tag(&template.id, tag).await?;
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
+    async fn delete_template(&self, id: &str) -> RecordResult<bool> {
+        Ok(self.store.delete_template(id).await?)
+    }
+
+    async fn snapshots(&self, team_id: &str) -> RecordResult<Vec<TemplateRecord>> {
+        let mut ids = Vec::new();
+        let mut cursor = None;
+        loop {
+            let page = self
+                .store
+                .snapshots(&SnapshotQuery {
+                    team_id: team_id.to_string(),
+                    limit: 1000,
+                    cursor,
+                    ..Default::default()
+                })
+                .await?;
+            ids.extend(page.items.into_iter().map(|s| s.template_id));
+            match page.next_cursor {
+                Some(c) => cursor = Some(c),
+                None => break,
+            }
+        }
+        let mut out = Vec::with_capacity(ids.len());
+        for id in ids {
+            if let Some(t) = self.template_by_id(&id).await? {
+                out.push(t);
+            }
+        }
+        out.sort_by(|a, b| b.created_at.cmp(&a.created_at).then(a.id.cmp(&b.id)));
+        Ok(out)
+    }
+
+    async fn sandbox(&self, id: &str) -> RecordResult<Option<SandboxRecord>> {
+        Ok(self.store.sandbox(id).await?.map(from_store))
+    }
+
+    async fn sandboxes(&self, team_id: Option<&str>) -> RecordResult<Vec<SandboxRecord>> {
+        match team_id {
+            Some(t) => self.all_sandboxes(t).await,
+            None => {
+                let mut out = Vec::new();
+                for team in self.store.teams().await? {
+                    out.extend(self.all_sandboxes(&team.id).await?);
+                }
+                Ok(out)
+            }
+        }
+    }
+
+    async fn expired_sandboxes(&self, now: OffsetDateTime) -> RecordResult<Vec<SandboxRecord>> {
+        Ok(self
+            .store
+            .expired_sandboxes(now, 1000)
+            .await?
+            .into_iter()
+            .map(from_store)
+            .collect())
+    }
+
+    async fn commit(
+        &self,
+        change: Change,
+        event: LifecycleEvent,
+        fence: i64,
+    ) -> RecordResult<Committed> {
+        let mut tx = self.store.begin().await?;
+        let written = match &change {
+            Change::Insert(rec) => {
+                tx.insert_sandbox(&to_store(rec, fence)?).await?;
+                true
+            }
+            Change::Update {
+                record,
+                expected_execution_id,
+            } => {
+                tx.update_sandbox(&to_store(record, fence)?, expected_execution_id, fence)
+                    .await?
+            }
+            Change::Delete {
+                sandbox_id,
+                execution_id,
+            } => tx.delete_sandbox(sandbox_id, execution_id, fence).await?,
+            Change::Touch {
+                sandbox_id,
+                execution_id,
+            } => {
+                let running = [vmon_store::SandboxState::Running];
+                tx.set_sandbox_state(
+                    sandbox_id,
+                    execution_id,
+                    &running,
+                    vmon_store::SandboxState::Running,
+                    fence,
+                )
+                .await?
+            }
+        };
+        if !written {
+            tx.rollback().await?;
+            return Ok(Committed::Stale);
+        }
+        tx.append_event(&event_to_store(event)).await?;
+        tx.commit().await?;
+        Ok(Committed::Done)
+    }
+
+    async fn events(&self, query: &EventQuery) -> RecordResult<Vec<Event>> {
+        Ok(self.store.events(query).await?)
+    }
+
+    async fn run_retention(&self, now: OffsetDateTime) -> RecordResult<u64> {
+        Ok(self.store.run_retention(now).await?)
+    }
+
+    async fn create_webhook(&self, new: &NewWebhook) -> RecordResult<Webhook> {
+        Ok(self.store.create_webhook(new).await?)
+    }
+
+    async fn webhook(&self, team_id: &str, id: &str) -> RecordResult<Option<Webhook>> {
+        Ok(self.store.webhook(team_id, id).await?)
+    }
+
+    async fn webhooks(&self, team_id: &str) -> RecordResult<Vec<Webhook>> {
+        Ok(self.store.webhooks(team_id).await?)
+    }
+
+    async fn update_webhook(
+        &self,
+        team_id: &str,
+        id: &str,
+        patch: &WebhookPatch,
+    ) -> RecordResult<Option<Webhook>> {
+        Ok(self.store.update_webhook(team_id, id, patch).await?)
+    }
+
+    async fn delete_webhook(&self, team_id: &str, id: &str) -> RecordResult<bool> {
+        Ok(self.store.delete_webhook(team_id, id).await?)
+    }
+
+    async fn webhook_secret(&self, id: &str) -> RecordResult<Option<String>> {
+        Ok(self.store.webhook_secret(id).await?)
+    }
+
+    async fn deliveries(
+        &self,
+        webhook_id: &str,
+        limit: i64,
+        offset: i64,
+    ) -> RecordResult<Vec<Delivery>> {
+        Ok(self.store.deliveries(webhook_id, limit, offset).await?)
+    }
+
+    async fn webhook_stats(&self, webhook_id: &str) -> RecordResult<WebhookStats> {
+        Ok(self.store.webhook_stats(webhook_id).await?)
+    }
+
+    async fn record_delivery(&self, attempt: &DeliveryAttempt) -> RecordResult<()> {
+        self.store.record_delivery(attempt).await?;
+        Ok(())
+    }
+
+    async fn claim_outbox(
+        &self,
+        dispatcher: &str,
+        epoch: i64,
+        limit: i64,
+        visibility: Duration,
+    ) -> RecordResult<Option<Vec<OutboxItem>>> {
+        match self
+            .store
+            .claim_outbox(dispatcher, epoch, limit, visibility)
+            .await
+        {
+            Ok(items) => Ok(Some(items)),
+            Err(StoreError::Fenced) => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    async fn complete_outbox(&self, epoch: i64, seq: i64) -> RecordResult<bool> {
+        Ok(self.store.complete_outbox(epoch, seq).await?)
+    }
+}
