@@ -15,6 +15,7 @@ pub mod events;
 pub mod http;
 pub mod ids;
 pub mod records;
+pub mod telemetry;
 pub mod wire;
 
 use std::sync::Arc;

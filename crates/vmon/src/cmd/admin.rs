@@ -1,5 +1,5 @@
 //! Operator verbs: `vmon team create`, `vmon key create|list|revoke`,
-//! `vmon sandbox list|kill`. They talk to the running api's `/admin` routes with the admin
+//! `vmon sandbox list|kill|logs`. They talk to the running api's `/admin` routes with the admin
 //! token `vmon up` keeps in the data dir, so the api stays the only writer of its records.
 
 use std::path::Path;
@@ -78,6 +78,16 @@ enum SandboxCmd {
     List,
     /// Kill a sandbox (recorded with kill_reason "admin").
     Kill { sandbox_id: String },
+    /// Print a sandbox's console log (kernel, init and envd lines; kept 7 days after it ends).
+    Logs {
+        sandbox_id: String,
+        /// Keep printing new lines as they arrive.
+        #[arg(short, long)]
+        follow: bool,
+        /// Only lines at this level or above: debug, info, warn, error.
+        #[arg(long)]
+        level: Option<String>,
+    },
 }
 
 struct Client {
@@ -250,6 +260,63 @@ pub async fn sandbox(data_dir: &Path, a: SandboxArgs) -> anyhow::Result<()> {
                 .await?;
             eprintln!("sandbox {sandbox_id} killed");
         }
+        SandboxCmd::Logs {
+            sandbox_id,
+            follow,
+            level,
+        } => logs(&c, &sandbox_id, follow, level.as_deref()).await?,
     }
     Ok(())
+}
+
+/// Pages through `/admin/sandboxes/{id}/logs` from the first entry on; with `follow`, polls
+/// for new ones every second. Entries sharing the last printed millisecond are not repeated.
+async fn logs(c: &Client, id: &str, follow: bool, level: Option<&str>) -> anyhow::Result<()> {
+    const PAGE: usize = 1000;
+    let mut cursor: Option<i64> = None;
+    let mut seen_at_cursor = 0usize;
+    loop {
+        let mut path = format!("/admin/sandboxes/{id}/logs?limit={PAGE}");
+        if let Some(c) = cursor {
+            path.push_str(&format!("&cursor={c}"));
+        }
+        if let Some(l) = level {
+            path.push_str(&format!("&level={l}"));
+        }
+        let page: Vec<vmon_proto::node::LogEntry> =
+            serde_json::from_value(c.call("GET", &path, None).await?)?;
+        let full = page.len() == PAGE;
+        let mut skip = if cursor.is_some() { seen_at_cursor } else { 0 };
+        for e in &page {
+            if Some(e.timestamp_ms) == cursor && skip > 0 {
+                skip -= 1;
+                continue;
+            }
+            let fields: Vec<String> = e.fields.iter().map(|(k, v)| format!("{k}={v}")).collect();
+            println!(
+                "{} {:5} {} {}",
+                vmon_api::telemetry::rfc3339_ms(e.timestamp_ms),
+                e.level.as_str(),
+                e.message,
+                fields.join(" ")
+            );
+            if Some(e.timestamp_ms) == cursor {
+                seen_at_cursor += 1;
+            } else {
+                cursor = Some(e.timestamp_ms);
+                seen_at_cursor = 1;
+            }
+        }
+        if full && page.iter().all(|e| Some(e.timestamp_ms) == cursor) {
+            // A whole page within one millisecond: step past it rather than loop forever.
+            cursor = cursor.map(|c| c + 1);
+            seen_at_cursor = 0;
+        }
+        if !full {
+            if !follow {
+                return Ok(());
+            }
+            tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+        }
+    }
 }
