@@ -27,6 +27,8 @@ pub struct FakeNode {
     pub fail_starts: AtomicUsize,
     pub fail_pauses: AtomicUsize,
     pub starts: Mutex<Vec<StartSpec>>,
+    /// Every network policy applied to a running sandbox, in order.
+    pub networks: Mutex<Vec<(String, vmon_proto::node::NetworkPolicy)>>,
     /// Samples and console entries the telemetry tests plant, per sandbox.
     pub samples: Mutex<HashMap<String, Vec<vmon_proto::node::MetricSample>>>,
     pub log_entries: Mutex<HashMap<String, Vec<vmon_proto::node::LogEntry>>>,
@@ -41,6 +43,7 @@ impl FakeNode {
             fail_starts: AtomicUsize::new(0),
             fail_pauses: AtomicUsize::new(0),
             starts: Mutex::new(Vec::new()),
+            networks: Mutex::new(Vec::new()),
             samples: Mutex::new(HashMap::new()),
             log_entries: Mutex::new(HashMap::new()),
         })
@@ -168,9 +171,13 @@ impl NodeControl for FakeNode {
         &self,
         sandbox_id: &str,
         _execution_id: &str,
-        _policy: vmon_proto::node::NetworkPolicy,
+        policy: vmon_proto::node::NetworkPolicy,
     ) -> Result<(), NodeError> {
         if self.running.lock().unwrap().contains_key(sandbox_id) {
+            self.networks
+                .lock()
+                .unwrap()
+                .push((sandbox_id.to_string(), policy));
             Ok(())
         } else {
             Err(NodeError::NotFound(sandbox_id.into()))
