@@ -25,6 +25,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::{rfc3339, Control};
 use crate::records::{DeliveryAttempt, Event, OutboxItem};
+use crate::telemetry::WebhookOutcome;
 
 /// How each event is delivered to each webhook.
 #[derive(Debug, Clone)]
@@ -110,6 +111,12 @@ pub fn signature(secret: &str, body: &[u8]) -> String {
 }
 
 type HttpClient = Client<HttpConnector, Full<Bytes>>;
+
+/// Why an attempt got no status.
+enum Attempt {
+    TimedOut(String),
+    Failed(String),
+}
 
 /// Outbox rows handed to a queue and not yet completed (a row whose claim expired while it
 /// waits in a slow webhook's queue is claimed again; it must not be queued twice).
@@ -240,26 +247,31 @@ impl Control {
                 .header("e2b-signature", signed.as_str())
                 .body(Full::new(body.clone()));
             let outcome = match request {
-                Err(e) => Err(format!("invalid request: {e}")),
+                Err(e) => Err(Attempt::Failed(format!("invalid request: {e}"))),
                 Ok(request) => {
                     match tokio::time::timeout(policy.timeout, post(client, request)).await {
-                        Ok(result) => result,
-                        Err(_) => Err(format!(
+                        Ok(result) => result.map_err(Attempt::Failed),
+                        Err(_) => Err(Attempt::TimedOut(format!(
                             "no answer within {} ms",
                             policy.timeout.as_millis()
-                        )),
+                        ))),
                     }
                 }
             };
             let duration_ms = i64::try_from(started.elapsed().as_millis()).unwrap_or(i64::MAX);
-            let (status_code, error) = match outcome {
-                Ok(code) if (200..300).contains(&code) => (Some(i64::from(code)), None),
+            let (status_code, error, counted) = match outcome {
+                Ok(code) if (200..300).contains(&code) => {
+                    (Some(i64::from(code)), None, WebhookOutcome::Delivered)
+                }
                 Ok(code) => (
                     Some(i64::from(code)),
                     Some(format!("the receiver answered {code}")),
+                    WebhookOutcome::Rejected,
                 ),
-                Err(e) => (None, Some(e)),
+                Err(Attempt::TimedOut(e)) => (None, Some(e), WebhookOutcome::TimedOut),
+                Err(Attempt::Failed(e)) => (None, Some(e), WebhookOutcome::Failed),
             };
+            crate::telemetry::platform().webhook_delivery(counted);
             let success = error.is_none();
             let record = DeliveryAttempt {
                 webhook_id: hook.id.clone(),
