@@ -57,7 +57,13 @@ pub fn node() -> Arc<Node> {
                 .ok()
                 .and_then(|v| v.parse().ok())
                 .unwrap_or(0);
-            Node::open(cfg).await.expect("node opens")
+            let node = Node::open(cfg).await.expect("node opens");
+            // Sandboxes a crashed earlier run left behind were re-adopted: stop them.
+            use vmon_proto::node::NodeControl;
+            for r in node.list_running().await {
+                let _ = node.kill(&r.sandbox_id, &r.execution_id).await;
+            }
+            node
         })
     })
     .clone()

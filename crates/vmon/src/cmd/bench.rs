@@ -18,6 +18,16 @@ pub struct Args {
 enum What {
     /// Memory snapshots: create (pooled, cold), pause, resume, fork, idle fork PSS.
     Snapshot(SnapshotArgs),
+    /// Cold boots: cached image lookup, boot to envd health, RSS of an idle VM.
+    Boot(BootArgs),
+}
+
+#[derive(clap::Args)]
+struct BootArgs {
+    #[arg(long, default_value_t = 3)]
+    runs: usize,
+    #[arg(long, default_value_t = 512)]
+    memory_mb: u32,
 }
 
 #[derive(clap::Args)]
@@ -136,7 +146,63 @@ fn pss_kib(pid: u32) -> Option<f64> {
 pub async fn run(data_dir: &Path, args: Args) -> anyhow::Result<()> {
     match args.what {
         What::Snapshot(a) => snapshot(data_dir, a).await,
+        What::Boot(a) => boot(data_dir, a).await,
     }
+}
+
+fn rss_kib(pid: u32) -> Option<f64> {
+    let t = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    t.lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+}
+
+async fn boot(data_dir: &Path, a: BootArgs) -> anyhow::Result<()> {
+    let mut cfg = NodeConfig::new(data_dir.to_path_buf());
+    cfg.pool_size = 0;
+    let t = Instant::now();
+    let node = Node::open(cfg).await?;
+    let open_ms = ms(t.elapsed());
+    let recipe = vmon_image::Recipe::for_host(super::image::default_envd()?)?;
+    let mut cached = Vec::new();
+    for _ in 0..a.runs.max(1) {
+        let t = Instant::now();
+        vmon_image::build(data_dir, &recipe).await?;
+        cached.push(ms(t.elapsed()));
+    }
+    let mut boots = Vec::new();
+    let mut rss = Vec::new();
+    let open = NetworkPolicy {
+        allow_internet_access: true,
+        ..Default::default()
+    };
+    for i in 0..a.runs.max(1) {
+        let id = format!("bb{i}{}", rand_hex());
+        let t = Instant::now();
+        let r = node.boot_image(&id, 1, a.memory_mb, &open).await?;
+        boots.push(ms(t.elapsed()));
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        if let Some(k) = node.qemu_pid(&id).await.and_then(rss_kib) {
+            rss.push(k / 1024.0);
+        }
+        node.kill(&id, &r.execution_id).await?;
+    }
+    println!("## vmon bench boot\n");
+    println!(
+        "machine: {}; {}; accelerator {}; guest {} MiB, 1 vCPU\n",
+        machine_line(),
+        node.qemu_version(),
+        node.accel().accel.as_str(),
+        a.memory_mb
+    );
+    println!("| operation | median | p99 | n |\n|---|---|---|---|");
+    row("node open (probe, image lookup, recovery)", &[open_ms], "ms");
+    row("image build, cached (hash + lookup)", &cached, "ms");
+    row("cold boot to envd /health + /init", &boots, "ms");
+    row("RSS of an idle VM (5 s after boot)", &rss, "MiB");
+    node.drain_pool().await;
+    Ok(())
 }
 
 async fn snapshot(data_dir: &Path, a: SnapshotArgs) -> anyhow::Result<()> {
