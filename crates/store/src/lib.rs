@@ -25,6 +25,7 @@
 //! // templates, builds, names (`alias`, `namespace/alias`, with `:tag`)
 //! store.create_template(&NewTemplate) ; store.create_build(&NewBuild) ; store.set_tag(t, tag, build)
 //! store.add_alias(t, alias) ; store.resolve_template(reference) -> Option<ResolvedTemplate>
+//! store.template_by_alias(alias) ; store.tagged_builds(t) -> Vec<(tag, Build)> ; store.remove_tag(t, tag)
 //! store.snapshots(&SnapshotQuery) -> Page<Snapshot>
 //! // sandboxes and events, atomically
 //! let mut tx = store.begin().await?;
