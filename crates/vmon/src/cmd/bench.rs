@@ -20,6 +20,9 @@ enum What {
     Snapshot(SnapshotArgs),
     /// Cold boots: cached image lookup, boot to envd health, RSS of an idle VM.
     Boot(BootArgs),
+    /// The E2B API through the official Python SDK (runs `tests/bench/api_bench.py` with the
+    /// repository's venv; against `E2B_API_URL` if set, else its own `vmon up`).
+    Api,
 }
 
 #[derive(clap::Args)]
@@ -147,7 +150,40 @@ pub async fn run(data_dir: &Path, args: Args) -> anyhow::Result<()> {
     match args.what {
         What::Snapshot(a) => snapshot(data_dir, a).await,
         What::Boot(a) => boot(data_dir, a).await,
+        What::Api => api_bench().await,
     }
+}
+
+/// The repository this binary was built in (target/<profile>/vmon → ../..), or the cwd.
+fn repo_dir() -> std::path::PathBuf {
+    let from_exe = std::env::current_exe()
+        .ok()
+        .and_then(|e| e.parent()?.parent()?.parent().map(Path::to_path_buf));
+    match from_exe {
+        Some(d) if d.join("tests/bench/api_bench.py").is_file() => d,
+        _ => std::env::current_dir().unwrap_or_default(),
+    }
+}
+
+async fn api_bench() -> anyhow::Result<()> {
+    let repo = repo_dir();
+    let script = repo.join("tests/bench/api_bench.py");
+    let python = repo.join(".venv/bin/python");
+    if !script.is_file() || !python.is_file() {
+        anyhow::bail!(
+            "needs {} and {} (run scripts/install-deps.sh in the repository)",
+            script.display(),
+            python.display()
+        );
+    }
+    let status = tokio::process::Command::new(python)
+        .arg(script)
+        .status()
+        .await?;
+    if !status.success() {
+        anyhow::bail!("api bench failed ({status})");
+    }
+    Ok(())
 }
 
 fn rss_kib(pid: u32) -> Option<f64> {

@@ -1,0 +1,154 @@
+"""`vmon bench api`: the E2B API through the official Python SDK, as a user sees it.
+
+Measures create -> first command -> kill for 20 sequential and 10 parallel sandboxes, and the
+pause and connect (resume) round trips; prints medians and p99 with the machine.
+
+Against a running server when E2B_API_URL / E2B_API_KEY / E2B_SANDBOX_URL are set; otherwise it
+starts its own `vmon up` (built binary from target/, data dir under /var/tmp with the shared
+image cache) and stops it at the end.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import math
+import os
+import platform
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def pct(v: list[float], p: float) -> float:
+    s = sorted(v)
+    k = max(1, math.ceil(p * len(s)))
+    return s[k - 1]
+
+
+def row(name: str, v: list[float]) -> None:
+    print(f"| {name} | {statistics.median(v):.0f} ms | {pct(v, 0.99):.0f} ms | {len(v)} |")
+
+
+def machine() -> str:
+    cpu = "unknown CPU"
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            cpu = line.split(":", 1)[1].strip()
+            break
+    return f"{os.cpu_count()} cores, {cpu}, kernel {platform.release()}"
+
+
+def start_server() -> tuple[subprocess.Popen, dict[str, str], Path]:
+    target = Path(os.environ.get("CARGO_TARGET_DIR", REPO / "target"))
+    profile = os.environ.get("VMON_BENCH_PROFILE", "release")
+    binary = target / profile / "vmon"
+    if not binary.exists():
+        sys.exit(f"{binary} is missing: cargo build --release -p vmon -p vmon-envd")
+    data = Path(f"/var/tmp/vmon-bench-api-{os.getpid()}")
+    shutil.rmtree(data, ignore_errors=True)
+    data.mkdir(parents=True)
+    cache = Path(os.environ.get("VMON_TEST_DATA_DIR", "/var/tmp/vmon-ci")) / "images"
+    cache.mkdir(parents=True, exist_ok=True)
+    (data / "images").symlink_to(cache)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("E2B_")}
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    env.update(VMON_DATA_DIR=str(data), VMON_API_LISTEN=f"127.0.0.1:{ports[0]}",
+               VMON_PROXY_LISTEN=f"127.0.0.1:{ports[1]}")
+    log = open(data / "vmon-up.log", "w")
+    proc = subprocess.Popen([str(binary), "up"], env=env, stdout=subprocess.PIPE, stderr=log, text=True,
+                            start_new_session=True)
+    exports: dict[str, str] = {}
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("export ") and "=" in line:
+                k, v = line[len("export "):].strip().split("=", 1)
+                exports[k] = v
+
+    threading.Thread(target=read, daemon=True).start()
+    deadline = time.monotonic() + 3600
+    while len(exports) < 3:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            sys.exit(f"vmon up did not start; see {data}/vmon-up.log")
+        time.sleep(0.2)
+    return proc, exports, data
+
+
+def main() -> None:
+    own = None
+    if not os.environ.get("E2B_API_URL"):
+        proc, exports, data = start_server()
+        os.environ.update(exports)
+        own = (proc, data)
+    from e2b import Sandbox  # after the environment is set
+
+    seq_n = int(os.environ.get("VMON_BENCH_SEQ", "20"))
+    par_n = int(os.environ.get("VMON_BENCH_PAR", "10"))
+    cycles = int(os.environ.get("VMON_BENCH_CYCLES", "5"))
+
+    def lifecycle() -> tuple[float, float, float]:
+        t0 = time.perf_counter()
+        sbx = Sandbox.create("base", timeout=300)
+        t1 = time.perf_counter()
+        out = sbx.commands.run("echo hi")
+        assert out.stdout.strip() == "hi", out
+        t2 = time.perf_counter()
+        sbx.kill()
+        t3 = time.perf_counter()
+        return (t1 - t0) * 1e3, (t2 - t0) * 1e3, (t3 - t0) * 1e3
+
+    lifecycle()  # warm-up: pool, connections
+    seq = [lifecycle() for _ in range(seq_n)]
+    t = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(par_n) as ex:
+        par = list(ex.map(lambda _: lifecycle(), range(par_n)))
+    par_wall = (time.perf_counter() - t) * 1e3
+
+    pauses, connects = [], []
+    sbx = Sandbox.create("base", timeout=300)
+    sbx.commands.run("head -c 16M /dev/urandom > /dev/shm/state")
+    for _ in range(cycles):
+        t = time.perf_counter()
+        assert sbx.pause()
+        pauses.append((time.perf_counter() - t) * 1e3)
+        t = time.perf_counter()
+        sbx = Sandbox.connect(sbx.sandbox_id, timeout=300)
+        sbx.commands.run("true")
+        connects.append((time.perf_counter() - t) * 1e3)
+    sbx.kill()
+
+    print("## vmon bench api (official Python SDK)\n")
+    print(f"machine: {machine()}; server {os.environ['E2B_API_URL']}\n")
+    print("| operation | median | p99 | n |\n|---|---|---|---|")
+    row("create (sequential)", [s[0] for s in seq])
+    row("create -> first command done (sequential)", [s[1] for s in seq])
+    row("create -> command -> kill (sequential)", [s[2] for s in seq])
+    row(f"create -> command -> kill ({par_n} parallel, each)", [p[2] for p in par])
+    print(f"| {par_n} parallel, wall | {par_wall:.0f} ms | | 1 |")
+    row("pause (16 MiB dirtied)", pauses)
+    row("connect (resume) -> command done", connects)
+
+    if own:
+        proc, data = own
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    main()
