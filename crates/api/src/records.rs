@@ -194,10 +194,12 @@ pub enum Change {
         sandbox_id: String,
         execution_id: String,
     },
-    /// Only an event; the record must still be this running execution (a checkpoint).
-    Touch {
+    /// A checkpoint: the event, and the template it produced (a snapshot); the record must
+    /// still be this running execution.
+    Checkpoint {
         sandbox_id: String,
         execution_id: String,
+        template: Option<Box<TemplateRecord>>,
     },
 }
 

@@ -187,9 +187,10 @@ impl Control {
                 serde_json::json!({ "reason": "fork", "build_id": build.build_id, "count": count }),
             );
             self.commit(
-                Change::Touch {
+                Change::Checkpoint {
                     sandbox_id: rec.id.clone(),
                     execution_id: rec.execution_id.clone(),
+                    template: None,
                 },
                 ev,
                 guard.fence().token(),
@@ -310,20 +311,18 @@ impl Control {
             };
             template.created_at = OffsetDateTime::now_utc();
             let replaced = template.tags.insert(tag.clone(), build.clone());
-            self.records
-                .put_template(template.clone())
-                .await
-                .map_err(record_error)?;
             let info = snapshot_info(team, &template, &tag);
             let ev = event(
                 &rec,
                 EventKind::Checkpointed,
                 serde_json::json!({ "reason": "snapshot", "snapshot_id": info.snapshot_id, "build_id": build.build_id }),
             );
+            // The snapshot's template and its event commit together.
             self.commit(
-                Change::Touch {
+                Change::Checkpoint {
                     sandbox_id: rec.id.clone(),
                     execution_id: rec.execution_id.clone(),
+                    template: Some(Box::new(template)),
                 },
                 ev,
                 guard.fence().token(),

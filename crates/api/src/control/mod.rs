@@ -153,7 +153,7 @@ impl Control {
                 Some(Ok(rec.as_ref().clone()))
             }
             Change::Delete { sandbox_id, .. } => Some(Err(sandbox_id.clone())),
-            Change::Touch { .. } => None,
+            Change::Checkpoint { .. } => None,
         };
         let committed = self
             .records

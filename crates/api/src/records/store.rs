@@ -278,7 +278,88 @@ fn event_to_store(e: LifecycleEvent) -> NewEvent {
     }
 }
 
+/// Creates or updates a template with its alias, builds and tags (tags it no longer has go).
+async fn write_template(
+    tx: &mut vmon_store::StoreTx,
+    template: &TemplateRecord,
+    alias: Option<&str>,
+) -> RecordResult<()> {
+    let existing = tx.template(&template.id).await?;
+    let old_tags: Vec<String> = match &existing {
+        Some(_) => tx
+            .tagged_builds(&template.id)
+            .await?
+            .into_iter()
+            .map(|(tag, _)| tag)
+            .collect(),
+        None => Vec::new(),
+    };
+    if existing.is_none() {
+        let (kind, source) = match &template.kind {
+            TemplateKind::Template => (vmon_store::TemplateKind::Template, None),
+            TemplateKind::Snapshot { source_sandbox_id } => (
+                vmon_store::TemplateKind::Snapshot,
+                Some(source_sandbox_id.clone()),
+            ),
+        };
+        tx.create_template(&NewTemplate {
+            id: template.id.clone(),
+            team_id: template.team_id.clone(),
+            kind,
+            source_sandbox_id: source,
+            public: template.team_id.is_none(),
+        })
+        .await?;
+    }
+    if let Some(alias) = alias {
+        let named = existing
+            .as_ref()
+            .is_some_and(|t| t.aliases.iter().any(|a| a == alias));
+        if !named {
+            tx.add_alias(&template.id, alias).await?;
+        }
+    }
+    for (tag, build) in &template.tags {
+        if tx.build(&build.build_id).await?.is_none() {
+            tx.create_build(&NewBuild {
+                id: build.build_id.clone(),
+                template_id: template.id.clone(),
+                status: BuildStatus::Ready,
+                vcpus: i64::from(build.vcpus),
+                memory_mb: i64::from(build.memory_mb),
+                disk_mb: i64::from(build.disk_mb),
+                envd_version: build.envd_version.clone(),
+                node_id: None,
+                has_memory: build.has_memory,
+                parent_build_id: build.parent.clone(),
+            })
+            .await?;
+        }
+        tx.set_tag(&template.id, tag, &build.build_id).await?;
+    }
+    for tag in old_tags.iter().filter(|t| !template.tags.contains_key(*t)) {
+        tx.remove_tag(&template.id, tag).await?;
+    }
+    Ok(())
+}
+
 impl StoreRecords {
+    /// The store's alias for a template's name (under the team's slug for team templates).
+    async fn stored_alias_of(&self, template: &TemplateRecord) -> RecordResult<Option<String>> {
+        let slug = match &template.team_id {
+            Some(team) => Some(
+                self.slug_of(team)
+                    .await?
+                    .ok_or_else(|| anyhow::anyhow!("team {team} does not exist"))?,
+            ),
+            None => None,
+        };
+        Ok(template
+            .alias
+            .as_deref()
+            .map(|a| stored_alias(slug.as_deref(), a)))
+    }
+
     async fn slug_of(&self, team_id: &str) -> RecordResult<Option<String>> {
         Ok(self.store.team(team_id).await?.map(|t| t.slug))
     }
@@ -448,75 +529,9 @@ impl Records for StoreRecords {
     }
 
     async fn put_template(&self, template: TemplateRecord) -> RecordResult<()> {
-        let slug = match &template.team_id {
-            Some(team) => Some(
-                self.slug_of(team)
-                    .await?
-                    .ok_or_else(|| anyhow::anyhow!("team {team} does not exist"))?,
-            ),
-            None => None,
-        };
-        let alias = template
-            .alias
-            .as_deref()
-            .map(|a| stored_alias(slug.as_deref(), a));
+        let alias = self.stored_alias_of(&template).await?;
         let mut tx = self.store.begin().await?;
-        let existing = tx.template(&template.id).await?;
-        let old_tags: Vec<String> = match &existing {
-            Some(_) => tx
-                .tagged_builds(&template.id)
-                .await?
-                .into_iter()
-                .map(|(tag, _)| tag)
-                .collect(),
-            None => Vec::new(),
-        };
-        if existing.is_none() {
-            let (kind, source) = match &template.kind {
-                TemplateKind::Template => (vmon_store::TemplateKind::Template, None),
-                TemplateKind::Snapshot { source_sandbox_id } => (
-                    vmon_store::TemplateKind::Snapshot,
-                    Some(source_sandbox_id.clone()),
-                ),
-            };
-            tx.create_template(&NewTemplate {
-                id: template.id.clone(),
-                team_id: template.team_id.clone(),
-                kind,
-                source_sandbox_id: source,
-                public: template.team_id.is_none(),
-            })
-            .await?;
-        }
-        if let Some(alias) = &alias {
-            let named = existing
-                .as_ref()
-                .is_some_and(|t| t.aliases.iter().any(|a| a == alias));
-            if !named {
-                tx.add_alias(&template.id, alias).await?;
-            }
-        }
-        for (tag, build) in &template.tags {
-            if tx.build(&build.build_id).await?.is_none() {
-                tx.create_build(&NewBuild {
-                    id: build.build_id.clone(),
-                    template_id: template.id.clone(),
-                    status: BuildStatus::Ready,
-                    vcpus: i64::from(build.vcpus),
-                    memory_mb: i64::from(build.memory_mb),
-                    disk_mb: i64::from(build.disk_mb),
-                    envd_version: build.envd_version.clone(),
-                    node_id: None,
-                    has_memory: build.has_memory,
-                    parent_build_id: build.parent.clone(),
-                })
-                .await?;
-            }
-            tx.set_tag(&template.id, tag, &build.build_id).await?;
-        }
-        for tag in old_tags.iter().filter(|t| !template.tags.contains_key(*t)) {
-            tx.remove_tag(&template.id, tag).await?;
-        }
+        write_template(&mut tx, &template, alias.as_deref()).await?;
         tx.commit().await?;
         Ok(())
     }
@@ -587,6 +602,13 @@ impl Records for StoreRecords {
         event: LifecycleEvent,
         fence: i64,
     ) -> RecordResult<Committed> {
+        // Reads before the transaction: on SQLite it holds the only writer connection.
+        let alias = match &change {
+            Change::Checkpoint {
+                template: Some(t), ..
+            } => self.stored_alias_of(t).await?,
+            _ => None,
+        };
         let mut tx = self.store.begin().await?;
         let written = match &change {
             Change::Insert(rec) => {
@@ -604,19 +626,25 @@ impl Records for StoreRecords {
                 sandbox_id,
                 execution_id,
             } => tx.delete_sandbox(sandbox_id, execution_id, fence).await?,
-            Change::Touch {
+            Change::Checkpoint {
                 sandbox_id,
                 execution_id,
+                template,
             } => {
                 let running = [vmon_store::SandboxState::Running];
-                tx.set_sandbox_state(
-                    sandbox_id,
-                    execution_id,
-                    &running,
-                    vmon_store::SandboxState::Running,
-                    fence,
-                )
-                .await?
+                let current = tx
+                    .set_sandbox_state(
+                        sandbox_id,
+                        execution_id,
+                        &running,
+                        vmon_store::SandboxState::Running,
+                        fence,
+                    )
+                    .await?;
+                if let (true, Some(t)) = (current, template) {
+                    write_template(&mut tx, t, alias.as_deref()).await?;
+                }
+                current
             }
         };
         if !written {
