@@ -67,3 +67,5 @@ def test_metrics_and_logs_while_running_and_after_kill(new_sandbox, vmon):
     after = Sandbox.get_metrics(sbx.sandbox_id)
     assert len(after) >= len(metrics) >= 1
     assert both <= _process_events(vmon, sbx.sandbox_id, marker)
+    printed = vmon.vmon("sandbox", "logs", sbx.sandbox_id)
+    assert marker in printed and "process_end" in printed

@@ -120,25 +120,33 @@ impl Control {
             let span = tracing::info_span!("expire", sandbox_id = id, execution_id);
             let _e = span.enter();
             drop(_e);
+            let t0 = std::time::Instant::now();
+            let report = |op, ok| crate::telemetry::platform().transition(op, ok, t0.elapsed());
             if rec.auto_pause {
                 let fence = guard.fence().token();
-                match self
+                let paused = self
                     .pause_locked(rec.clone(), rec.auto_pause_memory, fence)
-                    .await
-                {
+                    .await;
+                report("timeout_pause", paused.is_ok());
+                match paused {
                     Ok(()) => tracing::info!(sandbox_id = id, "timeout: sandbox auto-paused"),
                     Err(e) => {
                         tracing::warn!(sandbox_id = id, error = %e, "auto-pause failed: killing the sandbox");
-                        if let Err(e) = self.kill_locked(rec, KillReason::Timeout, fence).await {
+                        let killed = self.kill_locked(rec, KillReason::Timeout, fence).await;
+                        report("timeout_kill", killed.is_ok());
+                        if let Err(e) = killed {
                             tracing::warn!(sandbox_id = id, error = %e, "killing after a failed auto-pause failed");
                         }
                     }
                 }
-            } else if let Err(e) = self
-                .kill_locked(rec, KillReason::Timeout, guard.fence().token())
-                .await
-            {
-                tracing::warn!(sandbox_id = id, error = %e, "timeout kill failed");
+            } else {
+                let killed = self
+                    .kill_locked(rec, KillReason::Timeout, guard.fence().token())
+                    .await;
+                report("timeout_kill", killed.is_ok());
+                if let Err(e) = killed {
+                    tracing::warn!(sandbox_id = id, error = %e, "timeout kill failed");
+                }
             }
         }
         let _ = guard.unlock().await;

@@ -88,8 +88,8 @@ impl Platform {
     }
 
     /// Records one sandbox transition (`create`, `kill`, `pause`, `connect`, `fork`, ...): how
-    /// it ended and how long it took. The REST layer reports every request-driven one; the
-    /// reaper should report its own timeouts (`operation` = `timeout_kill`/`timeout_pause`).
+    /// it ended and how long it took. The REST layer reports every request-driven one, the
+    /// reaper its timeouts (`timeout_kill`, `timeout_pause`).
     pub fn transition(&self, operation: &str, ok: bool, took: Duration) {
         let key = (label_value(operation), if ok { "ok" } else { "error" });
         self.counters()
