@@ -1,6 +1,8 @@
 //! Metrics, logs and the platform's Prometheus text through the REST surface, with samples and
 //! console entries planted in the fake node.
 
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use std::collections::BTreeMap;

@@ -229,7 +229,11 @@ fn lock_exclusive(path: &Path) -> anyhow::Result<std::fs::File> {
     // SAFETY: flock on a descriptor we own; no memory is passed.
     let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) };
     if rc != 0 {
-        bail!("locking {}: {}", path.display(), std::io::Error::last_os_error());
+        bail!(
+            "locking {}: {}",
+            path.display(),
+            std::io::Error::last_os_error()
+        );
     }
     Ok(f)
 }

@@ -79,7 +79,9 @@ pub fn machine_line() -> String {
                 .map(|(_, v)| v.trim().to_string())
         })
         .unwrap_or_else(|| "unknown CPU".into());
-    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0);
+    let cores = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(0);
     let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
     let mem_gib = std::fs::read_to_string("/proc/meminfo")
         .ok()
@@ -91,12 +93,18 @@ pub fn machine_line() -> String {
         })
         .map(|kb| kb / 1024.0 / 1024.0)
         .unwrap_or(0.0);
-    format!("{cores} cores, {cpu}, {mem_gib:.0} GiB, kernel {}", kernel.trim())
+    format!(
+        "{cores} cores, {cpu}, {mem_gib:.0} GiB, kernel {}",
+        kernel.trim()
+    )
 }
 
 fn row(name: &str, v: &[f64], unit: &str) {
     let (med, p99) = summary(v);
-    println!("| {name} | {med:.1} {unit} | {p99:.1} {unit} | {} |", v.len());
+    println!(
+        "| {name} | {med:.1} {unit} | {p99:.1} {unit} | {} |",
+        v.len()
+    );
 }
 
 fn spec(id: &str, build: &str) -> StartSpec {
@@ -233,7 +241,11 @@ async fn boot(data_dir: &Path, a: BootArgs) -> anyhow::Result<()> {
         a.memory_mb
     );
     println!("| operation | median | p99 | n |\n|---|---|---|---|");
-    row("node open (probe, image lookup, recovery)", &[open_ms], "ms");
+    row(
+        "node open (probe, image lookup, recovery)",
+        &[open_ms],
+        "ms",
+    );
     row("image build, cached (hash + lookup)", &cached, "ms");
     row("cold boot to envd /health + /init", &boots, "ms");
     row("RSS of an idle VM (5 s after boot)", &rss, "MiB");
@@ -290,7 +302,12 @@ async fn snapshot(data_dir: &Path, a: SnapshotArgs) -> anyhow::Result<()> {
         for i in 0..n {
             let id = format!("bd{mib}x{i}{}", rand_hex());
             let r = node.start(spec(&id, &tpl)).await?;
-            exec(&node, &id, &format!("head -c {mib}M /dev/urandom > /dev/shm/dirty")).await?;
+            exec(
+                &node,
+                &id,
+                &format!("head -c {mib}M /dev/urandom > /dev/shm/dirty"),
+            )
+            .await?;
             let t = Instant::now();
             let b = node.pause(&id, &r.execution_id, true).await?;
             v.push(ms(t.elapsed()));
@@ -356,8 +373,16 @@ async fn snapshot(data_dir: &Path, a: SnapshotArgs) -> anyhow::Result<()> {
         a.memory_mb
     );
     println!("| operation | median | p99 | n |\n|---|---|---|---|");
-    row("create, pooled (restore → envd /init answered)", &pooled, "ms");
-    row("create, cold process (spawn + restore + /init)", &cold, "ms");
+    row(
+        "create, pooled (restore → envd /init answered)",
+        &pooled,
+        "ms",
+    );
+    row(
+        "create, cold process (spawn + restore + /init)",
+        &cold,
+        "ms",
+    );
     for (mib, v) in &pauses {
         row(&format!("pause with {mib} MiB dirtied"), v, "ms");
     }

@@ -1,6 +1,6 @@
-pub mod bench;
 pub mod admin;
 pub mod api;
+pub mod bench;
 pub mod doctor;
 pub mod image;
 pub mod proxy;
