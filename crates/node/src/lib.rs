@@ -9,6 +9,7 @@ pub mod builds;
 pub mod envd_client;
 mod node;
 mod pool;
+pub mod rpc;
 pub mod sandbox;
 pub mod slots;
 pub mod telemetry;

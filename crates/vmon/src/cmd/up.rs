@@ -41,12 +41,22 @@ pub async fn run(data_dir: &Path, args: Args) -> anyhow::Result<()> {
     if args.print_env {
         return print_env_when_ready(data_dir, &config, Duration::from_secs(args.wait_secs)).await;
     }
-    serve(data_dir, config, Parts { proxy: true }).await
+    serve(
+        data_dir,
+        config,
+        Parts {
+            proxy: true,
+            remote_node: None,
+        },
+    )
+    .await
 }
 
-/// Which parts a process runs besides the api and the in-process node.
+/// Which parts a process runs besides the api.
 pub struct Parts {
     pub proxy: bool,
+    /// A node reached over RPC (`vmon api --node`); `None` runs the node in-process.
+    pub remote_node: Option<Arc<dyn vmon_proto::node::NodeControl>>,
 }
 
 pub async fn serve(data_dir: &Path, config: Config, parts: Parts) -> anyhow::Result<()> {
@@ -73,10 +83,15 @@ pub async fn serve(data_dir: &Path, config: Config, parts: Parts) -> anyhow::Res
     let api_key = bootstrap_team(records.as_ref(), data_dir, &config).await?;
     let admin_token = secret_file(&data_dir.join(ADMIN_TOKEN_FILE))?;
 
-    tracing::info!(data_dir = %data_dir.display(), "starting the node");
-    let node = vmon_node::Node::open(vmon_node::NodeConfig::new(data_dir.to_path_buf()))
-        .await
-        .context("starting the node")?;
+    let node: Arc<dyn vmon_proto::node::NodeControl> = match parts.remote_node {
+        Some(n) => n,
+        None => {
+            tracing::info!(data_dir = %data_dir.display(), "starting the node");
+            vmon_node::Node::open(vmon_node::NodeConfig::new(data_dir.to_path_buf()))
+                .await
+                .context("starting the node")?
+        }
+    };
     let control = Control::open(config.clone(), node, records, kv).await?;
     control
         .ensure_template("base", &config.base_template)

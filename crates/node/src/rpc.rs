@@ -1,0 +1,394 @@
+//! Node RPC: [`NodeControl`] over HTTP, so `vmon api` and `vmon node` can run as separate
+//! processes (or hosts). One route per call, `POST /v1/<call>` with a JSON body, answered with
+//! `{"ok": value}` or `{"err": NodeError}`. Every request carries the node's bearer token; the
+//! node never accepts calls without it.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, Limited};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use vmon_proto::node::{
+    BuildInfo, LogEntry, LogQuery, MetricSample, NetworkPolicy, NodeControl, NodeError, Running,
+    StartSpec, TemplateSpec,
+};
+
+/// Largest RPC body either side reads (log pages are the big ones).
+const MAX_BODY: usize = 64 << 20;
+
+#[derive(Serialize, Deserialize)]
+struct Build {
+    build_id: String,
+}
+
+#[derive(Serialize, Deserialize)]
+struct Target {
+    sandbox_id: String,
+    execution_id: String,
+}
+
+#[derive(Serialize, Deserialize)]
+struct Capture {
+    sandbox_id: String,
+    execution_id: String,
+    memory: bool,
+}
+
+#[derive(Serialize, Deserialize)]
+struct Network {
+    sandbox_id: String,
+    execution_id: String,
+    policy: NetworkPolicy,
+}
+
+#[derive(Serialize, Deserialize)]
+struct Metrics {
+    sandbox_id: String,
+    start_unix: i64,
+    end_unix: i64,
+}
+
+#[derive(Serialize, Deserialize)]
+struct Latest {
+    sandbox_ids: Vec<String>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct Logs {
+    sandbox_id: String,
+    query: LogQuery,
+}
+
+#[derive(Clone)]
+struct Served {
+    node: Arc<dyn NodeControl>,
+    token: Arc<String>,
+}
+
+fn parse<T: DeserializeOwned>(body: &Bytes) -> Result<T, NodeError> {
+    serde_json::from_slice(body)
+        .map_err(|e| NodeError::InvalidArgument(format!("bad request: {e}")))
+}
+
+fn answer<T: Serialize>(r: Result<T, NodeError>) -> Response {
+    match r {
+        Ok(v) => Json(json!({ "ok": v })).into_response(),
+        Err(e) => Json(json!({ "err": e })).into_response(),
+    }
+}
+
+async fn call(
+    State(s): State<Served>,
+    Path(name): Path<String>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let authorized = headers
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .is_some_and(|t| constant_time_eq(t.as_bytes(), s.token.as_bytes()));
+    if !authorized {
+        return (StatusCode::UNAUTHORIZED, "node RPC needs its bearer token").into_response();
+    }
+    let n = &s.node;
+    match name.as_str() {
+        "build_template" => match parse::<TemplateSpec>(&body) {
+            Ok(spec) => answer(n.build_template(spec).await),
+            Err(e) => answer::<()>(Err(e)),
+        },
+        "build_info" => match parse::<Build>(&body) {
+            Ok(b) => answer(n.build_info(&b.build_id).await),
+            Err(e) => answer::<()>(Err(e)),
+        },
+        "delete_build" => match parse::<Build>(&body) {
+            Ok(b) => answer(n.delete_build(&b.build_id).await),
+            Err(e) => answer::<()>(Err(e)),
+        },
+        "start" => match parse::<StartSpec>(&body) {
+            Ok(spec) => answer(n.start(spec).await),
+            Err(e) => answer::<()>(Err(e)),
+        },
+        "kill" => match parse::<Target>(&body) {
+            Ok(t) => answer(n.kill(&t.sandbox_id, &t.execution_id).await),
+            Err(e) => answer::<()>(Err(e)),
+        },
+        "pause" => match parse::<Capture>(&body) {
+            Ok(c) => answer(n.pause(&c.sandbox_id, &c.execution_id, c.memory).await),
+            Err(e) => answer::<()>(Err(e)),
+        },
+        "checkpoint" => match parse::<Capture>(&body) {
+            Ok(c) => answer(n.checkpoint(&c.sandbox_id, &c.execution_id, c.memory).await),
+            Err(e) => answer::<()>(Err(e)),
+        },
+        "list_running" => answer::<Vec<Running>>(Ok(n.list_running().await)),
+        "update_network" => match parse::<Network>(&body) {
+            Ok(x) => answer(
+                n.update_network(&x.sandbox_id, &x.execution_id, x.policy)
+                    .await,
+            ),
+            Err(e) => answer::<()>(Err(e)),
+        },
+        "metrics" => match parse::<Metrics>(&body) {
+            Ok(m) => answer(n.metrics(&m.sandbox_id, m.start_unix, m.end_unix).await),
+            Err(e) => answer::<()>(Err(e)),
+        },
+        "latest_metrics" => match parse::<Latest>(&body) {
+            Ok(l) => {
+                answer::<Vec<(String, MetricSample)>>(Ok(n.latest_metrics(&l.sandbox_ids).await))
+            }
+            Err(e) => answer::<()>(Err(e)),
+        },
+        "logs" => match parse::<Logs>(&body) {
+            Ok(l) => answer(n.logs(&l.sandbox_id, l.query).await),
+            Err(e) => answer::<()>(Err(e)),
+        },
+        "pool_depths" => answer::<Vec<(String, usize)>>(Ok(n.pool_depths().await)),
+        other => (StatusCode::NOT_FOUND, format!("no node call {other:?}")).into_response(),
+    }
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// Serves `node` on `listener` until `cancel` fires.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    node: Arc<dyn NodeControl>,
+    token: String,
+    cancel: tokio_util::sync::CancellationToken,
+) -> anyhow::Result<()> {
+    let app = axum::Router::new()
+        .route("/v1/:call", axum::routing::post(call))
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
+        .with_state(Served {
+            node,
+            token: Arc::new(token),
+        });
+    axum::serve(listener, app)
+        .with_graceful_shutdown(async move { cancel.cancelled().await })
+        .await?;
+    Ok(())
+}
+
+/// A node reached over RPC.
+pub struct RemoteNode {
+    addr: String,
+    token: String,
+}
+
+impl RemoteNode {
+    /// `url` is `http://host:port` (as printed by `vmon node`).
+    pub fn new(url: &str, token: String) -> anyhow::Result<RemoteNode> {
+        let addr = url
+            .strip_prefix("http://")
+            .unwrap_or(url)
+            .trim_end_matches('/')
+            .to_string();
+        if addr.is_empty() || addr.contains('/') {
+            anyhow::bail!("node URL {url:?} must look like http://host:port");
+        }
+        Ok(RemoteNode { addr, token })
+    }
+
+    async fn call<A: Serialize, R: DeserializeOwned>(
+        &self,
+        name: &str,
+        arg: &A,
+    ) -> Result<R, NodeError> {
+        let body = serde_json::to_vec(arg).map_err(|e| NodeError::Failed(e.to_string()))?;
+        // Template builds boot a VM under TCG: allow them time.
+        let timeout = if name == "build_template" {
+            Duration::from_secs(1800)
+        } else {
+            Duration::from_secs(600)
+        };
+        let fut = async {
+            let stream = tokio::net::TcpStream::connect(&self.addr).await?;
+            stream.set_nodelay(true)?;
+            let (mut send, conn) =
+                hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await?;
+            tokio::spawn(async move {
+                let _ = conn.await;
+            });
+            let req = hyper::Request::builder()
+                .method("POST")
+                .uri(format!("/v1/{name}"))
+                .header("host", &self.addr)
+                .header("content-type", "application/json")
+                .header("authorization", format!("Bearer {}", self.token))
+                .body(Full::new(Bytes::from(body)))?;
+            let resp = send.send_request(req).await?;
+            let status = resp.status();
+            let bytes = Limited::new(resp.into_body(), MAX_BODY)
+                .collect()
+                .await
+                .map_err(|e| anyhow::anyhow!("reading the node's answer: {e}"))?
+                .to_bytes();
+            anyhow::Ok((status, bytes))
+        };
+        let (status, bytes) = tokio::time::timeout(timeout, fut)
+            .await
+            .map_err(|_| NodeError::Failed(format!("node call {name} timed out")))?
+            .map_err(|e| NodeError::Failed(format!("node {} unreachable: {e:#}", self.addr)))?;
+        if !status.is_success() {
+            return Err(NodeError::Failed(format!(
+                "node answered {status}: {}",
+                String::from_utf8_lossy(&bytes[..bytes.len().min(200)])
+            )));
+        }
+        let v: Value = serde_json::from_slice(&bytes)
+            .map_err(|e| NodeError::Failed(format!("node answer: {e}")))?;
+        if let Some(err) = v.get("err") {
+            let e: NodeError = serde_json::from_value(err.clone())
+                .map_err(|e| NodeError::Failed(format!("node error: {e}")))?;
+            return Err(e);
+        }
+        serde_json::from_value(v.get("ok").cloned().unwrap_or(Value::Null))
+            .map_err(|e| NodeError::Failed(format!("node answer: {e}")))
+    }
+}
+
+#[async_trait::async_trait]
+impl NodeControl for RemoteNode {
+    async fn build_template(&self, spec: TemplateSpec) -> Result<BuildInfo, NodeError> {
+        self.call("build_template", &spec).await
+    }
+    async fn build_info(&self, build_id: &str) -> Result<BuildInfo, NodeError> {
+        self.call(
+            "build_info",
+            &Build {
+                build_id: build_id.into(),
+            },
+        )
+        .await
+    }
+    async fn delete_build(&self, build_id: &str) -> Result<(), NodeError> {
+        self.call(
+            "delete_build",
+            &Build {
+                build_id: build_id.into(),
+            },
+        )
+        .await
+    }
+    async fn start(&self, spec: StartSpec) -> Result<Running, NodeError> {
+        self.call("start", &spec).await
+    }
+    async fn kill(&self, sandbox_id: &str, execution_id: &str) -> Result<(), NodeError> {
+        self.call(
+            "kill",
+            &Target {
+                sandbox_id: sandbox_id.into(),
+                execution_id: execution_id.into(),
+            },
+        )
+        .await
+    }
+    async fn pause(
+        &self,
+        sandbox_id: &str,
+        execution_id: &str,
+        memory: bool,
+    ) -> Result<BuildInfo, NodeError> {
+        self.call(
+            "pause",
+            &Capture {
+                sandbox_id: sandbox_id.into(),
+                execution_id: execution_id.into(),
+                memory,
+            },
+        )
+        .await
+    }
+    async fn checkpoint(
+        &self,
+        sandbox_id: &str,
+        execution_id: &str,
+        memory: bool,
+    ) -> Result<BuildInfo, NodeError> {
+        self.call(
+            "checkpoint",
+            &Capture {
+                sandbox_id: sandbox_id.into(),
+                execution_id: execution_id.into(),
+                memory,
+            },
+        )
+        .await
+    }
+    async fn list_running(&self) -> Vec<Running> {
+        match self.call("list_running", &json!({})).await {
+            Ok(v) => v,
+            Err(e) => {
+                tracing::warn!("list_running on the node failed: {e}");
+                Vec::new()
+            }
+        }
+    }
+    async fn update_network(
+        &self,
+        sandbox_id: &str,
+        execution_id: &str,
+        policy: NetworkPolicy,
+    ) -> Result<(), NodeError> {
+        self.call(
+            "update_network",
+            &Network {
+                sandbox_id: sandbox_id.into(),
+                execution_id: execution_id.into(),
+                policy,
+            },
+        )
+        .await
+    }
+    async fn metrics(
+        &self,
+        sandbox_id: &str,
+        start_unix: i64,
+        end_unix: i64,
+    ) -> Result<Vec<MetricSample>, NodeError> {
+        self.call(
+            "metrics",
+            &Metrics {
+                sandbox_id: sandbox_id.into(),
+                start_unix,
+                end_unix,
+            },
+        )
+        .await
+    }
+    async fn latest_metrics(&self, sandbox_ids: &[String]) -> Vec<(String, MetricSample)> {
+        self.call(
+            "latest_metrics",
+            &Latest {
+                sandbox_ids: sandbox_ids.to_vec(),
+            },
+        )
+        .await
+        .unwrap_or_default()
+    }
+    async fn logs(&self, sandbox_id: &str, query: LogQuery) -> Result<Vec<LogEntry>, NodeError> {
+        self.call(
+            "logs",
+            &Logs {
+                sandbox_id: sandbox_id.into(),
+                query,
+            },
+        )
+        .await
+    }
+    async fn pool_depths(&self) -> Vec<(String, usize)> {
+        self.call("pool_depths", &json!({}))
+            .await
+            .unwrap_or_default()
+    }
+}
