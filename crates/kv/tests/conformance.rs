@@ -411,7 +411,9 @@ pub async fn election(kv: &Kv) {
     let a_fence = a.fence();
     // The leader dies without resigning: the other candidate takes over after the TTL.
     a.abandon();
-    let b = tokio::time::timeout(SESSION_TTL + EXPIRY_SLACK, b)
+    // etcd expires leases on its own schedule (and a loaded host delays it): allow twice the
+    // slack before calling the hand-over lost.
+    let b = tokio::time::timeout(SESSION_TTL + 2 * EXPIRY_SLACK, b)
         .await
         .expect("hand-over")
         .unwrap()

@@ -109,6 +109,8 @@ pub struct Node {
     me: std::sync::Weak<Node>,
     /// Held for the node's life: no other node on this host may use the same slot block.
     _block_lock: std::fs::File,
+    /// Held for the node's life: one node per data dir (another would sweep our artifacts).
+    _data_lock: std::fs::File,
 }
 
 fn err(e: anyhow::Error) -> NodeError {
@@ -135,24 +137,48 @@ fn host_memory_mb() -> u64 {
         .unwrap_or(0)
 }
 
+/// One node per data dir: `flock` on `<data>/node.lock`, failing fast when another holds it.
+fn lock_data_dir(data_dir: &Path) -> anyhow::Result<std::fs::File> {
+    use std::os::fd::AsRawFd;
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(data_dir.join("node.lock"))?;
+    // SAFETY: flock on a descriptor we own; no memory is passed.
+    let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    if rc != 0 {
+        bail!(
+            "another vmon node is running on {} (one node per data dir)",
+            data_dir.display()
+        );
+    }
+    Ok(f)
+}
+
+/// Takes the host-wide lock of slot block `b` if no live node holds it.
+fn try_lock_block(b: u32) -> anyhow::Result<Option<std::fs::File>> {
+    use std::os::fd::AsRawFd;
+    let lock_dir = Path::new("/run/vmon");
+    std::fs::create_dir_all(lock_dir)?;
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(lock_dir.join(format!("slots-{b}.lock")))?;
+    // SAFETY: flock on a descriptor we own; no memory is passed.
+    let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    Ok((rc == 0).then_some(f))
+}
+
 /// Picks this node's slot block and locks it host-wide (`flock` on `/run/vmon`), so two nodes
 /// never hand out the same namespaces and addresses. The block is remembered in the data dir,
 /// so a restarted node finds its sandboxes' slots again.
 fn claim_slot_block(cfg: &NodeConfig) -> anyhow::Result<(u32, std::fs::File)> {
-    use std::os::fd::AsRawFd;
     let lock_dir = Path::new("/run/vmon");
     std::fs::create_dir_all(lock_dir)?;
     let remembered = cfg.data_dir.join("slot-block");
-    let try_lock = |b: u32| -> anyhow::Result<Option<std::fs::File>> {
-        let f = std::fs::OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(lock_dir.join(format!("slots-{b}.lock")))?;
-        // SAFETY: flock on a descriptor we own; no memory is passed.
-        let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
-        Ok((rc == 0).then_some(f))
-    };
+    let try_lock = try_lock_block;
     if let Some(b) = cfg.slot_block {
         let b = b % crate::slots::BLOCKS;
         return match try_lock(b)? {
@@ -239,6 +265,7 @@ impl Node {
     /// that survived a restart and cleans up what a crash left.
     pub async fn open(cfg: NodeConfig) -> anyhow::Result<Arc<Node>> {
         std::fs::create_dir_all(&cfg.data_dir)?;
+        let data_lock = lock_data_dir(&cfg.data_dir)?;
         let accel = vmon_vm::probe_accel(cfg.accel).map_err(|e| anyhow::anyhow!(e))?;
         tracing::info!(accel = accel.accel.as_str(), reason = %accel.reason, "accelerator");
         let qemu_version = qemu_version(&cfg.qemu_binary)?;
@@ -267,6 +294,7 @@ impl Node {
             host_memory_mb: host_memory_mb(),
             telemetry: Default::default(),
             _block_lock: block_lock,
+            _data_lock: data_lock,
         });
         node.recover().await?;
         node.slots.set_spares(node.cfg.spare_slots);
@@ -1011,6 +1039,24 @@ impl Node {
             }
         }
         let removed = self.slots.reclaim(&keep_slots).await?;
+        // Namespaces of nodes that died without cleaning up: a block whose lock nobody holds.
+        for b in 0..crate::slots::BLOCKS {
+            if b == self.slots.block() {
+                continue;
+            }
+            if let Ok(Some(lock)) = try_lock_block(b) {
+                let stale = Slots::new(b).reclaim(&[]).await.unwrap_or_default();
+                if !stale.is_empty() {
+                    tracing::info!(
+                        block = b,
+                        count = stale.len(),
+                        "removed slots of a dead node"
+                    );
+                }
+                drop(lock);
+            }
+        }
+        crate::slots::remove_legacy().await;
         if !removed.is_empty() {
             tracing::info!(?removed, "reclaimed network slots");
         }

@@ -240,6 +240,12 @@ EOF",
             if keep.contains(&idx) {
                 continue;
             }
+            // Whatever still runs in an unclaimed slot is an orphan (a QEMU nobody adopted).
+            let _ = sh(
+                &format!("for p in $(ip netns pids {name}); do kill -9 $p; done"),
+                "stop orphans in a stale slot",
+            )
+            .await;
             self.slot(idx).destroy().await?;
             removed.push(idx);
         }
@@ -406,6 +412,46 @@ ip link del {hif} 2>/dev/null || true"
             "removing network slot",
         )
         .await
+    }
+}
+
+/// Removes namespaces and host links named by vmon's first scheme (`vmon-s<n>`, `vmh<n>`),
+/// which predates slot blocks and would shadow block 0's addresses.
+pub async fn remove_legacy() {
+    let Ok(out) = tokio::process::Command::new("ip")
+        .args(["netns", "list"])
+        .output()
+        .await
+    else {
+        return;
+    };
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let name = line.split_whitespace().next().unwrap_or("");
+        if name
+            .strip_prefix("vmon-s")
+            .is_some_and(|n| n.parse::<u32>().is_ok())
+        {
+            let _ = sh(&format!("ip netns del {name}"), "remove legacy namespace").await;
+        }
+    }
+    let Ok(links) = tokio::process::Command::new("ip")
+        .args(["-o", "link", "show"])
+        .output()
+        .await
+    else {
+        return;
+    };
+    for line in String::from_utf8_lossy(&links.stdout).lines() {
+        let Some(name) = line.split(':').nth(1).map(|s| s.trim()) else {
+            continue;
+        };
+        let name = name.split('@').next().unwrap_or(name);
+        if name
+            .strip_prefix("vmh")
+            .is_some_and(|n| n.parse::<u32>().is_ok())
+        {
+            let _ = sh(&format!("ip link del {name}"), "remove legacy veth").await;
+        }
     }
 }
 
