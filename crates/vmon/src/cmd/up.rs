@@ -83,13 +83,16 @@ pub async fn serve(data_dir: &Path, config: Config, parts: Parts) -> anyhow::Res
     let api_key = bootstrap_team(records.as_ref(), data_dir, &config).await?;
     let admin_token = secret_file(&data_dir.join(ADMIN_TOKEN_FILE))?;
 
+    let mut local_node = None;
     let node: Arc<dyn vmon_proto::node::NodeControl> = match parts.remote_node {
         Some(n) => n,
         None => {
             tracing::info!(data_dir = %data_dir.display(), "starting the node");
-            vmon_node::Node::open(vmon_node::NodeConfig::new(data_dir.to_path_buf()))
+            let n = vmon_node::Node::open(vmon_node::NodeConfig::new(data_dir.to_path_buf()))
                 .await
-                .context("starting the node")?
+                .context("starting the node")?;
+            local_node = Some(n.clone());
+            n
         }
     };
     let control = Control::open(config.clone(), node, records, kv).await?;
@@ -129,6 +132,10 @@ pub async fn serve(data_dir: &Path, config: Config, parts: Parts) -> anyhow::Res
     let first = tasks.join_next().await;
     cancel.cancel();
     while tasks.join_next().await.is_some() {}
+    // Sandboxes keep running (a restarted node re-adopts them); the warm pool does not.
+    if let Some(n) = local_node {
+        n.drain_pool().await;
+    }
     match first {
         Some(Ok(Err(e))) => Err(e),
         Some(Err(e)) => Err(anyhow::anyhow!("a part of vmon up failed: {e}")),
