@@ -1,0 +1,744 @@
+#!/usr/bin/env python3
+"""vmon's code-interpreter server: the HTTP API the `e2b-code-interpreter` SDK speaks, on
+port 49999, written against the Python standard library only (the guest has no pip).
+
+Each context is a worker process (this file run with `--worker`) that keeps a namespace and
+runs one cell at a time. The worker's fd 1 and 2 are pipes read by the server, so prints and
+subprocess output both stream; results and errors come back on a separate pipe as JSON lines.
+After a cell the worker writes a marker line to fd 1 and 2 and then `done` on the result pipe;
+the server ends the stream when it has all three, so no output is lost or attributed to the
+next cell.
+
+Endpoints: `GET /health`; `POST /execute` {code, context_id, language, env_vars} streaming
+newline-delimited JSON (`stdout`, `stderr`, `result`, `error`, `number_of_executions`);
+`POST /contexts` {language, cwd}; `GET /contexts`; `DELETE /contexts/{id}`;
+`POST /contexts/{id}/restart`.
+"""
+
+import json
+import os
+import queue
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+MAX_BODY = 16 * 1024 * 1024
+MAX_CONTROL_LINE = 64 * 1024 * 1024
+MAX_TEXT = 8 * 1024 * 1024
+READ_CHUNK = 64 * 1024
+MARK = b"\x1evmon-cell-end "
+LANGUAGES = {"python": "python", "python3": "python", "py": "python"}
+
+
+def now_ns():
+    return time.time_ns()
+
+
+def default_cwd():
+    home = os.path.expanduser("~")
+    return home if os.path.isdir(home) else "/"
+
+
+# --------------------------------------------------------------------------------------------
+# Worker (one per context)
+# --------------------------------------------------------------------------------------------
+
+
+def worker_main(req_fd, resp_fd):
+    import ast
+    import base64
+    import builtins
+    import io
+    import linecache
+    import traceback
+    import types
+
+    requests = os.fdopen(req_fd, "rb", buffering=0)
+    responses = os.fdopen(resp_fd, "wb", buffering=0)
+    # Line-buffered text streams on the pipes: one write per printed line.
+    sys.stdout = io.TextIOWrapper(
+        os.fdopen(1, "wb", closefd=False), encoding="utf-8",
+        errors="backslashreplace", line_buffering=True)
+    sys.stderr = io.TextIOWrapper(
+        os.fdopen(2, "wb", closefd=False), encoding="utf-8",
+        errors="backslashreplace", line_buffering=True)
+    sys.__stdout__, sys.__stderr__ = sys.stdout, sys.stderr
+    main = types.ModuleType("__main__")
+    main.__dict__["__builtins__"] = builtins
+    sys.modules["__main__"] = main
+    namespace = main.__dict__
+    count = 0
+    interruptible = [False]
+
+    def on_sigint(signum, frame):
+        if interruptible[0]:
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_sigint)
+
+    def send(msg):
+        responses.write(json.dumps(msg).encode() + b"\n")
+
+    def clip(s):
+        if isinstance(s, str) and len(s) > MAX_TEXT:
+            return s[:MAX_TEXT] + "\n[truncated]"
+        return s
+
+    def formats(value):
+        out = {"text": clip(safe_repr(value)), "is_main_result": True}
+        for attr, key in (("_repr_html_", "html"), ("_repr_markdown_", "markdown"),
+                          ("_repr_svg_", "svg"), ("_repr_png_", "png"),
+                          ("_repr_jpeg_", "jpeg"), ("_repr_latex_", "latex"),
+                          ("_repr_json_", "json"), ("_repr_javascript_", "javascript"),
+                          ("_repr_pdf_", "pdf")):
+            fn = getattr(type(value), attr, None)
+            if fn is None:
+                continue
+            try:
+                data = fn(value)
+            except Exception:
+                continue
+            if isinstance(data, tuple):
+                data = data[0]
+            if data is None:
+                continue
+            if isinstance(data, (bytes, bytearray)):
+                data = base64.b64encode(bytes(data)).decode()
+            if key == "json":
+                try:
+                    json.dumps(data)
+                except (TypeError, ValueError):
+                    continue
+            out[key] = clip(data)
+        return out
+
+    def safe_repr(value):
+        try:
+            return repr(value)
+        except Exception as e:
+            return "<repr failed: %s: %s>" % (type(e).__name__, e)
+
+    def error_msg(exc, filename=None):
+        # The traceback starts at the cell's first frame (not this file's or asyncio's).
+        tb = exc.__traceback__
+        t = tb
+        while t is not None and t.tb_frame.f_code.co_filename != filename:
+            t = t.tb_next
+        tb = t if t is not None else tb
+        if isinstance(exc, SyntaxError):
+            tb = None
+        try:
+            text = "".join(traceback.format_exception(type(exc), exc, tb))
+        except Exception:
+            text = "%s: %s\n" % (type(exc).__name__, exc)
+        try:
+            value = str(exc)
+        except Exception:
+            value = "<str failed>"
+        return {"type": "error", "name": type(exc).__name__, "value": clip(value),
+                "traceback": clip(text)}
+
+    def run_cell(code, filename):
+        lines = code.splitlines(True)
+        linecache.cache[filename] = (len(code), None, lines, filename)
+        flags = getattr(ast, "PyCF_ALLOW_TOP_LEVEL_AWAIT", 0)
+        try:
+            tree = compile(code, filename, "exec", ast.PyCF_ONLY_AST | flags)
+        except (SyntaxError, ValueError, OverflowError) as e:
+            return error_msg(e), None
+        last = None
+        if tree.body and isinstance(tree.body[-1], ast.Expr):
+            last = ast.Expression(tree.body.pop().value)
+        try:
+            body = compile(tree, filename, "exec", flags)
+            expr = compile(last, filename, "eval", flags) if last is not None else None
+        except (SyntaxError, ValueError, OverflowError) as e:
+            return error_msg(e), None
+        interruptible[0] = True
+        try:
+            if body.co_flags & 0x80 or (expr is not None and expr.co_flags & 0x80):
+                import asyncio
+
+                async def both():
+                    r = eval(body, namespace)
+                    if r is not None and hasattr(r, "__await__"):
+                        await r
+                    if expr is None:
+                        return None
+                    v = eval(expr, namespace)
+                    if hasattr(v, "__await__") and expr.co_flags & 0x80:
+                        v = await v
+                    return v
+
+                value = asyncio.run(both())
+            else:
+                exec(body, namespace)
+                value = eval(expr, namespace) if expr is not None else None
+        except BaseException as e:  # KeyboardInterrupt and SystemExit too: keep the context
+            interruptible[0] = False
+            return error_msg(e, filename), None
+        finally:
+            interruptible[0] = False
+        return None, value
+
+    send({"type": "ready", "pid": os.getpid()})
+    while True:
+        line = requests.readline()
+        if not line:
+            return
+        try:
+            req = json.loads(line)
+        except ValueError:
+            continue
+        seq = req.get("seq", 0)
+        env = req.get("env_vars") or {}
+        saved = {}
+        for k, v in env.items():
+            if isinstance(k, str) and isinstance(v, str) and k and "=" not in k and "\0" not in k + v:
+                saved[k] = os.environ.get(k)
+                os.environ[k] = v
+        count += 1
+        err, value = run_cell(req.get("code", ""), "<cell %d>" % count)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        if err is None and value is not None:
+            namespace["_"] = value
+            try:
+                send(dict(formats(value), type="result"))
+            except Exception as e:
+                send(error_msg(e))
+        try:
+            sys.stdout.flush()
+        except Exception:
+            pass
+        try:
+            sys.stderr.flush()
+        except Exception:
+            pass
+        if err is not None:
+            send(err)
+        send({"type": "number_of_executions", "execution_count": count})
+        marker = MARK + str(seq).encode() + b"\n"
+        for fd in (1, 2):
+            try:
+                os.write(fd, marker)
+            except OSError:
+                pass
+        send({"type": "done", "seq": seq})
+
+
+# --------------------------------------------------------------------------------------------
+# Server side of a context
+# --------------------------------------------------------------------------------------------
+
+
+class WorkerDied(Exception):
+    pass
+
+
+class Worker:
+    """A running worker process and the threads that read its pipes into one queue."""
+
+    def __init__(self, cwd):
+        req_r, req_w = os.pipe()
+        resp_r, resp_w = os.pipe()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-u", os.path.abspath(__file__), "--worker", str(req_r), str(resp_w)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            pass_fds=(req_r, resp_w), cwd=cwd, close_fds=True, start_new_session=True)
+        os.close(req_r)
+        os.close(resp_w)
+        self.requests = os.fdopen(req_w, "wb", buffering=0)
+        # Bounded: a cell printing faster than its client reads blocks on its pipe.
+        self.events = queue.Queue(maxsize=4096)
+        self.ready = threading.Event()
+        self.threads = [
+            threading.Thread(target=self._read_stream, args=("stdout", self.proc.stdout), daemon=True),
+            threading.Thread(target=self._read_stream, args=("stderr", self.proc.stderr), daemon=True),
+            threading.Thread(target=self._read_control, args=(os.fdopen(resp_r, "rb"),), daemon=True),
+        ]
+        for t in self.threads:
+            t.start()
+
+    def _read_stream(self, kind, pipe):
+        fd = pipe.fileno()
+        buf = b""
+        while True:
+            try:
+                chunk = os.read(fd, READ_CHUNK)
+            except OSError:
+                chunk = b""
+            if not chunk:
+                if buf:
+                    self.events.put((kind, buf))
+                self.events.put((kind + "-eof", None))
+                return
+            buf = self._split(kind, buf + chunk)
+
+    def _split(self, kind, buf):
+        """Queues the complete lines and markers of `buf`; returns what must wait for more."""
+        while buf:
+            m = buf.find(MARK)
+            nl = buf.find(b"\n")
+            if m >= 0 and (nl < 0 or m < nl):
+                end = buf.find(b"\n", m)
+                if end < 0:
+                    if m > 0:
+                        self.events.put((kind, buf[:m]))
+                    rest = buf[m:]
+                    if len(rest) > 64:  # not a marker after all
+                        self.events.put((kind, rest))
+                        return b""
+                    return rest
+                if m > 0:
+                    self.events.put((kind, buf[:m]))
+                try:
+                    seq = int(buf[m + len(MARK):end].strip())
+                except ValueError:
+                    seq = -1
+                self.events.put((kind + "-end", seq))
+                buf = buf[end + 1:]
+            elif nl >= 0:
+                self.events.put((kind, buf[: nl + 1]))
+                buf = buf[nl + 1:]
+            else:
+                # A partial line: emit it, except a tail that may be the start of a marker.
+                p = buf.rfind(MARK[:1])
+                if p >= 0 and MARK.startswith(buf[p:]):
+                    if p > 0:
+                        self.events.put((kind, buf[:p]))
+                    return buf[p:]
+                self.events.put((kind, buf))
+                return b""
+        return b""
+
+    def _read_control(self, f):
+        while True:
+            try:
+                line = f.readline(MAX_CONTROL_LINE)
+            except (OSError, ValueError):
+                line = b""
+            if not line:
+                self.events.put(("control-eof", None))
+                return
+            try:
+                msg = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(msg, dict) and msg.get("type") == "ready":
+                self.ready.set()
+                continue
+            self.events.put(("control", msg))
+
+    def alive(self):
+        return self.proc.poll() is None
+
+    def stop(self):
+        """Kills the worker and whatever it started (its own session)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            self.requests.close()
+        except OSError:
+            pass
+
+    def interrupt(self):
+        if self.alive():
+            try:
+                self.proc.send_signal(signal.SIGINT)
+            except OSError:
+                pass
+
+
+class Context:
+    def __init__(self, cid, language, cwd):
+        self.id = cid
+        self.language = language
+        self.cwd = cwd
+        self.lock = threading.Lock()  # one cell at a time
+        self.seq = 0
+        self.worker = Worker(cwd)
+
+    def info(self):
+        return {"id": self.id, "language": self.language, "cwd": self.cwd}
+
+    def restart(self):
+        old = self.worker
+        old.stop()  # a running cell ends now (its client gets an error), freeing the lock
+        with self.lock:
+            if self.worker is old or not self.worker.alive():
+                self.worker = Worker(self.cwd)
+        self.worker.ready.wait(60)
+
+    def close(self):
+        self.worker.stop()
+
+    def execute(self, code, env_vars, emit, disconnected):
+        """Runs one cell; `emit(msg)` gets each output message; `disconnected()` says the client
+        is gone (the cell is then interrupted)."""
+        with self.lock:
+            if not self.worker.alive():
+                self.worker.stop()
+                self.worker = Worker(self.cwd)
+            w = self.worker
+            # Output printed between cells (background threads) belongs to no request.
+            for _ in range(w.events.qsize()):
+                try:
+                    kind, _data = w.events.get_nowait()
+                except queue.Empty:
+                    break
+                if kind.endswith("-eof"):  # it died between cells
+                    w.stop()
+                    self.worker = w = Worker(self.cwd)
+                    break
+            self.seq += 1
+            seq = self.seq
+            try:
+                w.requests.write(json.dumps(
+                    {"seq": seq, "code": code, "env_vars": env_vars}).encode() + b"\n")
+            except OSError:
+                w.stop()
+                self.worker = Worker(self.cwd)
+                raise WorkerDied("the context's process could not take the cell; it was restarted")
+            pending = {"stdout-end", "stderr-end", "done"}
+            interrupted_at = None
+            gone = False
+            while pending:
+                try:
+                    kind, data = w.events.get(timeout=0.5)
+                except queue.Empty:
+                    if not gone and disconnected():
+                        gone = True
+                        w.interrupt()
+                        interrupted_at = time.monotonic()
+                    if interrupted_at and time.monotonic() - interrupted_at > 10:
+                        w.stop()  # did not stop on SIGINT: kill it; next cell restarts it
+                        return
+                    if not w.alive() and w.events.empty():
+                        kind, data = "control-eof", None
+                    else:
+                        continue
+                if kind in ("stdout", "stderr"):
+                    if not gone:
+                        gone = not emit({"type": kind, "text": data.decode("utf-8", "backslashreplace"),
+                                         "timestamp": now_ns()})
+                elif kind in ("stdout-end", "stderr-end"):
+                    if data == seq:
+                        pending.discard(kind)
+                elif kind == "control":
+                    if data.get("type") == "done":
+                        if data.get("seq") == seq:
+                            pending.discard("done")
+                    elif not gone:
+                        gone = not emit(data)
+                elif kind in ("control-eof", "stdout-eof", "stderr-eof"):
+                    # The worker died mid-cell (os._exit, a crash, out of memory).
+                    code_ = w.proc.poll()
+                    w.stop()
+                    if not gone:
+                        emit({"type": "error", "name": "ContextDied",
+                              "value": "the context's process exited (%s); its state is lost and it "
+                                       "restarts on the next cell" % (code_,),
+                              "traceback": ""})
+                    return
+                if gone and interrupted_at is None:
+                    w.interrupt()
+                    interrupted_at = time.monotonic()
+
+
+class Contexts:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.by_id = {}
+        self.default = {}
+
+    def create(self, language, cwd):
+        ctx = Context(str(uuid.uuid4()), language, cwd)
+        with self.lock:
+            self.by_id[ctx.id] = ctx
+        return ctx
+
+    def default_for(self, language):
+        with self.lock:
+            cid = self.default.get(language)
+            ctx = self.by_id.get(cid) if cid else None
+            if ctx is not None:
+                return ctx
+            ctx = Context(str(uuid.uuid4()), language, default_cwd())
+            self.by_id[ctx.id] = ctx
+            self.default[language] = ctx.id
+            return ctx
+
+    def get(self, cid):
+        with self.lock:
+            return self.by_id.get(cid)
+
+    def remove(self, cid):
+        with self.lock:
+            ctx = self.by_id.pop(cid, None)
+            for lang, d in list(self.default.items()):
+                if d == cid:
+                    del self.default[lang]
+        if ctx is not None:
+            ctx.close()
+        return ctx is not None
+
+    def list(self):
+        with self.lock:
+            return [c.info() for c in self.by_id.values()]
+
+
+CONTEXTS = Contexts()
+
+
+# --------------------------------------------------------------------------------------------
+# HTTP
+# --------------------------------------------------------------------------------------------
+
+
+class BadRequest(Exception):
+    def __init__(self, status, message):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def language_of(value):
+    if value is None or value == "":
+        return "python"
+    if not isinstance(value, str) or value.lower() not in LANGUAGES:
+        raise BadRequest(400, "unsupported language %r (this server runs python only)" % (value,))
+    return LANGUAGES[value.lower()]
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "vmon-code-interpreter/1"
+
+    def log_message(self, fmt, *args):
+        if os.environ.get("VMON_CI_LOG"):
+            sys.stderr.write("%s %s\n" % (self.address_string(), fmt % args))
+
+    # -- helpers --
+
+    def send_json(self, status, obj):
+        body = json.dumps(obj).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def send_text(self, status, text):
+        body = text.encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "text/plain; charset=utf-8")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def read_body(self):
+        """Reads the whole body first, so an error answer leaves the connection usable."""
+        self.body = b""
+        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+            self.close_connection = True
+            raise BadRequest(411, "a Content-Length is required")
+        try:
+            n = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            self.close_connection = True
+            raise BadRequest(400, "bad Content-Length")
+        if n < 0 or n > MAX_BODY:
+            self.close_connection = True
+            raise BadRequest(413, "request body larger than %d bytes" % MAX_BODY)
+        self.body = self.rfile.read(n) if n else b""
+        if len(self.body) != n:
+            self.close_connection = True
+            raise BadRequest(400, "truncated body")
+
+    def read_json(self):
+        raw = self.body
+        if not raw.strip():
+            return {}
+        try:
+            obj = json.loads(raw)
+        except ValueError as e:
+            raise BadRequest(400, "invalid JSON: %s" % e)
+        if not isinstance(obj, dict):
+            raise BadRequest(400, "the body must be a JSON object")
+        return obj
+
+    def route(self, method):
+        path = self.path.split("?", 1)[0].rstrip("/") or "/"
+        parts = [p for p in path.split("/") if p]
+        try:
+            self.read_body()
+            if method == "GET" and parts == ["health"]:
+                return self.send_json(200, {"status": "ok"})
+            if method == "POST" and parts == ["execute"]:
+                return self.execute()
+            if parts[:1] == ["contexts"]:
+                if method == "GET" and len(parts) == 1:
+                    self.read_json()
+                    return self.send_json(200, CONTEXTS.list())
+                if method == "POST" and len(parts) == 1:
+                    return self.create_context()
+                if method == "DELETE" and len(parts) == 2:
+                    self.read_json()
+                    if not CONTEXTS.remove(parts[1]):
+                        raise BadRequest(404, "context %s not found" % parts[1])
+                    self.send_response(204)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return None
+                if method == "POST" and len(parts) == 3 and parts[2] == "restart":
+                    self.read_json()
+                    ctx = CONTEXTS.get(parts[1])
+                    if ctx is None:
+                        raise BadRequest(404, "context %s not found" % parts[1])
+                    ctx.restart()
+                    return self.send_json(200, ctx.info())
+            raise BadRequest(404, "no route %s %s" % (method, path))
+        except BadRequest as e:
+            return self.send_text(e.status, e.message)
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True
+        except Exception as e:  # never let one request take the server down
+            self.close_connection = True
+            try:
+                self.send_text(500, "internal error: %s: %s" % (type(e).__name__, e))
+            except OSError:
+                pass
+
+    def do_GET(self):
+        self.route("GET")
+
+    def do_POST(self):
+        self.route("POST")
+
+    def do_DELETE(self):
+        self.route("DELETE")
+
+    def create_context(self):
+        req = self.read_json()
+        language = language_of(req.get("language"))
+        cwd = req.get("cwd") or default_cwd()
+        if not isinstance(cwd, str) or "\0" in cwd:
+            raise BadRequest(400, "cwd must be a path")
+        try:
+            os.makedirs(cwd, exist_ok=True)
+        except OSError as e:
+            raise BadRequest(400, "cwd %s: %s" % (cwd, e.strerror))
+        if not os.path.isdir(cwd):
+            raise BadRequest(400, "cwd %s is not a directory" % cwd)
+        ctx = CONTEXTS.create(language, cwd)
+        return self.send_json(200, ctx.info())
+
+    def execute(self):
+        req = self.read_json()
+        code = req.get("code")
+        if not isinstance(code, str):
+            raise BadRequest(400, "code must be a string")
+        env_vars = req.get("env_vars") or {}
+        if not isinstance(env_vars, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in env_vars.items()):
+            raise BadRequest(400, "env_vars must map strings to strings")
+        cid = req.get("context_id")
+        if cid:
+            if req.get("language"):
+                raise BadRequest(400, "give context_id or language, not both")
+            ctx = CONTEXTS.get(cid) if isinstance(cid, str) else None
+            if ctx is None:
+                raise BadRequest(404, "context %s not found" % (cid,))
+        else:
+            ctx = CONTEXTS.default_for(language_of(req.get("language")))
+
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-ndjson")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.send_header("Cache-Control", "no-cache")
+        self.end_headers()
+        self.wfile.flush()
+        alive = [True]
+
+        def emit(msg):
+            if not alive[0]:
+                return False
+            data = json.dumps(msg).encode() + b"\n"
+            try:
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+                self.wfile.flush()
+            except OSError:
+                alive[0] = False
+            return alive[0]
+
+        def disconnected():
+            if not alive[0]:
+                return True
+            try:
+                r, _, _ = select.select([self.connection], [], [], 0)
+                if r and self.connection.recv(1, socket.MSG_PEEK) == b"":
+                    alive[0] = False
+            except OSError:
+                alive[0] = False
+            return not alive[0]
+
+        try:
+            ctx.execute(code, env_vars, emit, disconnected)
+        except WorkerDied as e:
+            emit({"type": "error", "name": "ContextDied", "value": str(e), "traceback": ""})
+        except Exception as e:  # the headers are out: report in the stream
+            emit({"type": "error", "name": "InternalError",
+                  "value": "%s: %s" % (type(e).__name__, e), "traceback": ""})
+        if alive[0]:
+            try:
+                self.wfile.write(b"0\r\n\r\n")
+                self.wfile.flush()
+            except OSError:
+                self.close_connection = True
+        else:
+            self.close_connection = True
+
+
+class Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    request_queue_size = 64
+
+
+def main():
+    import argparse
+
+    p = argparse.ArgumentParser(description="vmon code-interpreter server")
+    p.add_argument("--host", default=os.environ.get("VMON_CI_HOST", "0.0.0.0"))
+    p.add_argument("--port", type=int, default=int(os.environ.get("VMON_CI_PORT", "49999")))
+    args = p.parse_args()
+    # A warm default context, so the first cell (and the template snapshot) has it ready.
+    ctx = CONTEXTS.default_for("python")
+    ctx.worker.ready.wait(120)
+    server = Server((args.host, args.port), Handler)
+    sys.stderr.write("code interpreter listening on %s:%d\n" % (args.host, args.port))
+    sys.stderr.flush()
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--worker":
+        worker_main(int(sys.argv[2]), int(sys.argv[3]))
+    else:
+        main()

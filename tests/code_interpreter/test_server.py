@@ -1,0 +1,258 @@
+"""The guest's code-interpreter server (crates/image/assets/code_interpreter.py) run as a host
+process: its wire, parsed with the official SDK's own parser, without any VM."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from e2b_code_interpreter.models import Context, Execution, parse_output
+
+SERVER = Path(__file__).resolve().parents[2] / "crates/image/assets/code_interpreter.py"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    home = tmp_path_factory.mktemp("home")
+    port = _free_port()
+    env = dict(os.environ, HOME=str(home))
+    proc = subprocess.Popen(
+        [sys.executable, str(SERVER), "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        cwd=home,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            c.request("GET", "/health")
+            if c.getresponse().status == 200:
+                break
+        except OSError:
+            pass
+        assert proc.poll() is None, proc.stderr.read()
+        assert time.monotonic() < deadline, "server did not come up"
+        time.sleep(0.1)
+    yield port, home
+    proc.terminate()
+    proc.wait(10)
+
+
+def request(port, method, path, body=None, timeout=30):
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    data = json.dumps(body).encode() if body is not None else None
+    c.request(method, path, body=data, headers={"Content-Type": "application/json"})
+    r = c.getresponse()
+    return r.status, r.read().decode()
+
+
+def execute(port, code, on_stdout=None, on_stderr=None, **kw):
+    """Runs a cell; returns (Execution parsed by the SDK, raw lines)."""
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    body = {"code": code, "context_id": None, "language": None, "env_vars": None}
+    body.update(kw)
+    c.request("POST", "/execute", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    r = c.getresponse()
+    assert r.status == 200, r.read()
+    ex = Execution()
+    lines = []
+    while True:
+        line = r.readline()
+        if not line:
+            break
+        line = line.decode().rstrip("\n")
+        assert line, "empty line in the stream"
+        lines.append(json.loads(line))
+        parse_output(ex, line, on_stdout=on_stdout, on_stderr=on_stderr)
+    return ex, lines
+
+
+def test_health(server):
+    port, _ = server
+    assert request(port, "GET", "/health")[0] == 200
+
+
+def test_value_of_last_expression(server):
+    port, _ = server
+    ex, lines = execute(port, "x = 41")
+    assert ex.results == [] and ex.error is None
+    ex, _ = execute(port, "x + 1")
+    assert ex.text == "42"
+    assert ex.results[0].is_main_result
+    ex, _ = execute(port, "'s'")
+    assert ex.text == "'s'"
+    ex, _ = execute(port, "y = 2\ny * 3")
+    assert ex.text == "6"
+    ex, _ = execute(port, "None")
+    assert ex.results == []
+    assert isinstance(ex.execution_count, int)
+
+
+def test_stdout_stderr(server):
+    port, _ = server
+    ex, lines = execute(port, "print('hi')\nimport sys; print('oops', file=sys.stderr)")
+    assert ex.logs.stdout == ["hi\n"]
+    assert ex.logs.stderr == ["oops\n"]
+    assert all(isinstance(l["timestamp"], int) for l in lines if l["type"] in ("stdout", "stderr"))
+    ex, _ = execute(port, "import os; os.system('echo from-a-subprocess')")
+    assert ex.logs.stdout == ["from-a-subprocess\n"]
+    ex, _ = execute(port, "print('no newline', end='')")
+    assert "".join(ex.logs.stdout) == "no newline"
+
+
+def test_stdout_streams_while_running(server):
+    port, _ = server
+    seen = []
+
+    def on_stdout(msg):
+        seen.append((time.monotonic(), msg.line))
+
+    t0 = time.monotonic()
+    ex, _ = execute(port, "import time\nprint('first')\ntime.sleep(1.5)\nprint('second')", on_stdout=on_stdout)
+    assert [l for _, l in seen] == ["first\n", "second\n"]
+    assert seen[0][0] - t0 < 1.2, "first line arrived only at the end"
+    assert ex.logs.stdout == ["first\n", "second\n"]
+
+
+def test_errors(server):
+    port, _ = server
+    ex, _ = execute(port, "1/0")
+    assert ex.error.name == "ZeroDivisionError"
+    assert ex.error.value == "division by zero"
+    assert "1/0" in ex.error.traceback and "code_interpreter.py" not in ex.error.traceback
+    ex, _ = execute(port, "def f():\n    raise ValueError('bad')\nprint('before')\nf()")
+    assert ex.error.name == "ValueError" and ex.error.value == "bad"
+    assert ex.logs.stdout == ["before\n"]
+    ex, _ = execute(port, "1/")
+    assert ex.error.name == "SyntaxError"
+    ex, _ = execute(port, "raise SystemExit(3)")
+    assert ex.error.name == "SystemExit"
+    ex, _ = execute(port, "x")  # the context survived all of that
+    assert ex.error is None
+
+
+def test_env_vars_are_per_cell(server):
+    port, _ = server
+    ex, _ = execute(port, "import os; os.environ.get('VMON_T')", env_vars={"VMON_T": "v"})
+    assert ex.text == "'v'"
+    ex, _ = execute(port, "os.environ.get('VMON_T')")
+    assert ex.results == []
+
+
+def test_top_level_await(server):
+    port, _ = server
+    ex, _ = execute(port, "import asyncio\nawait asyncio.sleep(0.01)\n7")
+    assert ex.text == "7", ex.error
+
+
+def test_rich_result(server):
+    port, _ = server
+    ex, _ = execute(port, "class H:\n    def _repr_html_(self): return '<b>x</b>'\nH()")
+    assert ex.results[0].html == "<b>x</b>"
+
+
+def test_contexts(server):
+    port, home = server
+    status, body = request(port, "POST", "/contexts", {"language": "python", "cwd": str(home / "sub")})
+    assert status == 200, body
+    ctx = Context.from_json(json.loads(body))
+    assert ctx.cwd == str(home / "sub") and ctx.language == "python"
+    execute(port, "z = 'default'")
+    ex, _ = execute(port, "z = 'mine'\nimport os; os.getcwd()", context_id=ctx.id)
+    assert ex.text == repr(str(home / "sub"))
+    ex, _ = execute(port, "z")
+    assert ex.text == "'default'"
+    ex, _ = execute(port, "x", context_id=ctx.id)
+    assert ex.error.name == "NameError"
+    ids = [c["id"] for c in json.loads(request(port, "GET", "/contexts")[1])]
+    assert ctx.id in ids
+    assert request(port, "POST", f"/contexts/{ctx.id}/restart")[0] == 200
+    ex, _ = execute(port, "z", context_id=ctx.id)
+    assert ex.error.name == "NameError"
+    assert request(port, "DELETE", f"/contexts/{ctx.id}")[0] == 204
+    assert request(port, "DELETE", f"/contexts/{ctx.id}")[0] == 404
+    status, _ = request(port, "POST", "/execute", {"code": "1", "context_id": ctx.id})
+    assert status == 404
+
+
+def test_bad_input(server):
+    port, _ = server
+    assert request(port, "POST", "/execute", {"code": 1})[0] == 400
+    assert request(port, "POST", "/execute", {"code": "1", "language": "cobol"})[0] == 400
+    assert request(port, "POST", "/contexts", {"language": "cobol"})[0] == 400
+    assert request(port, "GET", "/nope")[0] == 404
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    c.request("POST", "/execute", body=b"{not json", headers={"Content-Type": "application/json"})
+    assert c.getresponse().status == 400
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    c.putrequest("POST", "/execute")
+    c.putheader("Content-Length", str(1 << 30))
+    c.endheaders()
+    assert c.getresponse().status == 413
+    ex, _ = execute(port, "'\\x1evmon-cell-end 0'")  # a marker-looking value is just a value
+    assert ex.error is None
+    ex, _ = execute(port, "print('\\x1evmon-cell-end 999')\nprint('after')")
+    assert ex.logs.stdout[-1] == "after\n"
+    assert request(port, "GET", "/health")[0] == 200
+
+
+def test_dead_worker_restarts(server):
+    port, _ = server
+    status, body = request(port, "POST", "/contexts", {})
+    cid = json.loads(body)["id"]
+    execute(port, "keep = 1", context_id=cid)
+    ex, _ = execute(port, "import os; os._exit(1)", context_id=cid)
+    assert ex.error.name == "ContextDied"
+    ex, _ = execute(port, "2 + 2", context_id=cid)
+    assert ex.text == "4"
+
+
+def test_client_disconnect_interrupts_cell(server):
+    port, _ = server
+    status, body = request(port, "POST", "/contexts", {})
+    cid = json.loads(body)["id"]
+    s = socket.create_connection(("127.0.0.1", port))
+    body = json.dumps({"code": "import time\ntime.sleep(600)", "context_id": cid}).encode()
+    s.sendall(b"POST /execute HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    time.sleep(1)
+    s.close()
+    t0 = time.monotonic()
+    ex, _ = execute(port, "'free again'", context_id=cid)
+    assert ex.text == "'free again'"
+    assert time.monotonic() - t0 < 15
+
+
+def test_concurrent_cells_in_one_context_queue(server):
+    port, _ = server
+    status, body = request(port, "POST", "/contexts", {})
+    cid = json.loads(body)["id"]
+    execute(port, "n = 0", context_id=cid)
+    out = []
+
+    def bump():
+        ex, _ = execute(port, "import time\nn += 1\ntime.sleep(0.2)\nn", context_id=cid)
+        out.append(ex.text)
+
+    ts = [threading.Thread(target=bump) for _ in range(3)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert sorted(out) == ["1", "2", "3"]
