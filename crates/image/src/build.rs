@@ -15,6 +15,12 @@ use crate::apt::host_apt_source;
 /// Bumped whenever the steps below change what an image contains.
 const RECIPE_VERSION: u32 = 1;
 
+/// The code-interpreter server (`code-interpreter-v1`'s start command), installed as
+/// [`CODE_INTERPRETER_PATH`].
+pub const CODE_INTERPRETER_PY: &str = include_str!("../assets/code_interpreter.py");
+/// Where the guest has the code-interpreter server.
+pub const CODE_INTERPRETER_PATH: &str = "/usr/local/lib/vmon/code_interpreter.py";
+
 /// Packages every guest gets (on top of debootstrap's minbase).
 const BASE_PACKAGES: &[&str] = &[
     "bash",
@@ -76,6 +82,7 @@ impl Recipe {
         h.update(self.tree_hash());
         h.update(format!("\n{}\n", self.disk_mb));
         h.update(Sha256::digest(&envd));
+        h.update(Sha256::digest(CODE_INTERPRETER_PY));
         Ok(hex::encode(&h.finalize()[..8]))
     }
 }
@@ -164,6 +171,12 @@ pub async fn build(data_dir: &Path, recipe: &Recipe) -> anyhow::Result<Image> {
     std::fs::create_dir_all(&staging)?;
 
     install_envd(&tree, &recipe.envd)?;
+    install_file(
+        &tree,
+        CODE_INTERPRETER_PATH,
+        CODE_INTERPRETER_PY.as_bytes(),
+        0o644,
+    )?;
     let (vmlinuz, initrd, kernel_version) = find_kernel(&tree)?;
     std::fs::copy(&vmlinuz, staging.join("vmlinuz"))?;
     std::fs::copy(&initrd, staging.join("initrd"))?;
@@ -375,6 +388,18 @@ fn install_envd(tree: &Path, envd: &Path) -> anyhow::Result<()> {
     let _ = std::fs::remove_file(&dst);
     std::fs::copy(envd, &dst).with_context(|| format!("copying {}", envd.display()))?;
     std::fs::set_permissions(&dst, std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
+    Ok(())
+}
+
+/// Writes `contents` at the absolute guest path `path` in the tree.
+fn install_file(tree: &Path, path: &str, contents: &[u8], mode: u32) -> anyhow::Result<()> {
+    let dst = tree.join(path.trim_start_matches('/'));
+    if let Some(dir) = dst.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let _ = std::fs::remove_file(&dst);
+    std::fs::write(&dst, contents).with_context(|| format!("writing {}", dst.display()))?;
+    std::fs::set_permissions(&dst, std::os::unix::fs::PermissionsExt::from_mode(mode))?;
     Ok(())
 }
 

@@ -60,7 +60,16 @@ impl Control {
     ) -> ApiResult<(TemplateRecord, String, BuildInfo)> {
         let not_found = || ApiError::not_found(format!("template '{reference}' not found"));
         let r = parse_template_ref(reference.trim()).ok_or_else(not_found)?;
-        let template = self.find_template(team, &r).await?.ok_or_else(not_found)?;
+        let mut template = self.find_template(team, &r).await?;
+        if template.is_none() && r.namespace.is_none() && super::builtin::builtin(&r.name).is_some()
+        {
+            // Still building in the background (or never built here): wait for it.
+            self.ensure_builtin(&r.name).await.map_err(|e| {
+                ApiError::unavailable(format!("template '{reference}' could not be built: {e:#}"))
+            })?;
+            template = self.find_template(team, &r).await?;
+        }
+        let template = template.ok_or_else(not_found)?;
         let tag = r.tag.unwrap_or_else(|| DEFAULT_TAG.to_string());
         let build = template.tags.get(&tag).cloned().ok_or_else(not_found)?;
         Ok((template, tag, build))
@@ -102,6 +111,17 @@ impl Control {
         alias: &str,
         spec: &crate::config::BaseTemplate,
     ) -> anyhow::Result<BuildInfo> {
+        self.ensure_template_with(alias, spec, None, None).await
+    }
+
+    /// [`Self::ensure_template`] with the template's start and ready commands.
+    pub async fn ensure_template_with(
+        &self,
+        alias: &str,
+        spec: &crate::config::BaseTemplate,
+        start_cmd: Option<String>,
+        ready_cmd: Option<String>,
+    ) -> anyhow::Result<BuildInfo> {
         let existing = self.records.template_by_alias("", alias).await?;
         if let Some(t) = existing.filter(|t| t.team_id.is_none()) {
             if let Some(b) = t.tags.get(DEFAULT_TAG) {
@@ -126,8 +146,8 @@ impl Control {
                 vcpus: spec.vcpus,
                 memory_mb: spec.memory_mb,
                 disk_mb: spec.disk_mb,
-                start_cmd: None,
-                ready_cmd: None,
+                start_cmd,
+                ready_cmd,
                 env_vars: BTreeMap::new(),
             })
             .await?;

@@ -7,6 +7,8 @@
 //! are written. HTTP handlers run transitions in spawned tasks so they finish even when the
 //! client goes away.
 
+mod builtin;
+pub use builtin::CODE_INTERPRETER;
 mod checkpoint;
 mod delivery;
 mod lifecycle;
@@ -46,6 +48,8 @@ pub struct Control {
     /// Wakes this process's webhook dispatcher after a commit queued deliveries.
     pub(crate) deliveries_due: tokio::sync::Notify,
     pub(crate) delivery_policy: DeliveryPolicy,
+    /// Held while a builtin template (`builtin.rs`) is being built.
+    builtin_builds: tokio::sync::Mutex<()>,
 }
 
 impl Control {
@@ -64,6 +68,7 @@ impl Control {
             routes: RwLock::new(HashMap::new()),
             deliveries_due: tokio::sync::Notify::new(),
             delivery_policy: DeliveryPolicy::default(),
+            builtin_builds: tokio::sync::Mutex::new(()),
         });
         control.reconcile().await?;
         Ok(control)

@@ -100,6 +100,19 @@ pub async fn serve(data_dir: &Path, config: Config, parts: Parts) -> anyhow::Res
         .ensure_template("base", &config.base_template)
         .await
         .context("building the base template")?;
+    // The code interpreter's template is not needed to answer: it builds in the background
+    // while the listeners come up; a create that names it meanwhile waits for this build.
+    let builtin_control = control.clone();
+    tokio::spawn(async move {
+        let alias = vmon_api::control::CODE_INTERPRETER;
+        if let Err(e) = builtin_control.ensure_builtin(alias).await {
+            tracing::warn!(
+                alias,
+                error = format!("{e:#}"),
+                "building a builtin template failed; the first create that names it retries"
+            );
+        }
+    });
 
     let api_listener = tokio::net::TcpListener::bind(config.api_listen)
         .await

@@ -1,0 +1,70 @@
+//! Shared templates the api makes by itself: `base` (built before `vmon up` answers) and
+//! `code-interpreter-v1` (built in the background after it, or on the first create that names
+//! it; a create that arrives during the build waits for it).
+
+use vmon_proto::node::BuildInfo;
+
+use super::Control;
+
+/// The `e2b-code-interpreter` SDK's default template.
+pub const CODE_INTERPRETER: &str = "code-interpreter-v1";
+
+/// Where the image puts the server (`crates/image/assets/code_interpreter.py`).
+const CODE_INTERPRETER_PY: &str = "/usr/local/lib/vmon/code_interpreter.py";
+
+/// A shared template the api knows how to build.
+#[derive(Debug, Clone, Copy)]
+pub struct Builtin {
+    pub alias: &'static str,
+    pub start_cmd: Option<&'static str>,
+    pub ready_cmd: Option<&'static str>,
+}
+
+const CODE_INTERPRETER_BUILTIN: Builtin = Builtin {
+    alias: CODE_INTERPRETER,
+    start_cmd: Some(
+        "cd /home/user && exec python3 /usr/local/lib/vmon/code_interpreter.py \
+         >>/tmp/code-interpreter.log 2>&1",
+    ),
+    ready_cmd: Some(
+        "python3 -c 'import urllib.request; \
+         urllib.request.urlopen(\"http://127.0.0.1:49999/health\", timeout=5)'",
+    ),
+};
+
+/// The builtin template named `alias` (built on demand), if there is one.
+pub fn builtin(alias: &str) -> Option<Builtin> {
+    [CODE_INTERPRETER_BUILTIN]
+        .into_iter()
+        .find(|b| b.alias == alias)
+}
+
+impl Control {
+    /// Builds the builtin template `alias` unless it exists; one builtin build at a time, so
+    /// a caller that arrives during a build waits for it and then finds it built.
+    pub async fn ensure_builtin(&self, alias: &str) -> anyhow::Result<BuildInfo> {
+        let b = builtin(alias).ok_or_else(|| anyhow::anyhow!("no builtin template {alias:?}"))?;
+        debug_assert!(b.start_cmd.is_none_or(|c| c.contains(CODE_INTERPRETER_PY)));
+        let _one_at_a_time = self.builtin_builds.lock().await;
+        self.ensure_template_with(
+            b.alias,
+            &self.config.base_template,
+            b.start_cmd.map(str::to_string),
+            b.ready_cmd.map(str::to_string),
+        )
+        .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn code_interpreter_is_builtin() {
+        let b = builtin("code-interpreter-v1").expect("builtin");
+        assert!(b.start_cmd.is_some_and(|c| c.contains(CODE_INTERPRETER_PY)));
+        assert!(b.ready_cmd.is_some_and(|c| c.contains("49999/health")));
+        assert!(builtin("base").is_none());
+    }
+}
