@@ -1,0 +1,92 @@
+"""The official `e2b-code-interpreter` SDK against `vmon up`: the default template
+`code-interpreter-v1` (built in the background after `base`), the server on port 49999 through
+the proxy, contexts, and a context's state across pause + connect.
+
+One sandbox for the whole module, to keep VM time small; the tests run in file order and the
+last one pauses it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from e2b_code_interpreter import Sandbox
+
+# The first create may wait for the template's build (20–40 s under TCG, more on a loaded host).
+FIRST_CREATE_TIMEOUT = 1800
+
+
+@pytest.fixture(scope="module")
+def sbx(vmon):
+    made = []
+    s = Sandbox.create(timeout=900, request_timeout=FIRST_CREATE_TIMEOUT)
+    made.append(s)
+    yield s
+    for x in made:
+        try:
+            x.kill()
+        except Exception:
+            pass
+
+
+def test_default_template_and_value(sbx):
+    assert sbx.get_info().template_id  # resolved from "code-interpreter-v1"
+    ex = sbx.run_code("x = 41")
+    assert ex.error is None and ex.results == []
+    ex = sbx.run_code("x + 1")
+    assert ex.text == "42"
+    assert ex.results[0].is_main_result
+    assert isinstance(ex.execution_count, int)
+
+
+def test_stdout_streams_to_callback(sbx):
+    seen = []
+    t0 = time.monotonic()
+    ex = sbx.run_code(
+        "import sys, time\nprint('hi')\nprint('warn', file=sys.stderr)\ntime.sleep(3)\nprint('bye')",
+        on_stdout=lambda m: seen.append((time.monotonic() - t0, m.line)),
+    )
+    assert [line for _, line in seen] == ["hi\n", "bye\n"]
+    assert seen[1][0] - seen[0][0] > 1.5, f"stdout was not streamed: {seen}"
+    assert ex.logs.stdout == ["hi\n", "bye\n"]
+    assert ex.logs.stderr == ["warn\n"]
+
+
+def test_error(sbx):
+    ex = sbx.run_code("1/0")
+    assert ex.error.name == "ZeroDivisionError"
+    assert ex.error.value == "division by zero"
+    assert "1/0" in ex.error.traceback
+    errors = []
+    sbx.run_code("raise KeyError('k')", on_error=errors.append)
+    assert errors[0].name == "KeyError"
+    ex = sbx.run_code("x")  # the context is still there
+    assert ex.text == "41"
+
+
+def test_second_context_is_isolated(sbx):
+    ctx = sbx.create_code_context()
+    assert ctx.language == "python" and ctx.cwd == "/home/user"
+    sbx.run_code("y = 'ctx'", context=ctx)
+    ex = sbx.run_code("y", context=ctx)
+    assert ex.text == "'ctx'"
+    ex = sbx.run_code("y")
+    assert ex.error.name == "NameError"
+    ex = sbx.run_code("x", context=ctx)
+    assert ex.error.name == "NameError"
+    ex = sbx.run_code("import os; (os.getuid(), os.getcwd())", context=ctx)
+    assert ex.text == "(1000, '/home/user')"
+    assert ctx.id in [c.id for c in sbx.list_code_contexts()]
+    sbx.remove_code_context(ctx)
+    assert ctx.id not in [c.id for c in sbx.list_code_contexts()]
+
+
+def test_state_survives_pause_and_connect(sbx):
+    sbx.run_code("kept = [1, 2, 3]\nimport os; pid = os.getpid()")
+    assert sbx.pause() is True
+    resumed = Sandbox.connect(sbx.sandbox_id, timeout=600)
+    ex = resumed.run_code("kept, pid == os.getpid()")
+    assert ex.text == "([1, 2, 3], True)"
+    ex = resumed.run_code("x + 1")
+    assert ex.text == "42"
