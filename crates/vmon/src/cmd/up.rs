@@ -4,7 +4,7 @@
 //! First start: creates the default team and its API key (the plaintext is kept in
 //! `<data dir>/api-key`, mode 0600, so later starts can print it again; the records hold only
 //! its hash) and builds the `base` template. Once both listeners are up it prints the three
-//! `export` lines on stdout; logs go to stderr.
+//! `export` lines on stdout; logs go to stderr. `code-interpreter-v1` builds in the background.
 //!
 //! `vmon up --print-env` starts nothing: it waits until the `vmon up` using the same data dir
 //! answers, then prints the lines and exits. So
