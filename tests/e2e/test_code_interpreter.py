@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 
+import httpx
 import pytest
 from e2b_code_interpreter import Sandbox
 
@@ -80,6 +81,21 @@ def test_second_context_is_isolated(sbx):
     assert ctx.id in [c.id for c in sbx.list_code_contexts()]
     sbx.remove_code_context(ctx)
     assert ctx.id not in [c.id for c in sbx.list_code_contexts()]
+
+
+def test_private_traffic_sends_the_token(vmon):
+    s = Sandbox.create(timeout=120, network={"allow_public_traffic": False})
+    try:
+        assert s.traffic_access_token
+        assert s.run_code("6 * 7").text == "42"
+        r = httpx.post(
+            f"{s._jupyter_url}/execute",
+            json={"code": "1"},
+            headers={"E2b-Sandbox-Id": s.sandbox_id, "E2b-Sandbox-Port": "49999"},
+        )
+        assert r.status_code in (401, 403), r.text
+    finally:
+        s.kill()
 
 
 def test_state_survives_pause_and_connect(sbx):
