@@ -13,7 +13,7 @@ mkdir -p "$VMON_TEST_DATA_DIR"
 cargo build --workspace --bins
 cargo test --workspace --no-fail-fast -- --test-threads 2
 
-.venv/bin/python -m pytest -q tests/envd
+.venv/bin/python -m pytest -q tests/envd tests/code_interpreter
 if [ -d tests/e2e ] && ls tests/e2e/test_*.py >/dev/null 2>&1; then
   .venv/bin/python -m pytest -q tests/e2e
 fi
