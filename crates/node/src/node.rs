@@ -769,10 +769,6 @@ impl Node {
             Some(p) => p,
             None => self.prepare(rec, false).await?,
         };
-        if rec.parent.is_none() {
-            // Templates are hot: keep a process ready. Paused builds restore once.
-            self.pool.refill(self.clone(), rec.id.clone());
-        }
         let Prepared {
             tag,
             slot,
@@ -866,13 +862,23 @@ impl Node {
         }
         .await;
         match r {
-            Ok(state) => Ok(Live {
-                state,
-                vm: Some(vm),
-                slot,
-                dir: run_dir,
-            }),
+            Ok(state) => {
+                if rec.parent.is_none() {
+                    // Templates are hot: keep a process ready (started only now, so the
+                    // refill does not compete with this claim). Paused builds restore once.
+                    self.pool.refill(self.clone(), rec.id.clone());
+                }
+                Ok(Live {
+                    state,
+                    vm: Some(vm),
+                    slot,
+                    dir: run_dir,
+                })
+            }
             Err(e) => {
+                if rec.parent.is_none() {
+                    self.pool.refill(self.clone(), rec.id.clone());
+                }
                 vm.kill().await;
                 let _ = self.slots.release(&slot).await;
                 let _ = std::fs::remove_file(self.builds.artifact(&overlay));
