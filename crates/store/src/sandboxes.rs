@@ -66,41 +66,48 @@ async fn write_metadata(c: &mut AnyConnection, s: &SandboxRecord) -> Result<()> 
 
 pub(crate) async fn insert(c: &mut AnyConnection, s: &SandboxRecord) -> Result<()> {
     let now = now_ms();
-    sqlx::query(&format!(
+    let sql = format!(
         "INSERT INTO sandboxes ({COLUMNS}, created_at, updated_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, \
          $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24, $25, $26, $27, $28, $28)"
-    ))
-    .bind(&s.sandbox_id)
-    .bind(&s.team_id)
-    .bind(&s.execution_id)
-    .bind(&s.template_id)
-    .bind(&s.build_id)
-    .bind(s.paused_build_id.clone())
-    .bind(s.alias.clone())
-    .bind(s.state.as_str())
-    .bind(s.node_id.clone())
-    .bind(s.pause_mode.map(|m| m.as_str()))
-    .bind(s.vcpus)
-    .bind(s.memory_mb)
-    .bind(s.disk_mb)
-    .bind(&s.envd_version)
-    .bind(to_json(&s.metadata)?)
-    .bind(to_json(&s.env_vars)?)
-    .bind(s.network.as_ref().map(to_json).transpose()?)
-    .bind(i64::from(s.auto_pause))
-    .bind(i64::from(s.auto_pause_memory))
-    .bind(i64::from(s.auto_resume))
-    .bind(s.timeout_secs)
-    .bind(ms(s.started_at))
-    .bind(ms(s.end_at))
-    .bind(s.envd_access_token.clone())
-    .bind(s.traffic_access_token.clone())
-    .bind(to_json(&s.extra)?)
-    .bind(s.fence)
-    .bind(now)
-    .execute(&mut *c)
-    .await?;
+    );
+    let q = sqlx::query(&sql).bind(&s.sandbox_id).bind(&s.team_id);
+    bind_fields(q, s)?
+        .bind(s.fence)
+        .bind(now)
+        .execute(&mut *c)
+        .await?;
     write_metadata(c, s).await
+}
+
+type AnyQuery<'q> = sqlx::query::Query<'q, sqlx::Any, sqlx::any::AnyArguments<'q>>;
+
+/// Binds the mutable columns, `execution_id` through `extra`, in the order insert and update
+/// both list them.
+fn bind_fields<'q>(q: AnyQuery<'q>, s: &'q SandboxRecord) -> Result<AnyQuery<'q>> {
+    Ok(q.bind(&s.execution_id)
+        .bind(&s.template_id)
+        .bind(&s.build_id)
+        .bind(s.paused_build_id.clone())
+        .bind(s.alias.clone())
+        .bind(s.state.as_str())
+        .bind(s.node_id.clone())
+        .bind(s.pause_mode.map(|m| m.as_str()))
+        .bind(s.vcpus)
+        .bind(s.memory_mb)
+        .bind(s.disk_mb)
+        .bind(&s.envd_version)
+        .bind(to_json(&s.metadata)?)
+        .bind(to_json(&s.env_vars)?)
+        .bind(s.network.as_ref().map(to_json).transpose()?)
+        .bind(i64::from(s.auto_pause))
+        .bind(i64::from(s.auto_pause_memory))
+        .bind(i64::from(s.auto_resume))
+        .bind(s.timeout_secs)
+        .bind(ms(s.started_at))
+        .bind(ms(s.end_at))
+        .bind(s.envd_access_token.clone())
+        .bind(s.traffic_access_token.clone())
+        .bind(to_json(&s.extra)?))
 }
 
 /// Overwrites the record if it is still `expected_execution_id` and no newer fence wrote it.
@@ -110,44 +117,21 @@ pub(crate) async fn update(
     expected_execution_id: &str,
     fence: i64,
 ) -> Result<bool> {
-    let done = sqlx::query(
+    let q = sqlx::query(
         "UPDATE sandboxes SET execution_id = $1, template_id = $2, build_id = $3, paused_build_id = $4, alias = $5, \
          state = $6, node_id = $7, pause_mode = $8, vcpus = $9, memory_mb = $10, disk_mb = $11, envd_version = $12, \
          metadata = $13, env_vars = $14, network = $15, auto_pause = $16, auto_pause_memory = $17, \
          auto_resume = $18, timeout_secs = $19, started_at = $20, end_at = $21, envd_access_token = $22, \
          traffic_access_token = $23, extra = $24, fence = $25, updated_at = $26 \
          WHERE id = $27 AND execution_id = $28 AND fence <= $25",
-    )
-    .bind(&s.execution_id)
-    .bind(&s.template_id)
-    .bind(&s.build_id)
-    .bind(s.paused_build_id.clone())
-    .bind(s.alias.clone())
-    .bind(s.state.as_str())
-    .bind(s.node_id.clone())
-    .bind(s.pause_mode.map(|m| m.as_str()))
-    .bind(s.vcpus)
-    .bind(s.memory_mb)
-    .bind(s.disk_mb)
-    .bind(&s.envd_version)
-    .bind(to_json(&s.metadata)?)
-    .bind(to_json(&s.env_vars)?)
-    .bind(s.network.as_ref().map(to_json).transpose()?)
-    .bind(i64::from(s.auto_pause))
-    .bind(i64::from(s.auto_pause_memory))
-    .bind(i64::from(s.auto_resume))
-    .bind(s.timeout_secs)
-    .bind(ms(s.started_at))
-    .bind(ms(s.end_at))
-    .bind(s.envd_access_token.clone())
-    .bind(s.traffic_access_token.clone())
-    .bind(to_json(&s.extra)?)
-    .bind(fence)
-    .bind(now_ms())
-    .bind(&s.sandbox_id)
-    .bind(expected_execution_id)
-    .execute(&mut *c)
-    .await?;
+    );
+    let done = bind_fields(q, s)?
+        .bind(fence)
+        .bind(now_ms())
+        .bind(&s.sandbox_id)
+        .bind(expected_execution_id)
+        .execute(&mut *c)
+        .await?;
     if done.rows_affected() == 0 {
         return Ok(false);
     }
