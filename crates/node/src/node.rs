@@ -404,15 +404,6 @@ impl Node {
         v.into_iter().map(|(_, p)| p).collect()
     }
 
-    /// Where envd of a running sandbox is reachable.
-    pub fn envd_addr(&self, sandbox_id: &str) -> Option<SocketAddr> {
-        let map = self.sandboxes.lock().ok()?;
-        let live = map.get(sandbox_id)?.clone();
-        drop(map);
-        let l = live.try_lock().ok()?;
-        Some(SocketAddr::new(IpAddr::V4(l.slot.addr()), ENVD_PORT))
-    }
-
     /// Running sandboxes the telemetry scraper may sample now (busy ones wait a round).
     pub(crate) fn scrape_targets(&self) -> Vec<crate::telemetry::Target> {
         let Ok(map) = self.sandboxes.lock() else {
@@ -648,13 +639,7 @@ impl Node {
             bail!("build {} has no memory", rec.id);
         };
         let _guard = self.artifacts_guard.read().await;
-        let slot = self
-            .slots
-            .acquire(&NetworkPolicy {
-                allow_internet_access: true,
-                ..Default::default()
-            })
-            .await?;
+        let slot = self.slots.acquire(&crate::slots::open_policy()).await?;
         self.slots.refill();
         let tag = new_id("");
         let run_dir = self.cfg.data_dir.join("pool").join(&tag);
@@ -794,12 +779,7 @@ impl Node {
                     .unwrap_or(0);
                 std::fs::write(run_dir.join("console.skip"), len.to_string())?;
             }
-            if spec.network
-                != (NetworkPolicy {
-                    allow_internet_access: true,
-                    ..Default::default()
-                })
-            {
+            if spec.network != crate::slots::open_policy() {
                 slot.set_policy(&spec.network).await?;
             }
             let t0 = std::time::Instant::now();
@@ -1231,14 +1211,6 @@ impl Node {
         }
         Ok(pid)
     }
-
-    /// Forgets every in-memory handle without stopping anything, as a crashed node would.
-    pub fn forget_all(&self) {
-        if let Ok(mut m) = self.sandboxes.lock() {
-            m.clear();
-        }
-        self.pool.forget_all();
-    }
 }
 
 /// Copies a sparse file keeping its holes.
@@ -1291,10 +1263,7 @@ impl NodeControl for Node {
                 machine,
                 None,
                 self.image.manifest.disk_mb.max(spec.disk_mb),
-                &NetworkPolicy {
-                    allow_internet_access: true,
-                    ..Default::default()
-                },
+                &crate::slots::open_policy(),
                 &InitRequest {
                     env_vars: spec.env_vars.clone(),
                     ..Default::default()

@@ -116,14 +116,4 @@ impl Pool {
             .and_then(|mut m| m.remove(build_id))
             .unwrap_or_default()
     }
-
-    pub fn forget_all(&self) {
-        if let Ok(mut m) = self.ready.lock() {
-            for (_, v) in m.drain() {
-                for p in v {
-                    std::mem::forget(p);
-                }
-            }
-        }
-    }
 }

@@ -64,7 +64,8 @@ pub struct Slots {
     refilling: std::sync::atomic::AtomicBool,
 }
 
-fn open_policy() -> NetworkPolicy {
+/// The policy every slot is made with: egress allowed, no lists.
+pub fn open_policy() -> NetworkPolicy {
     NetworkPolicy {
         allow_internet_access: true,
         ..Default::default()
@@ -453,11 +454,6 @@ pub async fn remove_legacy() {
             let _ = sh(&format!("ip link del {name}"), "remove legacy veth").await;
         }
     }
-}
-
-/// Does a netns of this name exist?
-pub fn netns_exists(name: &str) -> bool {
-    std::path::Path::new("/run/netns").join(name).exists()
 }
 
 #[cfg(test)]
