@@ -73,6 +73,11 @@ pub struct NodeConfig {
     /// Which block of slot addresses and namespace names this node owns (several nodes may
     /// share a host). Default: derived from the data dir.
     pub slot_block: Option<u32>,
+    /// Paused sandboxes whose stopped QEMU is kept for a fast resume (0: every pause ends its
+    /// QEMU at once). Their pause is committed like any other: a parked process is a cache.
+    pub park_max: usize,
+    /// How long a parked QEMU is kept.
+    pub park_linger: Duration,
 }
 
 impl NodeConfig {
@@ -87,9 +92,20 @@ impl NodeConfig {
             boot_timeout: Duration::from_secs(240),
             restore_timeout: Duration::from_secs(60),
             slot_block: None,
+            park_max: 4,
+            park_linger: Duration::from_secs(300),
         }
     }
 }
+
+/// A paused sandbox whose QEMU is kept stopped: resuming it is `cont` and `/init`.
+struct Parked {
+    live: Live,
+    since: std::time::Instant,
+}
+
+/// Below this share of host memory available, parked processes are let go.
+const PARK_MIN_AVAILABLE_PERCENT: u64 = 15;
 
 /// One host's sandboxes.
 pub struct Node {
@@ -104,6 +120,13 @@ pub struct Node {
     /// Held (shared) by every operation that creates artifacts not yet named by a record;
     /// held exclusively by the sweep.
     artifacts_guard: RwLock<()>,
+    /// Restores in their CPU-heavy part (spawn, write-in, load, the guest's first answers) at
+    /// once: one per host core. Under TCG a restored guest translates its hot paths anew, and
+    /// ten of them sharing two cores finish later than ten taking turns.
+    restore_gate: tokio::sync::Semaphore,
+    /// Paused sandboxes with their QEMU kept stopped, by paused build.
+    parked: std::sync::Mutex<HashMap<String, Parked>>,
+    park_max: std::sync::atomic::AtomicUsize,
     host_memory_mb: u64,
     pub(crate) telemetry: crate::telemetry::Telemetry,
     me: std::sync::Weak<Node>,
@@ -280,6 +303,7 @@ impl Node {
         Slots::prepare_host().await?;
         let (slot_block, block_lock) = claim_slot_block(&cfg)?;
         tracing::info!(slot_block, "network slot block");
+        let cfg_park_max = cfg.park_max;
         let node = Arc::new_cyclic(|me| Node {
             me: me.clone(),
             pool: Pool::new(cfg.pool_size),
@@ -291,6 +315,11 @@ impl Node {
             slots: Arc::new(Slots::new(slot_block)),
             sandboxes: std::sync::Mutex::new(HashMap::new()),
             artifacts_guard: RwLock::new(()),
+            restore_gate: tokio::sync::Semaphore::new(
+                std::thread::available_parallelism().map_or(2, |n| n.get()),
+            ),
+            parked: Default::default(),
+            park_max: std::sync::atomic::AtomicUsize::new(cfg_park_max),
             host_memory_mb: host_memory_mb(),
             telemetry: Default::default(),
             _block_lock: block_lock,
@@ -300,11 +329,163 @@ impl Node {
         node.slots.set_spares(node.cfg.spare_slots);
         node.slots.refill();
         crate::telemetry::spawn(Arc::downgrade(&node));
+        let weak = Arc::downgrade(&node);
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_secs(5)).await;
+                let Some(node) = weak.upgrade() else { break };
+                node.evict_parked(false).await;
+            }
+        });
         Ok(node)
+    }
+
+    /// How many paused sandboxes may keep their stopped QEMU (0 ends each at once).
+    pub fn set_park_max(&self, n: usize) {
+        self.park_max.store(n, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Paused sandboxes whose QEMU is kept.
+    pub fn parked_count(&self) -> usize {
+        self.parked.lock().map(|m| m.len()).unwrap_or(0)
+    }
+
+    /// Lets parked processes go: all of them, or those past their linger time, over the count,
+    /// or while the host runs short of memory. Their pauses were committed; nothing is lost.
+    pub async fn evict_parked(&self, all: bool) {
+        let max = self.park_max.load(std::sync::atomic::Ordering::Relaxed);
+        let short = !all && memory_is_short();
+        let out: Vec<Parked> = {
+            let Ok(mut m) = self.parked.lock() else {
+                return;
+            };
+            let mut by_age: Vec<(String, std::time::Instant)> =
+                m.iter().map(|(k, p)| (k.clone(), p.since)).collect();
+            by_age.sort_by_key(|(_, t)| *t);
+            let over = by_age.len().saturating_sub(max);
+            let mut out = Vec::new();
+            for (i, (k, t)) in by_age.into_iter().enumerate() {
+                let expired = t.elapsed() >= self.cfg.park_linger;
+                if all || short || i < over || expired {
+                    if let Some(p) = m.remove(&k) {
+                        out.push(p);
+                    }
+                }
+            }
+            out
+        };
+        for mut p in out {
+            tracing::debug!(sandbox = %p.live.state.id, "parked QEMU let go");
+            self.destroy(&mut p.live, false).await;
+        }
+    }
+
+    /// Switches a stopped sandbox's disk to a fresh overlay; the old one freezes. Returns the
+    /// frozen overlay and the chain under it.
+    async fn switch_disk(&self, l: &mut Live) -> anyhow::Result<(String, Vec<String>)> {
+        let vm = l.vm.as_ref().context("sandbox has no VM")?;
+        let (next, next_path) = self.builds.new_artifact("disk", "qcow2");
+        let next_node = format!("d{}", l.state.disk_seq + 1);
+        vm.qmp
+            .blockdev_snapshot_sync(&l.state.disk_node, &next_path, &next_node)
+            .await?;
+        let frozen = std::mem::replace(&mut l.state.overlay, next);
+        let chain = l.state.disk_chain.clone();
+        l.state.disk_chain.insert(0, frozen.clone());
+        l.state.disk_node = next_node;
+        l.state.disk_seq += 1;
+        Ok((frozen, chain))
+    }
+
+    /// Takes the parked process of `sandbox_id` paused into `build_id`, if it is still kept.
+    fn unpark(&self, build_id: &str, sandbox_id: &str) -> Option<Live> {
+        let mut m = self.parked.lock().ok()?;
+        if m.get(build_id)?.live.state.id != sandbox_id {
+            return None;
+        }
+        m.remove(build_id).map(|p| p.live)
+    }
+
+    /// Whether the QEMU of the sandbox paused into `build_id` is kept.
+    pub fn is_parked(&self, build_id: &str) -> bool {
+        self.parked
+            .lock()
+            .map(|m| m.contains_key(build_id))
+            .unwrap_or(false)
+    }
+
+    /// Lets the kept QEMU of a paused build go (its next resume restores from the build).
+    /// Returns whether one was kept.
+    pub async fn let_go_parked(&self, build_id: &str) -> bool {
+        let kept = self.is_parked(build_id);
+        self.discard_parked(build_id).await;
+        kept
+    }
+
+    async fn discard_parked(&self, build_id: &str) {
+        let p = self.parked.lock().ok().and_then(|mut m| m.remove(build_id));
+        if let Some(mut p) = p {
+            self.destroy(&mut p.live, false).await;
+        }
+    }
+
+    /// Resumes a parked sandbox: `cont`, then `/init` with the new run's token and settings.
+    async fn resume_parked(
+        &self,
+        spec: &StartSpec,
+        rec: &BuildRecord,
+        mut live: Live,
+    ) -> anyhow::Result<Live> {
+        let run_dir = self.sandbox_root(&spec.sandbox_id).join(&spec.execution_id);
+        let r = async {
+            if live.dir != run_dir {
+                if run_dir.exists() {
+                    std::fs::remove_dir_all(&run_dir)?;
+                }
+                std::fs::rename(&live.dir, &run_dir)?;
+                live.dir = run_dir.clone();
+            }
+            if live.state.network.as_ref() != Some(&spec.network) {
+                live.slot.set_policy(&spec.network).await?;
+                live.state.network = Some(spec.network.clone());
+            }
+            let vm = live.vm.as_ref().context("parked sandbox has no VM")?;
+            vm.qmp.cont().await?;
+            let addr = SocketAddr::new(IpAddr::V4(live.slot.addr()), ENVD_PORT);
+            envd_client::init(
+                addr,
+                &InitRequest {
+                    env_vars: spec.env_vars.clone(),
+                    access_token: spec.envd_access_token.clone(),
+                    current_token: rec.envd_token.clone(),
+                    default_user: None,
+                },
+                self.cfg.restore_timeout,
+            )
+            .await?;
+            live.state.execution_id = spec.execution_id.clone();
+            live.state.envd_token = spec.envd_access_token.clone();
+            live.state.resume_generation = rec.resume_generation + 1;
+            live.state.pausing_build = None;
+            live.state.save(&live.dir)?;
+            anyhow::Ok(())
+        }
+        .await;
+        match r {
+            Ok(()) => Ok(live),
+            Err(e) => {
+                self.destroy(&mut live, false).await;
+                Err(e)
+            }
+        }
     }
 
     pub(crate) fn pool_ref(&self) -> &Pool {
         &self.pool
+    }
+
+    pub(crate) fn restore_gate(&self) -> &tokio::sync::Semaphore {
+        &self.restore_gate
     }
 
     pub(crate) fn builds_ref(&self) -> &Builds {
@@ -337,6 +518,7 @@ impl Node {
 
     /// Stops every pooled process and frees the spare slots (shutdown).
     pub async fn drain_pool(&self) {
+        self.evict_parked(true).await;
         self.slots.drain_spares().await;
         for id in self.pool.builds() {
             for p in self.pool.discard(&id).await {
@@ -586,6 +768,7 @@ impl Node {
                     resume_generation,
                     qemu_tag: tag,
                     pausing_build: None,
+                    network: Some(policy.clone()),
                 },
                 vm: Some(vm),
                 slot: slot.clone(),
@@ -660,6 +843,7 @@ impl Node {
                 }
             }
             let ram_file = self.builds.artifact(&mem_base);
+            let t0 = std::time::Instant::now();
             let vm = Vm::launch(&LaunchSpec {
                 tag: tag.clone(),
                 machine: rec.machine.clone(),
@@ -673,6 +857,12 @@ impl Node {
                 incoming: true,
             })
             .await?;
+            if let Err(e) = vm.qmp.disable_announce().await {
+                let mut vm = vm;
+                vm.kill().await;
+                return Err(e.into());
+            }
+            let t_spawn = t0.elapsed();
             let pid = vm.pid;
             let layers: Vec<PathBuf> = rec.layers.iter().map(|l| self.builds.artifact(l)).collect();
             let written = tokio::task::spawn_blocking(move || {
@@ -683,6 +873,12 @@ impl Node {
             })
             .await
             .map_err(|e| anyhow::anyhow!("write-in task: {e}"))?;
+            tracing::debug!(
+                build = %rec.id,
+                spawn_ms = t_spawn.as_secs_f64() * 1e3,
+                write_in_ms = (t0.elapsed() - t_spawn).as_secs_f64() * 1e3,
+                "prepare stages"
+            );
             if let Err(e) = written {
                 let mut vm = vm;
                 vm.kill().await;
@@ -733,8 +929,16 @@ impl Node {
         let addr = SocketAddr::new(IpAddr::V4(slot.addr()), ENVD_PORT);
         envd_client::wait_healthy(addr, self.cfg.restore_timeout).await?;
         let token = rec.envd_token.as_deref();
+        // The claim's own `/init` (clock, entropy, token) runs through the same code: translate
+        // it now. The build's token stays; the claim sets the sandbox's.
+        let keep = envd_client::InitRequest {
+            access_token: rec.envd_token.clone(),
+            current_token: rec.envd_token.clone(),
+            ..Default::default()
+        };
         for _ in 0..3 {
             envd_client::healthy(addr).await;
+            envd_client::init(addr, &keep, Duration::from_secs(30)).await?;
             envd_client::run(addr, token, "user", "true", Duration::from_secs(30)).await?;
         }
         vm.qmp.stop().await?;
@@ -750,7 +954,27 @@ impl Node {
         let (Some(mem_base), Some(devstate)) = (rec.mem_base.clone(), rec.devstate.clone()) else {
             bail!("build {} has no memory to restore", rec.id);
         };
-        let prepared = match self.pool.take(&rec.id) {
+        if let Some(live) = self.unpark(&rec.id, &spec.sandbox_id) {
+            match self.resume_parked(spec, rec, live).await {
+                Ok(live) => return Ok(live),
+                Err(e) => tracing::warn!(
+                    sandbox = %spec.sandbox_id,
+                    "resuming the kept QEMU failed, restoring from the build: {e:#}"
+                ),
+            }
+        }
+        let pooled = self.pool.take(&rec.id);
+        // A warmed pooled process only needs `cont` and `/init`: it skips the gate.
+        let _turn = match &pooled {
+            Some(p) if p.loaded => None,
+            _ => Some(
+                self.restore_gate
+                    .acquire()
+                    .await
+                    .map_err(|_| anyhow::anyhow!("node is shutting down"))?,
+            ),
+        };
+        let prepared = match pooled {
             Some(p) => p,
             None => self.prepare(rec, false).await?,
         };
@@ -836,6 +1060,7 @@ impl Node {
                 resume_generation: rec.resume_generation + 1,
                 qemu_tag: tag.clone(),
                 pausing_build: None,
+                network: Some(spec.network.clone()),
             };
             state.save(&run_dir)?;
             anyhow::Ok(state)
@@ -1114,6 +1339,11 @@ impl Node {
             live.extend(l.state.live_artifacts());
         }
         live.extend(self.pool.artifacts());
+        if let Ok(m) = self.parked.lock() {
+            for p in m.values() {
+                live.extend(p.live.state.live_artifacts());
+            }
+        }
         let removed = self.builds.sweep(&live)?;
         if !removed.is_empty() {
             tracing::debug!(count = removed.len(), "swept artifacts");
@@ -1214,6 +1444,23 @@ impl Node {
 }
 
 /// Copies a sparse file keeping its holes.
+/// True when less than [`PARK_MIN_AVAILABLE_PERCENT`] of host memory is available.
+fn memory_is_short() -> bool {
+    let Ok(t) = std::fs::read_to_string("/proc/meminfo") else {
+        return false;
+    };
+    let field = |name: &str| -> Option<u64> {
+        t.lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse().ok())
+    };
+    match (field("MemTotal:"), field("MemAvailable:")) {
+        (Some(total), Some(avail)) if total > 0 => avail * 100 < total * PARK_MIN_AVAILABLE_PERCENT,
+        _ => false,
+    }
+}
+
 fn sparse_copy(src: &Path, dst: &Path) -> anyhow::Result<()> {
     use std::os::unix::fs::FileExt;
     let s = std::fs::File::open(src)?;
@@ -1370,6 +1617,7 @@ impl NodeControl for Node {
         for p in self.pool.discard(build_id).await {
             self.discard_prepared(p).await;
         }
+        self.discard_parked(build_id).await;
         self.builds.remove_record(build_id).map_err(err)?;
         self.sweep().await.map_err(err)?;
         Ok(())
@@ -1433,24 +1681,27 @@ impl NodeControl for Node {
             l.vm.as_ref()
                 .ok_or_else(|| NodeError::Failed("sandbox has no VM".into()))?;
         vm.qmp.stop().await.map_err(|e| err(e.into()))?;
+        // Park: keep the stopped QEMU for a fast resume. Its disk moves to a fresh overlay first
+        // so the build's stays frozen whatever happens to the kept process.
+        let park = memory
+            && self.park_max.load(std::sync::atomic::Ordering::Relaxed) > 0
+            && matches!(l.state.ram, RamSource::Private { .. });
         l.state.pausing_build = Some(build_id.clone());
         let captured = async {
+            let (disk, chain) = if park {
+                self.switch_disk(&mut l).await?
+            } else {
+                (l.state.overlay.clone(), l.state.disk_chain.clone())
+            };
             l.state.save(&l.dir)?;
             let rec = self
-                .capture(
-                    &l,
-                    &build_id,
-                    memory,
-                    true,
-                    l.state.overlay.clone(),
-                    l.state.disk_chain.clone(),
-                )
+                .capture(&l, &build_id, memory, true, disk, chain)
                 .await?;
             fault("pause:captured");
             fault_err("pause:error")?;
             // The commit point: from here the pause has happened. QEMU is stopped, so its RAM
-            // file and overlay no longer change; a crash before it quits is finished by the
-            // next start (see `adopt`).
+            // and the build's overlay no longer change; a crash before it quits is finished by
+            // the next start (see `adopt`).
             self.builds.put(&rec)?;
             anyhow::Ok(rec)
         }
@@ -1468,15 +1719,48 @@ impl NodeControl for Node {
             }
         };
         fault("pause:committed");
+        self.remove(sandbox_id);
+        if park {
+            if let RamSource::Private { mem_base, .. } = &l.state.ram {
+                l.state.ram = RamSource::Private {
+                    mem_base: mem_base.clone(),
+                    layers: rec.layers.clone(),
+                    basis: rec.id.clone(),
+                };
+            }
+            if l.state.save(&l.dir).is_ok() {
+                let live = Live {
+                    state: l.state.clone(),
+                    vm: l.vm.take(),
+                    slot: l.slot.clone(),
+                    dir: l.dir.clone(),
+                };
+                if let Ok(mut m) = self.parked.lock() {
+                    m.insert(
+                        rec.id.clone(),
+                        Parked {
+                            live,
+                            since: std::time::Instant::now(),
+                        },
+                    );
+                }
+                drop(l);
+                self.evict_parked(false).await;
+                return Ok(Self::info(&rec));
+            }
+        }
         if let Some(vm) = l.vm.take() {
             vm.quit().await;
         }
-        self.remove(sandbox_id);
         // Artifacts now belong to the build.
         let _ = self.slots.release(&l.slot).await;
         let _ = std::fs::remove_file(SandboxState::path(&l.dir));
         for f in ["qmp.sock", "qemu.pid"] {
             let _ = std::fs::remove_file(l.dir.join(f));
+        }
+        if park {
+            // Parking failed after the switch: the fresh overlay is nobody's.
+            let _ = std::fs::remove_file(self.builds.artifact(&l.state.overlay));
         }
         if !memory {
             if let RamSource::Shared { file } = &l.state.ram {
@@ -1523,18 +1807,7 @@ impl NodeControl for Node {
         }
         vm.qmp.stop().await.map_err(|e| err(e.into()))?;
         let result = async {
-            let vm = l.vm.as_ref().context("sandbox has no VM")?;
-            // Switch the running disk to a fresh overlay; the old one freezes for the build.
-            let (next, next_path) = self.builds.new_artifact("disk", "qcow2");
-            let next_node = format!("d{}", l.state.disk_seq + 1);
-            vm.qmp
-                .blockdev_snapshot_sync(&l.state.disk_node, &next_path, &next_node)
-                .await?;
-            let frozen = std::mem::replace(&mut l.state.overlay, next);
-            let chain = l.state.disk_chain.clone();
-            l.state.disk_chain.insert(0, frozen.clone());
-            l.state.disk_node = next_node;
-            l.state.disk_seq += 1;
+            let (frozen, chain) = self.switch_disk(&mut l).await?;
             l.state.save(&l.dir)?;
             let rec = self
                 .capture(&l, &build_id, memory, false, frozen, chain)
@@ -1582,13 +1855,16 @@ impl NodeControl for Node {
     ) -> Result<(), NodeError> {
         crate::slots::validate_policy(&policy).map_err(NodeError::InvalidArgument)?;
         let live = self.live(sandbox_id)?;
-        let l = live.lock().await;
+        let mut l = live.lock().await;
         if l.state.execution_id != execution_id {
             return Err(NodeError::NotFound(format!(
                 "{sandbox_id} (execution {execution_id})"
             )));
         }
-        l.slot.set_policy(&policy).await.map_err(err)
+        l.slot.set_policy(&policy).await.map_err(err)?;
+        l.state.network = Some(policy);
+        let dir = l.dir.clone();
+        l.state.save(&dir).map_err(err)
     }
 
     async fn list_running(&self) -> Vec<Running> {
@@ -1662,6 +1938,17 @@ impl Node {
         }
         let rec = self.record(&spec.build_id)?;
         self.check_compatible(&rec)?;
+        if spec.cold_boot {
+            let kept = self
+                .parked
+                .lock()
+                .ok()
+                .and_then(|m| m.get(&rec.id).map(|p| p.live.state.id == spec.sandbox_id))
+                .unwrap_or(false);
+            if kept {
+                self.discard_parked(&rec.id).await;
+            }
+        }
         let t0 = std::time::Instant::now();
         let live = if rec.has_memory() && !spec.cold_boot {
             self.restore(&spec, &rec).await.map_err(err)?

@@ -76,6 +76,9 @@ impl Pool {
                     Ok(Some(r)) => r,
                     _ => break,
                 };
+                let Ok(_turn) = node.restore_gate().acquire().await else {
+                    break;
+                };
                 match node.prepare(&rec, true).await {
                     Ok(p) => {
                         if let Ok(mut m) = node.pool_ref().ready.lock() {

@@ -44,9 +44,14 @@ pub struct SandboxState {
     pub resume_generation: u32,
     /// A unique word in QEMU's command line, to recognise the process after a restart.
     pub qemu_tag: String,
-    /// Set while a pause is being committed: the build it is writing.
+    /// Set while a pause is being committed: the build it is writing. A parked sandbox (paused,
+    /// QEMU kept stopped for a fast resume) keeps it set, so a restarted node finishes the
+    /// pause.
     #[serde(default)]
     pub pausing_build: Option<String>,
+    /// The egress policy its slot enforces now.
+    #[serde(default)]
+    pub network: Option<vmon_proto::node::NetworkPolicy>,
 }
 
 impl SandboxState {

@@ -29,7 +29,14 @@ fn a_process_and_its_files_survive_ten_pause_resume_cycles() {
         for cycle in 1..=10u32 {
             let b = node.pause(&id, &r.execution_id, true).await.expect("pause");
             assert!(b.has_memory);
+            if cycle % 2 == 1 {
+                // Odd cycles restore from the build's files; even ones resume the kept QEMU.
+                assert!(node.let_go_parked(&b.build_id).await, "cycle {cycle}: QEMU was kept");
+            } else {
+                assert!(node.is_parked(&b.build_id), "cycle {cycle}: QEMU was kept");
+            }
             r = start(&node, &id, &b.build_id, false).await;
+            assert!(!node.is_parked(&b.build_id), "cycle {cycle}: resumed");
             assert_eq!(r.resume_generation, generation0 + cycle, "resume_generation counts");
             assert_eq!(sh(&node, &id, READ_TOKEN).await, token, "cycle {cycle}: RAM token");
             if cycle == 5 || cycle == 10 {
@@ -240,6 +247,43 @@ fn a_snapshot_outlives_its_source_and_deletes_cleanly() {
     });
 }
 
+#[test]
+fn a_kept_qemu_goes_with_its_paused_build() {
+    let node = node();
+    let _shared = host_lock().read();
+    let tpl = template(&node);
+    runtime().block_on(async {
+        let id = unique("park");
+        let r = start(&node, &id, &tpl, false).await;
+        sh(&node, &id, "echo kept > /home/user/k.txt").await;
+        let pid = node.qemu_pid(&id).await.expect("pid");
+        let b = node.pause(&id, &r.execution_id, true).await.expect("pause");
+        assert!(node.is_parked(&b.build_id), "the stopped QEMU is kept");
+        assert!(std::path::Path::new(&format!("/proc/{pid}")).exists());
+        assert!(
+            node.list_running().await.iter().all(|s| s.sandbox_id != id),
+            "a parked sandbox is not running"
+        );
+        // A fork of the paused sandbox restores from the build and leaves the kept QEMU alone.
+        let kid = unique("parkk");
+        let kr = start(&node, &kid, &b.build_id, false).await;
+        assert_eq!(sh(&node, &kid, "cat /home/user/k.txt").await, "kept");
+        node.kill(&kid, &kr.execution_id).await.expect("kill kid");
+        assert!(node.is_parked(&b.build_id));
+        // Killing the paused sandbox deletes its build: the kept QEMU goes too.
+        node.delete_build(&b.build_id).await.expect("delete");
+        assert!(!node.is_parked(&b.build_id));
+        let gone = async {
+            while std::path::Path::new(&format!("/proc/{pid}")).exists() {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(10), gone)
+            .await
+            .expect("the kept QEMU exits with its build");
+    });
+}
+
 fn count_artifacts(node: &vmon_node::Node) -> usize {
     std::fs::read_dir(node.data_dir().join("artifacts"))
         .map(|r| r.count())
@@ -256,6 +300,8 @@ fn a_corrupt_layer_fails_the_resume_clearly() {
         let r = start(&node, &id, &tpl, false).await;
         sh(&node, &id, "head -c 4M /dev/urandom > /dev/shm/x").await;
         let b = node.pause(&id, &r.execution_id, true).await.expect("pause");
+        // From the files, not the kept QEMU.
+        node.let_go_parked(&b.build_id).await;
         let builds = vmon_node::builds::Builds::open(node.data_dir()).expect("builds");
         let rec = builds.get(&b.build_id).expect("get").expect("record");
         let layer = builds.artifact(rec.layers.last().expect("a layer"));

@@ -3,6 +3,7 @@
 //! QEMU runs in its own process group (and, when given, inside the slot's network namespace),
 //! so it outlives a node restart; the node finds it again by its pidfile and QMP socket.
 
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
@@ -71,14 +72,33 @@ impl Vm {
         });
         let stderr_path = spec.run_dir.join("qemu.stderr");
         let stderr = std::fs::File::create(&stderr_path)?;
-        let mut cmd = match &spec.netns {
-            Some(ns) => {
-                let mut c = tokio::process::Command::new("ip");
-                c.args(["netns", "exec", ns]).arg(&spec.machine.qemu_binary);
-                c
-            }
-            None => tokio::process::Command::new(&spec.machine.qemu_binary),
+        // Entered by setns(2) in the child rather than through `ip netns exec`: one exec less
+        // and no remount of /sys per VM.
+        let netns = match &spec.netns {
+            Some(ns) => Some(
+                std::fs::File::open(Path::new("/run/netns").join(ns))
+                    .with_context(|| format!("network namespace {ns} is missing"))?,
+            ),
+            None => None,
         };
+        let netns_fd = netns.as_ref().map(|f| f.as_raw_fd());
+        let mut cmd = tokio::process::Command::new(&spec.machine.qemu_binary);
+        // SAFETY: the closure runs in the forked child before exec and only makes two
+        // async-signal-safe system calls on values captured by copy.
+        unsafe {
+            cmd.pre_exec(move || {
+                if let Some(fd) = netns_fd {
+                    if libc::setns(fd, libc::CLONE_NEWNET) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                }
+                // QEMU asks for huge pages on its translation cache and heap; a 2 MiB page
+                // zeroed on first touch costs a restored VM CPU time and resident memory it
+                // mostly never uses.
+                libc::prctl(libc::PR_SET_THP_DISABLE, 1, 0, 0, 0);
+                Ok(())
+            });
+        }
         cmd.args(&args)
             .stdin(Stdio::null())
             .stdout(Stdio::null())

@@ -132,6 +132,18 @@ impl Qmp {
         arguments: Value,
         timeout: Duration,
     ) -> Result<Value, QmpError> {
+        self.execute_fd(command, arguments, None, timeout).await
+    }
+
+    /// Runs one command, passing `fd` along with it (SCM_RIGHTS), as `getfd` and `add-fd`
+    /// expect.
+    async fn execute_fd(
+        &self,
+        command: &str,
+        arguments: Value,
+        fd: Option<std::os::fd::BorrowedFd<'_>>,
+        timeout: Duration,
+    ) -> Result<Value, QmpError> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let mut msg = json!({"execute": command, "id": id});
         if !arguments.is_null() {
@@ -145,7 +157,14 @@ impl Qmp {
         line.push('\n');
         {
             let mut w = self.writer.lock().await;
-            if w.write_all(line.as_bytes()).await.is_err() {
+            let sent = match fd {
+                None => w.write_all(line.as_bytes()).await.is_ok(),
+                Some(fd) => send_with_fd(w.as_ref(), line.as_bytes(), fd).await.is_ok(),
+            };
+            if !sent {
+                if let Ok(mut p) = self.pending.lock() {
+                    p.remove(&id);
+                }
                 return Err(QmpError::Closed);
             }
         }
@@ -225,11 +244,31 @@ impl Qmp {
         .await
     }
 
+    /// Turns off the self-announce QEMU starts after an incoming load (gratuitous ARPs the guest
+    /// itself sends with virtio-net's guest-announce): every slot gives its guest the same MAC
+    /// and address, so there is nothing to announce, and the guest's first moments after a
+    /// restore are better spent answering.
+    pub async fn disable_announce(&self) -> Result<(), QmpError> {
+        self.exec_unit("migrate-set-parameters", json!({"announce-rounds": 0}))
+            .await
+    }
+
     /// Loads a device-state stream into a QEMU started with `-incoming defer`, and waits until
     /// the load has finished.
     pub async fn migrate_incoming_file(&self, path: &Path) -> Result<(), QmpError> {
-        let uri = format!("exec:cat {}", shell_quote(&path.display().to_string()));
-        self.exec_unit("migrate-incoming", json!({"uri": uri}))
+        // The file goes over the socket as an fd: no shell and `cat` spawned per restore.
+        let file = std::fs::File::open(path)
+            .map_err(|e| QmpError::Protocol(format!("cannot open {}: {e}", path.display())))?;
+        use std::os::fd::AsFd;
+        self.execute_fd(
+            "getfd",
+            json!({"fdname": "vmon-incoming"}),
+            Some(file.as_fd()),
+            Duration::from_secs(10),
+        )
+        .await?;
+        drop(file);
+        self.exec_unit("migrate-incoming", json!({"uri": "fd:vmon-incoming"}))
             .await?;
         let start = tokio::time::Instant::now();
         loop {
@@ -285,8 +324,65 @@ impl Qmp {
     }
 }
 
-fn shell_quote(s: &str) -> String {
-    format!("'{}'", s.replace('\'', "'\\''"))
+/// Writes `data` with one SCM_RIGHTS message carrying `fd`.
+async fn send_with_fd(
+    sock: &UnixStream,
+    data: &[u8],
+    fd: std::os::fd::BorrowedFd<'_>,
+) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let raw = fd.as_raw_fd();
+    let sent = loop {
+        sock.writable().await?;
+        match sock.try_io(tokio::io::Interest::WRITABLE, || {
+            // SAFETY: every pointer in msg refers to a live local buffer of the stated length;
+            // the control buffer is sized by CMSG_SPACE for one int and CMSG_FIRSTHDR is checked.
+            unsafe {
+                let mut iov = libc::iovec {
+                    iov_base: data.as_ptr() as *mut libc::c_void,
+                    iov_len: data.len(),
+                };
+                let space = libc::CMSG_SPACE(std::mem::size_of::<libc::c_int>() as u32) as usize;
+                let mut cbuf = vec![0u8; space];
+                let mut msg: libc::msghdr = std::mem::zeroed();
+                msg.msg_iov = &mut iov;
+                msg.msg_iovlen = 1;
+                msg.msg_control = cbuf.as_mut_ptr() as *mut libc::c_void;
+                msg.msg_controllen = space as _;
+                let cmsg = libc::CMSG_FIRSTHDR(&msg);
+                if cmsg.is_null() {
+                    return Err(std::io::Error::other("no room for SCM_RIGHTS"));
+                }
+                (*cmsg).cmsg_level = libc::SOL_SOCKET;
+                (*cmsg).cmsg_type = libc::SCM_RIGHTS;
+                (*cmsg).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<libc::c_int>() as u32) as _;
+                std::ptr::write_unaligned(libc::CMSG_DATA(cmsg) as *mut libc::c_int, raw);
+                let n = libc::sendmsg(sock.as_raw_fd(), &msg, libc::MSG_NOSIGNAL);
+                if n < 0 {
+                    Err(std::io::Error::last_os_error())
+                } else {
+                    Ok(n as usize)
+                }
+            }
+        }) {
+            Ok(n) => break n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(e),
+        }
+    };
+    if sent < data.len() {
+        // The fd went with the first byte; the rest of the line is plain data.
+        let mut rest = &data[sent..];
+        while !rest.is_empty() {
+            sock.writable().await?;
+            match sock.try_write(rest) {
+                Ok(n) => rest = &rest[n..],
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+                Err(e) => return Err(e),
+            }
+        }
+    }
+    Ok(())
 }
 
 async fn read_line<R: tokio::io::AsyncBufRead + Unpin>(rd: &mut R) -> Result<String, QmpError> {
