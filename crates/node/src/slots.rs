@@ -345,20 +345,25 @@ impl Slot {
         let hif = self.host_if();
         let host_ip = self.host_ip();
         let addr = self.addr();
+        // Two `ip` runs in batch mode and one shell in the namespace for the sysctl and the
+        // ruleset: a burst of forks creates several slots at once.
         let script = format!(
-            "ip netns add {ns}
-ip -n {ns} link set lo up
-ip link add {hif} type veth peer name veth0 netns {ns}
-ip addr add {host_ip}/30 dev {hif}
-ip link set {hif} up
-ip -n {ns} addr add {addr}/30 dev veth0
-ip -n {ns} link set veth0 up
-ip -n {ns} tuntap add {TAP} mode tap
-ip -n {ns} addr add {GATEWAY_IP}/30 dev {TAP}
-ip -n {ns} link set {TAP} up
-ip -n {ns} route add default via {host_ip}
-ip netns exec {ns} sysctl -qw net.ipv4.ip_forward=1
-ip netns exec {ns} nft -f - <<'EOF'
+            "ip -b - <<'EOF'
+netns add {ns}
+link add {hif} type veth peer name veth0 netns {ns}
+addr add {host_ip}/30 dev {hif}
+link set {hif} up
+EOF
+ip -n {ns} -b - <<'EOF'
+link set lo up
+addr add {addr}/30 dev veth0
+link set veth0 up
+tuntap add {TAP} mode tap
+addr add {GATEWAY_IP}/30 dev {TAP}
+link set {TAP} up
+route add default via {host_ip}
+EOF
+ip netns exec {ns} sh -e -c 'echo 1 > /proc/sys/net/ipv4/ip_forward; exec nft -f -' <<'EOF'
 {}
 EOF",
             self.ruleset(policy)
