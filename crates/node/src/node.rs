@@ -92,8 +92,8 @@ impl NodeConfig {
             boot_timeout: Duration::from_secs(240),
             restore_timeout: Duration::from_secs(60),
             slot_block: None,
-            park_max: 4,
-            park_linger: Duration::from_secs(300),
+            park_max: env_or("VMON_PARK_MAX", 4),
+            park_linger: Duration::from_secs(env_or("VMON_PARK_SECS", 300)),
         }
     }
 }
@@ -106,6 +106,14 @@ struct Parked {
 
 /// Below this share of host memory available, parked processes are let go.
 const PARK_MIN_AVAILABLE_PERCENT: u64 = 15;
+
+/// A number from the environment, or `default` when unset or not a number.
+fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(default)
+}
 
 /// One host's sandboxes.
 pub struct Node {
@@ -316,7 +324,10 @@ impl Node {
             sandboxes: std::sync::Mutex::new(HashMap::new()),
             artifacts_guard: RwLock::new(()),
             restore_gate: tokio::sync::Semaphore::new(
-                std::thread::available_parallelism().map_or(2, |n| n.get()),
+                env_or(
+                    "VMON_RESTORE_TURNS",
+                    std::thread::available_parallelism().map_or(2, |n| n.get()),
+                ),
             ),
             parked: Default::default(),
             park_max: std::sync::atomic::AtomicUsize::new(cfg_park_max),
@@ -857,7 +868,7 @@ impl Node {
                 incoming: true,
             })
             .await?;
-            if let Err(e) = vm.qmp.disable_announce().await {
+            if let Err(e) = vm.qmp.prepare_incoming().await {
                 let mut vm = vm;
                 vm.kill().await;
                 return Err(e.into());

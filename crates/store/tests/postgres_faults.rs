@@ -122,15 +122,27 @@ async fn restart_mid_run_reconnects_and_shows_no_half_transaction() {
 
     // Updates running while the server restarts.
     let (ok, failed) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    // The longest single update (ms): one that waited out the restart instead of failing.
+    let longest = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(tokio::sync::Notify::new());
     let writer = {
-        let (store, ok, failed, stop) = (store.clone(), ok.clone(), failed.clone(), stop.clone());
+        let (store, ok, failed, stop, longest) = (
+            store.clone(),
+            ok.clone(),
+            failed.clone(),
+            stop.clone(),
+            longest.clone(),
+        );
         tokio::spawn(async move {
             loop {
+                let t = tokio::time::Instant::now();
                 tokio::select! {
                     _ = stop.notified() => return,
                     result = update_once(&store) => match result {
-                        Ok(()) => { ok.fetch_add(1, Ordering::SeqCst); }
+                        Ok(()) => {
+                            ok.fetch_add(1, Ordering::SeqCst);
+                            longest.fetch_max(t.elapsed().as_millis() as u64, Ordering::SeqCst);
+                        }
                         Err(_) => {
                             failed.fetch_add(1, Ordering::SeqCst);
                             tokio::time::sleep(Duration::from_millis(50)).await;
@@ -161,13 +173,15 @@ async fn restart_mid_run_reconnects_and_shows_no_half_transaction() {
     wait_for(before + 30).await;
     stop.notify_one();
     writer.await.unwrap();
+    let waited = longest.load(Ordering::SeqCst);
     println!(
-        "committed {}, failed {} (during the restart)",
+        "committed {}, failed {} (during the restart), longest update {waited} ms",
         ok.load(Ordering::SeqCst),
         failed.load(Ordering::SeqCst)
     );
+    // The restart reached the writer: some update failed, or one waited out the outage.
     assert!(
-        failed.load(Ordering::SeqCst) > 0,
+        failed.load(Ordering::SeqCst) > 0 || waited >= 400,
         "the restart did interrupt the writer"
     );
 

@@ -94,7 +94,7 @@ impl Qmp {
                         source: e,
                     })
                 }
-                Err(_) => tokio::time::sleep(Duration::from_millis(5)).await,
+                Err(_) => tokio::time::sleep(Duration::from_millis(1)).await,
             }
         };
         let (rd, wr) = stream.into_split();
@@ -248,9 +248,15 @@ impl Qmp {
     /// itself sends with virtio-net's guest-announce): every slot gives its guest the same MAC
     /// and address, so there is nothing to announce, and the guest's first moments after a
     /// restore are better spent answering.
-    pub async fn disable_announce(&self) -> Result<(), QmpError> {
+    /// Also asks for `MIGRATION` events, so the end of a load is told, not polled for.
+    pub async fn prepare_incoming(&self) -> Result<(), QmpError> {
         self.exec_unit("migrate-set-parameters", json!({"announce-rounds": 0}))
-            .await
+            .await?;
+        self.exec_unit(
+            "migrate-set-capabilities",
+            json!({"capabilities": [{"capability": "events", "state": true}]}),
+        )
+        .await
     }
 
     /// Loads a device-state stream into a QEMU started with `-incoming defer`, and waits until
@@ -268,10 +274,31 @@ impl Qmp {
         )
         .await?;
         drop(file);
+        let mut events = self.events();
         self.exec_unit("migrate-incoming", json!({"uri": "fd:vmon-incoming"}))
             .await?;
         let start = tokio::time::Instant::now();
         loop {
+            // Wait for a MIGRATION event (when asked for), checking the state at least every
+            // 20 ms either way.
+            let tick = tokio::time::sleep(Duration::from_millis(20));
+            tokio::pin!(tick);
+            loop {
+                tokio::select! {
+                    ev = events.recv() => match ev {
+                        Ok(e) if e.event == "MIGRATION" => {
+                            let st = e.data.get("status").and_then(Value::as_str).unwrap_or("");
+                            if matches!(st, "completed" | "failed" | "cancelled") {
+                                break;
+                            }
+                        }
+                        Ok(_) => {}
+                        Err(broadcast::error::RecvError::Lagged(_)) => break,
+                        Err(broadcast::error::RecvError::Closed) => return Err(QmpError::Closed),
+                    },
+                    _ = &mut tick => break,
+                }
+            }
             let m: MigrationInfo = self.execute("query-migrate", Value::Null).await?;
             match m.status.as_deref() {
                 Some("completed") => return Ok(()),
@@ -299,7 +326,6 @@ impl Qmp {
             if start.elapsed() > Duration::from_secs(60) {
                 return Err(QmpError::Timeout("migrate-incoming".into()));
             }
-            tokio::time::sleep(Duration::from_millis(2)).await;
         }
     }
 
