@@ -114,12 +114,6 @@ impl MachineDesc {
             "-no-reboot".into(),
             "-sandbox".into(),
             "on".into(),
-            "-kernel".into(),
-            self.kernel.display().to_string(),
-            "-initrd".into(),
-            self.initrd.display().to_string(),
-            "-append".into(),
-            self.cmdline.clone(),
             "-chardev".into(),
             format!("file,id=con0,path={}", p.console_log.display()),
             "-serial".into(),
@@ -138,6 +132,19 @@ impl MachineDesc {
             "-device".into(),
             format!("virtio-blk-pci,drive=d0,id=vblk0,addr={BLK_ADDR}"),
         ];
+        if !p.incoming {
+            // A restored guest booted long ago: QEMU need not read (and keep a heap copy of)
+            // the kernel and initrd for it. Only fw_cfg blobs differ, which no device state
+            // carries.
+            a.extend([
+                "-kernel".into(),
+                self.kernel.display().to_string(),
+                "-initrd".into(),
+                self.initrd.display().to_string(),
+                "-append".into(),
+                self.cmdline.clone(),
+            ]);
+        }
         if let Some(n) = p.net {
             a.push("-netdev".into());
             a.push(format!(
