@@ -64,6 +64,9 @@ pub struct NodeConfig {
     pub envd_binary: Option<PathBuf>,
     /// Pre-spawned restore processes kept per hot build.
     pub pool_size: usize,
+    /// Blank restore processes (spawned, no disk, no state) kept per RAM base in use, for
+    /// resumes and fork children.
+    pub blank_pool_size: usize,
     /// Network slots kept ready ahead of time.
     pub spare_slots: usize,
     /// How long a cold boot may take to reach envd.
@@ -88,6 +91,7 @@ impl NodeConfig {
             qemu_binary: PathBuf::from("/usr/bin/qemu-system-x86_64"),
             envd_binary: None,
             pool_size: 1,
+            blank_pool_size: env_or("VMON_BLANK_POOL", 2),
             spare_slots: 2,
             boot_timeout: Duration::from_secs(240),
             restore_timeout: Duration::from_secs(60),
@@ -115,6 +119,13 @@ fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
         .unwrap_or(default)
 }
 
+/// Pool keys of blank processes: `blank:<mem_base artifact>`.
+pub(crate) const BLANK_PREFIX: &str = "blank:";
+
+fn blank_key(mem_base: &str) -> String {
+    format!("{BLANK_PREFIX}{mem_base}")
+}
+
 /// One host's sandboxes.
 pub struct Node {
     cfg: NodeConfig,
@@ -132,6 +143,10 @@ pub struct Node {
     /// once: one per host core. Under TCG a restored guest translates its hot paths anew, and
     /// ten of them sharing two cores finish later than ten taking turns.
     restore_gate: tokio::sync::Semaphore,
+    /// Restores waiting for a turn or holding one.
+    restores_in_flight: std::sync::atomic::AtomicUsize,
+    /// The machine of each RAM base that blank processes are kept for.
+    blank_machines: std::sync::Mutex<HashMap<String, MachineDesc>>,
     /// Paused sandboxes with their QEMU kept stopped, by paused build.
     parked: std::sync::Mutex<HashMap<String, Parked>>,
     park_max: std::sync::atomic::AtomicUsize,
@@ -314,7 +329,7 @@ impl Node {
         let cfg_park_max = cfg.park_max;
         let node = Arc::new_cyclic(|me| Node {
             me: me.clone(),
-            pool: Pool::new(cfg.pool_size),
+            pool: Pool::new(cfg.pool_size, cfg.blank_pool_size),
             cfg,
             accel,
             qemu_version,
@@ -323,13 +338,13 @@ impl Node {
             slots: Arc::new(Slots::new(slot_block)),
             sandboxes: std::sync::Mutex::new(HashMap::new()),
             artifacts_guard: RwLock::new(()),
-            restore_gate: tokio::sync::Semaphore::new(
-                env_or(
-                    "VMON_RESTORE_TURNS",
-                    std::thread::available_parallelism().map_or(2, |n| n.get()),
-                ),
-            ),
+            restore_gate: tokio::sync::Semaphore::new(env_or(
+                "VMON_RESTORE_TURNS",
+                std::thread::available_parallelism().map_or(2, |n| n.get()),
+            )),
             parked: Default::default(),
+            restores_in_flight: Default::default(),
+            blank_machines: Default::default(),
             park_max: std::sync::atomic::AtomicUsize::new(cfg_park_max),
             host_memory_mb: host_memory_mb(),
             telemetry: Default::default(),
@@ -499,10 +514,6 @@ impl Node {
         &self.restore_gate
     }
 
-    pub(crate) fn builds_ref(&self) -> &Builds {
-        &self.builds
-    }
-
     /// Pre-spawned processes ready for `build_id`.
     pub fn pool_depth(&self, build_id: &str) -> usize {
         self.pool.depth(build_id)
@@ -541,6 +552,23 @@ impl Node {
     /// Changes how many processes are kept ready per hot build (0 turns the pool off).
     pub fn set_pool_size(&self, n: usize) {
         self.pool.set_size(n);
+    }
+
+    /// Changes how many blank processes are kept per RAM base (0 turns them off).
+    pub fn set_blank_pool_size(&self, n: usize) {
+        self.pool.set_blank_size(n);
+    }
+
+    /// Blank processes ready for the RAM base of `build_id`.
+    pub fn blank_depth(&self, build_id: &str) -> usize {
+        match self.builds.get(build_id) {
+            Ok(Some(rec)) => rec
+                .mem_base
+                .as_deref()
+                .map(|m| self.pool.depth(&blank_key(m)))
+                .unwrap_or(0),
+            _ => 0,
+        }
     }
 
     /// The QEMU process of a running sandbox.
@@ -756,7 +784,7 @@ impl Node {
                 console_log: run_dir.join("console.log"),
                 ram_file: ram_path,
                 ram: RamSharing::Shared,
-                disk: self.builds.artifact(&overlay),
+                disk: Some(self.builds.artifact(&overlay)),
                 net: Some(NetDevice { tap: TAP.into() }),
                 netns: Some(slot.netns()),
                 incoming: false,
@@ -832,14 +860,83 @@ impl Node {
         let Some(mem_base) = rec.mem_base.clone() else {
             bail!("build {} has no memory", rec.id);
         };
+        let blank = self.prepare_blank(&mem_base, &rec.machine).await?;
+        let mut p = self.fill_blank(rec, blank).await?;
+        if warm {
+            if let Err(e) = self.warm_up(&p.vm, rec, &p.slot).await {
+                self.discard_prepared(p).await;
+                return Err(e);
+            }
+            p.loaded = true;
+        }
+        Ok(p)
+    }
+
+    /// Spawns a restore process for RAM base `mem_base` with no disk and no state yet: a slot,
+    /// QEMU waiting for `migrate-incoming`. Kept ahead of time per RAM base, it takes the spawn
+    /// out of resumes and fork children; [`Node::fill_blank`] gives it a build.
+    pub(crate) async fn prepare_blank(
+        &self,
+        mem_base: &str,
+        machine: &MachineDesc,
+    ) -> anyhow::Result<Prepared> {
         let _guard = self.artifacts_guard.read().await;
         let slot = self.slots.acquire(&crate::slots::open_policy()).await?;
         self.slots.refill();
         let tag = new_id("");
         let run_dir = self.cfg.data_dir.join("pool").join(&tag);
-        let (overlay, overlay_path) = self.builds.new_artifact("disk", "qcow2");
         let r = async {
             std::fs::create_dir_all(&run_dir)?;
+            let vm = Vm::launch(&LaunchSpec {
+                tag: tag.clone(),
+                machine: machine.clone(),
+                run_dir: run_dir.clone(),
+                console_log: run_dir.join("console.log"),
+                ram_file: self.builds.artifact(mem_base),
+                ram: RamSharing::Private,
+                disk: None,
+                net: Some(NetDevice { tap: TAP.into() }),
+                netns: Some(slot.netns()),
+                incoming: true,
+            })
+            .await?;
+            if let Err(e) = vm.qmp.prepare_incoming().await {
+                let mut vm = vm;
+                vm.kill().await;
+                return Err(e.into());
+            }
+            anyhow::Ok(vm)
+        }
+        .await;
+        match r {
+            Ok(vm) => Ok(Prepared {
+                tag,
+                slot,
+                overlay: String::new(),
+                vm,
+                run_dir,
+                loaded: false,
+                mem_base: mem_base.to_string(),
+                machine: machine.clone(),
+            }),
+            Err(e) => {
+                let _ = self.slots.release(&slot).await;
+                let _ = std::fs::remove_dir_all(&run_dir);
+                Err(e)
+            }
+        }
+    }
+
+    /// Gives a blank process `rec`'s disk (a fresh overlay on its chain, attached at the slot
+    /// the device state names) and memory layers. The process is discarded on failure.
+    async fn fill_blank(&self, rec: &BuildRecord, mut p: Prepared) -> anyhow::Result<Prepared> {
+        let _guard = self.artifacts_guard.read().await;
+        let (overlay, overlay_path) = self.builds.new_artifact("disk", "qcow2");
+        let t0 = std::time::Instant::now();
+        let r = async {
+            if rec.mem_base.as_deref() != Some(p.mem_base.as_str()) {
+                bail!("process was made for another RAM base");
+            }
             match &rec.disk {
                 Some(d) => {
                     create_overlay(
@@ -853,74 +950,72 @@ impl Node {
                     create_overlay(&self.image.rootfs, BackingFormat::Raw, &overlay_path).await?
                 }
             }
-            let ram_file = self.builds.artifact(&mem_base);
-            let t0 = std::time::Instant::now();
-            let vm = Vm::launch(&LaunchSpec {
-                tag: tag.clone(),
-                machine: rec.machine.clone(),
-                run_dir: run_dir.clone(),
-                console_log: run_dir.join("console.log"),
-                ram_file: ram_file.clone(),
-                ram: RamSharing::Private,
-                disk: overlay_path.clone(),
-                net: Some(NetDevice { tap: TAP.into() }),
-                netns: Some(slot.netns()),
-                incoming: true,
-            })
-            .await?;
-            if let Err(e) = vm.qmp.prepare_incoming().await {
-                let mut vm = vm;
-                vm.kill().await;
-                return Err(e.into());
+            for (cmd, args) in vmon_vm::machine::disk_attach(&overlay_path) {
+                p.vm.qmp
+                    .execute_raw(cmd, args, Duration::from_secs(30))
+                    .await?;
             }
-            let t_spawn = t0.elapsed();
-            let pid = vm.pid;
+            let t_attach = t0.elapsed();
+            let pid = p.vm.pid;
+            let ram_file = self.builds.artifact(&p.mem_base);
             let layers: Vec<PathBuf> = rec.layers.iter().map(|l| self.builds.artifact(l)).collect();
-            let written = tokio::task::spawn_blocking(move || {
+            tokio::task::spawn_blocking(move || {
                 for l in &layers {
                     memory::write_in(pid, &ram_file, l)?;
                 }
                 anyhow::Ok(())
             })
             .await
-            .map_err(|e| anyhow::anyhow!("write-in task: {e}"))?;
+            .map_err(|e| anyhow::anyhow!("write-in task: {e}"))??;
             tracing::debug!(
                 build = %rec.id,
-                spawn_ms = t_spawn.as_secs_f64() * 1e3,
-                write_in_ms = (t0.elapsed() - t_spawn).as_secs_f64() * 1e3,
-                "prepare stages"
+                attach_ms = t_attach.as_secs_f64() * 1e3,
+                write_in_ms = (t0.elapsed() - t_attach).as_secs_f64() * 1e3,
+                "fill stages"
             );
-            if let Err(e) = written {
-                let mut vm = vm;
-                vm.kill().await;
-                return Err(e);
-            }
-            if warm {
-                if let Err(e) = self.warm_up(&vm, rec, &slot).await {
-                    let mut vm = vm;
-                    vm.kill().await;
-                    return Err(e);
-                }
-            }
-            anyhow::Ok(vm)
+            anyhow::Ok(())
         }
         .await;
         match r {
-            Ok(vm) => Ok(Prepared {
-                tag,
-                slot,
-                overlay,
-                vm,
-                run_dir,
-                loaded: warm,
-            }),
+            Ok(()) => {
+                p.overlay = overlay;
+                Ok(p)
+            }
             Err(e) => {
-                let _ = self.slots.release(&slot).await;
+                self.discard_prepared(p).await;
                 let _ = std::fs::remove_file(&overlay_path);
-                let _ = std::fs::remove_dir_all(&run_dir);
                 Err(e)
             }
         }
+    }
+
+    /// What the background refill of pool `key` should make: a warmed process of a template
+    /// build, or a blank one for a RAM base (`blank:<mem_base>`). None: nothing to make.
+    pub(crate) async fn prepare_for_pool(&self, key: &str) -> anyhow::Result<Option<Prepared>> {
+        if let Some(mem_base) = key.strip_prefix(BLANK_PREFIX) {
+            let machine = self
+                .blank_machines
+                .lock()
+                .ok()
+                .and_then(|m| m.get(mem_base).cloned());
+            let Some(machine) = machine else {
+                return Ok(None);
+            };
+            if !self.builds.artifact(mem_base).exists() {
+                return Ok(None);
+            }
+            return self.prepare_blank(mem_base, &machine).await.map(Some);
+        }
+        let Some(rec) = self.builds.get(key)? else {
+            return Ok(None);
+        };
+        self.prepare(&rec, true).await.map(Some)
+    }
+
+    /// Restores waiting for or holding a turn; pool refills wait until there are none.
+    pub(crate) fn restores_in_flight(&self) -> usize {
+        self.restores_in_flight
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     async fn warm_up(
@@ -974,6 +1069,8 @@ impl Node {
                 ),
             }
         }
+        let _in_flight = InFlight::new(&self.restores_in_flight);
+        let blanks = blank_key(&mem_base);
         let pooled = self.pool.take(&rec.id);
         // A warmed pooled process only needs `cont` and `/init`: it skips the gate.
         let _turn = match &pooled {
@@ -985,9 +1082,22 @@ impl Node {
                     .map_err(|_| anyhow::anyhow!("node is shutting down"))?,
             ),
         };
+        // Resumes and fork children share their RAM base with a template: keep blank processes
+        // for it from now on.
+        if let Ok(mut m) = self.blank_machines.lock() {
+            m.entry(mem_base.clone())
+                .or_insert_with(|| rec.machine.clone());
+        }
         let prepared = match pooled {
             Some(p) => p,
-            None => self.prepare(rec, false).await?,
+            None => match self.pool.take(&blanks) {
+                Some(b) if b.vm_matches(&rec.machine) => self.fill_blank(rec, b).await?,
+                Some(b) => {
+                    self.discard_prepared(b).await;
+                    self.prepare(rec, false).await?
+                }
+                None => self.prepare(rec, false).await?,
+            },
         };
         let Prepared {
             tag,
@@ -996,6 +1106,7 @@ impl Node {
             mut vm,
             run_dir: pool_dir,
             loaded,
+            ..
         } = prepared;
         let run_dir = self.sandbox_root(&spec.sandbox_id).join(&spec.execution_id);
         let r = async {
@@ -1084,6 +1195,7 @@ impl Node {
                     // refill does not compete with this claim). Paused builds restore once.
                     self.pool.refill(self.clone(), rec.id.clone());
                 }
+                self.pool.refill(self.clone(), blanks.clone());
                 Ok(Live {
                     state,
                     vm: Some(vm),
@@ -1095,6 +1207,7 @@ impl Node {
                 if rec.parent.is_none() {
                     self.pool.refill(self.clone(), rec.id.clone());
                 }
+                self.pool.refill(self.clone(), blanks.clone());
                 vm.kill().await;
                 let _ = self.slots.release(&slot).await;
                 let _ = std::fs::remove_file(self.builds.artifact(&overlay));
@@ -1455,6 +1568,22 @@ impl Node {
 }
 
 /// Copies a sparse file keeping its holes.
+/// Counts a restore as in flight while alive.
+struct InFlight<'a>(&'a std::sync::atomic::AtomicUsize);
+
+impl<'a> InFlight<'a> {
+    fn new(n: &'a std::sync::atomic::AtomicUsize) -> InFlight<'a> {
+        n.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        InFlight(n)
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
 /// True when less than [`PARK_MIN_AVAILABLE_PERCENT`] of host memory is available.
 fn memory_is_short() -> bool {
     let Ok(t) = std::fs::read_to_string("/proc/meminfo") else {
@@ -1611,7 +1740,7 @@ impl NodeControl for Node {
     }
 
     async fn delete_build(&self, build_id: &str) -> Result<(), NodeError> {
-        let _ = self.record(build_id)?;
+        let rec = self.record(build_id)?;
         let lives: Vec<Arc<Mutex<Live>>> = self
             .sandboxes
             .lock()
@@ -1629,6 +1758,15 @@ impl NodeControl for Node {
             self.discard_prepared(p).await;
         }
         self.discard_parked(build_id).await;
+        if let Some(m) = rec.mem_base.as_deref() {
+            // Refilled by the next restore from that base, if any build still has it.
+            for p in self.pool.discard(&blank_key(m)).await {
+                self.discard_prepared(p).await;
+            }
+            if let Ok(mut bm) = self.blank_machines.lock() {
+                bm.remove(m);
+            }
+        }
         self.builds.remove_record(build_id).map_err(err)?;
         self.sweep().await.map_err(err)?;
         Ok(())

@@ -19,19 +19,32 @@ pub(crate) struct Prepared {
     pub run_dir: PathBuf,
     /// The device state is loaded already (a warmed, stopped guest): a claim only `cont`s.
     pub loaded: bool,
+    /// The RAM file it maps.
+    pub mem_base: String,
+    pub machine: vmon_vm::MachineDesc,
+}
+
+impl Prepared {
+    /// Whether this process runs `machine` (a blank one is reused only for the same machine).
+    pub fn vm_matches(&self, machine: &vmon_vm::MachineDesc) -> bool {
+        self.machine == *machine
+    }
 }
 
 pub(crate) struct Pool {
     size: std::sync::atomic::AtomicUsize,
+    /// Blank processes kept per RAM base (keys `blank:<mem_base>`).
+    blank_size: std::sync::atomic::AtomicUsize,
     ready: Mutex<HashMap<String, Vec<Prepared>>>,
     /// Builds with a refill in flight, so one claim does not start several.
     filling: Mutex<std::collections::HashSet<String>>,
 }
 
 impl Pool {
-    pub fn new(size: usize) -> Pool {
+    pub fn new(size: usize, blank_size: usize) -> Pool {
         Pool {
             size: std::sync::atomic::AtomicUsize::new(size),
+            blank_size: std::sync::atomic::AtomicUsize::new(blank_size),
             ready: Mutex::new(HashMap::new()),
             filling: Mutex::new(Default::default()),
         }
@@ -43,6 +56,20 @@ impl Pool {
 
     pub fn set_size(&self, n: usize) {
         self.size.store(n, std::sync::atomic::Ordering::Relaxed)
+    }
+
+    pub fn set_blank_size(&self, n: usize) {
+        self.blank_size
+            .store(n, std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// How many processes pool `key` is topped up to.
+    fn target(&self, key: &str) -> usize {
+        if key.starts_with(crate::node::BLANK_PREFIX) {
+            self.blank_size.load(std::sync::atomic::Ordering::Relaxed)
+        } else {
+            self.size()
+        }
     }
 
     pub fn take(&self, build_id: &str) -> Option<Prepared> {
@@ -57,42 +84,43 @@ impl Pool {
             .unwrap_or(0)
     }
 
-    /// Tops the build's pool up to its size in the background.
-    pub fn refill(&self, node: Arc<Node>, build_id: String) {
-        if self.size() == 0 {
+    /// Tops pool `key` (a template build, or `blank:<mem_base>`) up to its size in the
+    /// background, after restores in flight are done: a claim never waits for a refill.
+    pub fn refill(&self, node: Arc<Node>, key: String) {
+        if self.target(&key) == 0 {
             return;
         }
         match self.filling.lock() {
             Ok(mut f) => {
-                if !f.insert(build_id.clone()) {
+                if !f.insert(key.clone()) {
                     return;
                 }
             }
             Err(_) => return,
         }
         tokio::spawn(async move {
-            while node.pool_ref().depth(&build_id) < node.pool_ref().size() {
-                let rec = match node.builds_ref().get(&build_id) {
-                    Ok(Some(r)) => r,
-                    _ => break,
-                };
+            while node.pool_ref().depth(&key) < node.pool_ref().target(&key) {
+                while node.restores_in_flight() > 0 {
+                    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                }
                 let Ok(_turn) = node.restore_gate().acquire().await else {
                     break;
                 };
-                match node.prepare(&rec, true).await {
-                    Ok(p) => {
+                match node.prepare_for_pool(&key).await {
+                    Ok(Some(p)) => {
                         if let Ok(mut m) = node.pool_ref().ready.lock() {
-                            m.entry(build_id.clone()).or_default().push(p);
+                            m.entry(key.clone()).or_default().push(p);
                         }
                     }
+                    Ok(None) => break,
                     Err(e) => {
-                        tracing::warn!(build = %build_id, "pool refill failed: {e:#}");
+                        tracing::warn!(pool = %key, "pool refill failed: {e:#}");
                         break;
                     }
                 }
             }
             if let Ok(mut f) = node.pool_ref().filling.lock() {
-                f.remove(&build_id);
+                f.remove(&key);
             }
         });
     }
@@ -107,7 +135,13 @@ impl Pool {
     pub fn artifacts(&self) -> Vec<String> {
         self.ready
             .lock()
-            .map(|m| m.values().flatten().map(|p| p.overlay.clone()).collect())
+            .map(|m| {
+                m.values()
+                    .flatten()
+                    .flat_map(|p| [p.overlay.clone(), p.mem_base.clone()])
+                    .filter(|a| !a.is_empty())
+                    .collect()
+            })
             .unwrap_or_default()
     }
 

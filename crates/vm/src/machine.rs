@@ -68,7 +68,8 @@ pub struct Placement<'a> {
     pub tag: &'a str,
     pub ram_file: &'a Path,
     pub ram: RamSharing,
-    pub disk: &'a Path,
+    /// None: no disk yet (a pre-spawned restore process; see [`disk_attach`]).
+    pub disk: Option<&'a Path>,
     pub net: Option<&'a NetDevice>,
     pub console_log: &'a Path,
     pub qmp_socket: &'a Path,
@@ -122,16 +123,20 @@ impl MachineDesc {
             format!("unix:{},server=on,wait=off", p.qmp_socket.display()),
             "-pidfile".into(),
             p.pidfile.display().to_string(),
-            "-blockdev".into(),
-            format!(
-                "driver=file,filename={},node-name=f0,cache.direct=off",
-                p.disk.display()
-            ),
-            "-blockdev".into(),
-            "driver=qcow2,file=f0,node-name=d0".into(),
-            "-device".into(),
-            format!("virtio-blk-pci,drive=d0,id=vblk0,addr={BLK_ADDR}"),
         ];
+        if let Some(disk) = p.disk {
+            a.extend([
+                "-blockdev".into(),
+                format!(
+                    "driver=file,filename={},node-name=f0,cache.direct=off",
+                    disk.display()
+                ),
+                "-blockdev".into(),
+                "driver=qcow2,file=f0,node-name=d0".into(),
+                "-device".into(),
+                format!("virtio-blk-pci,drive=d0,id=vblk0,addr={BLK_ADDR}"),
+            ]);
+        }
         if !p.incoming {
             // A restored guest booted long ago: QEMU need not read (and keep a heap copy of)
             // the kernel and initrd for it. Only fw_cfg blobs differ, which no device state
@@ -176,6 +181,36 @@ impl MachineDesc {
     }
 }
 
+/// The QMP commands that give a process started without a disk the one [`MachineDesc::args`]
+/// would have given it: the same node names, device id and PCI slot (a device state names the
+/// slot).
+pub fn disk_attach(disk: &Path) -> Vec<(&'static str, serde_json::Value)> {
+    vec![
+        (
+            "blockdev-add",
+            serde_json::json!({
+                "driver": "file",
+                "filename": disk.display().to_string(),
+                "node-name": "f0",
+                "cache": {"direct": false},
+            }),
+        ),
+        (
+            "blockdev-add",
+            serde_json::json!({"driver": "qcow2", "file": "f0", "node-name": "d0"}),
+        ),
+        (
+            "device_add",
+            serde_json::json!({
+                "driver": "virtio-blk-pci",
+                "drive": "d0",
+                "id": "vblk0",
+                "addr": BLK_ADDR,
+            }),
+        ),
+    ]
+}
+
 /// Version string of a QEMU binary (`qemu-system-x86_64 --version`, first line).
 pub fn qemu_version(binary: &Path) -> anyhow::Result<String> {
     let out = std::process::Command::new(binary)
@@ -217,7 +252,7 @@ mod tests {
             tag: "t1",
             ram_file: Path::new("/r/mem0"),
             ram: RamSharing::Private,
-            disk: Path::new("/d.qcow2"),
+            disk: Some(Path::new("/d.qcow2")),
             net: Some(&net),
             console_log: Path::new("/c.log"),
             qmp_socket: Path::new("/q.sock"),

@@ -24,7 +24,8 @@ pub struct LaunchSpec {
     pub console_log: PathBuf,
     pub ram_file: PathBuf,
     pub ram: RamSharing,
-    pub disk: PathBuf,
+    /// None: started without a disk, attached later ([`crate::machine::disk_attach`]).
+    pub disk: Option<PathBuf>,
     pub net: Option<NetDevice>,
     pub netns: Option<String>,
     pub incoming: bool,
@@ -63,7 +64,7 @@ impl Vm {
             tag: &spec.tag,
             ram_file: &spec.ram_file,
             ram: spec.ram,
-            disk: &spec.disk,
+            disk: spec.disk.as_deref(),
             net: spec.net.as_ref(),
             console_log: &spec.console_log,
             qmp_socket: &qmp_sock,

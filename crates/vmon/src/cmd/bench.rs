@@ -146,6 +146,17 @@ async fn wait_pool(node: &Node, build: &str) {
     }
 }
 
+/// Blank processes the bench keeps per RAM base (the node's default).
+const BLANKS: usize = 2;
+
+/// Waits until the blank processes for `build`'s RAM base are back (steady state).
+async fn wait_blanks(node: &Node, build: &str) {
+    let start = Instant::now();
+    while node.blank_depth(build) < BLANKS && start.elapsed() < Duration::from_secs(60) {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 fn pss_kib(pid: u32) -> Option<f64> {
     let t = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?;
     t.lines()
@@ -285,6 +296,7 @@ async fn snapshot(data_dir: &Path, a: SnapshotArgs) -> anyhow::Result<()> {
         node.kill(&id, &r.execution_id).await?;
     }
     node.set_pool_size(0);
+    node.set_blank_pool_size(0);
     node.drain_pool().await;
     let mut cold = Vec::new();
     for i in 0..n {
@@ -294,6 +306,8 @@ async fn snapshot(data_dir: &Path, a: SnapshotArgs) -> anyhow::Result<()> {
         cold.push(ms(t.elapsed()));
         node.kill(&id, &r.execution_id).await?;
     }
+    // The rest with the node's defaults: blank processes per RAM base (no warm pool needed).
+    node.set_blank_pool_size(BLANKS);
 
     let mut pauses: Vec<(u32, Vec<f64>)> = Vec::new();
     let mut resumes = Vec::new();
@@ -303,6 +317,7 @@ async fn snapshot(data_dir: &Path, a: SnapshotArgs) -> anyhow::Result<()> {
         for i in 0..n {
             let id = format!("bd{mib}x{i}{}", rand_hex());
             let r = node.start(spec(&id, &tpl)).await?;
+            wait_blanks(&node, &tpl).await;
             exec(
                 &node,
                 &id,
@@ -318,6 +333,7 @@ async fn snapshot(data_dir: &Path, a: SnapshotArgs) -> anyhow::Result<()> {
             hot.push(ms(t.elapsed()));
             let b2 = node.pause(&id, &r2.execution_id, true).await?;
             node.let_go_parked(&b2.build_id).await;
+            wait_blanks(&node, &tpl).await;
             let t = Instant::now();
             let r3 = node.start(spec(&id, &b2.build_id)).await?;
             resumes.push(ms(t.elapsed()));
@@ -338,6 +354,7 @@ async fn snapshot(data_dir: &Path, a: SnapshotArgs) -> anyhow::Result<()> {
             let src = format!("bf{count}x{i}{}", rand_hex());
             let r = node.start(spec(&src, &tpl)).await?;
             exec(&node, &src, "head -c 16M /dev/urandom > /dev/shm/state").await?;
+            wait_blanks(&node, &tpl).await;
             let t = Instant::now();
             let b = node.checkpoint(&src, &r.execution_id, true).await?;
             let kids: Vec<String> = (0..count).map(|k| format!("{src}k{k}")).collect();
