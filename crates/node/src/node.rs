@@ -872,6 +872,9 @@ impl Node {
         Ok(p)
     }
 
+    /// The caller holds the artifacts guard (shared) from here until the process is in the
+    /// pool or its sandbox in the table: until then nothing else names its overlay.
+    ///
     /// Spawns a restore process for RAM base `mem_base` with no disk and no state yet: a slot,
     /// QEMU waiting for `migrate-incoming`. Kept ahead of time per RAM base, it takes the spawn
     /// out of resumes and fork children; [`Node::fill_blank`] gives it a build.
@@ -880,7 +883,6 @@ impl Node {
         mem_base: &str,
         machine: &MachineDesc,
     ) -> anyhow::Result<Prepared> {
-        let _guard = self.artifacts_guard.read().await;
         let slot = self.slots.acquire(&crate::slots::open_policy()).await?;
         self.slots.refill();
         let tag = new_id("");
@@ -930,7 +932,6 @@ impl Node {
     /// Gives a blank process `rec`'s disk (a fresh overlay on its chain, attached at the slot
     /// the device state names) and memory layers. The process is discarded on failure.
     async fn fill_blank(&self, rec: &BuildRecord, mut p: Prepared) -> anyhow::Result<Prepared> {
-        let _guard = self.artifacts_guard.read().await;
         let (overlay, overlay_path) = self.builds.new_artifact("disk", "qcow2");
         let t0 = std::time::Instant::now();
         let r = async {
@@ -991,6 +992,10 @@ impl Node {
 
     /// What the background refill of pool `key` should make: a warmed process of a template
     /// build, or a blank one for a RAM base (`blank:<mem_base>`). None: nothing to make.
+    pub(crate) async fn artifacts_shared(&self) -> tokio::sync::RwLockReadGuard<'_, ()> {
+        self.artifacts_guard.read().await
+    }
+
     pub(crate) async fn prepare_for_pool(&self, key: &str) -> anyhow::Result<Option<Prepared>> {
         if let Some(mem_base) = key.strip_prefix(BLANK_PREFIX) {
             let machine = self
@@ -2099,7 +2104,10 @@ impl Node {
             }
         }
         let t0 = std::time::Instant::now();
+        // Held until the sandbox is in the table: a sweep must not take its new overlay.
+        let mut guard = None;
         let live = if rec.has_memory() && !spec.cold_boot {
+            guard = Some(self.artifacts_guard.read().await);
             self.restore(&spec, &rec).await.map_err(err)?
         } else {
             let dir = self.sandbox_root(&spec.sandbox_id).join(&spec.execution_id);
@@ -2124,6 +2132,8 @@ impl Node {
             .map_err(err)?
         };
         tracing::info!(sandbox = %spec.sandbox_id, build = %rec.id, ms = t0.elapsed().as_millis() as u64, "sandbox started");
-        self.insert(live)
+        let r = self.insert(live);
+        drop(guard);
+        r
     }
 }

@@ -103,6 +103,9 @@ impl Pool {
                 while node.restores_in_flight() > 0 {
                     tokio::time::sleep(std::time::Duration::from_millis(20)).await;
                 }
+                // Until it is in the pool nothing names the new process's overlay. Taken before
+                // the turn, in the order restores take them.
+                let _shared = node.artifacts_shared().await;
                 let Ok(_turn) = node.restore_gate().acquire().await else {
                     break;
                 };

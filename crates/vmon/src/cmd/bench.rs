@@ -157,6 +157,73 @@ async fn wait_blanks(node: &Node, build: &str) {
     }
 }
 
+/// One process's PSS split by mapping kind: the largest anonymous regions (MiB), the heap, the
+/// guest RAM file, and every other file-backed mapping together.
+fn pss_parts(pid: u32) -> String {
+    let Ok(t) = std::fs::read_to_string(format!("/proc/{pid}/smaps")) else {
+        return String::new();
+    };
+    let mut regions: Vec<(String, f64)> = Vec::new();
+    let mut name = String::new();
+    for line in t.lines() {
+        let first = line.split_whitespace().next().unwrap_or("");
+        if first.contains('-') && first.chars().all(|c| c.is_ascii_hexdigit() || c == '-') {
+            let path = line.split_whitespace().nth(5).unwrap_or("");
+            name = if path.is_empty() {
+                "anonymous".into()
+            } else if path.ends_with(".mem") {
+                "guest RAM (base file, shared + private copies)".into()
+            } else if path == "[heap]" {
+                "heap".into()
+            } else if path.starts_with('[') {
+                path.to_string()
+            } else {
+                "other files (QEMU, libraries)".into()
+            };
+        } else if let Some(v) = line.strip_prefix("Pss:") {
+            let kib: f64 = v
+                .trim()
+                .trim_end_matches("kB")
+                .trim()
+                .parse()
+                .unwrap_or(0.0);
+            regions.push((name.clone(), kib));
+        }
+    }
+    let mut anon: Vec<f64> = regions
+        .iter()
+        .filter(|(n, _)| n == "anonymous")
+        .map(|(_, k)| *k)
+        .collect();
+    anon.sort_by(|a, b| b.total_cmp(a));
+    let mut sums: Vec<(String, f64)> = Vec::new();
+    for (n, k) in regions.iter().filter(|(n, _)| n != "anonymous") {
+        match sums.iter_mut().find(|(m, _)| m == n) {
+            Some(e) => e.1 += k,
+            None => sums.push((n.clone(), *k)),
+        }
+    }
+    let mib = |k: f64| k / 1024.0;
+    let mut out = format!(
+        "anonymous {:.1} MiB (largest regions {}), ",
+        mib(anon.iter().sum()),
+        anon.iter()
+            .take(3)
+            .map(|k| format!("{:.1}", mib(*k)))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    out.push_str(
+        &sums
+            .iter()
+            .filter(|(_, k)| *k >= 512.0)
+            .map(|(n, k)| format!("{n} {:.1} MiB", mib(*k)))
+            .collect::<Vec<_>>()
+            .join(", "),
+    );
+    out
+}
+
 fn pss_kib(pid: u32) -> Option<f64> {
     let t = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?;
     t.lines()
@@ -347,6 +414,7 @@ async fn snapshot(data_dir: &Path, a: SnapshotArgs) -> anyhow::Result<()> {
     let mut fork1 = Vec::new();
     let mut fork10 = Vec::new();
     let mut pss = Vec::new();
+    let mut pss_breakdown = String::new();
     let counts: Vec<usize> = if a.no_fork10 { vec![1] } else { vec![1, 10] };
     for count in counts {
         let runs = if count == 10 { n.min(3) } else { n };
@@ -376,6 +444,9 @@ async fn snapshot(data_dir: &Path, a: SnapshotArgs) -> anyhow::Result<()> {
                     if let Some(p) = node.qemu_pid(k).await.and_then(pss_kib) {
                         pss.push(p / 1024.0);
                     }
+                }
+                if let Some(pid) = node.qemu_pid(&kids[0]).await {
+                    pss_breakdown = pss_parts(pid);
                 }
             }
             for (k, r) in kids.iter().zip(started) {
@@ -425,6 +496,7 @@ async fn snapshot(data_dir: &Path, a: SnapshotArgs) -> anyhow::Result<()> {
     if !fork10.is_empty() {
         row("fork ×10 (checkpoint + 10 children up)", &fork10, "ms");
         row("PSS of each idle fork child", &pss, "MiB");
+        println!("\nOne idle fork child's PSS by mapping: {pss_breakdown}");
     }
     node.drain_pool().await;
     Ok(())
