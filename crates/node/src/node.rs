@@ -371,6 +371,11 @@ impl Node {
         self.park_max.store(n, std::sync::atomic::Ordering::Relaxed);
     }
 
+    /// How many paused sandboxes may keep their stopped QEMU.
+    pub fn park_max(&self) -> usize {
+        self.park_max.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Paused sandboxes whose QEMU is kept.
     pub fn parked_count(&self) -> usize {
         self.parked.lock().map(|m| m.len()).unwrap_or(0)

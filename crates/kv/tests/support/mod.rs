@@ -13,7 +13,15 @@ use vmon_kv::{EmbeddedConfig, EtcdConfig, Kv};
 pub const ETCD: &str = "/usr/bin/etcd";
 pub const SESSION_TTL: Duration = Duration::from_secs(2);
 
+/// A loopback port free right now, below the kernel's ephemeral range (32768+) so outgoing
+/// connections do not take it before the server binds it.
 pub fn free_port() -> u16 {
+    for _ in 0..1000 {
+        let port = 20000 + (rand::random::<u16>() % 12000);
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
     let listener = TcpListener::bind("127.0.0.1:0").expect("bind a free loopback port");
     listener.local_addr().expect("local addr").port()
 }
@@ -44,6 +52,19 @@ pub struct EtcdCluster {
 
 impl EtcdCluster {
     pub async fn start(n: usize) -> EtcdCluster {
+        // A port can still be taken between picking and binding it: a member that exits at
+        // start gets the whole cluster started again on fresh ports.
+        for _ in 0..3 {
+            let mut cluster = Self::spawn_all(n);
+            if cluster.wait_ready().await {
+                return cluster;
+            }
+            cluster.kill_all();
+        }
+        panic!("etcd members kept exiting at start (ports taken?)");
+    }
+
+    fn spawn_all(n: usize) -> EtcdCluster {
         let etcd = binary(ETCD, "etcd-server");
         let dir = tempfile::tempdir().expect("temp dir");
         let members: Vec<Member> = (0..n)
@@ -63,7 +84,6 @@ impl EtcdCluster {
         for i in 0..n {
             cluster.spawn(&etcd, i, "new");
         }
-        cluster.wait_ready().await;
         cluster
     }
 
@@ -127,9 +147,17 @@ impl EtcdCluster {
         format!("http://127.0.0.1:{}", self.members[i].client_port)
     }
 
-    async fn wait_ready(&self) {
+    /// Waits for every member and a leader; false when a member exited (its port was taken).
+    async fn wait_ready(&mut self) -> bool {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
         loop {
+            for m in self.members.iter_mut() {
+                if let Some(c) = m.child.as_mut() {
+                    if matches!(c.try_wait(), Ok(Some(_))) {
+                        return false;
+                    }
+                }
+            }
             let mut ready = true;
             for (i, m) in self.members.iter().enumerate() {
                 if m.child.is_none() {
@@ -140,7 +168,7 @@ impl EtcdCluster {
                 }
             }
             if ready && self.leader().await.is_some() {
-                return;
+                return true;
             }
             if tokio::time::Instant::now() > deadline {
                 panic!(

@@ -14,7 +14,15 @@ use vmon_store::{Store, StoreConfig};
 pub const PG_BIN: &str = "/usr/lib/postgresql/15/bin";
 pub const KEY: [u8; 32] = [7; 32];
 
+/// A loopback port free right now, below the kernel's ephemeral range (32768+) so outgoing
+/// connections do not take it while the server restarts.
 pub fn free_port() -> u16 {
+    for _ in 0..1000 {
+        let port = 20000 + (rand::random::<u16>() % 12000);
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
     let listener = TcpListener::bind("127.0.0.1:0").expect("bind a free loopback port");
     listener.local_addr().expect("local addr").port()
 }

@@ -146,13 +146,10 @@ async fn wait_pool(node: &Node, build: &str) {
     }
 }
 
-/// Blank processes the bench keeps per RAM base (the node's default).
-const BLANKS: usize = 2;
-
 /// Waits until the blank processes for `build`'s RAM base are back (steady state).
-async fn wait_blanks(node: &Node, build: &str) {
+async fn wait_blanks(node: &Node, build: &str, blanks: usize) {
     let start = Instant::now();
-    while node.blank_depth(build) < BLANKS && start.elapsed() < Duration::from_secs(60) {
+    while node.blank_depth(build) < blanks && start.elapsed() < Duration::from_secs(60) {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
@@ -334,6 +331,7 @@ async fn boot(data_dir: &Path, a: BootArgs) -> anyhow::Result<()> {
 async fn snapshot(data_dir: &Path, a: SnapshotArgs) -> anyhow::Result<()> {
     let mut cfg = NodeConfig::new(data_dir.to_path_buf());
     cfg.pool_size = 1;
+    let blanks = cfg.blank_pool_size;
     let node = Node::open(cfg).await?;
     let tpl = format!("bench-{}-{}", a.memory_mb, node.image().manifest.hash);
     node.build_template(TemplateSpec {
@@ -374,7 +372,7 @@ async fn snapshot(data_dir: &Path, a: SnapshotArgs) -> anyhow::Result<()> {
         node.kill(&id, &r.execution_id).await?;
     }
     // The rest with the node's defaults: blank processes per RAM base (no warm pool needed).
-    node.set_blank_pool_size(BLANKS);
+    node.set_blank_pool_size(blanks);
 
     let mut pauses: Vec<(u32, Vec<f64>)> = Vec::new();
     let mut resumes = Vec::new();
@@ -384,7 +382,7 @@ async fn snapshot(data_dir: &Path, a: SnapshotArgs) -> anyhow::Result<()> {
         for i in 0..n {
             let id = format!("bd{mib}x{i}{}", rand_hex());
             let r = node.start(spec(&id, &tpl)).await?;
-            wait_blanks(&node, &tpl).await;
+            wait_blanks(&node, &tpl, blanks).await;
             exec(
                 &node,
                 &id,
@@ -400,7 +398,7 @@ async fn snapshot(data_dir: &Path, a: SnapshotArgs) -> anyhow::Result<()> {
             hot.push(ms(t.elapsed()));
             let b2 = node.pause(&id, &r2.execution_id, true).await?;
             node.let_go_parked(&b2.build_id).await;
-            wait_blanks(&node, &tpl).await;
+            wait_blanks(&node, &tpl, blanks).await;
             let t = Instant::now();
             let r3 = node.start(spec(&id, &b2.build_id)).await?;
             resumes.push(ms(t.elapsed()));
@@ -422,7 +420,7 @@ async fn snapshot(data_dir: &Path, a: SnapshotArgs) -> anyhow::Result<()> {
             let src = format!("bf{count}x{i}{}", rand_hex());
             let r = node.start(spec(&src, &tpl)).await?;
             exec(&node, &src, "head -c 16M /dev/urandom > /dev/shm/state").await?;
-            wait_blanks(&node, &tpl).await;
+            wait_blanks(&node, &tpl, blanks).await;
             let t = Instant::now();
             let b = node.checkpoint(&src, &r.execution_id, true).await?;
             let kids: Vec<String> = (0..count).map(|k| format!("{src}k{k}")).collect();
@@ -467,6 +465,10 @@ async fn snapshot(data_dir: &Path, a: SnapshotArgs) -> anyhow::Result<()> {
         node.accel().accel.as_str(),
         node.accel().reason,
         a.memory_mb
+    );
+    println!(
+        "node: warm pool 1 per template, {blanks} blank processes per RAM base, paused QEMUs kept (parked) up to {}\n",
+        node.park_max()
     );
     println!("| operation | median | p99 | n |\n|---|---|---|---|");
     row(
