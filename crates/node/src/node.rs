@@ -91,7 +91,7 @@ impl NodeConfig {
             qemu_binary: PathBuf::from("/usr/bin/qemu-system-x86_64"),
             envd_binary: None,
             pool_size: 1,
-            blank_pool_size: env_or("VMON_BLANK_POOL", 2),
+            blank_pool_size: env_or("VMON_BLANK_POOL", 4),
             spare_slots: 2,
             boot_timeout: Duration::from_secs(240),
             restore_timeout: Duration::from_secs(60),
@@ -562,6 +562,16 @@ impl Node {
     /// Changes how many blank processes are kept per RAM base (0 turns them off).
     pub fn set_blank_pool_size(&self, n: usize) {
         self.pool.set_blank_size(n);
+    }
+
+    /// QEMU pids of the blank processes kept ready (any RAM base).
+    pub fn blank_pids(&self) -> Vec<u32> {
+        self.pool
+            .pids()
+            .into_iter()
+            .filter(|(k, _)| k.starts_with(BLANK_PREFIX))
+            .map(|(_, p)| p)
+            .collect()
     }
 
     /// Blank processes ready for the RAM base of `build_id`.

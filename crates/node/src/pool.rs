@@ -135,6 +135,18 @@ impl Pool {
             .unwrap_or_default()
     }
 
+    /// (pool key, QEMU pid) of every ready process.
+    pub fn pids(&self) -> Vec<(String, u32)> {
+        self.ready
+            .lock()
+            .map(|m| {
+                m.iter()
+                    .flat_map(|(k, v)| v.iter().map(move |p| (k.clone(), p.vm.pid)))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
     pub fn artifacts(&self) -> Vec<String> {
         self.ready
             .lock()

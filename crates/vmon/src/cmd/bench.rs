@@ -500,6 +500,20 @@ async fn snapshot(data_dir: &Path, a: SnapshotArgs) -> anyhow::Result<()> {
         row("PSS of each idle fork child", &pss, "MiB");
         println!("\nOne idle fork child's PSS by mapping: {pss_breakdown}");
     }
+    wait_blanks(&node, &tpl, blanks).await;
+    let blank_pss: Vec<f64> = node
+        .blank_pids()
+        .into_iter()
+        .filter_map(pss_kib)
+        .map(|k| k / 1024.0)
+        .collect();
+    if !blank_pss.is_empty() {
+        let (m, _) = summary(&blank_pss);
+        println!(
+            "\nEach of the {} blank processes kept ready: PSS {m:.1} MiB (median).",
+            blank_pss.len()
+        );
+    }
     node.drain_pool().await;
     Ok(())
 }
