@@ -1778,16 +1778,24 @@ impl NodeControl for Node {
             self.discard_prepared(p).await;
         }
         self.discard_parked(build_id).await;
+        self.builds.remove_record(build_id).map_err(err)?;
         if let Some(m) = rec.mem_base.as_deref() {
-            // Refilled by the next restore from that base, if any build still has it.
-            for p in self.pool.discard(&blank_key(m)).await {
-                self.discard_prepared(p).await;
-            }
-            if let Ok(mut bm) = self.blank_machines.lock() {
-                bm.remove(m);
+            // Blank processes go with the last build on their RAM base.
+            let still_used = self
+                .builds
+                .list()
+                .map_err(err)?
+                .iter()
+                .any(|r| r.mem_base.as_deref() == Some(m));
+            if !still_used {
+                for p in self.pool.discard(&blank_key(m)).await {
+                    self.discard_prepared(p).await;
+                }
+                if let Ok(mut bm) = self.blank_machines.lock() {
+                    bm.remove(m);
+                }
             }
         }
-        self.builds.remove_record(build_id).map_err(err)?;
         self.sweep().await.map_err(err)?;
         Ok(())
     }
