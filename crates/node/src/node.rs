@@ -803,6 +803,8 @@ impl Node {
                 net: Some(NetDevice { tap: TAP.into() }),
                 netns: Some(slot.netns()),
                 incoming: false,
+                // Template builds run under <data>/run; sandboxes under <data>/sandboxes.
+                die_with_node: run_dir.starts_with(self.cfg.data_dir.join("run")),
             })
             .await?;
             let mut live = Live {
@@ -915,6 +917,7 @@ impl Node {
                 net: Some(NetDevice { tap: TAP.into() }),
                 netns: Some(slot.netns()),
                 incoming: true,
+                die_with_node: false,
             })
             .await?;
             if let Err(e) = vm.qmp.prepare_incoming().await {

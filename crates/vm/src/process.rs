@@ -29,6 +29,9 @@ pub struct LaunchSpec {
     pub net: Option<NetDevice>,
     pub netns: Option<String>,
     pub incoming: bool,
+    /// Killed when the node process ends (a template build is worthless without its node; a
+    /// sandbox outlives it and is re-adopted).
+    pub die_with_node: bool,
 }
 
 /// A running QEMU and its QMP connection.
@@ -83,6 +86,7 @@ impl Vm {
             None => None,
         };
         let netns_fd = netns.as_ref().map(|f| f.as_raw_fd());
+        let die_with_node = spec.die_with_node;
         let mut cmd = tokio::process::Command::new(&spec.machine.qemu_binary);
         // SAFETY: the closure runs in the forked child before exec and only makes two
         // async-signal-safe system calls on values captured by copy.
@@ -97,6 +101,9 @@ impl Vm {
                 // zeroed on first touch costs a restored VM CPU time and resident memory it
                 // mostly never uses.
                 libc::prctl(libc::PR_SET_THP_DISABLE, 1, 0, 0, 0);
+                if die_with_node {
+                    libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                }
                 Ok(())
             });
         }
