@@ -149,7 +149,6 @@ pub struct Node {
     blank_machines: std::sync::Mutex<HashMap<String, MachineDesc>>,
     /// Paused sandboxes with their QEMU kept stopped, by paused build.
     parked: std::sync::Mutex<HashMap<String, Parked>>,
-    park_max: std::sync::atomic::AtomicUsize,
     host_memory_mb: u64,
     pub(crate) telemetry: crate::telemetry::Telemetry,
     me: std::sync::Weak<Node>,
@@ -170,17 +169,20 @@ fn valid_id(s: &str) -> bool {
             .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
 }
 
+/// Fields of `/proc/meminfo` (KiB), in the order asked; None where missing.
+fn meminfo_kib<const N: usize>(fields: [&str; N]) -> [Option<u64>; N] {
+    let text = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    fields.map(|name| {
+        text.lines()
+            .find(|l| l.split(':').next() == Some(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|kb| kb.parse().ok())
+    })
+}
+
 fn host_memory_mb() -> u64 {
-    std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|m| {
-            m.lines()
-                .find(|l| l.starts_with("MemTotal:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|kb| kb.parse::<u64>().ok())
-        })
-        .map(|kb| kb / 1024)
-        .unwrap_or(0)
+    let [total] = meminfo_kib(["MemTotal"]);
+    total.map(|kb| kb / 1024).unwrap_or(0)
 }
 
 /// One node per data dir: `flock` on `<data>/node.lock`, failing fast when another holds it.
@@ -326,7 +328,6 @@ impl Node {
         Slots::prepare_host().await?;
         let (slot_block, block_lock) = claim_slot_block(&cfg)?;
         tracing::info!(slot_block, "network slot block");
-        let cfg_park_max = cfg.park_max;
         let node = Arc::new_cyclic(|me| Node {
             me: me.clone(),
             pool: Pool::new(cfg.pool_size, cfg.blank_pool_size),
@@ -345,7 +346,6 @@ impl Node {
             parked: Default::default(),
             restores_in_flight: Default::default(),
             blank_machines: Default::default(),
-            park_max: std::sync::atomic::AtomicUsize::new(cfg_park_max),
             host_memory_mb: host_memory_mb(),
             telemetry: Default::default(),
             _block_lock: block_lock,
@@ -366,25 +366,15 @@ impl Node {
         Ok(node)
     }
 
-    /// How many paused sandboxes may keep their stopped QEMU (0 ends each at once).
-    pub fn set_park_max(&self, n: usize) {
-        self.park_max.store(n, std::sync::atomic::Ordering::Relaxed);
-    }
-
     /// How many paused sandboxes may keep their stopped QEMU.
     pub fn park_max(&self) -> usize {
-        self.park_max.load(std::sync::atomic::Ordering::Relaxed)
-    }
-
-    /// Paused sandboxes whose QEMU is kept.
-    pub fn parked_count(&self) -> usize {
-        self.parked.lock().map(|m| m.len()).unwrap_or(0)
+        self.cfg.park_max
     }
 
     /// Lets parked processes go: all of them, or those past their linger time, over the count,
     /// or while the host runs short of memory. Their pauses were committed; nothing is lost.
     pub async fn evict_parked(&self, all: bool) {
-        let max = self.park_max.load(std::sync::atomic::Ordering::Relaxed);
+        let max = self.cfg.park_max;
         let short = !all && memory_is_short();
         let out: Vec<Parked> = {
             let Ok(mut m) = self.parked.lock() else {
@@ -483,17 +473,7 @@ impl Node {
             let vm = live.vm.as_ref().context("parked sandbox has no VM")?;
             vm.qmp.cont().await?;
             let addr = SocketAddr::new(IpAddr::V4(live.slot.addr()), ENVD_PORT);
-            envd_client::init(
-                addr,
-                &InitRequest {
-                    env_vars: spec.env_vars.clone(),
-                    access_token: spec.envd_access_token.clone(),
-                    current_token: rec.envd_token.clone(),
-                    default_user: None,
-                },
-                self.cfg.restore_timeout,
-            )
-            .await?;
+            envd_client::init(addr, &restore_init(spec, rec), self.cfg.restore_timeout).await?;
             live.state.execution_id = spec.execution_id.clone();
             live.state.envd_token = spec.envd_access_token.clone();
             live.state.resume_generation = rec.resume_generation + 1;
@@ -726,6 +706,32 @@ impl Node {
             envd_version: rec.envd_version.clone(),
             parent: rec.parent.clone(),
         }
+    }
+
+    /// Flushes the guest's page cache so the disk holds every file written (before a capture
+    /// that keeps the disk only). A failure is logged: the capture still has what was synced.
+    async fn sync_guest(l: &Live, before: &str) {
+        let addr = SocketAddr::new(IpAddr::V4(l.slot.addr()), ENVD_PORT);
+        let token = l.state.envd_token.as_deref();
+        if let Err(e) = envd_client::run(addr, token, "root", "sync", Duration::from_secs(60)).await
+        {
+            tracing::warn!(sandbox = %l.state.id, "guest sync before {before} failed: {e:#}");
+        }
+    }
+
+    /// A running sandbox, locked, if it is still in run `execution_id`.
+    async fn live_execution(
+        &self,
+        sandbox_id: &str,
+        execution_id: &str,
+    ) -> Result<tokio::sync::OwnedMutexGuard<Live>, NodeError> {
+        let l = self.live(sandbox_id)?.lock_owned().await;
+        if l.state.execution_id != execution_id {
+            return Err(NodeError::NotFound(format!(
+                "{sandbox_id} (execution {execution_id})"
+            )));
+        }
+        Ok(l)
     }
 
     fn live(&self, sandbox_id: &str) -> Result<Arc<Mutex<Live>>, NodeError> {
@@ -1161,17 +1167,8 @@ impl Node {
             vm.qmp.cont().await?;
             let t_cont = t0.elapsed();
             let addr = SocketAddr::new(IpAddr::V4(slot.addr()), ENVD_PORT);
-            let init = envd_client::init(
-                addr,
-                &InitRequest {
-                    env_vars: spec.env_vars.clone(),
-                    access_token: spec.envd_access_token.clone(),
-                    current_token: rec.envd_token.clone(),
-                    default_user: None,
-                },
-                self.cfg.restore_timeout,
-            )
-            .await;
+            let init =
+                envd_client::init(addr, &restore_init(spec, rec), self.cfg.restore_timeout).await;
             tracing::debug!(
                 sandbox = %spec.sandbox_id,
                 load_ms = t_load.as_secs_f64() * 1e3,
@@ -1591,6 +1588,17 @@ impl Node {
 }
 
 /// Copies a sparse file keeping its holes.
+/// The `/init` after restoring `rec` for `spec`: its settings, authenticated with the token the
+/// guest holds from the build.
+fn restore_init(spec: &StartSpec, rec: &BuildRecord) -> InitRequest {
+    InitRequest {
+        env_vars: spec.env_vars.clone(),
+        access_token: spec.envd_access_token.clone(),
+        current_token: rec.envd_token.clone(),
+        default_user: None,
+    }
+}
+
 /// Counts a restore as in flight while alive.
 struct InFlight<'a>(&'a std::sync::atomic::AtomicUsize);
 
@@ -1609,17 +1617,8 @@ impl Drop for InFlight<'_> {
 
 /// True when less than [`PARK_MIN_AVAILABLE_PERCENT`] of host memory is available.
 fn memory_is_short() -> bool {
-    let Ok(t) = std::fs::read_to_string("/proc/meminfo") else {
-        return false;
-    };
-    let field = |name: &str| -> Option<u64> {
-        t.lines()
-            .find(|l| l.starts_with(name))
-            .and_then(|l| l.split_whitespace().nth(1))
-            .and_then(|v| v.parse().ok())
-    };
-    match (field("MemTotal:"), field("MemAvailable:")) {
-        (Some(total), Some(avail)) if total > 0 => avail * 100 < total * PARK_MIN_AVAILABLE_PERCENT,
+    match meminfo_kib(["MemTotal", "MemAvailable"]) {
+        [Some(total), Some(avail)] if total > 0 => avail * 100 < total * PARK_MIN_AVAILABLE_PERCENT,
         _ => false,
     }
 }
@@ -1812,13 +1811,7 @@ impl NodeControl for Node {
     }
 
     async fn kill(&self, sandbox_id: &str, execution_id: &str) -> Result<(), NodeError> {
-        let live = self.live(sandbox_id)?;
-        let mut l = live.lock().await;
-        if l.state.execution_id != execution_id {
-            return Err(NodeError::NotFound(format!(
-                "{sandbox_id} (execution {execution_id})"
-            )));
-        }
+        let mut l = self.live_execution(sandbox_id, execution_id).await?;
         self.remove(sandbox_id);
         self.destroy(&mut l, false).await;
         Ok(())
@@ -1830,32 +1823,11 @@ impl NodeControl for Node {
         execution_id: &str,
         memory: bool,
     ) -> Result<BuildInfo, NodeError> {
-        let live = self.live(sandbox_id)?;
-        let mut l = live.lock().await;
-        if l.state.execution_id != execution_id {
-            return Err(NodeError::NotFound(format!(
-                "{sandbox_id} (execution {execution_id})"
-            )));
-        }
+        let mut l = self.live_execution(sandbox_id, execution_id).await?;
         let _guard = self.artifacts_guard.read().await;
         let build_id = new_id("p");
         if !memory {
-            // Flush the guest's page cache so the disk holds every file written.
-            let addr = SocketAddr::new(IpAddr::V4(l.slot.addr()), ENVD_PORT);
-            if let Err(e) = envd_client::run(
-                addr,
-                l.state.envd_token.as_deref(),
-                "root",
-                "sync",
-                Duration::from_secs(60),
-            )
-            .await
-            {
-                tracing::warn!(
-                    sandbox = sandbox_id,
-                    "guest sync before pause failed: {e:#}"
-                );
-            }
+            Self::sync_guest(&l, "pause").await;
         }
         let vm =
             l.vm.as_ref()
@@ -1863,9 +1835,8 @@ impl NodeControl for Node {
         vm.qmp.stop().await.map_err(|e| err(e.into()))?;
         // Park: keep the stopped QEMU for a fast resume. Its disk moves to a fresh overlay first
         // so the build's stays frozen whatever happens to the kept process.
-        let park = memory
-            && self.park_max.load(std::sync::atomic::Ordering::Relaxed) > 0
-            && matches!(l.state.ram, RamSource::Private { .. });
+        let park =
+            memory && self.cfg.park_max > 0 && matches!(l.state.ram, RamSource::Private { .. });
         l.state.pausing_build = Some(build_id.clone());
         let captured = async {
             let (disk, chain) = if park {
@@ -1956,34 +1927,14 @@ impl NodeControl for Node {
         execution_id: &str,
         memory: bool,
     ) -> Result<BuildInfo, NodeError> {
-        let live = self.live(sandbox_id)?;
-        let mut l = live.lock().await;
-        if l.state.execution_id != execution_id {
-            return Err(NodeError::NotFound(format!(
-                "{sandbox_id} (execution {execution_id})"
-            )));
-        }
+        let mut l = self.live_execution(sandbox_id, execution_id).await?;
         let _guard = self.artifacts_guard.read().await;
         let build_id = new_id("c");
         let vm =
             l.vm.as_ref()
                 .ok_or_else(|| NodeError::Failed("sandbox has no VM".into()))?;
         if !memory {
-            let addr = SocketAddr::new(IpAddr::V4(l.slot.addr()), ENVD_PORT);
-            if let Err(e) = envd_client::run(
-                addr,
-                l.state.envd_token.as_deref(),
-                "root",
-                "sync",
-                Duration::from_secs(60),
-            )
-            .await
-            {
-                tracing::warn!(
-                    sandbox = sandbox_id,
-                    "guest sync before snapshot failed: {e:#}"
-                );
-            }
+            Self::sync_guest(&l, "snapshot").await;
         }
         vm.qmp.stop().await.map_err(|e| err(e.into()))?;
         let result = async {
@@ -2034,13 +1985,7 @@ impl NodeControl for Node {
         policy: NetworkPolicy,
     ) -> Result<(), NodeError> {
         crate::slots::validate_policy(&policy).map_err(NodeError::InvalidArgument)?;
-        let live = self.live(sandbox_id)?;
-        let mut l = live.lock().await;
-        if l.state.execution_id != execution_id {
-            return Err(NodeError::NotFound(format!(
-                "{sandbox_id} (execution {execution_id})"
-            )));
-        }
+        let mut l = self.live_execution(sandbox_id, execution_id).await?;
         l.slot.set_policy(&policy).await.map_err(err)?;
         l.state.network = Some(policy);
         let dir = l.dir.clone();
