@@ -124,7 +124,9 @@ async fn restart_mid_run_reconnects_and_shows_no_half_transaction() {
     let (ok, failed) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
     // The longest single update (ms): one that waited out the restart instead of failing.
     let longest = Arc::new(AtomicU64::new(0));
-    let stop = Arc::new(tokio::sync::Notify::new());
+    // Checked between updates: cancelling one mid-commit would let its COMMIT land after the
+    // checks below have read the state but before they read the events.
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let writer = {
         let (store, ok, failed, stop, longest) = (
             store.clone(),
@@ -134,20 +136,17 @@ async fn restart_mid_run_reconnects_and_shows_no_half_transaction() {
             longest.clone(),
         );
         tokio::spawn(async move {
-            loop {
+            while !stop.load(Ordering::SeqCst) {
                 let t = tokio::time::Instant::now();
-                tokio::select! {
-                    _ = stop.notified() => return,
-                    result = update_once(&store) => match result {
-                        Ok(()) => {
-                            ok.fetch_add(1, Ordering::SeqCst);
-                            longest.fetch_max(t.elapsed().as_millis() as u64, Ordering::SeqCst);
-                        }
-                        Err(_) => {
-                            failed.fetch_add(1, Ordering::SeqCst);
-                            tokio::time::sleep(Duration::from_millis(50)).await;
-                        }
-                    },
+                match update_once(&store).await {
+                    Ok(()) => {
+                        ok.fetch_add(1, Ordering::SeqCst);
+                        longest.fetch_max(t.elapsed().as_millis() as u64, Ordering::SeqCst);
+                    }
+                    Err(_) => {
+                        failed.fetch_add(1, Ordering::SeqCst);
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
                 }
             }
         })
@@ -171,7 +170,7 @@ async fn restart_mid_run_reconnects_and_shows_no_half_transaction() {
     pg.start_again().await;
     let before = ok.load(Ordering::SeqCst);
     wait_for(before + 30).await;
-    stop.notify_one();
+    stop.store(true, Ordering::SeqCst);
     writer.await.unwrap();
     let waited = longest.load(Ordering::SeqCst);
     println!(
