@@ -115,7 +115,8 @@ pub async fn init(agent: Arc<Agent>, req: Request<Incoming>) -> Response<Body> {
         }
     }
     if let Some(bytes) = entropy {
-        let _ = tokio::task::spawn_blocking(move || add_entropy(&bytes)).await;
+        // Two short ioctls: run inline rather than wake a blocking thread for them.
+        add_entropy(&bytes);
     }
 
     agent.set_token(msg.access_token.filter(|t| !t.is_empty()));
@@ -130,7 +131,9 @@ pub async fn init(agent: Arc<Agent>, req: Request<Incoming>) -> Response<Body> {
             d.workdir = Some(w);
         }
     });
-    tracing::info!(logger = "init", "init applied");
+    // Not on the console: every create and resume passes here, and under emulation each console
+    // line costs the guest's serial path on the way to its first answer.
+    tracing::debug!(logger = "init", "init applied");
 
     let mut resp = Response::new(connect::empty());
     *resp.status_mut() = StatusCode::NO_CONTENT;
@@ -148,7 +151,7 @@ fn set_clock(nanos: i128) {
     if unsafe { libc::clock_settime(libc::CLOCK_REALTIME, &ts) } != 0 {
         tracing::warn!(error = %std::io::Error::last_os_error(), "setting the clock failed");
     } else {
-        tracing::info!(logger = "init", "clock set from init timestamp");
+        tracing::debug!(logger = "init", "clock set from init timestamp");
     }
 }
 
@@ -159,9 +162,24 @@ const RNDRESEEDCRNG: libc::c_ulong = 0x5207;
 
 /// Credits host-provided random bytes to the kernel pool and reseeds the CRNG, so a restored
 /// snapshot does not replay the random stream of its parent.
+static RANDOM_DEV: std::sync::OnceLock<Option<std::fs::File>> = std::sync::OnceLock::new();
+
+/// Opens `/dev/random` for [`add_entropy`] once, at start: a snapshot then carries the open
+/// file and a restore's `/init` does not look the path up again.
+pub fn open_random_dev() -> Option<&'static std::fs::File> {
+    RANDOM_DEV
+        .get_or_init(|| {
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open("/dev/random")
+                .ok()
+        })
+        .as_ref()
+}
+
 fn add_entropy(bytes: &[u8]) {
     use std::os::fd::AsRawFd;
-    let Ok(dev) = std::fs::OpenOptions::new().write(true).open("/dev/random") else {
+    let Some(dev) = open_random_dev() else {
         tracing::warn!("opening /dev/random failed");
         return;
     };

@@ -52,6 +52,7 @@ impl Default for ServeOptions {
 /// Serves the envd API on `listener` until the process ends.
 pub async fn serve(listener: tokio::net::TcpListener, opts: ServeOptions) -> anyhow::Result<()> {
     user::remember_own_groups();
+    control::open_random_dev();
     let agent = agent::Agent::new(
         opts.default_user,
         opts.access_token.filter(|t| !t.is_empty()),

@@ -668,7 +668,14 @@ impl Node {
             memory_mb,
             kernel: self.image.vmlinuz.clone(),
             initrd: self.image.initrd.clone(),
-            cmdline: kernel_cmdline(""),
+            // Under TCG a translated block is found again only at the same virtual address:
+            // with address-space randomisation every new process (each command's shell, its
+            // libraries) is translated afresh and soon flushes the whole cache. The guest is
+            // the isolation boundary, not its processes; under KVM nothing is translated.
+            cmdline: kernel_cmdline(match self.accel.accel {
+                vmon_vm::accel::Accel::Tcg => "norandmaps",
+                vmon_vm::accel::Accel::Kvm => "",
+            }),
         })
     }
 

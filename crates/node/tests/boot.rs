@@ -50,6 +50,26 @@ fn boots_answers_health_and_runs_a_command() {
             "{}",
             String::from_utf8_lossy(&ip.stdout)
         );
+        // Under TCG the guest runs without address-space randomisation, so a command's shell
+        // and libraries sit where the previous command's did and their translation is reused.
+        if node.accel().accel == vmon_vm::Accel::Tcg {
+            let mut maps = Vec::new();
+            for _ in 0..2 {
+                let m = node
+                    .exec(
+                        &id,
+                        "user",
+                        "grep -m1 libc /proc/self/maps",
+                        Duration::from_secs(60),
+                    )
+                    .await
+                    .expect("maps");
+                assert_eq!(m.exit_code, 0);
+                maps.push(String::from_utf8_lossy(&m.stdout).into_owned());
+            }
+            assert!(maps[0].contains("libc"), "{maps:?}");
+            assert_eq!(maps[0], maps[1], "libc moved between two commands");
+        }
         let running = node.list_running().await;
         let me = running.iter().find(|s| s.sandbox_id == id).expect("listed");
         node.kill(&id, &me.execution_id).await.expect("kill");
