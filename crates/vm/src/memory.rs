@@ -341,50 +341,77 @@ pub fn verify(path: &Path) -> anyhow::Result<()> {
 
 /// Writes a layer's pages into process `pid` (started with its RAM file `share=off`), checking
 /// the layer's checksum on the way. On error the process must be discarded.
+///
+/// Most of the cost is the target's copy-on-write faults, so the pages go in from several
+/// threads at once (each its own part of the layer) while another checks the checksum over the
+/// whole file.
 pub fn write_in(pid: u32, ram_file: &Path, layer: &Path) -> anyhow::Result<LayerStats> {
     let maps = ram_mappings(pid, ram_file)?;
     let f = File::open(layer)
         .with_context(|| format!("memory layer {} is missing", layer.display()))?;
     let len = f.metadata()?.len();
     let index = read_index(&f, len).with_context(|| format!("memory layer {}", layer.display()))?;
-    let mut h = Xxh3::new();
-    {
-        let mut head = vec![0u8; index.data_offset as usize];
-        f.read_exact_at(&mut head, 0)?;
-        h.update(&head);
-    }
-    let mem = std::fs::OpenOptions::new()
-        .write(true)
-        .open(format!("/proc/{pid}/mem"))
-        .with_context(|| format!("opening /proc/{pid}/mem for writing"))?;
-    let mut buf = vec![0u8; (CHUNK_PAGES * PAGE) as usize];
+    // (first guest page, pages, offset in the layer file) of every chunk, in file order.
+    let mut pieces = Vec::new();
     let mut off = index.data_offset;
     for &(start, count) in &index.runs {
         let mut done = 0;
         while done < count {
             let n = (count - done).min(CHUNK_PAGES);
-            let page0 = start + done;
+            pieces.push((start + done, n, off));
+            off += n * PAGE;
+            done += n;
+        }
+    }
+    let mem = std::fs::OpenOptions::new()
+        .write(true)
+        .open(format!("/proc/{pid}/mem"))
+        .with_context(|| format!("opening /proc/{pid}/mem for writing"))?;
+    let pages = index.hashes.len() as u64;
+    let writers = if pages * PAGE < (4 << 20) {
+        1
+    } else {
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1)
+            .clamp(1, 4)
+    };
+    let per = pieces.len().div_ceil(writers).max(1);
+    let write_part = |part: &[(u64, u64, u64)]| -> anyhow::Result<()> {
+        let mut buf = vec![0u8; (CHUNK_PAGES * PAGE) as usize];
+        for &(page0, n, off) in part {
             let chunk = &mut buf[..(n * PAGE) as usize];
             f.read_exact_at(chunk, off)?;
-            h.update(chunk);
             let Some(va) = vaddr_of(&maps, page0) else {
                 bail!("layer page {page0} is outside this machine's RAM");
             };
             mem.write_all_at(chunk, va)
                 .with_context(|| format!("writing guest page {page0}"))?;
-            off += n * PAGE;
-            done += n;
         }
-    }
-    let mut tail = [0u8; 8];
-    f.read_exact_at(&mut tail, len - 8)?;
-    if u64::from_le_bytes(tail) != h.digest() {
-        bail!(
-            "memory layer {} is corrupt (checksum mismatch)",
-            layer.display()
-        );
-    }
-    let pages = index.hashes.len() as u64;
+        Ok(())
+    };
+    let (checked, written) = std::thread::scope(|s| {
+        let check = s.spawn(|| verify(layer));
+        let parts: Vec<_> = pieces
+            .chunks(per)
+            .skip(1)
+            .map(|part| s.spawn(|| write_part(part)))
+            .collect();
+        let mut written = write_part(pieces.chunks(per).next().unwrap_or(&[]));
+        for p in parts {
+            let r = p
+                .join()
+                .unwrap_or_else(|_| Err(anyhow::anyhow!("a write-in thread panicked")));
+            written = written.and(r);
+        }
+        let checked = check
+            .join()
+            .unwrap_or_else(|_| Err(anyhow::anyhow!("the checksum thread panicked")));
+        (checked, written)
+    });
+    // A corrupt layer is the clearer error when both failed.
+    checked?;
+    written?;
     Ok(LayerStats {
         pages,
         runs: index.runs.len() as u64,
@@ -396,6 +423,80 @@ pub fn write_in(pid: u32, ram_file: &Path, layer: &Path) -> anyhow::Result<Layer
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_large_layer_goes_back_in_from_several_threads() {
+        // 16 MiB of distinct pages, captured from one private mapping of the RAM file and
+        // written into a fresh one: the threaded path must put every page where it was.
+        const PAGES: u64 = 4096;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let ram = dir.path().join("mem0");
+        File::create(&ram)
+            .expect("create")
+            .set_len(PAGES * PAGE)
+            .expect("len");
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&ram)
+            .expect("open");
+        let len = (PAGES * PAGE) as usize;
+        let map = || {
+            // SAFETY: a fresh private read-write mapping of a file we own; unmapped below.
+            let p = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE,
+                    std::os::fd::AsRawFd::as_raw_fd(&file),
+                    0,
+                )
+            };
+            assert_ne!(p, libc::MAP_FAILED);
+            p as *mut u8
+        };
+        let stamp = |page: u64| (page.wrapping_mul(2654435761) >> 7) as u8 | 1;
+        let a = map();
+        // Every odd page holds its own stamp at two places; even pages stay untouched.
+        for page in (1..PAGES).step_by(2) {
+            // SAFETY: inside the `len` bytes mapped at `a`.
+            unsafe {
+                *a.add((page * PAGE) as usize) = stamp(page);
+                *a.add((page * PAGE + PAGE - 1) as usize) = stamp(page);
+            }
+        }
+        let pid = std::process::id();
+        let layer = dir.path().join("big");
+        let st = capture(pid, &ram, &layer, None).expect("capture");
+        assert_eq!(st.pages, PAGES / 2);
+        // SAFETY: unmapping what we mapped above.
+        unsafe { libc::munmap(a.cast(), len) };
+        let b = map();
+        let st = write_in(pid, &ram, &layer).expect("write in");
+        assert_eq!(st.pages, PAGES / 2);
+        for page in 0..PAGES {
+            let want = if page % 2 == 1 { stamp(page) } else { 0 };
+            // SAFETY: inside the `len` bytes mapped at `b`.
+            let (first, last) = unsafe {
+                (
+                    *b.add((page * PAGE) as usize),
+                    *b.add((page * PAGE + PAGE - 1) as usize),
+                )
+            };
+            assert_eq!((first, last), (want, want), "page {page}");
+        }
+        // A flipped byte in the middle of the data fails the write-in as corrupt.
+        let mut bad = std::fs::read(&layer).expect("read");
+        let mid = bad.len() / 2;
+        bad[mid] ^= 0x40;
+        let bad_path = dir.path().join("bad");
+        std::fs::write(&bad_path, &bad).expect("write");
+        let e = write_in(pid, &ram, &bad_path).expect_err("corrupt layer accepted");
+        assert!(format!("{e:#}").contains("corrupt"), "{e:#}");
+        // SAFETY: unmapping what we mapped above.
+        unsafe { libc::munmap(b.cast(), len) };
+    }
 
     #[test]
     fn layer_roundtrip_on_own_process() {
