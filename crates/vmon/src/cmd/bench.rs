@@ -375,10 +375,11 @@ async fn snapshot(data_dir: &Path, a: SnapshotArgs) -> anyhow::Result<()> {
     node.set_blank_pool_size(blanks);
 
     let mut pauses: Vec<(u32, Vec<f64>)> = Vec::new();
-    let mut resumes = Vec::new();
+    let mut resumes: Vec<(u32, Vec<f64>)> = Vec::new();
     let mut hot = Vec::new();
     for &mib in &a.dirty {
         let mut v = Vec::new();
+        let mut from_files = Vec::new();
         for i in 0..n {
             let id = format!("bd{mib}x{i}{}", rand_hex());
             let r = node.start(spec(&id, &tpl)).await?;
@@ -401,12 +402,13 @@ async fn snapshot(data_dir: &Path, a: SnapshotArgs) -> anyhow::Result<()> {
             wait_blanks(&node, &tpl, blanks).await;
             let t = Instant::now();
             let r3 = node.start(spec(&id, &b2.build_id)).await?;
-            resumes.push(ms(t.elapsed()));
+            from_files.push(ms(t.elapsed()));
             node.kill(&id, &r3.execution_id).await?;
             node.delete_build(&b2.build_id).await?;
             node.delete_build(&b.build_id).await?;
         }
         pauses.push((mib, v));
+        resumes.push((mib, from_files));
     }
 
     let mut fork1 = Vec::new();
@@ -489,11 +491,13 @@ async fn snapshot(data_dir: &Path, a: SnapshotArgs) -> anyhow::Result<()> {
         &hot,
         "ms",
     );
-    row(
-        "resume from the build's files (all pause sizes)",
-        &resumes,
-        "ms",
-    );
+    for (mib, v) in &resumes {
+        row(
+            &format!("resume from the build's files, {mib} MiB dirtied"),
+            v,
+            "ms",
+        );
+    }
     row("fork ×1 (checkpoint + child up)", &fork1, "ms");
     if !fork10.is_empty() {
         row("fork ×10 (checkpoint + 10 children up)", &fork10, "ms");
