@@ -1,6 +1,6 @@
 """`vmon bench api`: the E2B API through the official Python SDK, as a user sees it.
 
-Measures create -> first command -> kill for 20 sequential and 10 parallel sandboxes, and the
+Measures create -> first command -> kill for 20 back-to-back, 10 paced (1.5 s apart) and 10 parallel sandboxes, and the
 pause and connect (resume) round trips; prints medians and p99 with the machine.
 
 Against a running server when E2B_API_URL / E2B_API_KEY / E2B_SANDBOX_URL are set; otherwise it
@@ -153,9 +153,9 @@ def main() -> None:
     print("## vmon bench api (official Python SDK)\n")
     print(f"machine: {machine()}; server {os.environ['E2B_API_URL']}\n")
     print("| operation | median | p99 | n |\n|---|---|---|---|")
-    row("create (sequential)", [s[0] for s in seq])
-    row("create -> first command done (sequential)", [s[1] for s in seq])
-    row("create -> command -> kill (sequential)", [s[2] for s in seq])
+    row("create (back to back)", [s[0] for s in seq])
+    row("create -> first command done (back to back)", [s[1] for s in seq])
+    row("create -> command -> kill (back to back)", [s[2] for s in seq])
     row("create (1.5 s apart)", [s[0] for s in paced])
     row("create -> first command done (1.5 s apart)", [s[1] for s in paced])
     row(f"create -> command -> kill ({par_n} parallel, each)", [p[2] for p in par])

@@ -99,12 +99,23 @@ impl Qmp {
         };
         let (rd, wr) = stream.into_split();
         let mut rd = BufReader::new(rd);
-        // The greeting.
-        let greeting = read_line(&mut rd).await?;
-        if !greeting.contains("\"QMP\"") {
-            return Err(QmpError::Protocol(format!(
-                "unexpected greeting {greeting:.200}"
-            )));
+        // The greeting. A client that connects the moment the socket exists can see an event
+        // (a `RESUME` as the machine starts) before it: skip a few of those.
+        let mut skipped = 0;
+        loop {
+            let line = read_line(&mut rd).await?;
+            if line.contains("\"QMP\"") {
+                break;
+            }
+            let is_event = serde_json::from_str::<Value>(&line)
+                .map(|v| v.get("event").is_some())
+                .unwrap_or(false);
+            if !is_event || skipped >= 16 {
+                return Err(QmpError::Protocol(format!(
+                    "unexpected greeting {line:.200}"
+                )));
+            }
+            skipped += 1;
         }
         let pending: Pending = Arc::default();
         let (events, _) = broadcast::channel(256);
@@ -477,6 +488,63 @@ async fn read_loop<R: tokio::io::AsyncBufRead + Unpin>(
     if let Ok(mut p) = pending.lock() {
         for (_, tx) in p.drain() {
             let _ = tx.send(Err(QmpError::Closed));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+
+    /// A scripted QMP peer: sends `before` lines, then answers every command with success.
+    async fn peer(path: &Path, before: &'static [&'static str]) -> tokio::task::JoinHandle<()> {
+        let listener = tokio::net::UnixListener::bind(path).expect("bind");
+        tokio::spawn(async move {
+            let Ok((s, _)) = listener.accept().await else {
+                return;
+            };
+            let (rd, mut wr) = s.into_split();
+            for l in before {
+                let _ = wr.write_all(format!("{l}\r\n").as_bytes()).await;
+            }
+            let mut lines = BufReader::new(rd).lines();
+            while let Ok(Some(l)) = lines.next_line().await {
+                let id = serde_json::from_str::<Value>(&l)
+                    .ok()
+                    .and_then(|v| v.get("id").cloned())
+                    .unwrap_or(Value::Null);
+                let answer = json!({"return": {}, "id": id}).to_string();
+                let _ = wr.write_all(format!("{answer}\r\n").as_bytes()).await;
+            }
+        })
+    }
+
+    const GREETING: &str = r#"{"QMP": {"version": {}, "capabilities": ["oob"]}}"#;
+    const RESUME: &str = r#"{"timestamp": {"seconds": 1, "microseconds": 2}, "event": "RESUME"}"#;
+
+    #[tokio::test]
+    async fn an_event_before_the_greeting_is_skipped() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("qmp.sock");
+        let _peer = peer(&path, &[RESUME, GREETING]).await;
+        let qmp = Qmp::connect(&path, Duration::from_secs(5))
+            .await
+            .expect("connect despite the early event");
+        qmp.execute_raw("stop", Value::Null, Duration::from_secs(5))
+            .await
+            .expect("a command after it");
+    }
+
+    #[tokio::test]
+    async fn anything_else_before_the_greeting_is_an_error() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("qmp.sock");
+        let _peer = peer(&path, &[r#"{"hello": 1}"#, GREETING]).await;
+        match Qmp::connect(&path, Duration::from_secs(5)).await {
+            Err(QmpError::Protocol(m)) => assert!(m.contains("unexpected greeting"), "{m}"),
+            Err(e) => panic!("wrong error: {e}"),
+            Ok(_) => panic!("a non-QMP peer was accepted"),
         }
     }
 }
