@@ -105,7 +105,7 @@ struct Blank {
     bytes: Vec<u8>,
     name_offset: usize,
     name_len: usize,
-    /// Bytes free for the name: up to the end of the header cluster.
+    /// Bytes free for the name: up to the end of the header cluster (all zero after it).
     room: usize,
 }
 
@@ -129,11 +129,19 @@ impl Blank {
         {
             return None;
         }
+        // The name is the header cluster's last content: what follows it must be free.
+        let cluster_end = cluster.min(bytes.len());
+        if bytes[name_offset + name_len..cluster_end]
+            .iter()
+            .any(|&b| b != 0)
+        {
+            return None;
+        }
         Some(Blank {
             bytes,
             name_offset,
             name_len,
-            room: cluster - name_offset,
+            room: cluster_end - name_offset,
         })
     }
 
