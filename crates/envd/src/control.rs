@@ -160,8 +160,6 @@ const RNDADDENTROPY: libc::c_ulong = 0x4008_5203;
 /// `RNDRESEEDCRNG` = `_IO('R', 0x07)`.
 const RNDRESEEDCRNG: libc::c_ulong = 0x5207;
 
-/// Credits host-provided random bytes to the kernel pool and reseeds the CRNG, so a restored
-/// snapshot does not replay the random stream of its parent.
 static RANDOM_DEV: std::sync::OnceLock<Option<std::fs::File>> = std::sync::OnceLock::new();
 
 /// Opens `/dev/random` for [`add_entropy`] once, at start: a snapshot then carries the open
@@ -177,6 +175,8 @@ pub fn open_random_dev() -> Option<&'static std::fs::File> {
         .as_ref()
 }
 
+/// Credits host-provided random bytes to the kernel pool and reseeds the CRNG, so a restored
+/// snapshot does not replay the random stream of its parent.
 fn add_entropy(bytes: &[u8]) {
     use std::os::fd::AsRawFd;
     let Some(dev) = open_random_dev() else {
