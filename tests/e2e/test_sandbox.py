@@ -204,3 +204,23 @@ def test_proxy_errors(vmon, new_sandbox):
         # By Host too.
         r = c.get("/health", headers={"Host": f"49983-{sbx.sandbox_id}.vmon.local"})
         assert r.status_code == 204
+
+
+def test_a_port_is_reached_by_get_host(new_sandbox):
+    # The documented way to reach a server inside a sandbox: `get_host(port)` and plain HTTP
+    # (`{port}-{id}.localhost:<proxy port>`, resolved by the system to loopback).
+    sbx = new_sandbox()
+    sbx.files.write("/home/user/site/hello.txt", "served from the sandbox")
+    sbx.commands.run("cd /home/user/site && python3 -m http.server 8000", background=True)
+    host = sbx.get_host(8000)
+    assert host.startswith(f"8000-{sbx.sandbox_id}."), host
+
+    def served():
+        try:
+            r = httpx.get(f"http://{host}/hello.txt", timeout=10)
+        except httpx.HTTPError:
+            return None
+        return r if r.status_code == 200 else None
+
+    r = wait_for(served, timeout=60, what="the sandbox's server through get_host")
+    assert r.text == "served from the sandbox"

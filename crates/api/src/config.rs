@@ -160,6 +160,24 @@ impl Config {
             .unwrap_or_else(|| format!("http://{}", self.api_listen))
     }
 
+    /// The domain the SDK builds `{port}-{sandboxID}.{domain}` hosts from (`get_host`): the
+    /// configured one, else `localhost:<proxy port>` when the proxy is reached on this machine
+    /// (names under `localhost` are loopback; the proxy routes by that Host). None when the
+    /// sandbox URL names some other host: then only a configured domain is right.
+    pub fn sandbox_domain(&self) -> Option<String> {
+        if let Some(d) = &self.domain {
+            return Some(d.clone());
+        }
+        if self.sandbox_url.is_some() {
+            return None;
+        }
+        let ip = self.proxy_listen.ip();
+        (ip.is_loopback() || ip.is_unspecified()).then(|| match self.proxy_listen.port() {
+            80 => "localhost".to_string(),
+            port => format!("localhost:{port}"),
+        })
+    }
+
     pub fn sandbox_url(&self) -> String {
         self.sandbox_url
             .clone()
@@ -187,5 +205,24 @@ mod tests {
             .apply_env(|k| (k == "VMON_API_LISTEN").then(|| "nope".to_string()))
             .is_err());
         assert_eq!(c.api_url(), "http://127.0.0.1:4000");
+    }
+
+    #[test]
+    fn the_sdk_domain_reaches_a_local_proxy() {
+        let mut c = Config::default();
+        assert_eq!(c.sandbox_domain().as_deref(), Some("localhost:3001"));
+        c.proxy_listen = "0.0.0.0:80".parse().expect("addr");
+        assert_eq!(c.sandbox_domain().as_deref(), Some("localhost"));
+        c.proxy_listen = "10.0.0.5:3001".parse().expect("addr");
+        assert_eq!(
+            c.sandbox_domain(),
+            None,
+            "a proxy elsewhere needs VMON_DOMAIN"
+        );
+        c.sandbox_url = Some("http://sandboxes.example.com".into());
+        c.proxy_listen = "127.0.0.1:3001".parse().expect("addr");
+        assert_eq!(c.sandbox_domain(), None);
+        c.domain = Some("example.com".into());
+        assert_eq!(c.sandbox_domain().as_deref(), Some("example.com"));
     }
 }

@@ -250,7 +250,7 @@ impl Control {
             alias: rec.alias.clone(),
             envd_access_token: Some(rec.envd_access_token.clone()),
             traffic_access_token: rec.traffic_access_token.clone(),
-            domain: self.config.domain.clone(),
+            domain: self.config.sandbox_domain(),
         }
     }
 
@@ -271,7 +271,7 @@ impl Control {
             alias: rec.alias.clone(),
             envd_access_token: Some(rec.envd_access_token.clone()),
             allow_internet_access: rec.allow_internet_access,
-            domain: self.config.domain.clone(),
+            domain: self.config.sandbox_domain(),
             metadata: rec.metadata.clone(),
             network,
             lifecycle: wire::Lifecycle {
