@@ -22,7 +22,8 @@ fi
 # and browsers. Looked up before DNS, so they never wait for a resolver.
 if ! grep -qE '^hosts:.*[[:space:]]myhostname([[:space:]]|$)' /etc/nsswitch.conf 2>/dev/null; then
   if grep -qE '^hosts:[[:space:]]*files' /etc/nsswitch.conf 2>/dev/null; then
-    sed -i -E 's/^(hosts:[[:space:]]*files)/\1 myhostname/' /etc/nsswitch.conf
+    sed -i -E 's/^(hosts:[[:space:]]*files)/\1 myhostname/' /etc/nsswitch.conf ||
+      echo "note: could not add 'myhostname' to /etc/nsswitch.conf; *.localhost names may not resolve" >&2
   else
     echo "note: add 'myhostname' to the hosts line of /etc/nsswitch.conf for *.localhost names" >&2
   fi
