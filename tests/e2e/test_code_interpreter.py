@@ -8,6 +8,7 @@ last one pauses it.
 
 from __future__ import annotations
 
+import base64
 import time
 
 import httpx
@@ -64,6 +65,32 @@ def test_error(sbx):
     assert errors[0].name == "KeyError"
     ex = sbx.run_code("x")  # the context is still there
     assert ex.text == "41"
+
+
+def test_charts_and_dataframes(sbx):
+    # The documented data-analysis use: a matplotlib chart comes back as a PNG result after the
+    # cell's own value; a pandas DataFrame as HTML; numpy's BLAS runs on the guest's CPU.
+    ex = sbx.run_code(
+        "import matplotlib.pyplot as plt\n"
+        "plt.plot([1, 2, 3], [4, 1, 9])\n"
+        "plt.title('vmon')\n"
+        "plt.show()"
+    )
+    assert ex.error is None, ex.error
+    figs = [r for r in ex.results if r.png]
+    assert len(figs) == 1 and not figs[0].is_main_result, ex.results
+    assert base64.b64decode(figs[0].png)[:8] == b"\x89PNG\r\n\x1a\n"
+    assert figs[0].text.startswith("<Figure size")
+    ex = sbx.run_code("plt.figure(); plt.bar([1, 2], [3, 4])")
+    assert [bool(r.png) for r in ex.results] == [False, True], ex.results
+    assert ex.results[0].is_main_result and "BarContainer" in ex.results[0].text
+    assert sbx.run_code("plt.get_fignums()").text == "[]"  # shown figures are closed
+    ex = sbx.run_code("import pandas as pd\npd.DataFrame({'a': [1, 2], 'b': [3, 4]})")
+    assert ex.error is None and "<table" in ex.results[0].html, ex.results
+    ex = sbx.run_code("import numpy as np\nfloat(np.dot(np.ones((64, 64)), np.ones((64, 64))).sum())")
+    assert ex.text == "262144.0", (ex.text, ex.error)
+    out = sbx.commands.run("python3 -c 'import numpy as n; print(n.dot(n.ones((8, 8)), n.ones((8, 8))).sum())'")
+    assert out.stdout.strip() == "512.0"
 
 
 def test_second_context_is_isolated(sbx):

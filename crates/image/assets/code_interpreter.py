@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """vmon's code-interpreter server: the HTTP API the `e2b-code-interpreter` SDK speaks, on
-port 49999, written against the Python standard library only (the guest has no pip).
+port 49999, written against the Python standard library only (the guest has no pip; its
+image has Debian's numpy, pandas and matplotlib, which the default context imports ahead and
+whose figures come back as PNG results).
 
 Each context is a worker process (this file run with `--worker`) that keeps a namespace and
 runs one cell at a time. The worker's fd 1 and 2 are pipes read by the server, so prints and
@@ -34,6 +36,9 @@ MAX_TEXT = 8 * 1024 * 1024
 READ_CHUNK = 64 * 1024
 MARK = b"\x1evmon-cell-end "
 LANGUAGES = {"python": "python", "python3": "python", "py": "python"}
+INLINE_BACKEND = "vmon_inline"
+# Imported ahead by the default context (when the image has them).
+PRELOAD = ("numpy", "pandas", "matplotlib.pyplot")
 
 
 def now_ns():
@@ -144,6 +149,67 @@ def worker_main(req_fd, resp_fd):
         return {"type": "error", "name": type(exc).__name__, "value": clip(value),
                 "traceback": clip(text)}
 
+    def emit_figures():
+        # What Jupyter's inline backend does: every open figure becomes a PNG result, then
+        # closes. Called by `plt.show()` and after each cell.
+        plt = sys.modules.get("matplotlib.pyplot")
+        if plt is None:
+            return
+        try:
+            nums = plt.get_fignums()
+        except Exception:
+            return
+        for n in nums:
+            try:
+                fig = plt.figure(n)
+                buf = io.BytesIO()
+                fig.savefig(buf, format="png", bbox_inches="tight")
+                w, h = fig.get_size_inches() * fig.dpi
+                text = "<Figure size %dx%d with %d Axes>" % (w, h, len(fig.axes))
+            except Exception as e:
+                send(error_msg(e))
+                continue
+            send({"type": "result", "png": base64.b64encode(buf.getvalue()).decode(),
+                  "text": text, "is_main_result": False})
+        try:
+            plt.close("all")
+        except Exception:
+            pass
+
+    # matplotlib draws with Agg through this backend, whose `show` hands figures to the client.
+    # It is made when matplotlib first asks for it, so a worker that never plots never imports
+    # matplotlib.
+    import importlib.abc
+    import importlib.util
+
+    class InlineBackend(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+        def find_spec(self, name, path=None, target=None):
+            if name != INLINE_BACKEND:
+                return None
+            return importlib.util.spec_from_loader(name, self)
+
+        def create_module(self, spec):
+            return None
+
+        def exec_module(self, module):
+            from matplotlib.backend_bases import FigureManagerBase
+            from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+            module.FigureCanvas = FigureCanvasAgg
+            module.FigureManager = FigureManagerBase
+            module.show = lambda *args, **kwargs: emit_figures()
+
+    sys.meta_path.insert(0, InlineBackend())
+    os.environ.setdefault("MPLBACKEND", "module://" + INLINE_BACKEND)
+    if os.environ.pop("VMON_CI_PRELOAD", None):
+        # The default context imports the data stack now, so a template snapshot holds it
+        # loaded and a sandbox's first `import pandas` costs nothing. Names stay unbound.
+        for m in PRELOAD:
+            try:
+                __import__(m)
+            except Exception:
+                pass
+
     def run_cell(code, filename):
         lines = code.splitlines(True)
         linecache.cache[filename] = (len(code), None, lines, filename)
@@ -216,6 +282,8 @@ def worker_main(req_fd, resp_fd):
                 send(dict(formats(value), type="result"))
             except Exception as e:
                 send(error_msg(e))
+        # After the cell's value, as Jupyter's inline backend shows figures after it.
+        emit_figures()
         try:
             sys.stdout.flush()
         except Exception:
@@ -248,13 +316,17 @@ class WorkerDied(Exception):
 class Worker:
     """A running worker process and the threads that read its pipes into one queue."""
 
-    def __init__(self, cwd):
+    def __init__(self, cwd, preload=False):
         req_r, req_w = os.pipe()
         resp_r, resp_w = os.pipe()
+        env = dict(os.environ)
+        env.pop("VMON_CI_PRELOAD", None)
+        if preload:
+            env["VMON_CI_PRELOAD"] = "1"
         self.proc = subprocess.Popen(
             [sys.executable, "-u", os.path.abspath(__file__), "--worker", str(req_r), str(resp_w)],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            pass_fds=(req_r, resp_w), cwd=cwd, close_fds=True, start_new_session=True)
+            pass_fds=(req_r, resp_w), cwd=cwd, close_fds=True, start_new_session=True, env=env)
         os.close(req_r)
         os.close(resp_w)
         self.requests = os.fdopen(req_w, "wb", buffering=0)
@@ -366,13 +438,13 @@ class Worker:
 
 
 class Context:
-    def __init__(self, cid, language, cwd):
+    def __init__(self, cid, language, cwd, preload=False):
         self.id = cid
         self.language = language
         self.cwd = cwd
         self.lock = threading.Lock()  # one cell at a time
         self.seq = 0
-        self.worker = Worker(cwd)
+        self.worker = Worker(cwd, preload)
 
     def info(self):
         return {"id": self.id, "language": self.language, "cwd": self.cwd}
@@ -473,13 +545,13 @@ class Contexts:
             self.by_id[ctx.id] = ctx
         return ctx
 
-    def default_for(self, language):
+    def default_for(self, language, preload=False):
         with self.lock:
             cid = self.default.get(language)
             ctx = self.by_id.get(cid) if cid else None
             if ctx is not None:
                 return ctx
-            ctx = Context(str(uuid.uuid4()), language, default_cwd())
+            ctx = Context(str(uuid.uuid4()), language, default_cwd(), preload)
             self.by_id[ctx.id] = ctx
             self.default[language] = ctx.id
             return ctx
@@ -729,8 +801,8 @@ def main():
     p.add_argument("--port", type=int, default=int(os.environ.get("VMON_CI_PORT", "49999")))
     args = p.parse_args()
     # A warm default context, so the first cell (and the template snapshot) has it ready.
-    ctx = CONTEXTS.default_for("python")
-    ctx.worker.ready.wait(120)
+    ctx = CONTEXTS.default_for("python", preload=True)
+    ctx.worker.ready.wait(600)
     server = Server((args.host, args.port), Handler)
     sys.stderr.write("code interpreter listening on %s:%d\n" % (args.host, args.port))
     sys.stderr.flush()

@@ -20,6 +20,26 @@ const RECIPE_VERSION: u32 = 1;
 pub const CODE_INTERPRETER_PY: &str = include_str!("../assets/code_interpreter.py");
 /// Where the guest has the code-interpreter server.
 pub const CODE_INTERPRETER_PATH: &str = "/usr/local/lib/vmon/code_interpreter.py";
+/// Sourced by every login shell (each command envd runs is `bash -l -c`).
+const CPU_PROFILE_PATH: &str = "/etc/profile.d/vmon-cpu.sh";
+/// Under TCG the guest's CPU is `qemu64` (AMD family 15 without SSSE3): OpenBLAS takes it for
+/// an Opteron and runs 3DNow! code TCG lacks (numpy's `dot` dies of SIGILL). Its SSE3 kernels
+/// are right for that CPU; a CPU with SSSE3 (KVM's models) keeps OpenBLAS's own choice.
+const CPU_PROFILE: &str = r#"# vmon: OpenBLAS kernels that the emulated CPU can run.
+if [ -z "${OPENBLAS_CORETYPE:-}" ]; then
+  while IFS= read -r vmon_l; do
+    case "$vmon_l" in
+      flags*)
+        case " $vmon_l " in
+          *" ssse3 "*) ;;
+          *) export OPENBLAS_CORETYPE=Prescott ;;
+        esac
+        break ;;
+    esac
+  done < /proc/cpuinfo
+  unset vmon_l
+fi
+"#;
 
 /// Packages every guest gets (on top of debootstrap's minbase).
 const BASE_PACKAGES: &[&str] = &[
@@ -34,6 +54,11 @@ const BASE_PACKAGES: &[&str] = &[
     "e2fsprogs",
     "linux-image-cloud-amd64",
     "initramfs-tools",
+    // The data stack E2B's code interpreter offers (the code-interpreter template imports it
+    // ahead; charts come back as PNG results).
+    "python3-numpy",
+    "python3-pandas",
+    "python3-matplotlib",
 ];
 
 /// Everything an image is made from. Two equal recipes make the same image.
@@ -83,6 +108,7 @@ impl Recipe {
         h.update(format!("\n{}\n", self.disk_mb));
         h.update(Sha256::digest(&envd));
         h.update(Sha256::digest(CODE_INTERPRETER_PY));
+        h.update(Sha256::digest(CPU_PROFILE));
         Ok(hex::encode(&h.finalize()[..8]))
     }
 }
@@ -177,6 +203,7 @@ pub async fn build(data_dir: &Path, recipe: &Recipe) -> anyhow::Result<Image> {
         CODE_INTERPRETER_PY.as_bytes(),
         0o644,
     )?;
+    install_file(&tree, CPU_PROFILE_PATH, CPU_PROFILE.as_bytes(), 0o644)?;
     let (vmlinuz, initrd, kernel_version) = find_kernel(&tree)?;
     std::fs::copy(&vmlinuz, staging.join("vmlinuz"))?;
     std::fs::copy(&initrd, staging.join("initrd"))?;
