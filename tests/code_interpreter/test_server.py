@@ -256,3 +256,48 @@ def test_concurrent_cells_in_one_context_queue(server):
     for t in ts:
         t.join()
     assert sorted(out) == ["1", "2", "3"]
+
+
+def test_bash_cells_keep_their_shell(server):
+    port, home = server
+    ex, _ = execute(port, "X=41; cd /tmp; f() { echo \"f:$1\"; }", language="bash")
+    assert ex.error is None, ex.error
+    ex, _ = execute(port, "echo $((X + 1)); pwd; f ok; echo err >&2", language="bash")
+    assert ex.logs.stdout == ["42\n", "/tmp\n", "f:ok\n"], ex.logs
+    assert ex.logs.stderr == ["err\n"]
+    assert ex.results == []
+    ex, _ = execute(port, "echo before; false", language="bash")
+    assert ex.logs.stdout == ["before\n"] and ex.error.name == "CommandExitError"
+    assert ex.error.value == "exit status 1"
+    # Per-cell variables go away after the cell, an existing one gets its value back.
+    ex, _ = execute(port, "echo $X-$ONLY", language="bash", env_vars={"X": "cell", "ONLY": "here"})
+    assert ex.logs.stdout == ["cell-here\n"]
+    ex, _ = execute(port, "echo \"$X-${ONLY-unset}\"", language="bash")
+    assert ex.logs.stdout == ["41-unset\n"]
+    # A cell that reads stdin gets end of input, not the next cell.
+    ex, _ = execute(port, "cat; echo done", language="bash")
+    assert ex.logs.stdout == ["done\n"]
+    # Python's default context is another process.
+    ex, _ = execute(port, "import os; os.getcwd()")
+    assert ex.text != "'/tmp'"
+    status, body = request(port, "POST", "/contexts", {"language": "bash", "cwd": str(home)})
+    assert status == 200 and json.loads(body)["language"] == "bash"
+    ctx = json.loads(body)["id"]
+    ex, _ = execute(port, "pwd; echo ${X-none}", context_id=ctx)
+    assert ex.logs.stdout == [f"{home}\n", "none\n"]
+
+
+def test_a_bash_cell_is_interrupted_when_its_client_leaves(server):
+    port, _ = server
+    execute(port, "KEEP=yes", language="bash")
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+    body = {"code": "sleep 60; echo late", "language": "bash"}
+    c.request("POST", "/execute", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    r = c.getresponse()
+    with pytest.raises(TimeoutError):
+        r.read()
+    c.close()
+    t0 = time.monotonic()
+    ex, _ = execute(port, "echo $KEEP", language="bash")
+    assert ex.logs.stdout == ["yes\n"], ex.logs  # the shell and its state outlived the interrupt
+    assert time.monotonic() - t0 < 30

@@ -93,6 +93,18 @@ def test_charts_and_dataframes(sbx):
     assert out.stdout.strip() == "512.0"
 
 
+def test_bash_cells(sbx):
+    ex = sbx.run_code("N=6; cd /tmp", language="bash")
+    assert ex.error is None, ex.error
+    ex = sbx.run_code("echo $((N * 7)) $(pwd)", language="bash")
+    assert ex.logs.stdout == ["42 /tmp\n"], ex.logs
+    ctx = sbx.create_code_context(language="bash")
+    assert ctx.language == "bash"
+    ex = sbx.run_code("echo ${N-none}", context=ctx)
+    assert ex.logs.stdout == ["none\n"]
+    sbx.remove_code_context(ctx)
+
+
 def test_second_context_is_isolated(sbx):
     ctx = sbx.create_code_context()
     assert ctx.language == "python" and ctx.cwd == "/home/user"

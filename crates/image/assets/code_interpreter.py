@@ -20,6 +20,7 @@ newline-delimited JSON (`stdout`, `stderr`, `result`, `error`, `number_of_execut
 import json
 import os
 import queue
+import re
 import select
 import signal
 import socket
@@ -35,8 +36,10 @@ MAX_CONTROL_LINE = 64 * 1024 * 1024
 MAX_TEXT = 8 * 1024 * 1024
 READ_CHUNK = 64 * 1024
 MARK = b"\x1evmon-cell-end "
-LANGUAGES = {"python": "python", "python3": "python", "py": "python"}
+LANGUAGES = {"python": "python", "python3": "python", "py": "python", "bash": "bash", "sh": "bash",
+             "shell": "bash"}
 INLINE_BACKEND = "vmon_inline"
+BASH_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 # Imported ahead by the default context (when the image has them).
 PRELOAD = ("numpy", "pandas", "matplotlib.pyplot")
 
@@ -304,6 +307,96 @@ def worker_main(req_fd, resp_fd):
         send({"type": "done", "seq": seq})
 
 
+def bash_worker_main(req_fd, resp_fd):
+    """A bash context: one long-lived bash (variables, functions and cwd persist) that sources
+    each cell from a file. Its output goes straight to this worker's fd 1 and 2, the server's
+    pipes; it reports each cell's exit status on a pipe of its own."""
+    import shlex
+    import tempfile
+
+    requests = os.fdopen(req_fd, "rb", buffering=0)
+    responses = os.fdopen(resp_fd, "wb", buffering=0)
+
+    def send(msg):
+        responses.write(json.dumps(msg).encode() + b"\n")
+
+    cmd_r, cmd_w = os.pipe()
+    st_r, st_w = os.pipe()
+    # Ctrl-C (the server interrupts a cell with SIGINT) ends the running command, not bash.
+    # bash runs the pipe as its script, a command at a time as lines arrive.
+    proc = subprocess.Popen(
+        ["bash", "--noprofile", "--norc", "/dev/fd/%d" % cmd_r],
+        stdin=subprocess.DEVNULL, pass_fds=(cmd_r, st_w), close_fds=True, start_new_session=True)
+    os.close(cmd_r)
+    os.close(st_w)
+    commands = os.fdopen(cmd_w, "wb", buffering=0)
+    commands.write(b"trap : INT\n")
+    status = os.fdopen(st_r, "rb", buffering=0)
+
+    def on_sigint(signum, frame):
+        try:
+            os.killpg(proc.pid, signal.SIGINT)  # bash and the command it runs
+        except OSError:
+            pass
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    cells = tempfile.mkdtemp(prefix="vmon-bash-")
+    count = 0
+    send({"type": "ready", "pid": os.getpid()})
+    signal.signal(signal.SIGINT, on_sigint)
+    while True:
+        line = requests.readline()
+        if not line:
+            proc.terminate()
+            return
+        try:
+            req = json.loads(line)
+        except ValueError:
+            continue
+        seq = req.get("seq", 0)
+        count += 1
+        env = req.get("env_vars") or {}
+        before, after = [], []
+        for i, (k, v) in enumerate(sorted(env.items())):
+            if not (isinstance(k, str) and isinstance(v, str) and BASH_NAME.match(k) and "\0" not in v):
+                continue
+            before.append('if [ "${%s+x}" = x ]; then __vmon_v%d=$%s; __vmon_s%d=1; else __vmon_s%d=0; fi; '
+                          "export %s=%s" % (k, i, k, i, i, k, shlex.quote(v)))
+            after.append('if [ "$__vmon_s%d" = 1 ]; then %s=$__vmon_v%d; else unset %s; fi' % (i, k, i, k))
+        path = os.path.join(cells, "cell-%d.sh" % count)
+        with open(path, "w") as f:
+            f.write(req.get("code", "") + "\n")
+        script = "\n".join(before + [". %s" % shlex.quote(path), "__vmon_rc=$?"] + after
+                           + ["echo $__vmon_rc >&%d" % st_w, ""])
+        # SIGINT stays with this worker while it hands the cell over.
+        try:
+            commands.write(script.encode())
+            rc_line = status.readline()
+        except OSError:
+            rc_line = b""
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        if not rc_line:
+            send({"type": "error", "name": "ContextDied",
+                  "value": "bash exited; the context restarts on the next cell", "traceback": ""})
+            send({"type": "done", "seq": seq})
+            return
+        rc = int(rc_line.strip() or b"0")
+        if rc != 0:
+            send({"type": "error", "name": "CommandExitError", "value": "exit status %d" % rc,
+                  "traceback": ""})
+        send({"type": "number_of_executions", "execution_count": count})
+        marker = MARK + str(seq).encode() + b"\n"
+        for fd in (1, 2):
+            try:
+                os.write(fd, marker)
+            except OSError:
+                pass
+        send({"type": "done", "seq": seq})
+
+
 # --------------------------------------------------------------------------------------------
 # Server side of a context
 # --------------------------------------------------------------------------------------------
@@ -316,7 +409,7 @@ class WorkerDied(Exception):
 class Worker:
     """A running worker process and the threads that read its pipes into one queue."""
 
-    def __init__(self, cwd, preload=False):
+    def __init__(self, cwd, preload=False, language="python"):
         req_r, req_w = os.pipe()
         resp_r, resp_w = os.pipe()
         env = dict(os.environ)
@@ -324,7 +417,8 @@ class Worker:
         if preload:
             env["VMON_CI_PRELOAD"] = "1"
         self.proc = subprocess.Popen(
-            [sys.executable, "-u", os.path.abspath(__file__), "--worker", str(req_r), str(resp_w)],
+            [sys.executable, "-u", os.path.abspath(__file__), "--worker", str(req_r), str(resp_w),
+             language],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             pass_fds=(req_r, resp_w), cwd=cwd, close_fds=True, start_new_session=True, env=env)
         os.close(req_r)
@@ -444,7 +538,7 @@ class Context:
         self.cwd = cwd
         self.lock = threading.Lock()  # one cell at a time
         self.seq = 0
-        self.worker = Worker(cwd, preload)
+        self.worker = Worker(cwd, preload, language)
 
     def info(self):
         return {"id": self.id, "language": self.language, "cwd": self.cwd}
@@ -454,7 +548,7 @@ class Context:
         old.stop()  # a running cell ends now (its client gets an error), freeing the lock
         with self.lock:
             if self.worker is old or not self.worker.alive():
-                self.worker = Worker(self.cwd)
+                self.worker = Worker(self.cwd, False, self.language)
         self.worker.ready.wait(60)
 
     def close(self):
@@ -466,7 +560,7 @@ class Context:
         with self.lock:
             if not self.worker.alive():
                 self.worker.stop()
-                self.worker = Worker(self.cwd)
+                self.worker = Worker(self.cwd, False, self.language)
             w = self.worker
             # Output printed between cells (background threads) belongs to no request.
             for _ in range(w.events.qsize()):
@@ -476,7 +570,7 @@ class Context:
                     break
                 if kind.endswith("-eof"):  # it died between cells
                     w.stop()
-                    self.worker = w = Worker(self.cwd)
+                    self.worker = w = Worker(self.cwd, False, self.language)
                     break
             self.seq += 1
             seq = self.seq
@@ -485,7 +579,7 @@ class Context:
                     {"seq": seq, "code": code, "env_vars": env_vars}).encode() + b"\n")
             except OSError:
                 w.stop()
-                self.worker = Worker(self.cwd)
+                self.worker = Worker(self.cwd, False, self.language)
                 raise WorkerDied("the context's process could not take the cell; it was restarted")
             pending = {"stdout-end", "stderr-end", "done"}
             interrupted_at = None
@@ -594,7 +688,7 @@ def language_of(value):
     if value is None or value == "":
         return "python"
     if not isinstance(value, str) or value.lower() not in LANGUAGES:
-        raise BadRequest(400, "unsupported language %r (this server runs python only)" % (value,))
+        raise BadRequest(400, "unsupported language %r (this server runs python and bash)" % (value,))
     return LANGUAGES[value.lower()]
 
 
@@ -810,7 +904,10 @@ def main():
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "--worker":
-        worker_main(int(sys.argv[2]), int(sys.argv[3]))
+    if len(sys.argv) == 5 and sys.argv[1] == "--worker":
+        if sys.argv[4] == "bash":
+            bash_worker_main(int(sys.argv[2]), int(sys.argv[3]))
+        else:
+            worker_main(int(sys.argv[2]), int(sys.argv[3]))
     else:
         main()
