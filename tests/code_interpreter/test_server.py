@@ -301,3 +301,29 @@ def test_a_bash_cell_is_interrupted_when_its_client_leaves(server):
     ex, _ = execute(port, "echo $KEEP", language="bash")
     assert ex.logs.stdout == ["yes\n"], ex.logs  # the shell and its state outlived the interrupt
     assert time.monotonic() - t0 < 30
+
+
+def test_js_cells(server):
+    port, home = server
+    ex, _ = execute(port, "var n = 41; const f = (x) => x * 2; console.log('hi'); n + 1", language="js")
+    assert ex.error is None, ex.error
+    assert ex.text == "42" and ex.results[0].is_main_result
+    assert ex.logs.stdout == ["hi\n"]
+    ex, _ = execute(port, "f(n)", language="js")
+    assert ex.text == "82"
+    ex, _ = execute(port, "({a: [1, 2], s: 'x'})", language="javascript")
+    assert ex.text == "{ a: [ 1, 2 ], s: 'x' }"
+    ex, _ = execute(port, "await new Promise((r) => setTimeout(() => r(7), 50))", language="js")
+    assert ex.error is None, ex.error
+    ex, _ = execute(port, "Promise.resolve(5)", language="js")
+    assert ex.text == "5"
+    ex, _ = execute(port, "null.x", language="js")
+    assert ex.error.name == "TypeError" and "null" in ex.error.value
+    ex, _ = execute(port, "require('path').join('a', 'b')", language="js")
+    assert ex.text == "'a/b'"
+    ex, _ = execute(port, "process.env.ONLY", language="js", env_vars={"ONLY": "here"})
+    assert ex.text == "'here'"
+    ex, _ = execute(port, "process.env.ONLY", language="js")
+    assert ex.results == []
+    ex, _ = execute(port, "console.error('e'); undefined", language="js")
+    assert ex.logs.stderr == ["e\n"] and ex.results == []

@@ -105,6 +105,16 @@ def test_bash_cells(sbx):
     sbx.remove_code_context(ctx)
 
 
+def test_js_cells(sbx):
+    ex = sbx.run_code("const xs = [1, 2, 3]; xs.map((x) => x * 2)", language="js")
+    assert ex.error is None, ex.error
+    assert ex.text == "[ 2, 4, 6 ]"
+    ex = sbx.run_code("console.log(xs.length); xs.reduce((a, b) => a + b)", language="js")
+    assert ex.logs.stdout == ["3\n"] and ex.text == "6"
+    ex = sbx.run_code("undefinedThing.x", language="js")
+    assert ex.error.name == "ReferenceError"
+
+
 def test_second_context_is_isolated(sbx):
     ctx = sbx.create_code_context()
     assert ctx.language == "python" and ctx.cwd == "/home/user"

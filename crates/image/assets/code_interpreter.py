@@ -2,7 +2,7 @@
 """vmon's code-interpreter server: the HTTP API the `e2b-code-interpreter` SDK speaks, on
 port 49999, written against the Python standard library only (the guest has no pip; its
 image has Debian's numpy, pandas and matplotlib, which the default context imports ahead and
-whose figures come back as PNG results).
+whose figures come back as PNG results). Contexts run Python, bash or JavaScript (Node.js).
 
 Each context is a worker process (this file run with `--worker`) that keeps a namespace and
 runs one cell at a time. The worker's fd 1 and 2 are pipes read by the server, so prints and
@@ -37,7 +37,7 @@ MAX_TEXT = 8 * 1024 * 1024
 READ_CHUNK = 64 * 1024
 MARK = b"\x1evmon-cell-end "
 LANGUAGES = {"python": "python", "python3": "python", "py": "python", "bash": "bash", "sh": "bash",
-             "shell": "bash"}
+             "shell": "bash", "js": "js", "javascript": "js", "node": "js"}
 INLINE_BACKEND = "vmon_inline"
 BASH_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 # Imported ahead by the default context (when the image has them).
@@ -397,6 +397,78 @@ def bash_worker_main(req_fd, resp_fd):
         send({"type": "done", "seq": seq})
 
 
+# A JavaScript context: Node.js, the cells run in one global scope (`vm.runInThisContext`, so a
+# cell's value is its completion value); a promise value is awaited; `require` resolves from the
+# context's cwd. Same pipes and messages as the Python worker.
+JS_WORKER = r"""
+'use strict';
+const fs = require('fs');
+const vm = require('vm');
+const util = require('util');
+const readline = require('readline');
+const { createRequire } = require('module');
+const [reqFd, respFd] = process.argv.slice(-2).map(Number);
+const MARK = '\x1evmon-cell-end ';
+const send = (m) => fs.writeSync(respFd, JSON.stringify(m) + '\n');
+globalThis.require = createRequire(process.cwd() + '/');
+process.on('SIGINT', () => {});
+let count = 0;
+function errorMsg(e) {
+  if (e instanceof Error || (e && typeof e === 'object' && 'message' in e)) {
+    return { type: 'error', name: String(e.name || 'Error'), value: String(e.message),
+             traceback: String(e.stack || e) };
+  }
+  return { type: 'error', name: 'Error', value: util.inspect(e), traceback: '' };
+}
+async function run(req) {
+  count += 1;
+  const env = req.env_vars || {};
+  const saved = {};
+  for (const [k, v] of Object.entries(env)) {
+    if (typeof v === 'string' && k && !k.includes('=') && !(k + v).includes('\0')) {
+      saved[k] = process.env[k];
+      process.env[k] = v;
+    }
+  }
+  const filename = `<cell ${count}>`;
+  let value, err = null;
+  try {
+    try {
+      value = vm.runInThisContext(req.code || '', { filename });
+    } catch (e) {
+      if (!(e instanceof SyntaxError) || !/await/.test(String(e.message))) throw e;
+      value = vm.runInThisContext(`(async () => {\n${req.code}\n})()`, { filename });
+    }
+    if (value && typeof value.then === 'function') value = await value;
+  } catch (e) {
+    err = errorMsg(e);
+  }
+  for (const [k, v] of Object.entries(saved)) {
+    if (v === undefined) delete process.env[k]; else process.env[k] = v;
+  }
+  if (!err && value !== undefined) {
+    globalThis._ = value;
+    const text = typeof value === 'string' ? util.inspect(value) : util.inspect(value, { depth: 4 });
+    send({ type: 'result', text, is_main_result: true });
+  }
+  if (err) send(err);
+  send({ type: 'number_of_executions', execution_count: count });
+  const marker = MARK + String(req.seq || 0) + '\n';
+  for (const fd of [1, 2]) { try { fs.writeSync(fd, marker); } catch (e) {} }
+  send({ type: 'done', seq: req.seq || 0 });
+}
+const lines = readline.createInterface({ input: fs.createReadStream(null, { fd: reqFd }) });
+let chain = Promise.resolve();
+lines.on('line', (line) => {
+  let req;
+  try { req = JSON.parse(line); } catch (e) { return; }
+  chain = chain.then(() => run(req));
+});
+lines.on('close', () => chain.then(() => process.exit(0)));
+send({ type: 'ready', pid: process.pid });
+"""
+
+
 # --------------------------------------------------------------------------------------------
 # Server side of a context
 # --------------------------------------------------------------------------------------------
@@ -416,9 +488,13 @@ class Worker:
         env.pop("VMON_CI_PRELOAD", None)
         if preload:
             env["VMON_CI_PRELOAD"] = "1"
+        if language == "js":
+            argv = ["node", "-e", JS_WORKER, "--", str(req_r), str(resp_w)]
+        else:
+            argv = [sys.executable, "-u", os.path.abspath(__file__), "--worker", str(req_r),
+                    str(resp_w), language]
         self.proc = subprocess.Popen(
-            [sys.executable, "-u", os.path.abspath(__file__), "--worker", str(req_r), str(resp_w),
-             language],
+            argv,
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             pass_fds=(req_r, resp_w), cwd=cwd, close_fds=True, start_new_session=True, env=env)
         os.close(req_r)
@@ -688,7 +764,7 @@ def language_of(value):
     if value is None or value == "":
         return "python"
     if not isinstance(value, str) or value.lower() not in LANGUAGES:
-        raise BadRequest(400, "unsupported language %r (this server runs python and bash)" % (value,))
+        raise BadRequest(400, "unsupported language %r (this server runs python, bash and js)" % (value,))
     return LANGUAGES[value.lower()]
 
 

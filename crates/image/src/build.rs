@@ -59,6 +59,8 @@ const BASE_PACKAGES: &[&str] = &[
     "python3-numpy",
     "python3-pandas",
     "python3-matplotlib",
+    // The code interpreter's JavaScript contexts.
+    "nodejs",
 ];
 
 /// Everything an image is made from. Two equal recipes make the same image.
