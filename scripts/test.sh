@@ -9,6 +9,14 @@ scripts/install-deps.sh
 # Guest images and builds are cached here across runs (keyed by recipe hash).
 export VMON_TEST_DATA_DIR="${VMON_TEST_DATA_DIR:-/var/tmp/vmon-ci}"
 mkdir -p "$VMON_TEST_DATA_DIR"
+# Every envd or recipe change makes a new image (0.4-1.6 GiB): keep the two newest images and
+# debootstrap trees, drop older ones.
+keep_newest() {
+  find "$1" -mindepth 1 -maxdepth 1 -type d ! -name trees ! -name '*.tmp' -printf '%T@ %p\n' 2>/dev/null |
+    sort -rn | tail -n +3 | cut -d' ' -f2- | xargs -r rm -rf
+}
+keep_newest "$VMON_TEST_DATA_DIR/images"
+keep_newest "$VMON_TEST_DATA_DIR/images/trees"
 
 cargo build --workspace --bins
 cargo test --workspace --no-fail-fast -- --test-threads 2
