@@ -17,6 +17,9 @@ keep_newest() {
 }
 keep_newest "$VMON_TEST_DATA_DIR/images"
 keep_newest "$VMON_TEST_DATA_DIR/images/trees"
+# What earlier runs' node tests left (paused sandboxes of tests that end paused, their builds and
+# layers) goes: each run starts from the images alone, as on a fresh machine.
+rm -rf "$VMON_TEST_DATA_DIR"/{builds,artifacts,sandboxes,pool,crash-test}
 
 cargo build --workspace --bins
 cargo test --workspace --no-fail-fast -- --test-threads 2
