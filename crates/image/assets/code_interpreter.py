@@ -58,6 +58,29 @@ def default_cwd():
 # --------------------------------------------------------------------------------------------
 
 
+def worker_pipes(req_fd, resp_fd):
+    """A worker's request pipe, and `send` for JSON lines on its result pipe."""
+    requests = os.fdopen(req_fd, "rb", buffering=0)
+    responses = os.fdopen(resp_fd, "wb", buffering=0)
+
+    def send(msg):
+        responses.write(json.dumps(msg).encode() + b"\n")
+
+    return requests, send
+
+
+def end_cell(send, count, seq):
+    """A worker's last words on a cell: its count, the marker on fd 1 and 2, then `done`."""
+    send({"type": "number_of_executions", "execution_count": count})
+    marker = MARK + str(seq).encode() + b"\n"
+    for fd in (1, 2):
+        try:
+            os.write(fd, marker)
+        except OSError:
+            pass
+    send({"type": "done", "seq": seq})
+
+
 def worker_main(req_fd, resp_fd):
     import ast
     import base64
@@ -67,8 +90,7 @@ def worker_main(req_fd, resp_fd):
     import traceback
     import types
 
-    requests = os.fdopen(req_fd, "rb", buffering=0)
-    responses = os.fdopen(resp_fd, "wb", buffering=0)
+    requests, send = worker_pipes(req_fd, resp_fd)
     # Line-buffered text streams on the pipes: one write per printed line.
     sys.stdout = io.TextIOWrapper(
         os.fdopen(1, "wb", closefd=False), encoding="utf-8",
@@ -89,9 +111,6 @@ def worker_main(req_fd, resp_fd):
             raise KeyboardInterrupt
 
     signal.signal(signal.SIGINT, on_sigint)
-
-    def send(msg):
-        responses.write(json.dumps(msg).encode() + b"\n")
 
     def clip(s):
         if isinstance(s, str) and len(s) > MAX_TEXT:
@@ -297,14 +316,7 @@ def worker_main(req_fd, resp_fd):
             pass
         if err is not None:
             send(err)
-        send({"type": "number_of_executions", "execution_count": count})
-        marker = MARK + str(seq).encode() + b"\n"
-        for fd in (1, 2):
-            try:
-                os.write(fd, marker)
-            except OSError:
-                pass
-        send({"type": "done", "seq": seq})
+        end_cell(send, count, seq)
 
 
 def bash_worker_main(req_fd, resp_fd):
@@ -314,12 +326,7 @@ def bash_worker_main(req_fd, resp_fd):
     import shlex
     import tempfile
 
-    requests = os.fdopen(req_fd, "rb", buffering=0)
-    responses = os.fdopen(resp_fd, "wb", buffering=0)
-
-    def send(msg):
-        responses.write(json.dumps(msg).encode() + b"\n")
-
+    requests, send = worker_pipes(req_fd, resp_fd)
     cmd_r, cmd_w = os.pipe()
     st_r, st_w = os.pipe()
     # Ctrl-C (the server interrupts a cell with SIGINT) ends the running command, not bash.
@@ -387,14 +394,7 @@ def bash_worker_main(req_fd, resp_fd):
         if rc != 0:
             send({"type": "error", "name": "CommandExitError", "value": "exit status %d" % rc,
                   "traceback": ""})
-        send({"type": "number_of_executions", "execution_count": count})
-        marker = MARK + str(seq).encode() + b"\n"
-        for fd in (1, 2):
-            try:
-                os.write(fd, marker)
-            except OSError:
-                pass
-        send({"type": "done", "seq": seq})
+        end_cell(send, count, seq)
 
 
 # A JavaScript context: Node.js, the cells run in one global scope (`vm.runInThisContext`, so a

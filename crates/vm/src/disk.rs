@@ -175,18 +175,19 @@ const MAX_BLANK: usize = 1 << 20;
 mod tests {
     use super::*;
 
-    fn info(path: &Path) -> serde_json::Value {
-        let out = std::process::Command::new("qemu-img")
-            .args(["info", "--output=json", "-U"])
-            .arg(path)
+    /// Runs a qemu-utils tool on `image`; its stdout, once it succeeded.
+    fn qemu_tool(tool: &str, args: &[&str], image: &Path) -> String {
+        let out = std::process::Command::new(tool)
+            .args(args)
+            .arg(image)
             .output()
-            .expect("qemu-img info");
+            .unwrap_or_else(|e| panic!("{tool} (qemu-utils): {e}"));
         assert!(
             out.status.success(),
-            "{}",
+            "{tool} {args:?}: {}",
             String::from_utf8_lossy(&out.stderr)
         );
-        serde_json::from_slice(&out.stdout).expect("json")
+        String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
     #[tokio::test]
@@ -220,34 +221,20 @@ mod tests {
         create_overlay(&b, BackingFormat::Qcow2, &ob)
             .await
             .expect("ob");
-        let i = info(&ob);
+        let i: serde_json::Value = serde_json::from_str(&qemu_tool(
+            "qemu-img",
+            &["info", "--output=json", "-U"],
+            &ob,
+        ))
+        .expect("json");
         let want = std::fs::canonicalize(&b).expect("canon");
         assert_eq!(i["backing-filename"], want.display().to_string(), "{i}");
         assert_eq!(i["backing-filename-format"], "qcow2", "{i}");
         assert_eq!(i["virtual-size"], 64u64 << 20, "{i}");
-        let check = std::process::Command::new("qemu-img")
-            .args(["check", "-q"])
-            .arg(&ob)
-            .status()
-            .expect("qemu-img check");
-        assert!(check.success(), "the renamed overlay is a sound image");
-        // A write through the renamed overlay lands on it, the backing stays as it was.
-        let io = std::process::Command::new("qemu-io")
-            .args(["-c", "write -P 0x5a 0 64k"])
-            .arg(&ob)
-            .output()
-            .expect("qemu-io (qemu-utils)");
-        assert!(
-            io.status.success(),
-            "{}",
-            String::from_utf8_lossy(&io.stderr)
-        );
-        let r = std::process::Command::new("qemu-io")
-            .args(["-r", "-c", "read -P 0x5a 0 64k"])
-            .arg(&ob)
-            .output()
-            .expect("qemu-io read");
-        let out = String::from_utf8_lossy(&r.stdout);
+        // A sound image; a write through it lands on it and the backing stays as it was.
+        qemu_tool("qemu-img", &["check", "-q"], &ob);
+        qemu_tool("qemu-io", &["-c", "write -P 0x5a 0 64k"], &ob);
+        let out = qemu_tool("qemu-io", &["-r", "-c", "read -P 0x5a 0 64k"], &ob);
         assert!(
             out.contains("read 65536/65536") && !out.contains("failed"),
             "{out}"

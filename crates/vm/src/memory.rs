@@ -392,12 +392,10 @@ pub fn write_in(pid: u32, ram_file: &Path, layer: &Path) -> anyhow::Result<Layer
     };
     let (checked, written) = std::thread::scope(|s| {
         let check = s.spawn(|| verify(layer));
-        let parts: Vec<_> = pieces
-            .chunks(per)
-            .skip(1)
-            .map(|part| s.spawn(|| write_part(part)))
-            .collect();
-        let mut written = write_part(pieces.chunks(per).next().unwrap_or(&[]));
+        let mut parts = pieces.chunks(per);
+        let first = parts.next().unwrap_or(&[]);
+        let parts: Vec<_> = parts.map(|part| s.spawn(|| write_part(part))).collect();
+        let mut written = write_part(first);
         for p in parts {
             let r = p
                 .join()
@@ -424,38 +422,47 @@ pub fn write_in(pid: u32, ram_file: &Path, layer: &Path) -> anyhow::Result<Layer
 mod tests {
     use super::*;
 
-    #[test]
-    fn a_large_layer_goes_back_in_from_several_threads() {
-        // 16 MiB of distinct pages, captured from one private mapping of the RAM file and
-        // written into a fresh one: the threaded path must put every page where it was.
-        const PAGES: u64 = 4096;
-        let dir = tempfile::tempdir().expect("tempdir");
-        let ram = dir.path().join("mem0");
+    /// A sparse RAM file of `pages` pages in `dir`, open for reading and writing.
+    fn ram_file(dir: &Path, pages: u64) -> (std::path::PathBuf, File) {
+        let ram = dir.join("mem0");
         File::create(&ram)
             .expect("create")
-            .set_len(PAGES * PAGE)
+            .set_len(pages * PAGE)
             .expect("len");
         let file = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
             .open(&ram)
             .expect("open");
-        let len = (PAGES * PAGE) as usize;
-        let map = || {
-            // SAFETY: a fresh private read-write mapping of a file we own; unmapped below.
-            let p = unsafe {
-                libc::mmap(
-                    std::ptr::null_mut(),
-                    len,
-                    libc::PROT_READ | libc::PROT_WRITE,
-                    libc::MAP_PRIVATE,
-                    std::os::fd::AsRawFd::as_raw_fd(&file),
-                    0,
-                )
-            };
-            assert_ne!(p, libc::MAP_FAILED);
-            p as *mut u8
+        (ram, file)
+    }
+
+    /// A fresh private read-write mapping of `file`, as QEMU maps RAM with `share=off`.
+    fn map_private(file: &File, len: usize) -> *mut u8 {
+        // SAFETY: a new mapping of a file the test owns; the test unmaps it.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE,
+                std::os::fd::AsRawFd::as_raw_fd(file),
+                0,
+            )
         };
+        assert_ne!(p, libc::MAP_FAILED);
+        p.cast()
+    }
+
+    #[test]
+    fn a_large_layer_goes_back_in_from_several_threads() {
+        // 16 MiB of distinct pages, captured from one private mapping of the RAM file and
+        // written into a fresh one: the threaded path must put every page where it was.
+        const PAGES: u64 = 4096;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (ram, file) = ram_file(dir.path(), PAGES);
+        let len = (PAGES * PAGE) as usize;
+        let map = || map_private(&file, len);
         let stamp = |page: u64| (page.wrapping_mul(2654435761) >> 7) as u8 | 1;
         let a = map();
         // Every odd page holds its own stamp at two places; even pages stay untouched.
@@ -503,27 +510,9 @@ mod tests {
         // A private mapping of a file in this very process stands in for QEMU's RAM: write
         // some pages, capture them, then check index, checksum and corruption detection.
         let dir = tempfile::tempdir().expect("tempdir");
-        let ram = dir.path().join("mem0");
-        let f = File::create(&ram).expect("create");
-        f.set_len(64 * PAGE).expect("len");
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(&ram)
-            .expect("open");
+        let (ram, file) = ram_file(dir.path(), 64);
         let len = (64 * PAGE) as usize;
-        // SAFETY: a fresh private read-write mapping of a file we own; unmapped below.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE,
-                std::os::fd::AsRawFd::as_raw_fd(&file),
-                0,
-            )
-        };
-        assert_ne!(p, libc::MAP_FAILED);
+        let p = map_private(&file, len).cast::<libc::c_void>();
         // SAFETY: `p` maps `len` bytes; we write inside pages 3, 4 and 10.
         unsafe {
             let b = p as *mut u8;
