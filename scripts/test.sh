@@ -4,7 +4,7 @@
 # end-to-end SDK tests against `vmon up`. Run as root (network namespaces, QEMU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/install-deps.sh
+scripts/install-test-deps.sh
 
 # Guest images and builds are cached here across runs (keyed by recipe hash).
 export VMON_TEST_DATA_DIR="${VMON_TEST_DATA_DIR:-/var/tmp/vmon-ci}"
@@ -12,6 +12,7 @@ mkdir -p "$VMON_TEST_DATA_DIR"
 # Every envd or recipe change makes a new image (0.4-1.6 GiB): keep the two newest images and
 # debootstrap trees, drop older ones.
 keep_newest() {
+  [ -d "$1" ] || return 0
   find "$1" -mindepth 1 -maxdepth 1 -type d ! -name trees ! -name '*.tmp' -printf '%T@ %p\n' 2>/dev/null |
     sort -rn | tail -n +3 | cut -d' ' -f2- | xargs -r rm -rf
 }
@@ -20,6 +21,9 @@ keep_newest "$VMON_TEST_DATA_DIR/images/trees"
 # What earlier runs' node tests left (paused sandboxes of tests that end paused, their builds and
 # layers) goes: each run starts from the images alone, as on a fresh machine.
 rm -rf "$VMON_TEST_DATA_DIR"/{builds,artifacts,sandboxes,pool,crash-test}
+
+# The scripts themselves: a fresh machine runs them first, so they are checked first.
+shellcheck scripts/*.sh .ci/run
 
 cargo build --workspace --bins
 cargo test --workspace --no-fail-fast -- --test-threads 2

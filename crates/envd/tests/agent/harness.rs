@@ -36,19 +36,59 @@ pub fn channel() -> (mpsc::Sender<Bytes>, ReqBody) {
     (tx, StreamBody::new(stream).boxed())
 }
 
+/// Makes sure `vmontest` exists with a home it owns. scripts/install-test-deps.sh makes it before
+/// any test runs; this is for `cargo test` run alone. Test binaries run at once (and tests in one
+/// binary on several threads), so the check and the `useradd` happen under an exclusive lock on
+/// a file every process shares, and once per process.
 pub fn ensure_test_user() {
-    let ok = Command::new("id")
-        .arg(TEST_USER)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status();
-    if !matches!(ok, Ok(s) if s.success()) {
-        let st = Command::new("useradd")
-            .args(["-m", "-s", "/bin/bash", TEST_USER])
-            .status()
-            .expect("useradd");
-        assert!(st.success(), "useradd {TEST_USER} failed");
-    }
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let lock = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open("/tmp/vmon-test-user.lock")
+            .expect("open the test-user lock");
+        use std::os::fd::AsRawFd;
+        // SAFETY: flock on a descriptor this function owns; released when `lock` is dropped.
+        let rc = unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) };
+        assert_eq!(rc, 0, "flock the test-user lock");
+        let exists = Command::new("id")
+            .arg(TEST_USER)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+        if !matches!(exists, Ok(s) if s.success()) {
+            let st = Command::new("useradd")
+                .args(["-m", "-s", "/bin/bash", TEST_USER])
+                .status()
+                .expect("useradd");
+            assert!(st.success(), "useradd {TEST_USER} failed");
+        }
+        // A home left owned by an earlier uid of the same name is given back.
+        let uid = Command::new("id")
+            .args(["-u", TEST_USER])
+            .output()
+            .expect("id -u");
+        let uid: u32 = String::from_utf8_lossy(&uid.stdout)
+            .trim()
+            .parse()
+            .expect("uid of the test user");
+        let home = format!("/home/{TEST_USER}");
+        use std::os::unix::fs::MetadataExt;
+        match std::fs::metadata(&home) {
+            Ok(m) if m.uid() == uid => {}
+            _ => {
+                std::fs::create_dir_all(&home).expect("make the test user's home");
+                let st = Command::new("chown")
+                    .args(["-R", &format!("{TEST_USER}:"), &home])
+                    .status()
+                    .expect("chown");
+                assert!(st.success(), "chown {home} failed");
+            }
+        }
+        drop(lock);
+    });
 }
 
 pub fn basic(user: &str) -> String {

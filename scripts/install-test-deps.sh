@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Installs what the test suite needs beyond `vmon up`'s own packages: the servers the backends'
+# tests start (etcd, PostgreSQL), tools the tests run (shellcheck), the Python venv with the
+# pinned E2B SDKs, and the unprivileged user envd's tests run commands as. Safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/install-deps.sh
+
+# Each program the tests run, and the Debian package that ships it.
+BINS=(
+  etcd:etcd-server
+  pg_ctl:postgresql
+  shellcheck:shellcheck
+  node:nodejs
+)
+have_pkg() {
+  { dpkg-query -W -f='${Status}\n' "$1" 2>/dev/null || true; } | grep -q "install ok installed"
+}
+pg_bin() {
+  find /usr/lib/postgresql -maxdepth 3 -name "$1" -type f 2>/dev/null | sort -V | tail -n 1
+}
+found() {
+  case "$1" in
+    pg_ctl) [ -n "$(pg_bin pg_ctl)" ] ;;
+    *) command -v "$1" >/dev/null 2>&1 ;;
+  esac
+}
+missing=()
+for entry in "${BINS[@]}"; do
+  bin=${entry%%:*}
+  pkg=${entry#*:}
+  found "$bin" || missing+=("$pkg")
+done
+have_pkg python3-venv || missing+=(python3-venv)
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "installing (tests): ${missing[*]}" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+failed=0
+for entry in "${BINS[@]}"; do
+  bin=${entry%%:*}
+  pkg=${entry#*:}
+  if ! found "$bin"; then
+    echo "error: '$bin' is missing after install (apt-get install $pkg)" >&2
+    failed=1
+  fi
+done
+[ "$failed" = 0 ] || exit 1
+# Debian starts a default etcd on install; tests run their own.
+systemctl disable --now etcd >/dev/null 2>&1 || true
+
+# envd's tests run commands as this user; made once here, before any test runs, so that tests
+# running in parallel never race on useradd. A home left owned by another uid (a user deleted
+# and made again) is given back.
+TEST_USER=vmontest
+if ! id "$TEST_USER" >/dev/null 2>&1; then
+  useradd -m -s /bin/bash "$TEST_USER"
+fi
+home=$(getent passwd "$TEST_USER" | cut -d: -f6)
+uid=$(id -u "$TEST_USER")
+mkdir -p "$home"
+if [ "$(stat -c %u "$home")" != "$uid" ]; then
+  chown -R "$TEST_USER:" "$home"
+fi
+
+if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import e2b, e2b_code_interpreter, pytest' 2>/dev/null; then
+  python3 -m venv .venv
+  .venv/bin/pip install -q --upgrade pip >/dev/null
+  .venv/bin/pip install -q -r tests/requirements.txt
+fi
