@@ -1,5 +1,7 @@
 """The guest's code-interpreter server (crates/image/assets/code_interpreter.py) run as a host
-process: its wire, parsed with the official SDK's own parser, without any VM."""
+process: its wire, parsed with the official SDK's own parser, without any VM. A real envd (the
+host build, with an access token) runs beside it: the server asks envd whether a request's
+token is the sandbox's."""
 
 from __future__ import annotations
 
@@ -16,7 +18,18 @@ from pathlib import Path
 import pytest
 from e2b_code_interpreter.models import Context, Execution, parse_output
 
-SERVER = Path(__file__).resolve().parents[2] / "crates/image/assets/code_interpreter.py"
+ROOT = Path(__file__).resolve().parents[2]
+SERVER = ROOT / "crates/image/assets/code_interpreter.py"
+TOKEN = "ci-test-token-" + os.urandom(8).hex()
+AUTH = {"X-Access-Token": TOKEN}
+
+
+def _envd_binary() -> Path:
+    explicit = os.environ.get("ENVD_BIN")
+    if explicit:
+        return Path(explicit)
+    subprocess.run(["cargo", "build", "-q", "-p", "vmon-envd", "--bin", "envd"], cwd=ROOT, check=True)
+    return Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target")) / "debug" / "envd"
 
 
 def _free_port() -> int:
@@ -25,11 +38,39 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _wait_http(port, path, ok):
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            c.request("GET", path)
+            if c.getresponse().status == ok:
+                return True
+        except OSError:
+            pass
+        time.sleep(0.1)
+    return False
+
+
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def envd():
+    port = _free_port()
+    proc = subprocess.Popen(
+        [str(_envd_binary()), "--addr", f"127.0.0.1:{port}", "--access-token", TOKEN],
+        env=dict(os.environ, RUST_LOG="warn"),
+        stdout=subprocess.DEVNULL,
+    )
+    assert _wait_http(port, "/health", 204), "envd did not come up"
+    yield port
+    proc.terminate()
+    proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, envd):
     home = tmp_path_factory.mktemp("home")
     port = _free_port()
-    env = dict(os.environ, HOME=str(home))
+    env = dict(os.environ, HOME=str(home), VMON_CI_ENVD=f"http://127.0.0.1:{envd}")
     proc = subprocess.Popen(
         [sys.executable, str(SERVER), "--host", "127.0.0.1", "--port", str(port)],
         env=env,
@@ -57,7 +98,7 @@ def server(tmp_path_factory):
 def request(port, method, path, body=None, timeout=30):
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     data = json.dumps(body).encode() if body is not None else None
-    c.request(method, path, body=data, headers={"Content-Type": "application/json"})
+    c.request(method, path, body=data, headers={"Content-Type": "application/json", **AUTH})
     r = c.getresponse()
     return r.status, r.read().decode()
 
@@ -67,7 +108,7 @@ def execute(port, code, on_stdout=None, on_stderr=None, **kw):
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     body = {"code": code, "context_id": None, "language": None, "env_vars": None}
     body.update(kw)
-    c.request("POST", "/execute", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    c.request("POST", "/execute", body=json.dumps(body), headers={"Content-Type": "application/json", **AUTH})
     r = c.getresponse()
     assert r.status == 200, r.read()
     ex = Execution()
@@ -198,10 +239,11 @@ def test_bad_input(server):
     assert request(port, "POST", "/contexts", {"language": "cobol"})[0] == 400
     assert request(port, "GET", "/nope")[0] == 404
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-    c.request("POST", "/execute", body=b"{not json", headers={"Content-Type": "application/json"})
+    c.request("POST", "/execute", body=b"{not json", headers={"Content-Type": "application/json", **AUTH})
     assert c.getresponse().status == 400
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
     c.putrequest("POST", "/execute")
+    c.putheader("X-Access-Token", TOKEN)
     c.putheader("Content-Length", str(1 << 30))
     c.endheaders()
     assert c.getresponse().status == 413
@@ -292,7 +334,7 @@ def test_a_bash_cell_is_interrupted_when_its_client_leaves(server):
     execute(port, "KEEP=yes", language="bash")
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
     body = {"code": "sleep 60; echo late", "language": "bash"}
-    c.request("POST", "/execute", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    c.request("POST", "/execute", body=json.dumps(body), headers={"Content-Type": "application/json", **AUTH})
     r = c.getresponse()
     with pytest.raises(TimeoutError):
         r.read()
@@ -327,3 +369,35 @@ def test_js_cells(server):
     assert ex.results == []
     ex, _ = execute(port, "console.error('e'); undefined", language="js")
     assert ex.logs.stderr == ["e\n"] and ex.results == []
+
+
+def test_execute_demands_the_sandbox_token(server, tmp_path):
+    port, _ = server
+    marker = tmp_path / "ran"
+    code = f"open({str(marker)!r}, 'w').write('x')"
+
+    def call(method, path, body, headers):
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        data = json.dumps(body).encode() if body is not None else None
+        c.request(method, path, body=data, headers={"Content-Type": "application/json", **headers})
+        r = c.getresponse()
+        return r.status, r.read()
+
+    bad = ({"X-Access-Token": "wrong"}, {"X-Access-Token": TOKEN + "x"}, {"X-Access-Token": "x" * 10000})
+    for headers in ({}, *bad):
+        status, body = call("POST", "/execute", {"code": code}, headers)
+        assert status == 401, (headers.keys(), status)
+        assert json.loads(body)["code"] == 401
+    # The context endpoints run no code and the SDK sends them no token; a wrong one is refused.
+    for headers in bad:
+        for method, path, body in (
+            ("POST", "/contexts", {"language": "python"}),
+            ("GET", "/contexts", None),
+            ("DELETE", "/contexts/whatever", None),
+        ):
+            assert call(method, path, body, headers)[0] == 401, (method, path)
+    assert call("GET", "/contexts", None, {})[0] == 200
+    assert not marker.exists(), "a request without the token ran code"
+    assert call("GET", "/health", None, {})[0] == 200, "health needs no token (the template's ready check)"
+    ex, _ = execute(port, code)
+    assert ex.error is None and marker.read_text() == "x", "the right token runs the cell"

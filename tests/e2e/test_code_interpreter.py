@@ -147,6 +147,19 @@ def test_private_traffic_sends_the_token(vmon):
         s.kill()
 
 
+def test_execute_without_the_envd_token_is_401_and_runs_nothing(sbx):
+    url = f"{sbx._jupyter_url}/execute"
+    route = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "49999"}
+    code = "open('/tmp/ran-without-token', 'w').write('x')"
+    for extra in ({}, {"X-Access-Token": "not-the-token"}):
+        r = httpx.post(url, json={"code": code}, headers={**route, **extra}, timeout=60)
+        assert r.status_code == 401, r.text
+    assert not sbx.files.exists("/tmp/ran-without-token")
+    # The SDK sends the sandbox's token, and the same cell runs.
+    assert sbx.run_code(code).error is None
+    assert sbx.files.read("/tmp/ran-without-token") == "x"
+
+
 def test_state_survives_pause_and_connect(sbx):
     sbx.run_code("kept = [1, 2, 3]\nimport os; pid = os.getpid()")
     assert sbx.pause() is True

@@ -11,6 +11,12 @@ After a cell the worker writes a marker line to fd 1 and 2 and then `done` on th
 the server ends the stream when it has all three, so no output is lost or attributed to the
 next cell.
 
+`POST /execute` demands the sandbox's envd access token in `X-Access-Token`, which the official
+SDK sends: the server asks envd (on this guest's loopback) whether the token is the current
+one, so a token rotated at claim or resume is honoured at once. A request without it is
+answered 401 and runs nothing. The context endpoints run no code and the SDK sends them no
+token; a token they do carry must be the right one.
+
 Endpoints: `GET /health`; `POST /execute` {code, context_id, language, env_vars} streaming
 newline-delimited JSON (`stdout`, `stderr`, `result`, `error`, `number_of_executions`);
 `POST /contexts` {language, cwd}; `GET /contexts`; `DELETE /contexts/{id}`;
@@ -28,6 +34,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -768,6 +776,27 @@ def language_of(value):
     return LANGUAGES[value.lower()]
 
 
+ENVD_URL = os.environ.get("VMON_CI_ENVD", "http://127.0.0.1:49983")
+MAX_TOKEN = 4096
+# Never through a proxy the environment names: envd is on this machine.
+_ENVD = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def token_accepted(token):
+    """True when envd accepts `token` as the sandbox's access token (`GET /envs` answers 200;
+    a sandbox created without a token answers 200 to anyone, as its envd does)."""
+    if token is not None and len(token) > MAX_TOKEN:
+        return False
+    headers = {} if token is None else {"X-Access-Token": token}
+    req = urllib.request.Request(ENVD_URL + "/envs", headers=headers)
+    try:
+        with _ENVD.open(req, timeout=10) as r:
+            r.read(1 << 20)
+            return r.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "vmon-code-interpreter/1"
@@ -829,9 +858,16 @@ class Handler(BaseHTTPRequestHandler):
         path = self.path.split("?", 1)[0].rstrip("/") or "/"
         parts = [p for p in path.split("/") if p]
         try:
-            self.read_body()
             if method == "GET" and parts == ["health"]:
+                self.read_body()
                 return self.send_json(200, {"status": "ok"})
+            token = self.headers.get("X-Access-Token")
+            needs_token = parts == ["execute"] or token is not None
+            if needs_token and not token_accepted(token):
+                # The body is not read: the connection cannot be reused.
+                self.close_connection = True
+                return self.send_json(401, {"code": 401, "message": "invalid or missing access token"})
+            self.read_body()
             if method == "POST" and parts == ["execute"]:
                 return self.execute()
             if parts[:1] == ["contexts"]:

@@ -8,6 +8,11 @@
 //! the slot's address (SNAT) and the host masquerades it onwards. Egress policy is a filter chain
 //! inside the namespace, so it cannot be bypassed from the guest.
 //!
+//! Isolation is enforced twice: in the slot's namespace (the guest reaches only public
+//! addresses, from its own address, and nothing in the namespace itself) and again on the host
+//! (`table ip vmon`: nothing from a slot veth reaches the host's own sockets, another slot, or a
+//! private, link-local, loopback or multicast range an `allowOut` entry did not open).
+//!
 //! Addresses come from 169.254.128.0/17 (link-local: never routed off the host).
 
 use std::collections::BTreeSet;
@@ -87,45 +92,242 @@ async fn sh(script: &str, what: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn valid_target(s: &str) -> bool {
-    // An IPv4 address or CIDR; nothing else reaches nft.
+/// Destinations no guest ever reaches, whatever its policy says: this host and every slot
+/// (169.254.0.0/16 holds the slot range and cloud metadata services), loopback, "this network",
+/// multicast, reserved and broadcast.
+pub const NEVER: [&str; 4] = [
+    "0.0.0.0/8",
+    "127.0.0.0/8",
+    "169.254.0.0/16",
+    "224.0.0.0/3",
+];
+
+/// Private and shared ranges beyond the host: dropped unless an `allowOut` entry opens them (an
+/// operator's choice, e.g. a database on the local network).
+pub const PRIVATE: [&str; 6] = [
+    "10.0.0.0/8",
+    "100.64.0.0/10",
+    "172.16.0.0/12",
+    "192.0.0.0/24",
+    "192.168.0.0/16",
+    "198.18.0.0/15",
+];
+
+/// The most entries a policy list may hold, and names among them.
+const MAX_ENTRIES: usize = 1000;
+const MAX_NAMES: usize = 64;
+
+fn parse_cidr(s: &str) -> Option<(Ipv4Addr, u8)> {
     let (ip, len) = match s.split_once('/') {
-        Some((a, l)) => (a, Some(l)),
-        None => (s, None),
+        Some((a, l)) => (a, l.parse::<u8>().ok().filter(|n| *n <= 32)?),
+        None => (s, 32),
     };
-    ip.parse::<Ipv4Addr>().is_ok() && len.is_none_or(|l| l.parse::<u8>().is_ok_and(|n| n <= 32))
+    Some((ip.parse::<Ipv4Addr>().ok()?, len))
 }
 
-/// Checks a policy's addresses (IPv4 addresses or CIDRs).
+fn valid_target(s: &str) -> bool {
+    // An IPv4 address or CIDR, or a host name; nothing else reaches nft.
+    parse_cidr(s).is_some() || is_host_name(s)
+}
+
+/// A DNS name as E2B's `allowOut` takes them (`example.com`, `api.example.com`): letters,
+/// digits and hyphens in dot-separated labels, at least one dot.
+pub fn is_host_name(s: &str) -> bool {
+    s.len() <= 253
+        && s.contains('.')
+        && s.parse::<Ipv4Addr>().is_err()
+        && s.split('.').all(|l| {
+            !l.is_empty()
+                && l.len() <= 63
+                && !l.starts_with('-')
+                && !l.ends_with('-')
+                && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+        })
+        && !s.rsplit('.').next().is_some_and(|tld| tld.bytes().all(|b| b.is_ascii_digit()))
+}
+
+/// Checks a policy's entries (IPv4 addresses, CIDRs or host names).
 pub fn validate_policy(p: &NetworkPolicy) -> Result<(), String> {
+    if p.allow_out.len() > MAX_ENTRIES || p.deny_out.len() > MAX_ENTRIES {
+        return Err(format!(
+            "allowOut and denyOut hold at most {MAX_ENTRIES} entries each"
+        ));
+    }
+    let mut names = 0;
     for t in p.allow_out.iter().chain(p.deny_out.iter()) {
         if !valid_target(t) {
             return Err(format!(
-                "{t:?} is not an IPv4 address or CIDR (allowOut/denyOut take addresses)"
+                "{t:?} is not an IPv4 address, CIDR or host name (allowOut/denyOut)"
             ));
         }
+        if parse_cidr(t).is_none() {
+            names += 1;
+        }
+    }
+    if names > MAX_NAMES {
+        return Err(format!(
+            "allowOut and denyOut name at most {MAX_NAMES} hosts"
+        ));
     }
     Ok(())
 }
 
+/// The policy with host names replaced by the IPv4 addresses `resolve` gives for them (at the
+/// moment the rules are written; a name that does not resolve matches nothing). Addresses and
+/// CIDRs are kept as they are.
+pub async fn resolve_names<F, Fut>(p: &NetworkPolicy, resolve: F) -> NetworkPolicy
+where
+    F: Fn(String) -> Fut,
+    Fut: std::future::Future<Output = Vec<Ipv4Addr>>,
+{
+    let mut out = NetworkPolicy {
+        allow_internet_access: p.allow_internet_access,
+        allow_out: Vec::new(),
+        deny_out: Vec::new(),
+    };
+    for (from, to) in [
+        (&p.allow_out, &mut out.allow_out),
+        (&p.deny_out, &mut out.deny_out),
+    ] {
+        for e in from {
+            if parse_cidr(e).is_some() {
+                if !to.contains(e) {
+                    to.push(e.clone());
+                }
+                continue;
+            }
+            let addrs = resolve(e.clone()).await;
+            if addrs.is_empty() {
+                tracing::warn!("network policy: {e} resolves to no IPv4 address; it matches nothing");
+            }
+            for a in addrs {
+                let a = a.to_string();
+                if !to.contains(&a) {
+                    to.push(a);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Resolves a host name with the host's resolver (bounded to 5 s), IPv4 answers only.
+pub async fn system_resolve(name: String) -> Vec<Ipv4Addr> {
+    let lookup = tokio::net::lookup_host(format!("{name}:0"));
+    match tokio::time::timeout(std::time::Duration::from_secs(5), lookup).await {
+        Ok(Ok(addrs)) => {
+            let mut v: Vec<Ipv4Addr> = addrs
+                .filter_map(|a| match a.ip() {
+                    std::net::IpAddr::V4(v4) => Some(v4),
+                    std::net::IpAddr::V6(_) => None,
+                })
+                .collect();
+            v.sort();
+            v.dedup();
+            v.truncate(64);
+            v
+        }
+        _ => Vec::new(),
+    }
+}
+
+/// True when the CIDR `c` lies inside one of `ranges`.
+fn within(c: &str, ranges: &[&str]) -> bool {
+    let Some((ip, len)) = parse_cidr(c) else {
+        return false;
+    };
+    ranges.iter().filter_map(|r| parse_cidr(r)).any(|(rip, rlen)| {
+        let mask = |l: u8| if l == 0 { 0 } else { u32::MAX << (32 - u32::from(l)) };
+        len >= rlen && (u32::from(ip) & mask(rlen)) == (u32::from(rip) & mask(rlen))
+    })
+}
+
+/// The `allowOut` entries (resolved) that open part of a private range: only an entry that
+/// lies inside one does (`0.0.0.0/0` means "the internet", not the host's local networks).
+fn private_allows(p: &NetworkPolicy) -> Vec<String> {
+    p.allow_out
+        .iter()
+        .filter(|e| within(e, &PRIVATE))
+        .cloned()
+        .collect()
+}
+
+fn public_entries(list: &[String]) -> Vec<&str> {
+    list.iter()
+        .filter(|e| parse_cidr(e).is_some() && !within(e, &PRIVATE) && !within(e, &NEVER))
+        .map(|s| s.as_str())
+        .collect()
+}
+
+/// The guest's forward rules inside its namespace, after the established-traffic accept. Order:
+/// spoofed sources, never-reachable ranges, private ranges (unless an `allowOut` entry inside
+/// one opens it), `allowOut`, `denyOut`, the internet switch. Entries must be resolved
+/// ([`resolve_names`]).
 fn egress_rules(p: &NetworkPolicy) -> String {
     let mut r = String::new();
-    if !p.allow_out.is_empty() {
+    let set = |v: &[&str]| format!("{{ {} }}", v.join(", "));
+    r += &format!("    iifname \"{TAP}\" ip saddr != {GUEST_IP} drop\n");
+    r += &format!("    iifname \"{TAP}\" ip daddr {} drop\n", set(&NEVER));
+    let private = private_allows(p);
+    if !private.is_empty() {
+        let v: Vec<&str> = private.iter().map(|s| s.as_str()).collect();
         r += &format!(
-            "    iifname \"{TAP}\" ip daddr {{ {} }} accept\n",
-            p.allow_out.join(", ")
+            "    iifname \"{TAP}\" oifname \"veth0\" ip daddr {} accept\n",
+            set(&v)
         );
     }
-    if !p.deny_out.is_empty() {
+    r += &format!("    iifname \"{TAP}\" ip daddr {} drop\n", set(&PRIVATE));
+    let allow = public_entries(&p.allow_out);
+    if !allow.is_empty() {
         r += &format!(
-            "    iifname \"{TAP}\" ip daddr {{ {} }} drop\n",
-            p.deny_out.join(", ")
+            "    iifname \"{TAP}\" oifname \"veth0\" ip daddr {} accept\n",
+            set(&allow)
         );
     }
-    if !p.allow_internet_access {
-        r += &format!("    iifname \"{TAP}\" drop\n");
+    let deny = public_entries(&p.deny_out);
+    if !deny.is_empty() {
+        r += &format!("    iifname \"{TAP}\" ip daddr {} drop\n", set(&deny));
+    }
+    if p.allow_internet_access {
+        r += &format!("    iifname \"{TAP}\" oifname \"veth0\" accept\n");
     }
     r
+}
+
+/// The host's own table: the masquerade for slot egress, and the host-side copy of the
+/// isolation rules (a slot veth reaches no host socket, no other slot, and no private range
+/// its slot's `allowOut` did not open: private destinations jump, by the incoming veth, to the
+/// slot's own chain `s-<veth>`, which accepts what its `allowOut` names).
+pub fn host_ruleset() -> String {
+    format!(
+        "table ip vmon {{
+  map slot_chain {{ type ifname : verdict; }}
+  chain postrouting {{ type nat hook postrouting priority srcnat; policy accept; }}
+  chain input {{ type filter hook input priority filter; policy accept; }}
+  chain forward {{ type filter hook forward priority filter; policy accept; }}
+}}
+flush chain ip vmon postrouting
+flush chain ip vmon input
+flush chain ip vmon forward
+table ip vmon {{
+  chain postrouting {{
+    ip saddr 169.254.128.0/17 oifname != \"vmh*\" masquerade
+  }}
+  chain input {{
+    iifname \"vmh*\" ct state established,related accept
+    iifname \"vmh*\" drop
+  }}
+  chain forward {{
+    iifname \"vmh*\" oifname \"vmh*\" drop
+    iifname \"vmh*\" ip saddr != 169.254.128.0/17 drop
+    iifname \"vmh*\" ip daddr {{ {never} }} drop
+    iifname \"vmh*\" ip daddr {{ {private} }} iifname vmap @slot_chain
+    iifname \"vmh*\" ip daddr {{ {private} }} drop
+  }}
+}}",
+        never = NEVER.join(", "),
+        private = PRIVATE.join(", "),
+    )
 }
 
 impl Slots {
@@ -201,20 +403,18 @@ impl Slots {
         }
     }
 
-    /// Host-wide setup: forwarding and the masquerade for slot egress. Idempotent.
+    /// Host-wide setup: forwarding, the masquerade for slot egress and the host-side isolation
+    /// rules ([`host_ruleset`]). Idempotent: the hooked chains are rewritten; the per-slot
+    /// chains and their map entries belong to live slots and are kept.
     pub async fn prepare_host() -> anyhow::Result<()> {
         sh(
-            "sysctl -qw net.ipv4.ip_forward=1
-             nft -f - <<'EOF'
-table ip vmon
-flush table ip vmon
-table ip vmon {
-  chain postrouting {
-    type nat hook postrouting priority srcnat; policy accept;
-    ip saddr 169.254.128.0/17 oifname != \"vmh*\" masquerade
-  }
-}
+            &format!(
+                "sysctl -qw net.ipv4.ip_forward=1
+nft -f - <<'EOF'
+{}
 EOF",
+                host_ruleset()
+            ),
             "host network setup",
         )
         .await
@@ -341,12 +541,14 @@ EOF",
 
 impl Slot {
     async fn create(&self, policy: &NetworkPolicy) -> anyhow::Result<()> {
+        let policy = resolve_names(policy, system_resolve).await;
         let ns = self.netns();
         let hif = self.host_if();
         let host_ip = self.host_ip();
         let addr = self.addr();
-        // Two `ip` runs in batch mode and one shell in the namespace for the sysctl and the
-        // ruleset: a burst of forks creates several slots at once.
+        // Two `ip` runs in batch mode, one shell in the namespace for the sysctls and its
+        // ruleset, one nft run for the host's side: a burst of forks creates several slots at
+        // once. IPv6 is off in the namespace (the rules are IPv4's).
         let script = format!(
             "ip -b - <<'EOF'
 netns add {ns}
@@ -363,16 +565,51 @@ addr add {GATEWAY_IP}/30 dev {TAP}
 link set {TAP} up
 route add default via {host_ip}
 EOF
-ip netns exec {ns} sh -e -c 'echo 1 > /proc/sys/net/ipv4/ip_forward; exec nft -f -' <<'EOF'
+ip netns exec {ns} sh -e -c 'echo 1 > /proc/sys/net/ipv4/ip_forward
+for f in /proc/sys/net/ipv6/conf/all/disable_ipv6 /proc/sys/net/ipv6/conf/default/disable_ipv6; do
+  if [ -w $f ]; then echo 1 > $f; fi
+done
+exec nft -f -' <<'EOF'
+{}
+EOF
+nft -f - <<'EOF'
 {}
 EOF",
-            self.ruleset(policy)
+            self.ruleset(&policy),
+            self.host_rules(&policy)
         );
         sh(&script, &format!("creating network slot {}", self.index)).await
     }
 
+    /// This slot's chain on the host (private ranges its `allowOut` opens).
+    fn host_chain(&self) -> String {
+        format!("s-{}", self.host_if())
+    }
+
+    /// The host's side of this slot: its chain, rewritten, and its entry in the map.
+    fn host_rules(&self, policy: &NetworkPolicy) -> String {
+        let chain = self.host_chain();
+        let hif = self.host_if();
+        let mut r = format!(
+            "add chain ip vmon {chain}
+flush chain ip vmon {chain}
+add element ip vmon slot_chain {{ \"{hif}\" : jump {chain} }}
+"
+        );
+        let allows = private_allows(policy);
+        if !allows.is_empty() {
+            r += &format!(
+                "add rule ip vmon {chain} ip daddr {{ {} }} accept\n",
+                allows.join(", ")
+            );
+        }
+        r
+    }
+
+    /// The slot namespace's table. Entries of `policy` must be resolved.
     fn ruleset(&self, policy: &NetworkPolicy) -> String {
         let addr = self.addr();
+        let host_ip = self.host_ip();
         format!(
             "table ip vmon {{
   chain prerouting {{
@@ -383,25 +620,35 @@ EOF",
     type nat hook postrouting priority srcnat; policy accept;
     oifname \"veth0\" ip saddr {GUEST_IP} snat to {addr}
   }}
+  chain input {{
+    type filter hook input priority filter; policy accept;
+    iifname \"{TAP}\" drop
+  }}
   chain forward {{
-    type filter hook forward priority filter; policy accept;
+    type filter hook forward priority filter; policy drop;
     ct state established,related accept
+    iifname \"veth0\" oifname \"{TAP}\" ip saddr {host_ip} ip daddr {GUEST_IP} accept
 {}  }}
 }}",
             egress_rules(policy)
         )
     }
 
-    /// Replaces the egress policy of a live slot.
+    /// Replaces the egress policy of a live slot (in its namespace and on the host).
     pub async fn set_policy(&self, policy: &NetworkPolicy) -> anyhow::Result<()> {
         validate_policy(policy).map_err(|e| anyhow::anyhow!(e))?;
+        let policy = resolve_names(policy, system_resolve).await;
         let ns = self.netns();
         let script = format!(
             "ip netns exec {ns} nft -f - <<'EOF'
 flush table ip vmon
 {}
+EOF
+nft -f - <<'EOF'
+{}
 EOF",
-            self.ruleset(policy)
+            self.ruleset(&policy),
+            self.host_rules(&policy)
         );
         sh(&script, "updating egress policy").await
     }
@@ -409,11 +656,15 @@ EOF",
     async fn destroy(&self) -> anyhow::Result<()> {
         let ns = self.netns();
         let hif = self.host_if();
-        // Deleting the namespace takes tap0, veth0 (and so its host peer) and the nft table.
+        let chain = self.host_chain();
+        // Deleting the namespace takes tap0, veth0 (and so its host peer) and the nft table;
+        // the host's chain and map entry for the slot go here too.
         sh(
             &format!(
                 "ip netns del {ns} 2>/dev/null || true
-ip link del {hif} 2>/dev/null || true"
+ip link del {hif} 2>/dev/null || true
+nft delete element ip vmon slot_chain '{{ \"{hif}\" }}' 2>/dev/null || true
+nft delete chain ip vmon {chain} 2>/dev/null || true"
             ),
             "removing network slot",
         )
@@ -483,21 +734,131 @@ mod tests {
         assert!(last.host_if().len() <= 15, "interface names fit IFNAMSIZ");
     }
 
+    fn policy(allow: &[&str], deny: &[&str], internet: bool) -> NetworkPolicy {
+        NetworkPolicy {
+            allow_internet_access: internet,
+            allow_out: allow.iter().map(|s| s.to_string()).collect(),
+            deny_out: deny.iter().map(|s| s.to_string()).collect(),
+        }
+    }
+
     #[test]
     fn policy_validation() {
-        let mut p = NetworkPolicy {
-            allow_internet_access: false,
-            allow_out: vec!["10.0.0.0/8".into()],
-            deny_out: vec!["1.2.3.4".into()],
-        };
+        let mut p = policy(&["10.0.0.0/8", "api.example.com"], &["1.2.3.4"], false);
         assert!(validate_policy(&p).is_ok());
-        p.deny_out.push("1.2.3.4; flush ruleset".into());
-        assert!(validate_policy(&p).is_err());
-        let r = egress_rules(&NetworkPolicy {
-            allow_internet_access: false,
-            allow_out: vec![],
-            deny_out: vec![],
-        });
-        assert!(r.contains("drop"));
+        for bad in [
+            "1.2.3.4; flush ruleset",
+            "10.0.0.0/33",
+            "example",
+            "-bad.example.com",
+            "a..b",
+            "1.2.3.400",
+            "exa mple.com",
+            "x.com }",
+        ] {
+            p.deny_out = vec![bad.into()];
+            assert!(validate_policy(&p).is_err(), "{bad} accepted");
+        }
+        p.deny_out = (0..=MAX_NAMES).map(|i| format!("h{i}.example.com")).collect();
+        assert!(validate_policy(&p).is_err(), "too many names");
+    }
+
+    /// The rule lines of a chain body, in order, for assertions on what comes first.
+    fn position(rules: &str, needle: &str) -> usize {
+        rules
+            .lines()
+            .position(|l| l.contains(needle))
+            .unwrap_or_else(|| panic!("no rule with {needle:?} in\n{rules}"))
+    }
+
+    #[test]
+    fn egress_rules_drop_the_host_slots_and_private_ranges_first() {
+        let r = egress_rules(&open_policy());
+        let spoof = position(&r, &format!("ip saddr != {GUEST_IP} drop"));
+        let never = position(&r, "169.254.0.0/16");
+        let private = position(&r, "10.0.0.0/8");
+        let internet = position(&r, "oifname \"veth0\" accept");
+        assert!(spoof < never && never < private && private < internet, "{r}");
+        assert!(r.lines().nth(private).is_some_and(|l| l.ends_with("drop")));
+        for range in NEVER.iter().chain(PRIVATE.iter()) {
+            assert!(r.contains(range), "{range} missing:\n{r}");
+        }
+        // No internet: nothing accepts what the lists do not name.
+        let closed = egress_rules(&policy(&[], &[], false));
+        assert!(!closed.contains("accept"), "{closed}");
+    }
+
+    #[test]
+    fn allow_out_opens_a_private_range_only_when_it_names_one() {
+        // An entry inside a private range is accepted before the private drop.
+        let p = policy(&["10.250.0.2", "8.8.8.8"], &[], false);
+        let r = egress_rules(&p);
+        let open = position(&r, "10.250.0.2");
+        let private_drop = position(&r, "192.168.0.0/16");
+        assert!(open < private_drop, "{r}");
+        assert_eq!(private_allows(&p), vec!["10.250.0.2".to_string()]);
+        // "Everything" is the internet, not the host's local networks.
+        let p = policy(&["0.0.0.0/0"], &[], false);
+        assert!(private_allows(&p).is_empty());
+        let r = egress_rules(&p);
+        assert!(position(&r, "0.0.0.0/0") > position(&r, "192.168.0.0/16"), "{r}");
+        // Another slot or the host can never be opened.
+        let p = policy(&["169.254.128.6", "127.0.0.1"], &[], true);
+        assert!(private_allows(&p).is_empty());
+        assert!(public_entries(&p.allow_out).is_empty());
+        assert!(!egress_rules(&p).contains("169.254.128.6"));
+    }
+
+    #[test]
+    fn host_names_resolve_to_addresses_and_unknown_ones_to_nothing() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("runtime");
+        let p = policy(&["api.example.com", "1.1.1.1"], &["gone.example.com"], false);
+        let resolved = rt.block_on(resolve_names(&p, |name| async move {
+            match name.as_str() {
+                "api.example.com" => vec![Ipv4Addr::new(93, 184, 216, 34), Ipv4Addr::new(1, 1, 1, 1)],
+                _ => vec![],
+            }
+        }));
+        assert_eq!(resolved.allow_out, ["93.184.216.34", "1.1.1.1"]);
+        assert!(resolved.deny_out.is_empty());
+        assert!(!resolved.allow_internet_access);
+    }
+
+    #[test]
+    fn rulesets_are_valid_nft() {
+        // `nft -c` parses and checks without changing anything; it needs nft and root, which
+        // every machine that runs slots has.
+        if !std::process::Command::new("nft")
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success())
+        {
+            panic!("nft is missing (apt-get install nftables)");
+        }
+        let slot = Slot { block: 3, index: 7 };
+        let p = policy(&["10.250.0.2", "8.8.8.8/32", "0.0.0.0/0"], &["1.2.3.0/24"], false);
+        for text in [host_ruleset(), slot.ruleset(&p), slot.ruleset(&open_policy())] {
+            let mut child = std::process::Command::new("nft")
+                .args(["-c", "-f", "-"])
+                .stdin(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .expect("nft");
+            use std::io::Write;
+            child
+                .stdin
+                .take()
+                .expect("stdin")
+                .write_all(text.as_bytes())
+                .expect("write");
+            let out = child.wait_with_output().expect("nft -c");
+            assert!(
+                out.status.success(),
+                "{}\n{text}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
     }
 }

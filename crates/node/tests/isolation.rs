@@ -1,0 +1,350 @@
+//! Network isolation with real guests: what a guest can and cannot reach. Every packet goes to
+//! an address this test controls (another guest's slot, the host's veth ends, listeners the test
+//! binds on the host and in a namespace it makes); for ranges a test cannot host, the installed
+//! rulesets are read back as JSON (`nft -j`) and checked.
+
+mod common;
+
+use std::net::{Ipv4Addr, SocketAddr, TcpListener};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{host_lock, node, runtime, unique};
+use serde_json::Value;
+use vmon_proto::node::{NetworkPolicy, NodeControl};
+
+/// A namespace standing in for the network beyond the host: a "public" address (TEST-NET-3,
+/// never routed on the internet) and a private one, behind a veth whose host end has an address
+/// of its own (one of the host's addresses a guest must not reach).
+struct Beyond {
+    ns: String,
+}
+
+const NS: &str = "vmt-beyond";
+const HOST_IF: &str = "vmt-by0";
+const PUBLIC: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 2);
+const PUBLIC_HOST: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 1);
+const PRIVATE: Ipv4Addr = Ipv4Addr::new(10, 231, 77, 2);
+
+fn run(script: &str) {
+    let out = std::process::Command::new("sh")
+        .args(["-e", "-c", script])
+        .output()
+        .expect("sh");
+    assert!(
+        out.status.success(),
+        "{script}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+impl Beyond {
+    fn make() -> Beyond {
+        let _ = std::process::Command::new("sh")
+            .args(["-c", &format!("ip netns del {NS} 2>/dev/null; ip link del {HOST_IF} 2>/dev/null; true")])
+            .status();
+        run(&format!(
+            "ip netns add {NS}
+ip link add {HOST_IF} type veth peer name eth0 netns {NS}
+ip addr add {PUBLIC_HOST}/24 dev {HOST_IF}
+ip addr add 10.231.77.1/24 dev {HOST_IF}
+ip link set {HOST_IF} up
+ip -n {NS} link set lo up
+ip -n {NS} addr add {PUBLIC}/24 dev eth0
+ip -n {NS} addr add {PRIVATE}/24 dev eth0
+ip -n {NS} link set eth0 up"
+        ));
+        Beyond { ns: NS.into() }
+    }
+}
+
+impl Drop for Beyond {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("sh")
+            .args(["-c", &format!("ip netns del {} ; ip link del {HOST_IF}", self.ns)])
+            .status();
+    }
+}
+
+/// A listener that counts the connections it accepts, bound in `netns` (None: the host's).
+struct Listener {
+    port: u16,
+    hits: Arc<AtomicUsize>,
+}
+
+fn listen(netns: Option<&str>, ip: Ipv4Addr) -> Listener {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let hits = Arc::new(AtomicUsize::new(0));
+    let h = hits.clone();
+    let netns = netns.map(String::from);
+    std::thread::spawn(move || {
+        if let Some(ns) = netns {
+            let f = std::fs::File::open(format!("/run/netns/{ns}")).expect("netns");
+            // SAFETY: setns on a descriptor we own; it moves only this thread.
+            let rc = unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) };
+            assert_eq!(rc, 0, "setns");
+        }
+        let l = TcpListener::bind(SocketAddr::from((ip, 0))).expect("bind");
+        tx.send(l.local_addr().expect("addr").port()).expect("send");
+        for c in l.incoming() {
+            if c.is_ok() {
+                h.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+    });
+    let port = rx.recv_timeout(Duration::from_secs(10)).expect("port");
+    Listener { port, hits }
+}
+
+/// One probe per target from inside the guest: "reached" or "blocked" per line.
+async fn probe(node: &vmon_node::Node, id: &str, targets: &[(Ipv4Addr, u16)]) -> Vec<String> {
+    // Parallel probes, printed in any order: tag each with its target.
+    let cmd = targets
+        .iter()
+        .map(|(ip, port)| {
+            format!(
+                "(timeout 3 bash -c 'echo x > /dev/tcp/{ip}/{port}' 2>/dev/null && echo {ip}:{port}=reached || echo {ip}:{port}=blocked) & "
+            )
+        })
+        .collect::<String>()
+        + "wait";
+    let out = node
+        .exec(id, "root", &cmd, Duration::from_secs(60))
+        .await
+        .expect("exec");
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    targets
+        .iter()
+        .map(|(ip, port)| {
+            let key = format!("{ip}:{port}=");
+            text.lines()
+                .find_map(|l| l.strip_prefix(&key).map(String::from))
+                .unwrap_or_else(|| panic!("no answer for {key} in {text:?}"))
+        })
+        .collect()
+}
+
+/// The namespace and host chain names of the slot whose guest is reached at `addr`.
+fn slot_names(addr: Ipv4Addr) -> (String, String) {
+    let n = (u32::from(addr) - u32::from(Ipv4Addr::new(169, 254, 128, 0))) / 4;
+    let (block, index) = (n / 512, n % 512);
+    (format!("vmon{block:x}-s{index}"), format!("s-vmh{block:x}-{index}"))
+}
+
+fn nft_json(netns: Option<&str>, what: &[&str]) -> Value {
+    let mut cmd = match netns {
+        Some(ns) => {
+            let mut c = std::process::Command::new("ip");
+            c.args(["netns", "exec", ns, "nft", "-j"]);
+            c
+        }
+        None => {
+            let mut c = std::process::Command::new("nft");
+            c.arg("-j");
+            c
+        }
+    };
+    let out = cmd.args(what).output().expect("nft -j");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).expect("nft json")
+}
+
+/// The rules of `chain` as their expression lists, in order.
+fn chain_rules(doc: &Value, chain: &str) -> Vec<Vec<Value>> {
+    doc["nftables"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|o| o.get("rule"))
+        .filter(|r| r["chain"] == chain)
+        .map(|r| r["expr"].as_array().cloned().unwrap_or_default())
+        .collect()
+}
+
+fn chain_policy(doc: &Value, chain: &str) -> Option<String> {
+    doc["nftables"]
+        .as_array()?
+        .iter()
+        .filter_map(|o| o.get("chain"))
+        .find(|c| c["name"] == chain)
+        .and_then(|c| c["policy"].as_str().map(String::from))
+}
+
+/// The prefixes and addresses a rule's `ip daddr` matches, as "a.b.c.d/len" strings.
+fn daddr_set(expr: &[Value]) -> Vec<String> {
+    let mut out = Vec::new();
+    for e in expr {
+        let m = &e["match"];
+        if m["left"]["payload"]["field"] != "daddr" {
+            continue;
+        }
+        let items: Vec<Value> = match &m["right"] {
+            Value::Object(o) if o.contains_key("set") => {
+                o["set"].as_array().cloned().unwrap_or_default()
+            }
+            other => vec![other.clone()],
+        };
+        for it in items {
+            match it {
+                Value::String(s) => out.push(format!("{s}/32")),
+                Value::Object(o) if o.contains_key("prefix") => out.push(format!(
+                    "{}/{}",
+                    o["prefix"]["addr"].as_str().unwrap_or(""),
+                    o["prefix"]["len"]
+                )),
+                _ => {}
+            }
+        }
+    }
+    out
+}
+
+fn verdict(expr: &[Value]) -> Option<&'static str> {
+    expr.iter().find_map(|e| {
+        if e.get("drop").is_some() {
+            Some("drop")
+        } else if e.get("accept").is_some() {
+            Some("accept")
+        } else {
+            None
+        }
+    })
+}
+
+#[test]
+fn a_guest_reaches_only_the_internet_and_what_allow_out_opens() {
+    let node = node();
+    let _exclusive = host_lock().write();
+    let beyond = Beyond::make();
+    runtime().block_on(async {
+        let (a_id, b_id) = (unique("isoa"), unique("isob"));
+        let open = NetworkPolicy {
+            allow_internet_access: true,
+            ..Default::default()
+        };
+        // B: no internet, but its allowOut names the private server.
+        let closed = NetworkPolicy {
+            allow_internet_access: false,
+            allow_out: vec![PRIVATE.to_string()],
+            deny_out: vec![],
+        };
+        let (ra, rb) = tokio::join!(
+            node.boot_image(&a_id, 1, 384, &open),
+            node.boot_image(&b_id, 1, 384, &closed)
+        );
+        let (ra, rb) = (ra.expect("boot a"), rb.expect("boot b"));
+        let ip4 = |ip: std::net::IpAddr| match ip {
+            std::net::IpAddr::V4(v) => v,
+            other => panic!("{other}"),
+        };
+        let (a_addr, b_addr) = (ip4(ra.guest_ip), ip4(rb.guest_ip));
+        let a_host_end = Ipv4Addr::from(u32::from(a_addr) - 1);
+
+        let public = listen(Some(&beyond.ns), PUBLIC);
+        let private = listen(Some(&beyond.ns), PRIVATE);
+        let host_end = listen(None, a_host_end);
+        let host_other = listen(None, PUBLIC_HOST);
+        // A server in guest B, on a port of its own.
+        let b_srv = node
+            .exec(
+                &b_id,
+                "root",
+                "nohup python3 -c 'import socket,time\ns=socket.socket();s.bind((\"0.0.0.0\",8000));s.listen();time.sleep(600)' >/dev/null 2>&1 & echo started",
+                Duration::from_secs(60),
+            )
+            .await
+            .expect("server in b");
+        assert_eq!(String::from_utf8_lossy(&b_srv.stdout).trim(), "started");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+
+        // From A (internet allowed).
+        let got = probe(
+            &node,
+            &a_id,
+            &[
+                (PUBLIC, public.port),
+                (PRIVATE, private.port),
+                (b_addr, 49983),
+                (b_addr, 8000),
+                (Ipv4Addr::from(u32::from(b_addr) - 1), 49983),
+                (a_host_end, host_end.port),
+                (PUBLIC_HOST, host_other.port),
+                (Ipv4Addr::new(169, 254, 0, 22), 22),
+            ],
+        )
+        .await;
+        assert_eq!(
+            got,
+            ["reached", "blocked", "blocked", "blocked", "blocked", "blocked", "blocked", "blocked"],
+            "from A: public, private, B's envd, B's server, B's host end, A's host end, host address, gateway"
+        );
+        // From B (no internet; allowOut opens the private server only).
+        let got = probe(
+            &node,
+            &b_id,
+            &[(PRIVATE, private.port), (PUBLIC, public.port), (a_addr, 49983)],
+        )
+        .await;
+        assert_eq!(got, ["reached", "blocked", "blocked"], "from B: private (allowed), public, A");
+        // What the guests reached, the listeners saw; nothing else.
+        assert!(public.hits.load(Ordering::SeqCst) >= 1);
+        assert!(private.hits.load(Ordering::SeqCst) >= 1);
+        assert_eq!(host_end.hits.load(Ordering::SeqCst), 0, "host end of A's veth");
+        assert_eq!(host_other.hits.load(Ordering::SeqCst), 0, "another host address");
+
+        // Ranges a test cannot host: read the installed rules back.
+        let ns_doc = nft_json(Some(&slot_names(a_addr).0), &["list", "ruleset"]);
+        assert_eq!(chain_policy(&ns_doc, "forward").as_deref(), Some("drop"));
+        let rules = chain_rules(&ns_doc, "forward");
+        let dropped: Vec<String> = rules
+            .iter()
+            .filter(|r| verdict(r) == Some("drop"))
+            .flat_map(|r| daddr_set(r))
+            .collect();
+        for range in [
+            "169.254.0.0/16",
+            "127.0.0.0/8",
+            "10.0.0.0/8",
+            "172.16.0.0/12",
+            "192.168.0.0/16",
+            "100.64.0.0/10",
+            "224.0.0.0/3",
+        ] {
+            assert!(dropped.iter().any(|d| d == range), "{range} not dropped in the slot: {dropped:?}");
+        }
+        let host_doc = nft_json(None, &["list", "table", "ip", "vmon"]);
+        let input = chain_rules(&host_doc, "input");
+        assert!(
+            input.last().is_some_and(|r| verdict(r) == Some("drop")
+                && r.iter().any(|e| e["match"]["right"] == "vmh*")),
+            "the host drops what slots send to its own sockets: {input:?}"
+        );
+        let forward = chain_rules(&host_doc, "forward");
+        let host_dropped: Vec<String> = forward
+            .iter()
+            .filter(|r| verdict(r) == Some("drop"))
+            .flat_map(|r| daddr_set(r))
+            .collect();
+        for range in ["169.254.0.0/16", "10.0.0.0/8", "192.168.0.0/16"] {
+            assert!(host_dropped.iter().any(|d| d == range), "{range} not dropped on the host: {host_dropped:?}");
+        }
+
+        node.kill(&a_id, &ra.execution_id).await.expect("kill a");
+        node.kill(&b_id, &rb.execution_id).await.expect("kill b");
+        // The host keeps no rules for slots that are gone.
+        let host_doc = nft_json(None, &["list", "table", "ip", "vmon"]);
+        let chains: Vec<String> = host_doc["nftables"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|o| o.get("chain").and_then(|c| c["name"].as_str()).map(String::from))
+            .collect();
+        for addr in [a_addr, b_addr] {
+            let name = slot_names(addr).1;
+            assert!(!chains.contains(&name), "{name} left on the host");
+        }
+    });
+    drop(beyond);
+}
