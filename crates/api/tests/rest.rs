@@ -132,6 +132,8 @@ async fn bad_input_is_a_400_with_a_message() {
         r#"{}"#,
         r#"not json"#,
         r#"{"templateID":"base","timeout":-5}"#,
+        r#"{"templateID":"base","timeout":9223372036854775807}"#,
+        r#"{"templateID":"base","timeout":18446744073709551616}"#,
     ] {
         let r = h.req("POST", "/v2/sandboxes", Some(body)).await;
         assert_eq!(r.status, StatusCode::BAD_REQUEST, "{body}: {:?}", r.json);
@@ -159,6 +161,25 @@ async fn bad_input_is_a_400_with_a_message() {
         )
         .await;
     assert_eq!(r.status, StatusCode::BAD_REQUEST);
+    // Out-of-range numbers are 400, never a panic, and change nothing.
+    for (path, body) in [
+        ("timeout", r#"{"timeout":9223372036854775807}"#),
+        ("timeout", r#"{"timeout":86401}"#),
+        ("refreshes", r#"{"duration":9223372036854775807}"#),
+        ("connect", r#"{"timeout":9223372036854775807}"#),
+    ] {
+        let url = if path == "connect" {
+            format!("/v2/sandboxes/{id}/connect")
+        } else {
+            format!("/sandboxes/{id}/{path}")
+        };
+        let r = h.req("POST", &url, Some(body)).await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{path} {body}: {:?}", r.json);
+        assert_eq!(r.json["code"], 400);
+    }
+    let d = h.req("GET", &format!("/sandboxes/{id}"), None).await;
+    assert_eq!(d.status, StatusCode::OK, "the sandbox survived: {:?}", d.json);
+    assert_eq!(d.json["state"], "running");
     for body in [
         r#"{"count":0}"#,
         r#"{"count":101}"#,
@@ -172,6 +193,34 @@ async fn bad_input_is_a_400_with_a_message() {
     }
     // Nothing was left half-done.
     assert_eq!(h.node.running_count(), 1);
+}
+
+#[tokio::test]
+async fn metadata_and_env_vars_are_bounded() {
+    let h = harness(limits(5)).await;
+    let many: serde_json::Map<String, serde_json::Value> = (0..101)
+        .map(|i| (format!("k{i}"), serde_json::Value::from("v")))
+        .collect();
+    let bodies = [
+        serde_json::json!({"templateID": "base", "metadata": many}),
+        serde_json::json!({"templateID": "base", "metadata": {"k": "v".repeat(4097)}}),
+        serde_json::json!({"templateID": "base", "metadata": {"": "v"}}),
+        serde_json::json!({"templateID": "base", "envVars": {"A=B": "v"}}),
+        serde_json::json!({"templateID": "base", "envVars": {"BIG": "x".repeat(128 * 1024 + 1)}}),
+    ];
+    for body in bodies {
+        let text = body.to_string();
+        let r = h.req("POST", "/v2/sandboxes", Some(&text)).await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{:?}", r.json);
+        assert!(r.json["message"].as_str().is_some_and(|m| m.contains("metadata") || m.contains("envVars")));
+    }
+    assert_eq!(h.node.running_count(), 0, "nothing was started");
+    // At the bounds it is fine.
+    let ok: serde_json::Map<String, serde_json::Value> = (0..100)
+        .map(|i| (format!("k{i}"), serde_json::Value::from("v".repeat(4096))))
+        .collect();
+    let body = serde_json::json!({"templateID": "base", "metadata": ok}).to_string();
+    h.create(&body).await;
 }
 
 #[tokio::test]

@@ -348,3 +348,115 @@ fn a_guest_reaches_only_the_internet_and_what_allow_out_opens() {
     });
     drop(beyond);
 }
+
+/// The QEMU process serving the guest reached at `addr`: the one process in its slot.
+fn qemu_pid(addr: Ipv4Addr) -> u32 {
+    let out = std::process::Command::new("ip")
+        .args(["netns", "pids", &slot_names(addr).0])
+        .output()
+        .expect("ip netns pids");
+    let pids: Vec<u32> = String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .filter(|p| {
+            std::fs::read(format!("/proc/{p}/cmdline"))
+                .is_ok_and(|c| c.starts_with(b"/usr/bin/qemu-system") || c.windows(11).any(|w| w == b"qemu-system"))
+        })
+        .collect();
+    assert_eq!(pids.len(), 1, "one QEMU in the slot: {pids:?}");
+    pids[0]
+}
+
+/// The directory of `pid`'s group in the hierarchy that has `controller` (v1), or its v2 group.
+fn group_dir(pid: u32, controller: &str) -> std::path::PathBuf {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).expect("cgroup");
+    if std::path::Path::new("/sys/fs/cgroup/cgroup.controllers").exists() {
+        let path = text
+            .lines()
+            .find_map(|l| l.strip_prefix("0::"))
+            .expect("v2 line");
+        return std::path::Path::new("/sys/fs/cgroup").join(path.trim_start_matches('/'));
+    }
+    let path = text
+        .lines()
+        .find_map(|l| {
+            let mut p = l.splitn(3, ':');
+            let (_, ctrls, path) = (p.next()?, p.next()?, p.next()?);
+            ctrls.split(',').any(|c| c == controller).then_some(path)
+        })
+        .expect("v1 line");
+    std::path::Path::new("/sys/fs/cgroup")
+        .join(controller)
+        .join(path.trim_start_matches('/'))
+}
+
+fn read_num(p: std::path::PathBuf) -> String {
+    std::fs::read_to_string(&p)
+        .unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+        .trim()
+        .to_string()
+}
+
+#[test]
+fn qemu_runs_under_seccomp_in_cgroups_of_its_own() {
+    let node = node();
+    let _shared = host_lock().read();
+    runtime().block_on(async {
+        let id = unique("conf");
+        let r = node
+            .boot_image(
+                &id,
+                2,
+                384,
+                &NetworkPolicy {
+                    allow_internet_access: true,
+                    ..Default::default()
+                },
+            )
+            .await
+            .expect("boot");
+        let addr = match r.guest_ip {
+            std::net::IpAddr::V4(v) => v,
+            other => panic!("{other}"),
+        };
+        let pid = qemu_pid(addr);
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
+        let field = |name: &str| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix(name))
+                .map(|v| v.trim().to_string())
+                .unwrap_or_default()
+        };
+        assert_eq!(field("Seccomp:"), "2", "QEMU runs under a seccomp filter");
+        assert_eq!(field("NoNewPrivs:"), "1");
+        let overhead = vmon_vm::cgroup::settings().overhead_mib;
+        let want_mem = ((384 + overhead) * 1024 * 1024).to_string();
+        let want_pids = vmon_vm::cgroup::settings().pids.to_string();
+        let mem_dir = group_dir(pid, "memory");
+        assert!(
+            mem_dir.ends_with(format!("vmon/{}", mem_dir.file_name().and_then(|n| n.to_str()).unwrap_or(""))),
+            "{}",
+            mem_dir.display()
+        );
+        if std::path::Path::new("/sys/fs/cgroup/cgroup.controllers").exists() {
+            assert_eq!(read_num(mem_dir.join("memory.max")), want_mem);
+            assert_eq!(read_num(mem_dir.join("cpu.max")), "200000 100000");
+            assert_eq!(read_num(mem_dir.join("pids.max")), want_pids);
+        } else {
+            assert_eq!(read_num(mem_dir.join("memory.limit_in_bytes")), want_mem);
+            let cpu = group_dir(pid, "cpu");
+            assert_eq!(read_num(cpu.join("cpu.cfs_quota_us")), "200000");
+            assert_eq!(read_num(cpu.join("cpu.cfs_period_us")), "100000");
+            assert_eq!(read_num(group_dir(pid, "pids").join("pids.max")), want_pids);
+        }
+        // The guest still works inside its limits.
+        let out = node
+            .exec(&id, "user", "nproc", Duration::from_secs(60))
+            .await
+            .expect("exec");
+        assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "2");
+        node.kill(&id, &r.execution_id).await.expect("kill");
+        assert!(!mem_dir.exists(), "the group goes with its QEMU: {}", mem_dir.display());
+    });
+}

@@ -6,6 +6,8 @@
 //! starts it can also stop and clean up.
 
 pub mod accel;
+pub mod cgroup;
+pub mod console;
 pub mod disk;
 pub mod machine;
 pub mod memory;

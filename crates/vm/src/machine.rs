@@ -15,6 +15,10 @@ use crate::accel::Accel;
 const NET_ADDR: &str = "0x3";
 const BLK_ADDR: &str = "0x4";
 
+/// QEMU's seccomp filter as every guest runs with it.
+pub const SECCOMP: &str =
+    "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny";
+
 /// TCG translation-block cache size (MiB).
 const TCG_TB_MIB: u32 = 32;
 
@@ -113,10 +117,14 @@ impl MachineDesc {
             "-display".into(),
             "none".into(),
             "-no-reboot".into(),
+            // seccomp: no obsolete calls, no setuid/setgid, no fork/exec, no scheduler or
+            // NUMA-policy changes.
             "-sandbox".into(),
-            "on".into(),
+            SECCOMP.into(),
             "-chardev".into(),
-            format!("file,id=con0,path={}", p.console_log.display()),
+            // Appended to, so that the node can cut the log's head while QEMU writes
+            // (crate::console).
+            format!("file,id=con0,path={},append=on", p.console_log.display()),
             "-serial".into(),
             "chardev:con0".into(),
             "-qmp".into(),
@@ -265,6 +273,8 @@ mod tests {
         assert!(s.contains("-incoming defer -S"));
         assert!(s.contains(&format!("mac={GUEST_MAC}")));
         assert!(s.contains("-smp 2"));
-        assert!(s.contains("-sandbox on"));
+        assert!(s.contains(
+            "-sandbox on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
+        ));
     }
 }

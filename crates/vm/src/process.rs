@@ -1,7 +1,9 @@
 //! Starting, adopting and stopping one QEMU process.
 //!
 //! QEMU runs in its own process group (and, when given, inside the slot's network namespace),
-//! so it outlives a node restart; the node finds it again by its pidfile and QMP socket.
+//! so it outlives a node restart; the node finds it again by its pidfile and QMP socket. It runs
+//! under a seccomp filter ([`crate::machine::SECCOMP`]) and in cgroups of its own
+//! ([`crate::cgroup`]), which it enters before exec.
 
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
@@ -10,6 +12,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 
+use crate::cgroup;
 use crate::machine::{MachineDesc, NetDevice, Placement, RamSharing};
 use crate::qmp::Qmp;
 
@@ -39,6 +42,8 @@ pub struct Vm {
     pub pid: u32,
     pub qmp: Qmp,
     pub run_dir: PathBuf,
+    /// The process's tag (and its cgroups' name).
+    tag: String,
     child: Option<tokio::process::Child>,
 }
 
@@ -87,11 +92,16 @@ impl Vm {
         };
         let netns_fd = netns.as_ref().map(|f| f.as_raw_fd());
         let die_with_node = spec.die_with_node;
+        let limits = cgroup::Limits::for_guest(spec.machine.vcpus, spec.machine.memory_mb);
+        let groups = cgroup::create(&spec.tag, &limits)
+            .with_context(|| format!("cgroups for QEMU {}", spec.tag))?;
+        let procs: Vec<std::ffi::CString> = groups.map(|g| g.procs).unwrap_or_default();
         let mut cmd = tokio::process::Command::new(&spec.machine.qemu_binary);
-        // SAFETY: the closure runs in the forked child before exec and only makes two
-        // async-signal-safe system calls on values captured by copy.
+        // SAFETY: the closure runs in the forked child before exec and only makes
+        // async-signal-safe system calls on values captured by copy or prepared before the fork.
         unsafe {
             cmd.pre_exec(move || {
+                cgroup::enter(&procs)?;
                 if let Some(fd) = netns_fd {
                     if libc::setns(fd, libc::CLONE_NEWNET) != 0 {
                         return Err(std::io::Error::last_os_error());
@@ -113,9 +123,14 @@ impl Vm {
             .stderr(stderr)
             .process_group(0)
             .kill_on_drop(false);
-        let mut child = cmd
-            .spawn()
-            .with_context(|| format!("starting {}", spec.machine.qemu_binary.display()))?;
+        let mut child = match cmd.spawn() {
+            Ok(c) => c,
+            Err(e) => {
+                cgroup::remove(&spec.tag);
+                return Err(e)
+                    .with_context(|| format!("starting {}", spec.machine.qemu_binary.display()));
+            }
+        };
         let pid = child.id().unwrap_or(0);
         // Wait for the QMP socket, but notice an early exit (bad arguments, missing files).
         let connect = Qmp::connect(&qmp_sock, Duration::from_secs(30));
@@ -136,6 +151,7 @@ impl Vm {
             Err(e) => {
                 let _ = child.start_kill();
                 let _ = child.wait().await;
+                cgroup::remove(&spec.tag);
                 return Err(e);
             }
         };
@@ -143,6 +159,7 @@ impl Vm {
             pid,
             qmp,
             run_dir: spec.run_dir.clone(),
+            tag: spec.tag.clone(),
             child: Some(child),
         })
     }
@@ -165,6 +182,7 @@ impl Vm {
             pid,
             qmp,
             run_dir: run_dir.to_path_buf(),
+            tag: tag.to_string(),
             child: None,
         })
     }
@@ -190,12 +208,15 @@ impl Vm {
         if !self.wait_exit(Duration::from_secs(5)).await {
             self.kill().await;
         }
+        cgroup::remove(&self.tag);
     }
 
     /// SIGKILL, then reap.
     pub async fn kill(&mut self) {
         signal(self.pid, libc::SIGKILL);
-        let _ = self.wait_exit(Duration::from_secs(10)).await;
+        if self.wait_exit(Duration::from_secs(10)).await {
+            cgroup::remove(&self.tag);
+        }
     }
 }
 
@@ -248,6 +269,7 @@ pub fn kill_recorded(run_dir: &Path, tag: &str) -> bool {
             }
             std::thread::sleep(std::time::Duration::from_millis(10));
         }
+        cgroup::remove(tag);
         return true;
     }
     false

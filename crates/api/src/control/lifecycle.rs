@@ -102,6 +102,17 @@ pub(crate) fn validate_idempotency_key(key: &str) -> ApiResult<()> {
     }
 }
 
+/// 400 when `secs` is longer than the team's maximum lifetime.
+fn over_lifetime(team: &Team, secs: u64, what: &str) -> ApiResult<()> {
+    if secs > team.limits.max_lifetime_secs {
+        return Err(ApiError::bad_request(format!(
+            "{what} cannot be greater than {} seconds (the team's maximum lifetime)",
+            team.limits.max_lifetime_secs
+        )));
+    }
+    Ok(())
+}
+
 impl Control {
     pub async fn create(
         self: &Arc<Self>,
@@ -123,6 +134,7 @@ impl Control {
         if let Some(key) = &params.idempotency_key {
             validate_idempotency_key(key)?;
         }
+        super::check_maps(&req.metadata, &req.env_vars)?;
         if req.volume_mounts.as_ref().is_some_and(|v| !v.is_empty()) {
             return Err(ApiError::bad_request("volume mounts are not supported"));
         }
@@ -583,6 +595,7 @@ impl Control {
 
     /// `POST /sandboxes/{id}/timeout`: end = now + timeout (may shorten).
     pub async fn set_timeout(&self, team: &Team, id: &str, timeout: u64) -> ApiResult<()> {
+        over_lifetime(team, timeout, "timeout")?;
         self.update_end(team, id, |rec, now| {
             Some(now + Duration::from_secs(timeout)).filter(|t| *t != rec.end_at)
         })
@@ -591,6 +604,9 @@ impl Control {
 
     /// `POST /sandboxes/{id}/refreshes`: extends, never shortens.
     pub async fn refresh(&self, team: &Team, id: &str, duration: Option<u64>) -> ApiResult<()> {
+        if let Some(d) = duration {
+            over_lifetime(team, d, "duration")?;
+        }
         self.update_end(team, id, |rec, now| {
             let d = duration.unwrap_or(rec.timeout_secs);
             Some(now + Duration::from_secs(d)).filter(|t| *t > rec.end_at)

@@ -367,6 +367,67 @@ pub(crate) fn record_error(e: anyhow::Error) -> ApiError {
 }
 
 /// Timeouts arrive as signed integers; negative ones are a client error.
+/// The longest timeout any request may name (ten years): past it a date would not fit, and no
+/// team's lifetime is longer. Team limits are checked against the value afterwards.
+pub const MAX_TIMEOUT_SECS: u64 = 10 * 366 * 24 * 3600;
+
 pub fn timeout_secs(value: i64, what: &str) -> ApiResult<u64> {
-    u64::try_from(value).map_err(|_| ApiError::bad_request(format!("{what} must not be negative")))
+    let v = u64::try_from(value)
+        .map_err(|_| ApiError::bad_request(format!("{what} must not be negative")))?;
+    if v > MAX_TIMEOUT_SECS {
+        return Err(ApiError::bad_request(format!(
+            "{what} must be at most {MAX_TIMEOUT_SECS} seconds"
+        )));
+    }
+    Ok(v)
+}
+
+/// Bounds on what a create carries: metadata and environment variables.
+pub const MAX_METADATA_ENTRIES: usize = 100;
+pub const MAX_METADATA_KEY: usize = 256;
+pub const MAX_METADATA_VALUE: usize = 4096;
+pub const MAX_ENV_ENTRIES: usize = 1000;
+pub const MAX_ENV_KEY: usize = 256;
+pub const MAX_ENV_VALUE: usize = 128 * 1024;
+pub const MAX_ENV_TOTAL: usize = 1024 * 1024;
+
+/// 400 when `metadata` or `envVars` is larger than the bounds above (or an env name is not a
+/// name a shell can hold).
+pub fn check_maps(metadata: &crate::wire::StringMap, env: &crate::wire::StringMap) -> ApiResult<()> {
+    if metadata.len() > MAX_METADATA_ENTRIES {
+        return Err(ApiError::bad_request(format!(
+            "metadata may hold at most {MAX_METADATA_ENTRIES} entries"
+        )));
+    }
+    for (k, v) in metadata {
+        if k.is_empty() || k.len() > MAX_METADATA_KEY || v.len() > MAX_METADATA_VALUE {
+            return Err(ApiError::bad_request(format!(
+                "metadata keys are 1-{MAX_METADATA_KEY} bytes and values at most {MAX_METADATA_VALUE} bytes"
+            )));
+        }
+    }
+    if env.len() > MAX_ENV_ENTRIES {
+        return Err(ApiError::bad_request(format!(
+            "envVars may hold at most {MAX_ENV_ENTRIES} entries"
+        )));
+    }
+    let mut total = 0;
+    for (k, v) in env {
+        let name_ok = !k.is_empty()
+            && k.len() <= MAX_ENV_KEY
+            && !k.contains(['=', '\0'])
+            && !v.contains('\0');
+        if !name_ok || v.len() > MAX_ENV_VALUE {
+            return Err(ApiError::bad_request(format!(
+                "envVars names are 1-{MAX_ENV_KEY} bytes without '=' or NUL, values at most {MAX_ENV_VALUE} bytes"
+            )));
+        }
+        total += k.len() + v.len();
+    }
+    if total > MAX_ENV_TOTAL {
+        return Err(ApiError::bad_request(format!(
+            "envVars may hold at most {MAX_ENV_TOTAL} bytes in all"
+        )));
+    }
+    Ok(())
 }

@@ -91,6 +91,7 @@ pub async fn run(data_dir: &Path, args: Args) -> anyhow::Result<()> {
         }
         Err(e) => all &= line(false, "guest suite", &format!("{e:#}")),
     }
+    all &= host_checks(data_dir);
     let images = data_dir.join("images");
     let n = std::fs::read_dir(&images)
         .map(|rd| {
@@ -108,4 +109,121 @@ pub async fn run(data_dir: &Path, args: Args) -> anyhow::Result<()> {
         anyhow::bail!("some checks failed");
     }
     Ok(())
+}
+
+/// Free bytes on the filesystem holding `path` (or its nearest existing parent).
+fn free_bytes(path: &Path) -> Option<u64> {
+    let mut p = path.to_path_buf();
+    while !p.exists() {
+        p = p.parent()?.to_path_buf();
+    }
+    let c = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).ok()?;
+    // SAFETY: a zeroed statvfs is a valid out-parameter; `c` is a NUL-terminated path.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: both pointers are valid for the call.
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return None;
+    }
+    Some(st.f_bavail.saturating_mul(st.f_frsize))
+}
+
+/// The data dir's disk, the ports, name resolution for sandbox hosts, privileges and cgroups:
+/// each failure names its fix.
+fn host_checks(data_dir: &Path) -> bool {
+    let mut all = true;
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    all &= line(
+        root,
+        "root",
+        if root {
+            "running as root"
+        } else {
+            "vmon needs root (network namespaces, taps, cgroups): run it with sudo"
+        },
+    );
+    const MIN_FREE: u64 = 10 << 30;
+    match free_bytes(data_dir) {
+        Some(b) => {
+            let ok = b >= MIN_FREE;
+            all &= line(
+                ok,
+                "disk",
+                &format!(
+                    "{:.1} GiB free for {}{}",
+                    b as f64 / f64::from(1u32 << 30),
+                    data_dir.display(),
+                    if ok {
+                        ""
+                    } else {
+                        " (needs 10 GiB: free space there or pass --data-dir on a larger disk)"
+                    }
+                ),
+            );
+        }
+        None => all &= line(false, "disk", &format!("cannot stat {}", data_dir.display())),
+    }
+    let defaults = vmon_api::Config::default();
+    let ports = [
+        ("VMON_API_LISTEN", defaults.api_listen),
+        ("VMON_PROXY_LISTEN", defaults.proxy_listen),
+    ];
+    for (var, default) in ports {
+        let addr = std::env::var(var)
+            .ok()
+            .and_then(|v| v.parse::<std::net::SocketAddr>().ok())
+            .unwrap_or(default);
+        match std::net::TcpListener::bind(addr) {
+            Ok(_) => {
+                line(true, "port", &format!("{addr} is free"));
+            }
+            Err(e) => {
+                all &= line(
+                    false,
+                    "port",
+                    &format!(
+                        "{addr}: {e} (is vmon already running? stop it, or set {var} to another address)"
+                    ),
+                );
+            }
+        }
+    }
+    let nss = std::fs::read_to_string("/etc/nsswitch.conf").unwrap_or_default();
+    let myhost = nss.lines().any(|l| {
+        l.trim_start().starts_with("hosts:") && l.split_whitespace().any(|w| w == "myhostname")
+    });
+    all &= line(
+        myhost,
+        "nsswitch",
+        if myhost {
+            "*.localhost resolves (myhostname on the hosts line)"
+        } else {
+            "add 'myhostname' after 'files' on the hosts line of /etc/nsswitch.conf (apt-get install libnss-myhostname), so get_host() names resolve"
+        },
+    );
+    match vmon_vm::cgroup::detect() {
+        Ok(l) => {
+            line(
+                true,
+                "cgroups",
+                &format!(
+                    "{} ({}): each QEMU gets memory, CPU and pids limits",
+                    l.version,
+                    l.parents
+                        .iter()
+                        .map(|(_, p)| p.display().to_string())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            );
+        }
+        Err(e) => {
+            all &= line(
+                false,
+                "cgroups",
+                &format!("{e:#} (mount cgroup2 at /sys/fs/cgroup, or the v1 memory, cpu and pids controllers)"),
+            );
+        }
+    }
+    all
 }
