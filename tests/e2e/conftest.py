@@ -132,6 +132,23 @@ class Server:
         return self.vmon(*args).strip()
 
 
+def _test_ca(d: Path) -> Path:
+    """A CA and a certificate it signs for 127.0.0.1 (`leaf.pem`, `leaf.key`), for the https
+    webhook receiver; returns the CA's PEM file."""
+    d.mkdir(parents=True, exist_ok=True)
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    run = lambda *a: subprocess.run(["openssl", *a], cwd=d, check=True, capture_output=True)  # noqa: E731
+    run("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=vmon e2e CA")
+    run("req", *ec, "-keyout", "leaf.key", "-out", "leaf.csr", "-subj", "/CN=127.0.0.1")
+    (d / "leaf.ext").write_text(
+        "subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\n"
+        "keyUsage=digitalSignature\nextendedKeyUsage=serverAuth\n"
+    )
+    run("x509", "-req", "-in", "leaf.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+        "-out", "leaf.pem", "-days", "2", "-extfile", "leaf.ext")
+    return d / "ca.pem"
+
+
 @pytest.fixture(scope="session")
 def vmon():
     if os.environ.get("VMON_E2E_EXTERNAL") == "1":
@@ -156,6 +173,10 @@ def vmon():
         VMON_API_LISTEN=f"127.0.0.1:{api_port}",
         VMON_PROXY_LISTEN=f"127.0.0.1:{proxy_port}",
         VMON_LOG=os.environ.get("VMON_LOG", "info"),
+        # The webhook tests' receivers listen on this machine, over http and https (a CA
+        # made here signs the https receiver's certificate).
+        VMON_WEBHOOK_ALLOW="127.0.0.1/32",
+        VMON_WEBHOOK_CA_FILE=str(_test_ca(DATA_DIR / "webhook-tls")),
     )
     log_path = DATA_DIR / "vmon-up.log"
     log = open(log_path, "w")

@@ -9,7 +9,9 @@ import hashlib
 import hmac
 import http.server
 import json
+import ssl
 import threading
+from pathlib import Path
 
 import httpx
 from e2b import Sandbox
@@ -100,4 +102,52 @@ def test_lifecycle_webhooks_arrive_signed_and_in_order(vmon):
         if snapshot_id:
             Sandbox.delete_snapshot(snapshot_id)
         server.shutdown()
+        api.close()
+
+
+def test_https_webhooks_are_delivered_to_a_receiver_the_configured_ca_signs(vmon):
+    tls = Path(vmon.env["VMON_WEBHOOK_CA_FILE"]).parent
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Receiver)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(tls / "leaf.pem", tls / "leaf.key")
+    server.socket = ctx.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    api = httpx.Client(base_url=vmon.api_url, headers={"X-API-Key": vmon.api_key}, timeout=120)
+    hook = api.post(
+        "/events/webhooks",
+        json={
+            "name": "e2e-tls",
+            "url": f"https://127.0.0.1:{server.server_address[1]}/hook",
+            "signatureSecret": SECRET,
+            "events": ["sandbox.lifecycle.created", "sandbox.lifecycle.killed"],
+        },
+    )
+    assert hook.status_code == 201, hook.text
+    hook_id = hook.json()["id"]
+    try:
+        sbx = Sandbox.create(timeout=120)
+        sandbox_id = sbx.sandbox_id
+        sbx.kill()
+        mine = lambda: [  # noqa: E731
+            (h, b) for h, b in _Receiver.received
+            if json.loads(b)["sandbox_id"] == sandbox_id and h["e2b-webhook-id"] == hook_id
+        ]
+        got = wait_for(lambda: len(mine()) >= 2 and mine(), 60, what="two deliveries over https")
+        assert [json.loads(b)["type"] for _, b in got] == ["sandbox.lifecycle.created", "sandbox.lifecycle.killed"]
+        assert all(verify(SECRET, b, h["e2b-signature"]) for h, b in got)
+    finally:
+        api.delete(f"/events/webhooks/{hook_id}")
+        server.shutdown()
+        api.close()
+
+
+def test_webhooks_to_private_or_link_local_addresses_are_refused(vmon):
+    api = httpx.Client(base_url=vmon.api_url, headers={"X-API-Key": vmon.api_key}, timeout=60)
+    try:
+        for url in ["http://169.254.169.254/latest/meta-data", "http://10.0.0.1/hook", "http://127.0.0.2:9/"]:
+            r = api.post("/events/webhooks", json={"name": "x", "url": url, "signatureSecret": SECRET,
+                                                    "events": ["sandbox.lifecycle.created"]})
+            assert r.status_code == 400, (url, r.text)
+            assert r.json()["code"] == 400
+    finally:
         api.close()

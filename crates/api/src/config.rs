@@ -36,6 +36,12 @@ pub struct Config {
     /// The key (64 hex characters) webhook secrets are encrypted with
     /// (`VMON_WEBHOOK_KEY_FILE`); default `<data dir>/webhook-key`, created on first start.
     pub webhook_key_file: Option<std::path::PathBuf>,
+    /// Ranges webhooks may be delivered to although they are on this host or a private
+    /// network (`VMON_WEBHOOK_ALLOW`, comma-separated CIDRs), e.g. `["127.0.0.1/32"]`.
+    pub webhook_allow: Vec<String>,
+    /// A PEM file of CA certificates trusted for `https://` webhooks besides the system's
+    /// (`VMON_WEBHOOK_CA_FILE`).
+    pub webhook_ca_file: Option<std::path::PathBuf>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -70,6 +76,8 @@ impl Default for Config {
             base_template: BaseTemplate::default(),
             store_url: None,
             webhook_key_file: None,
+            webhook_allow: Vec::new(),
+            webhook_ca_file: None,
         }
     }
 }
@@ -138,6 +146,18 @@ impl Config {
         if let Some(v) = var("VMON_WEBHOOK_KEY_FILE") {
             self.webhook_key_file = (!v.is_empty()).then(|| v.into());
         }
+        if let Some(v) = var("VMON_WEBHOOK_ALLOW") {
+            self.webhook_allow = v
+                .split(',')
+                .map(|s| s.trim().to_string())
+                .filter(|s| !s.is_empty())
+                .collect();
+        }
+        if let Some(v) = var("VMON_WEBHOOK_CA_FILE") {
+            self.webhook_ca_file = (!v.is_empty()).then(|| v.into());
+        }
+        crate::control::WebhookTargets::new(&self.webhook_allow)
+            .map_err(|e| anyhow::anyhow!("webhook_allow: {e}"))?;
         if let Some(v) = var("VMON_BASE_VCPUS") {
             self.base_template.vcpus = parse("VMON_BASE_VCPUS", v)?;
         }

@@ -255,6 +255,21 @@ async fn sandbox_events(
     Ok(Json(events.into_iter().map(EventView::from).collect()))
 }
 
+/// Webhooks per team.
+const MAX_WEBHOOKS_PER_TEAM: usize = 50;
+
+/// 400 when the URL's host is on this host or a network behind it (`control/targets.rs`).
+async fn check_destination(s: &AppState, url: &str) -> ApiResult<()> {
+    let uri: axum::http::Uri = url
+        .parse()
+        .map_err(|_| ApiError::bad_request(format!("url {url:?} is not a valid URL")))?;
+    let host = uri.host().unwrap_or_default();
+    match s.control.webhook_targets().refusal(host).await {
+        Some(why) => Err(ApiError::bad_request(why)),
+        None => Ok(()),
+    }
+}
+
 fn validate_url(url: &str) -> ApiResult<()> {
     if url.len() > MAX_URL {
         return Err(ApiError::bad_request(format!(
@@ -345,6 +360,19 @@ async fn create_webhook(
     let req: NewWebhookRequest = body(&bytes)?;
     let url = req.url.trim().to_string();
     validate_url(&url)?;
+    check_destination(&s, &url).await?;
+    let have = s
+        .control
+        .records()
+        .webhooks(&team.id)
+        .await
+        .map_err(record_error)?
+        .len();
+    if have >= MAX_WEBHOOKS_PER_TEAM {
+        return Err(ApiError::too_many(format!(
+            "a team may have at most {MAX_WEBHOOKS_PER_TEAM} webhooks (delete one first)"
+        )));
+    }
     let events = validate_events(&req.events)?;
     validate_secret(&req.signature_secret)?;
     let name = req.name.unwrap_or_default().trim().to_string();
@@ -410,6 +438,7 @@ async fn patch_webhook(
     let url = req.url.map(|u| u.trim().to_string());
     if let Some(url) = &url {
         validate_url(url)?;
+        check_destination(&s, url).await?;
     }
     let events = req.events.as_deref().map(validate_events).transpose()?;
     if let Some(secret) = &req.signature_secret {

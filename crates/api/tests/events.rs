@@ -659,7 +659,8 @@ async fn network_updates_reach_the_node_and_emit_updated() {
     let h = harness(limits()).await;
     let id = h.create(r#"{"templateID":"base"}"#).await;
     for bad in [
-        r#"{"allowOut":["example.com"]}"#,
+        r#"{"allowOut":["exa mple.com"]}"#,
+        r#"{"allowOut":["example.com; flush ruleset"]}"#,
         r#"{"denyOut":["10.0.0.0/33"]}"#,
         r#"{"dnsServers":["::1"]}"#,
         r#"{"allowOut":"8.8.8.8"}"#,
@@ -719,4 +720,57 @@ async fn network_updates_reach_the_node_and_emit_updated() {
         )
         .await;
     assert_eq!(r.status, StatusCode::NOT_FOUND);
+}
+
+#[tokio::test]
+async fn webhooks_to_this_host_or_private_networks_are_refused() {
+    let h = harness(limits()).await;
+    for url in [
+        "http://169.254.169.254/latest/meta-data",
+        "http://10.0.0.1/hook",
+        "http://192.168.1.10:8080/hook",
+        "http://127.0.0.2:9/hook",
+        "http://[::1]:9/hook",
+        "http://[::ffff:127.0.0.2]:9/hook",
+        "http://0.0.0.0:9/hook",
+    ] {
+        let body = serde_json::json!({
+            "name": "x", "url": url, "events": ["sandbox.lifecycle.created"],
+            "signatureSecret": "s3cret-s3cret",
+        });
+        let r = h
+            .req("POST", "/events/webhooks", Some(&body.to_string()))
+            .await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{url}: {:?}", r.json);
+        assert!(
+            r.json["message"]
+                .as_str()
+                .unwrap_or("")
+                .contains("webhook_allow"),
+            "{:?}",
+            r.json
+        );
+    }
+    assert!(h.records.webhooks(&h.team_id).await.unwrap().is_empty());
+    // What the operator allowed (127.0.0.1/32 in this harness) is fine, and a PATCH to a
+    // refused address is refused again.
+    let body = serde_json::json!({
+        "name": "ok", "url": "http://127.0.0.1:9/hook", "events": ["sandbox.lifecycle.created"],
+        "signatureSecret": "s3cret-s3cret",
+    });
+    let r = h
+        .req("POST", "/events/webhooks", Some(&body.to_string()))
+        .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{:?}", r.json);
+    let id = r.json["id"].as_str().unwrap().to_string();
+    let r = h
+        .req(
+            "PATCH",
+            &format!("/events/webhooks/{id}"),
+            Some(r#"{"url":"http://169.254.169.254/"}"#),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST, "{:?}", r.json);
+    let r = h.req("GET", &format!("/events/webhooks/{id}"), None).await;
+    assert_eq!(r.json["url"], "http://127.0.0.1:9/hook");
 }

@@ -174,11 +174,21 @@ async fn bad_input_is_a_400_with_a_message() {
             format!("/sandboxes/{id}/{path}")
         };
         let r = h.req("POST", &url, Some(body)).await;
-        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{path} {body}: {:?}", r.json);
+        assert_eq!(
+            r.status,
+            StatusCode::BAD_REQUEST,
+            "{path} {body}: {:?}",
+            r.json
+        );
         assert_eq!(r.json["code"], 400);
     }
     let d = h.req("GET", &format!("/sandboxes/{id}"), None).await;
-    assert_eq!(d.status, StatusCode::OK, "the sandbox survived: {:?}", d.json);
+    assert_eq!(
+        d.status,
+        StatusCode::OK,
+        "the sandbox survived: {:?}",
+        d.json
+    );
     assert_eq!(d.json["state"], "running");
     for body in [
         r#"{"count":0}"#,
@@ -212,7 +222,9 @@ async fn metadata_and_env_vars_are_bounded() {
         let text = body.to_string();
         let r = h.req("POST", "/v2/sandboxes", Some(&text)).await;
         assert_eq!(r.status, StatusCode::BAD_REQUEST, "{:?}", r.json);
-        assert!(r.json["message"].as_str().is_some_and(|m| m.contains("metadata") || m.contains("envVars")));
+        assert!(r.json["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("metadata") || m.contains("envVars")));
     }
     assert_eq!(h.node.running_count(), 0, "nothing was started");
     // At the bounds it is fine.

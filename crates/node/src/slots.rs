@@ -95,12 +95,7 @@ async fn sh(script: &str, what: &str) -> anyhow::Result<()> {
 /// Destinations no guest ever reaches, whatever its policy says: this host and every slot
 /// (169.254.0.0/16 holds the slot range and cloud metadata services), loopback, "this network",
 /// multicast, reserved and broadcast.
-pub const NEVER: [&str; 4] = [
-    "0.0.0.0/8",
-    "127.0.0.0/8",
-    "169.254.0.0/16",
-    "224.0.0.0/3",
-];
+pub const NEVER: [&str; 4] = ["0.0.0.0/8", "127.0.0.0/8", "169.254.0.0/16", "224.0.0.0/3"];
 
 /// Private and shared ranges beyond the host: dropped unless an `allowOut` entry opens them (an
 /// operator's choice, e.g. a database on the local network).
@@ -130,21 +125,7 @@ fn valid_target(s: &str) -> bool {
     parse_cidr(s).is_some() || is_host_name(s)
 }
 
-/// A DNS name as E2B's `allowOut` takes them (`example.com`, `api.example.com`): letters,
-/// digits and hyphens in dot-separated labels, at least one dot.
-pub fn is_host_name(s: &str) -> bool {
-    s.len() <= 253
-        && s.contains('.')
-        && s.parse::<Ipv4Addr>().is_err()
-        && s.split('.').all(|l| {
-            !l.is_empty()
-                && l.len() <= 63
-                && !l.starts_with('-')
-                && !l.ends_with('-')
-                && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
-        })
-        && !s.rsplit('.').next().is_some_and(|tld| tld.bytes().all(|b| b.is_ascii_digit()))
-}
+pub use vmon_proto::node::is_host_name;
 
 /// Checks a policy's entries (IPv4 addresses, CIDRs or host names).
 pub fn validate_policy(p: &NetworkPolicy) -> Result<(), String> {
@@ -198,7 +179,9 @@ where
             }
             let addrs = resolve(e.clone()).await;
             if addrs.is_empty() {
-                tracing::warn!("network policy: {e} resolves to no IPv4 address; it matches nothing");
+                tracing::warn!(
+                    "network policy: {e} resolves to no IPv4 address; it matches nothing"
+                );
             }
             for a in addrs {
                 let a = a.to_string();
@@ -236,10 +219,19 @@ fn within(c: &str, ranges: &[&str]) -> bool {
     let Some((ip, len)) = parse_cidr(c) else {
         return false;
     };
-    ranges.iter().filter_map(|r| parse_cidr(r)).any(|(rip, rlen)| {
-        let mask = |l: u8| if l == 0 { 0 } else { u32::MAX << (32 - u32::from(l)) };
-        len >= rlen && (u32::from(ip) & mask(rlen)) == (u32::from(rip) & mask(rlen))
-    })
+    ranges
+        .iter()
+        .filter_map(|r| parse_cidr(r))
+        .any(|(rip, rlen)| {
+            let mask = |l: u8| {
+                if l == 0 {
+                    0
+                } else {
+                    u32::MAX << (32 - u32::from(l))
+                }
+            };
+            len >= rlen && (u32::from(ip) & mask(rlen)) == (u32::from(rip) & mask(rlen))
+        })
 }
 
 /// The `allowOut` entries (resolved) that open part of a private range: only an entry that
@@ -759,7 +751,9 @@ mod tests {
             p.deny_out = vec![bad.into()];
             assert!(validate_policy(&p).is_err(), "{bad} accepted");
         }
-        p.deny_out = (0..=MAX_NAMES).map(|i| format!("h{i}.example.com")).collect();
+        p.deny_out = (0..=MAX_NAMES)
+            .map(|i| format!("h{i}.example.com"))
+            .collect();
         assert!(validate_policy(&p).is_err(), "too many names");
     }
 
@@ -778,7 +772,10 @@ mod tests {
         let never = position(&r, "169.254.0.0/16");
         let private = position(&r, "10.0.0.0/8");
         let internet = position(&r, "oifname \"veth0\" accept");
-        assert!(spoof < never && never < private && private < internet, "{r}");
+        assert!(
+            spoof < never && never < private && private < internet,
+            "{r}"
+        );
         assert!(r.lines().nth(private).is_some_and(|l| l.ends_with("drop")));
         for range in NEVER.iter().chain(PRIVATE.iter()) {
             assert!(r.contains(range), "{range} missing:\n{r}");
@@ -801,7 +798,10 @@ mod tests {
         let p = policy(&["0.0.0.0/0"], &[], false);
         assert!(private_allows(&p).is_empty());
         let r = egress_rules(&p);
-        assert!(position(&r, "0.0.0.0/0") > position(&r, "192.168.0.0/16"), "{r}");
+        assert!(
+            position(&r, "0.0.0.0/0") > position(&r, "192.168.0.0/16"),
+            "{r}"
+        );
         // Another slot or the host can never be opened.
         let p = policy(&["169.254.128.6", "127.0.0.1"], &[], true);
         assert!(private_allows(&p).is_empty());
@@ -814,10 +814,16 @@ mod tests {
         let rt = tokio::runtime::Builder::new_current_thread()
             .build()
             .expect("runtime");
-        let p = policy(&["api.example.com", "1.1.1.1"], &["gone.example.com"], false);
+        let p = policy(
+            &["api.example.com", "1.1.1.1"],
+            &["gone.example.com"],
+            false,
+        );
         let resolved = rt.block_on(resolve_names(&p, |name| async move {
             match name.as_str() {
-                "api.example.com" => vec![Ipv4Addr::new(93, 184, 216, 34), Ipv4Addr::new(1, 1, 1, 1)],
+                "api.example.com" => {
+                    vec![Ipv4Addr::new(93, 184, 216, 34), Ipv4Addr::new(1, 1, 1, 1)]
+                }
                 _ => vec![],
             }
         }));
@@ -838,8 +844,16 @@ mod tests {
             panic!("nft is missing (apt-get install nftables)");
         }
         let slot = Slot { block: 3, index: 7 };
-        let p = policy(&["10.250.0.2", "8.8.8.8/32", "0.0.0.0/0"], &["1.2.3.0/24"], false);
-        for text in [host_ruleset(), slot.ruleset(&p), slot.ruleset(&open_policy())] {
+        let p = policy(
+            &["10.250.0.2", "8.8.8.8/32", "0.0.0.0/0"],
+            &["1.2.3.0/24"],
+            false,
+        );
+        for text in [
+            host_ruleset(),
+            slot.ruleset(&p),
+            slot.ruleset(&open_policy()),
+        ] {
             let mut child = std::process::Command::new("nft")
                 .args(["-c", "-f", "-"])
                 .stdin(std::process::Stdio::piped())

@@ -43,7 +43,10 @@ fn run(script: &str) {
 impl Beyond {
     fn make() -> Beyond {
         let _ = std::process::Command::new("sh")
-            .args(["-c", &format!("ip netns del {NS} 2>/dev/null; ip link del {HOST_IF} 2>/dev/null; true")])
+            .args([
+                "-c",
+                &format!("ip netns del {NS} 2>/dev/null; ip link del {HOST_IF} 2>/dev/null; true"),
+            ])
             .status();
         run(&format!(
             "ip netns add {NS}
@@ -63,7 +66,10 @@ ip -n {NS} link set eth0 up"
 impl Drop for Beyond {
     fn drop(&mut self) {
         let _ = std::process::Command::new("sh")
-            .args(["-c", &format!("ip netns del {} ; ip link del {HOST_IF}", self.ns)])
+            .args([
+                "-c",
+                &format!("ip netns del {} ; ip link del {HOST_IF}", self.ns),
+            ])
             .status();
     }
 }
@@ -130,7 +136,10 @@ async fn probe(node: &vmon_node::Node, id: &str, targets: &[(Ipv4Addr, u16)]) ->
 fn slot_names(addr: Ipv4Addr) -> (String, String) {
     let n = (u32::from(addr) - u32::from(Ipv4Addr::new(169, 254, 128, 0))) / 4;
     let (block, index) = (n / 512, n % 512);
-    (format!("vmon{block:x}-s{index}"), format!("s-vmh{block:x}-{index}"))
+    (
+        format!("vmon{block:x}-s{index}"),
+        format!("s-vmh{block:x}-{index}"),
+    )
 }
 
 fn nft_json(netns: Option<&str>, what: &[&str]) -> Value {
@@ -147,7 +156,11 @@ fn nft_json(netns: Option<&str>, what: &[&str]) -> Value {
         }
     };
     let out = cmd.args(what).output().expect("nft -j");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     serde_json::from_slice(&out.stdout).expect("nft json")
 }
 
@@ -359,8 +372,9 @@ fn qemu_pid(addr: Ipv4Addr) -> u32 {
         .split_whitespace()
         .filter_map(|p| p.parse().ok())
         .filter(|p| {
-            std::fs::read(format!("/proc/{p}/cmdline"))
-                .is_ok_and(|c| c.starts_with(b"/usr/bin/qemu-system") || c.windows(11).any(|w| w == b"qemu-system"))
+            std::fs::read(format!("/proc/{p}/cmdline")).is_ok_and(|c| {
+                c.starts_with(b"/usr/bin/qemu-system") || c.windows(11).any(|w| w == b"qemu-system")
+            })
         })
         .collect();
     assert_eq!(pids.len(), 1, "one QEMU in the slot: {pids:?}");
@@ -435,7 +449,10 @@ fn qemu_runs_under_seccomp_in_cgroups_of_its_own() {
         let want_pids = vmon_vm::cgroup::settings().pids.to_string();
         let mem_dir = group_dir(pid, "memory");
         assert!(
-            mem_dir.ends_with(format!("vmon/{}", mem_dir.file_name().and_then(|n| n.to_str()).unwrap_or(""))),
+            mem_dir.ends_with(format!(
+                "vmon/{}",
+                mem_dir.file_name().and_then(|n| n.to_str()).unwrap_or("")
+            )),
             "{}",
             mem_dir.display()
         );
@@ -457,6 +474,10 @@ fn qemu_runs_under_seccomp_in_cgroups_of_its_own() {
             .expect("exec");
         assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "2");
         node.kill(&id, &r.execution_id).await.expect("kill");
-        assert!(!mem_dir.exists(), "the group goes with its QEMU: {}", mem_dir.display());
+        assert!(
+            !mem_dir.exists(),
+            "the group goes with its QEMU: {}",
+            mem_dir.display()
+        );
     });
 }

@@ -17,10 +17,28 @@ pub type BuildId = String;
 pub struct NetworkPolicy {
     /// `false` drops all guest egress (E2B `allow_internet_access=false`).
     pub allow_internet_access: bool,
-    /// CIDRs or IPs always allowed even when egress is otherwise denied.
+    /// CIDRs, IPs or host names always allowed even when egress is otherwise denied.
     pub allow_out: Vec<String>,
-    /// CIDRs or IPs always denied.
+    /// CIDRs, IPs or host names always denied.
     pub deny_out: Vec<String>,
+}
+
+/// A DNS name as E2B's `allowOut` takes them (`example.com`, `api.example.com`): letters,
+/// digits and hyphens in dot-separated labels, at least one dot, not all-numeric at the end.
+pub fn is_host_name(s: &str) -> bool {
+    s.len() <= 253
+        && s.contains('.')
+        && s.split('.').all(|l| {
+            !l.is_empty()
+                && l.len() <= 63
+                && !l.starts_with('-')
+                && !l.ends_with('-')
+                && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+        })
+        && !s
+            .rsplit('.')
+            .next()
+            .is_some_and(|tld| tld.bytes().all(|b| b.is_ascii_digit()))
 }
 
 /// What a node needs to start (restore or cold-boot) a sandbox from a build.

@@ -125,13 +125,13 @@ pub fn detect() -> anyhow::Result<Layout> {
     for c in ["memory", "cpu", "pids"] {
         let mount = root.join(c);
         if !mount.join("cgroup.procs").exists() {
-            bail!("no cgroup v2 and no v1 {c} controller at {}", mount.display());
+            bail!(
+                "no cgroup v2 and no v1 {c} controller at {}",
+                mount.display()
+            );
         }
         let own = own_v1_path(c).unwrap_or_else(|| "/".into());
-        parents.push((
-            c,
-            mount.join(own.trim_start_matches('/')).join("vmon"),
-        ));
+        parents.push((c, mount.join(own.trim_start_matches('/')).join("vmon")));
     }
     Ok(Layout {
         version: Version::V1,
@@ -214,7 +214,10 @@ pub fn create(tag: &str, limits: &Limits) -> anyhow::Result<Option<Groups>> {
             }
             (Version::V1, "cpu") => {
                 write(&dir.join("cpu.cfs_period_us"), &CPU_PERIOD_US.to_string())?;
-                write(&dir.join("cpu.cfs_quota_us"), &limits.cpu_quota_us.to_string())?;
+                write(
+                    &dir.join("cpu.cfs_quota_us"),
+                    &limits.cpu_quota_us.to_string(),
+                )?;
             }
             (Version::V1, _) => {
                 write(&dir.join("pids.max"), &limits.pids.to_string())?;

@@ -16,7 +16,10 @@ pub const DEFAULT_MAX_BYTES: u64 = 4 * 1024 * 1024;
 /// when it is larger than `max`; returns the bytes removed. The first line left may be partial:
 /// readers skip up to the first newline of a file that was cut ([`was_cut`]).
 pub fn cap(path: &Path, max: u64, keep: u64) -> std::io::Result<u64> {
-    let f = std::fs::OpenOptions::new().read(true).write(true).open(path)?;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)?;
     let meta = f.metadata()?;
     let len = meta.len();
     if len <= max || keep >= len {
@@ -97,7 +100,11 @@ mod tests {
         // The writer keeps appending at the end, after the cut.
         writeln!(w, "after the cut").expect("write");
         let text = std::fs::read_to_string(&p).expect("read");
-        assert!(text.ends_with("line 00199999\nafter the cut\n"), "{}", &text[text.len() - 40..]);
+        assert!(
+            text.ends_with("line 00199999\nafter the cut\n"),
+            "{}",
+            &text[text.len() - 40..]
+        );
         assert!(!text.contains("line 00000000"));
         assert!(was_cut(&p));
         // Under the bound nothing happens.

@@ -16,8 +16,7 @@ const NET_ADDR: &str = "0x3";
 const BLK_ADDR: &str = "0x4";
 
 /// QEMU's seccomp filter as every guest runs with it.
-pub const SECCOMP: &str =
-    "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny";
+pub const SECCOMP: &str = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny";
 
 /// TCG translation-block cache size (MiB).
 const TCG_TB_MIB: u32 = 32;

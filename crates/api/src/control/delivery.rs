@@ -3,8 +3,9 @@
 //! webhook, events go out one at a time in outbox order: up to three attempts (500 ms, then
 //! 1 s apart), each cut after 10 s, every attempt recorded; after the last, on to the next.
 //!
-//! Plain `http://` only: an `https://` webhook is accepted, but each attempt to it is recorded
-//! as failed (no TLS client in this build).
+//! `http://` and `https://` (rustls; the system's CA certificates plus `webhook_ca_file`). The
+//! connector resolves names itself and connects only to addresses `targets.rs` allows, so a
+//! webhook never reaches this host or the networks behind it unless the operator opened them.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
@@ -23,6 +24,7 @@ use time::OffsetDateTime;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
+use super::targets::{VettedResolver, WebhookTargets};
 use super::{rfc3339, Control};
 use crate::records::{DeliveryAttempt, Event, OutboxItem};
 use crate::telemetry::WebhookOutcome;
@@ -110,7 +112,57 @@ pub fn signature(secret: &str, body: &[u8]) -> String {
     base64::engine::general_purpose::STANDARD_NO_PAD.encode(hash.finalize())
 }
 
-type HttpClient = Client<HttpConnector, Full<Bytes>>;
+type HttpClient = Client<hyper_rustls::HttpsConnector<HttpConnector<VettedResolver>>, Full<Bytes>>;
+
+/// The TLS settings of deliveries: the system's roots, plus the configured CA file's.
+fn tls_config(ca_file: Option<&std::path::Path>) -> anyhow::Result<rustls::ClientConfig> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::CertificateDer;
+    let mut roots = rustls::RootCertStore::empty();
+    let native = rustls_native_certs::load_native_certs();
+    for c in native.certs {
+        let _ = roots.add(c);
+    }
+    if let Some(path) = ca_file {
+        let certs = CertificateDer::pem_file_iter(path)
+            .map_err(|e| anyhow::anyhow!("reading {}: {e}", path.display()))?;
+        for c in certs {
+            let c = c.map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+            roots
+                .add(c)
+                .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        }
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    Ok(rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()?
+        .with_root_certificates(roots)
+        .with_no_client_auth())
+}
+
+/// The delivery client: vetted addresses, TLS when the URL says so, 10 s to connect. An
+/// unusable CA file is logged and the system's CAs are trusted alone.
+fn client(
+    targets: Arc<WebhookTargets>,
+    ca_file: Option<&std::path::Path>,
+) -> anyhow::Result<HttpClient> {
+    let tls = match tls_config(ca_file) {
+        Ok(t) => t,
+        Err(e) => {
+            tracing::error!(error = %e, "webhook CA file unusable; trusting the system's CAs only");
+            tls_config(None)?
+        }
+    };
+    let mut http = HttpConnector::new_with_resolver(VettedResolver { targets });
+    http.enforce_http(false);
+    http.set_connect_timeout(Some(Duration::from_secs(10)));
+    let https = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(tls)
+        .https_or_http()
+        .enable_http1()
+        .wrap_connector(http);
+    Ok(Client::builder(TokioExecutor::new()).build(https))
+}
 
 /// Why an attempt got no status.
 enum Attempt {
@@ -126,7 +178,16 @@ impl Control {
     /// Delivers webhook events as leader `epoch` until `stop` fires or a newer leader claims
     /// the outbox.
     pub(crate) async fn run_dispatcher(self: Arc<Self>, epoch: i64, stop: CancellationToken) {
-        let client: HttpClient = Client::builder(TokioExecutor::new()).build_http();
+        let client = match client(
+            self.webhook_targets.clone(),
+            self.config.webhook_ca_file.as_deref(),
+        ) {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::error!(error = %e, "no webhook client; deliveries wait for a restart");
+                return;
+            }
+        };
         let in_flight: InFlight = Arc::default();
         let mut queues: HashMap<String, mpsc::UnboundedSender<OutboxItem>> = HashMap::new();
         let mut workers = tokio::task::JoinSet::new();
@@ -249,7 +310,9 @@ impl Control {
             let outcome = match request {
                 Err(e) => Err(Attempt::Failed(format!("invalid request: {e}"))),
                 Ok(request) => {
-                    match tokio::time::timeout(policy.timeout, post(client, request)).await {
+                    let targets = &self.webhook_targets;
+                    match tokio::time::timeout(policy.timeout, post(client, targets, request)).await
+                    {
                         Ok(result) => result.map_err(Attempt::Failed),
                         Err(_) => Err(Attempt::TimedOut(format!(
                             "no answer within {} ms",
@@ -298,9 +361,23 @@ impl Control {
 }
 
 /// Sends one request and reads the (bounded) answer; the status on any answer.
-async fn post(client: &HttpClient, request: Request<Full<Bytes>>) -> Result<u16, String> {
-    if request.uri().scheme_str() == Some("https") {
-        return Err("https delivery is not supported by this server; use an http:// URL".into());
+async fn post(
+    client: &HttpClient,
+    targets: &WebhookTargets,
+    request: Request<Full<Bytes>>,
+) -> Result<u16, String> {
+    // The connector vets what it resolves; a literal address it does not resolve is vetted here.
+    let host = request.uri().host().unwrap_or_default();
+    if let Ok(ip) = host
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .parse::<std::net::IpAddr>()
+    {
+        if !targets.allowed(ip) {
+            return Err(format!(
+                "{ip} is an address webhooks may not reach (this host or a private network)"
+            ));
+        }
     }
     let response = client.request(request).await.map_err(|e| chain(&e))?;
     let status = response.status().as_u16();

@@ -15,6 +15,7 @@ mod lifecycle;
 mod network;
 mod reaper;
 mod routes;
+mod targets;
 
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
@@ -36,6 +37,7 @@ pub use checkpoint::{parse_template_ref, TemplateRef};
 pub use delivery::{signature, DeliveryPolicy, WebhookPayload};
 pub use lifecycle::{CreateParams, KillReason};
 pub use routes::ProxyRoutes;
+pub use targets::WebhookTargets;
 
 /// The control plane's core, shared by the REST handlers, the reaper and the proxy.
 pub struct Control {
@@ -48,6 +50,8 @@ pub struct Control {
     /// Wakes this process's webhook dispatcher after a commit queued deliveries.
     pub(crate) deliveries_due: tokio::sync::Notify,
     pub(crate) delivery_policy: DeliveryPolicy,
+    /// Where webhooks may go (`targets.rs`).
+    pub(crate) webhook_targets: Arc<WebhookTargets>,
     /// Held while a builtin template (`builtin.rs`) is being built.
     builtin_builds: tokio::sync::Mutex<()>,
 }
@@ -60,8 +64,13 @@ impl Control {
         records: Arc<dyn Records>,
         kv: Kv,
     ) -> anyhow::Result<Arc<Control>> {
+        let webhook_targets = Arc::new(
+            WebhookTargets::new(&config.webhook_allow)
+                .map_err(|e| anyhow::anyhow!("webhook_allow: {e}"))?,
+        );
         let control = Arc::new(Control {
             config,
+            webhook_targets,
             node,
             records,
             kv,
@@ -76,6 +85,10 @@ impl Control {
 
     pub fn config(&self) -> &Config {
         &self.config
+    }
+
+    pub fn webhook_targets(&self) -> &WebhookTargets {
+        &self.webhook_targets
     }
 
     pub fn records(&self) -> &Arc<dyn Records> {
@@ -393,7 +406,10 @@ pub const MAX_ENV_TOTAL: usize = 1024 * 1024;
 
 /// 400 when `metadata` or `envVars` is larger than the bounds above (or an env name is not a
 /// name a shell can hold).
-pub fn check_maps(metadata: &crate::wire::StringMap, env: &crate::wire::StringMap) -> ApiResult<()> {
+pub fn check_maps(
+    metadata: &crate::wire::StringMap,
+    env: &crate::wire::StringMap,
+) -> ApiResult<()> {
     if metadata.len() > MAX_METADATA_ENTRIES {
         return Err(ApiError::bad_request(format!(
             "metadata may hold at most {MAX_METADATA_ENTRIES} entries"

@@ -35,9 +35,12 @@ pub(crate) fn validate(update: &NetworkUpdate) -> ApiResult<()> {
                 "{field} may hold at most {MAX_RULES} entries"
             )));
         }
-        if let Some(bad) = list.iter().find(|e| !valid_cidr(e.trim())) {
+        if let Some(bad) = list.iter().find(|e| {
+            let e = e.trim();
+            !valid_cidr(e) && !vmon_proto::node::is_host_name(e)
+        }) {
             return Err(ApiError::bad_request(format!(
-                "{field} entry {bad:?} is not an IP address or CIDR block (domain names are not supported)"
+                "{field} entry {bad:?} is not an IP address, CIDR block or host name"
             )));
         }
     }

@@ -265,6 +265,8 @@ pub async fn harness_at(guest_ip: IpAddr, limits: TeamLimits) -> Harness {
     let node = FakeNode::new(guest_ip);
     let config = Config {
         lock_wait_secs: 5,
+        // The tests' webhook receivers listen on loopback.
+        webhook_allow: vec!["127.0.0.1/32".into()],
         ..Config::default()
     };
     let records = Arc::new(StoreRecords::open(&config, dir.path()).await.unwrap());

@@ -161,7 +161,13 @@ fn host_checks(data_dir: &Path) -> bool {
                 ),
             );
         }
-        None => all &= line(false, "disk", &format!("cannot stat {}", data_dir.display())),
+        None => {
+            all &= line(
+                false,
+                "disk",
+                &format!("cannot stat {}", data_dir.display()),
+            )
+        }
     }
     let defaults = vmon_api::Config::default();
     let ports = [

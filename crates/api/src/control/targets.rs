@@ -1,0 +1,339 @@
+//! Where webhooks may go: never to this host or the networks behind it unless the operator says
+//! so. A webhook URL is checked when it is registered or changed (400 if its host is, or
+//! resolves to, a refused address) and again at every delivery, where the connector connects
+//! only to the addresses it vetted itself (so a name that later resolves elsewhere, DNS
+//! rebinding, gains nothing).
+//!
+//! Refused: loopback, link-local (169.254/16 holds every sandbox slot and cloud metadata),
+//! private and shared ranges, "this network", multicast, reserved, broadcast, IPv6 loopback,
+//! link-local and unique-local, and every address of this host's interfaces. The operator opens
+//! ranges with `webhook_allow` (`VMON_WEBHOOK_ALLOW`, CIDRs), e.g. `127.0.0.1/32` for a receiver
+//! on this machine.
+
+use std::future::Future;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use hyper_util::client::legacy::connect::dns::Name;
+
+/// An address range: network and prefix length.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cidr {
+    pub addr: IpAddr,
+    pub len: u8,
+}
+
+impl std::str::FromStr for Cidr {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Cidr, String> {
+        let s = s.trim();
+        let (a, l) = match s.split_once('/') {
+            Some((a, l)) => (a, Some(l)),
+            None => (s, None),
+        };
+        let addr: IpAddr = a
+            .parse()
+            .map_err(|_| format!("{s:?} is not an IP or CIDR"))?;
+        let max = if addr.is_ipv4() { 32 } else { 128 };
+        let len = match l {
+            Some(l) => l
+                .parse::<u8>()
+                .ok()
+                .filter(|n| *n <= max)
+                .ok_or_else(|| format!("{s:?} has a bad prefix length"))?,
+            None => max,
+        };
+        Ok(Cidr { addr, len })
+    }
+}
+
+impl Cidr {
+    pub fn contains(&self, ip: IpAddr) -> bool {
+        match (self.addr, canonical(ip)) {
+            (IpAddr::V4(n), IpAddr::V4(a)) => {
+                let mask = if self.len == 0 {
+                    0
+                } else {
+                    u32::MAX << (32 - u32::from(self.len))
+                };
+                u32::from(n) & mask == u32::from(a) & mask
+            }
+            (IpAddr::V6(n), IpAddr::V6(a)) => {
+                let mask = if self.len == 0 {
+                    0
+                } else {
+                    u128::MAX << (128 - u32::from(self.len))
+                };
+                u128::from(n) & mask == u128::from(a) & mask
+            }
+            _ => false,
+        }
+    }
+}
+
+/// An IPv4-mapped IPv6 address is the IPv4 address it maps.
+fn canonical(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => IpAddr::V6(v6),
+        },
+        v4 => v4,
+    }
+}
+
+const REFUSED_V4: [(Ipv4Addr, u8); 12] = [
+    (Ipv4Addr::new(0, 0, 0, 0), 8),
+    (Ipv4Addr::new(10, 0, 0, 0), 8),
+    (Ipv4Addr::new(100, 64, 0, 0), 10),
+    (Ipv4Addr::new(127, 0, 0, 0), 8),
+    (Ipv4Addr::new(169, 254, 0, 0), 16),
+    (Ipv4Addr::new(172, 16, 0, 0), 12),
+    (Ipv4Addr::new(192, 0, 0, 0), 24),
+    (Ipv4Addr::new(192, 168, 0, 0), 16),
+    (Ipv4Addr::new(198, 18, 0, 0), 15),
+    (Ipv4Addr::new(224, 0, 0, 0), 4),
+    (Ipv4Addr::new(240, 0, 0, 0), 4),
+    (Ipv4Addr::new(255, 255, 255, 255), 32),
+];
+
+/// True for addresses in the fixed refused ranges (not counting this host's own addresses).
+pub fn special(ip: IpAddr) -> bool {
+    match canonical(ip) {
+        IpAddr::V4(a) => REFUSED_V4.iter().any(|(n, l)| {
+            Cidr {
+                addr: IpAddr::V4(*n),
+                len: *l,
+            }
+            .contains(IpAddr::V4(a))
+        }),
+        IpAddr::V6(a) => {
+            a.is_loopback()
+                || a.is_unspecified()
+                || a.is_multicast()
+                || (a.segments()[0] & 0xfe00) == 0xfc00
+                || (a.segments()[0] & 0xffc0) == 0xfe80
+                || a == Ipv6Addr::new(0x64, 0xff9b, 0, 0, 0, 0, 0, 0)
+        }
+    }
+}
+
+/// The addresses of this host's interfaces.
+fn host_addresses() -> Vec<IpAddr> {
+    let mut out = Vec::new();
+    let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs fills `head` with a list we free below with freeifaddrs.
+    if unsafe { libc::getifaddrs(&mut head) } != 0 {
+        return out;
+    }
+    let mut cur = head;
+    while !cur.is_null() {
+        // SAFETY: `cur` is a node of the list getifaddrs returned, valid until freeifaddrs.
+        let ifa = unsafe { &*cur };
+        if !ifa.ifa_addr.is_null() {
+            // SAFETY: ifa_addr points at a sockaddr whose family says which struct it is.
+            let family = i32::from(unsafe { (*ifa.ifa_addr).sa_family });
+            if family == libc::AF_INET {
+                // SAFETY: AF_INET addresses are sockaddr_in.
+                let sin = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in) };
+                out.push(IpAddr::V4(Ipv4Addr::from(u32::from_be(
+                    sin.sin_addr.s_addr,
+                ))));
+            } else if family == libc::AF_INET6 {
+                // SAFETY: AF_INET6 addresses are sockaddr_in6.
+                let sin6 = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in6) };
+                out.push(IpAddr::V6(Ipv6Addr::from(sin6.sin6_addr.s6_addr)));
+            }
+        }
+        cur = ifa.ifa_next;
+    }
+    // SAFETY: `head` came from getifaddrs and is freed once.
+    unsafe { libc::freeifaddrs(head) };
+    out
+}
+
+/// The destinations webhooks may reach.
+#[derive(Debug, Clone, Default)]
+pub struct WebhookTargets {
+    allow: Vec<Cidr>,
+}
+
+impl WebhookTargets {
+    pub fn new(allow: &[String]) -> Result<WebhookTargets, String> {
+        let allow = allow
+            .iter()
+            .filter(|s| !s.trim().is_empty())
+            .map(|s| s.parse())
+            .collect::<Result<Vec<Cidr>, String>>()?;
+        Ok(WebhookTargets { allow })
+    }
+
+    /// True when a webhook may be delivered to `ip`.
+    pub fn allowed(&self, ip: IpAddr) -> bool {
+        if self.allow.iter().any(|c| c.contains(ip)) {
+            return true;
+        }
+        let ip = canonical(ip);
+        !special(ip) && !host_addresses().into_iter().any(|h| canonical(h) == ip)
+    }
+
+    /// Why `url`'s host may not receive webhooks (it is, or resolves to, a refused address);
+    /// None when it may. A name that does not resolve now is accepted (its deliveries fail
+    /// until it does).
+    pub async fn refusal(&self, host: &str) -> Option<String> {
+        let host = host.trim_start_matches('[').trim_end_matches(']');
+        let addrs: Vec<IpAddr> = match host.parse::<IpAddr>() {
+            Ok(ip) => vec![ip],
+            Err(_) => lookup(host).await,
+        };
+        addrs.into_iter().find(|a| !self.allowed(*a)).map(|a| {
+            format!(
+                "webhook host {host} is (or resolves to) {a}, an address on this host or a private, loopback or link-local network; the operator can allow it with webhook_allow"
+            )
+        })
+    }
+}
+
+async fn lookup(host: &str) -> Vec<IpAddr> {
+    let q = tokio::net::lookup_host(format!("{host}:0"));
+    match tokio::time::timeout(std::time::Duration::from_secs(5), q).await {
+        Ok(Ok(it)) => it.map(|a| a.ip()).take(64).collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// The delivery connector's resolver: the host's resolver, keeping only addresses webhooks may
+/// reach; none left is an error.
+#[derive(Debug, Clone)]
+pub struct VettedResolver {
+    pub targets: Arc<WebhookTargets>,
+}
+
+type Resolving =
+    Pin<Box<dyn Future<Output = Result<std::vec::IntoIter<SocketAddr>, std::io::Error>> + Send>>;
+
+impl tower::Service<Name> for VettedResolver {
+    type Response = std::vec::IntoIter<SocketAddr>;
+    type Error = std::io::Error;
+    type Future = Resolving;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, name: Name) -> Self::Future {
+        let targets = self.targets.clone();
+        Box::pin(async move {
+            let host = name.as_str().to_string();
+            let all = lookup(&host).await;
+            if all.is_empty() {
+                return Err(std::io::Error::other(format!("{host} does not resolve")));
+            }
+            let ok: Vec<SocketAddr> = all
+                .into_iter()
+                .filter(|a| targets.allowed(*a))
+                .map(|a| SocketAddr::new(a, 0))
+                .collect();
+            if ok.is_empty() {
+                return Err(std::io::Error::other(format!(
+                    "{host} resolves only to addresses webhooks may not reach"
+                )));
+            }
+            Ok(ok.into_iter())
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn refused_ranges() {
+        let t = WebhookTargets::default();
+        for bad in [
+            "127.0.0.1",
+            "10.1.2.3",
+            "172.20.0.1",
+            "192.168.1.1",
+            "169.254.169.254",
+            "169.254.128.2",
+            "100.64.0.1",
+            "0.0.0.0",
+            "224.0.0.1",
+            "255.255.255.255",
+            "::1",
+            "fe80::1",
+            "fd00::1",
+            "::ffff:127.0.0.1",
+            "::ffff:10.0.0.1",
+        ] {
+            assert!(!t.allowed(bad.parse().expect("ip")), "{bad} allowed");
+        }
+        for good in ["8.8.8.8", "93.184.216.34", "2606:4700::1111"] {
+            assert!(t.allowed(good.parse().expect("ip")), "{good} refused");
+        }
+        // This host's own addresses, whatever they are.
+        for own in host_addresses() {
+            assert!(!t.allowed(own), "{own} (this host) allowed");
+        }
+    }
+
+    #[test]
+    fn the_operator_opens_ranges() {
+        let t = WebhookTargets::new(&["127.0.0.1/32".into(), "10.9.0.0/16".into()]).expect("cidrs");
+        assert!(t.allowed("127.0.0.1".parse().expect("ip")));
+        assert!(t.allowed("10.9.3.4".parse().expect("ip")));
+        assert!(!t.allowed("127.0.0.2".parse().expect("ip")));
+        assert!(!t.allowed("10.8.0.1".parse().expect("ip")));
+        assert!(WebhookTargets::new(&["10.0.0.0/33".into()]).is_err());
+        assert!(WebhookTargets::new(&["example.com".into()]).is_err());
+    }
+
+    #[test]
+    fn urls_naming_refused_hosts_are_refused() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("rt");
+        let t = WebhookTargets::default();
+        rt.block_on(async {
+            assert!(t.refusal("127.0.0.1").await.is_some());
+            assert!(t.refusal("[::1]").await.is_some());
+            // `localhost` resolves to loopback on every machine.
+            assert!(t.refusal("localhost").await.is_some());
+            assert!(t.refusal("8.8.8.8").await.is_none());
+        });
+    }
+
+    #[test]
+    fn the_resolver_connects_only_to_allowed_addresses() {
+        use std::str::FromStr;
+        use tower::Service;
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("rt");
+        rt.block_on(async {
+            let mut refused = VettedResolver {
+                targets: Arc::new(WebhookTargets::default()),
+            };
+            let name = Name::from_str("localhost").expect("name");
+            assert!(
+                refused.call(name.clone()).await.is_err(),
+                "localhost is this host"
+            );
+            let mut open = VettedResolver {
+                targets: Arc::new(WebhookTargets::new(&["127.0.0.0/8".into()]).expect("cidr")),
+            };
+            let addrs: Vec<SocketAddr> = open.call(name).await.expect("allowed").collect();
+            assert!(!addrs.is_empty());
+            assert!(
+                addrs.iter().all(|a| a.ip().is_loopback() && a.is_ipv4()),
+                "{addrs:?}"
+            );
+        });
+    }
+}
