@@ -35,8 +35,15 @@ pub async fn serve(
         control,
         admin_token,
     });
-    axum::serve(listener, app)
-        .with_graceful_shutdown(async move { cancel.cancelled().await })
-        .await?;
+    // The same accept loop as the proxy's: a connection cap and a header-read timeout.
+    let service = hyper_util::service::TowerToHyperService::new(app);
+    vmon_proxy::listen::serve(
+        listener,
+        vmon_proxy::listen::Limits::default(),
+        cancel,
+        "api",
+        service,
+    )
+    .await;
     Ok(())
 }

@@ -23,6 +23,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
+pub mod listen;
 pub mod target;
 
 pub use target::Target;
@@ -88,36 +89,23 @@ impl Proxy {
 
     /// Accept connections until `cancel` fires.
     pub async fn serve(self, listener: TcpListener, cancel: CancellationToken) {
-        loop {
-            let (stream, peer) = tokio::select! {
-                _ = cancel.cancelled() => return,
-                accepted = listener.accept() => match accepted {
-                    Ok(a) => a,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "proxy accept failed");
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        continue;
-                    }
-                },
-            };
-            let _ = stream.set_nodelay(true);
-            let proxy = self.clone();
-            let cancel = cancel.clone();
-            tokio::spawn(async move {
-                let service = hyper::service::service_fn(move |req| {
-                    let proxy = proxy.clone();
-                    async move { Ok::<_, std::convert::Infallible>(proxy.handle(req).await) }
-                });
-                let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
-                let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
-                tokio::select! {
-                    r = conn => if let Err(e) = r {
-                        tracing::debug!(%peer, error = %e, "proxy connection ended");
-                    },
-                    _ = cancel.cancelled() => {}
-                }
-            });
-        }
+        self.serve_with(listener, listen::Limits::default(), cancel)
+            .await
+    }
+
+    /// Accept connections until `cancel` fires, within `limits`.
+    pub async fn serve_with(
+        self,
+        listener: TcpListener,
+        limits: listen::Limits,
+        cancel: CancellationToken,
+    ) {
+        let proxy = self;
+        let service = hyper::service::service_fn(move |req| {
+            let proxy = proxy.clone();
+            async move { Ok::<_, std::convert::Infallible>(proxy.handle(req).await) }
+        });
+        listen::serve(listener, limits, cancel, "proxy", service).await;
     }
 
     /// Answer one request: route it, resume if needed, forward it.

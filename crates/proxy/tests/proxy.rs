@@ -300,3 +300,48 @@ async fn traffic_token_and_auto_resume() {
     assert!(r.starts_with("HTTP/1.1 200"), "{r}");
     assert_eq!(*routes.resumes.lock().unwrap(), 1);
 }
+
+#[tokio::test]
+async fn slow_clients_are_cut_off_and_never_starve_new_ones() {
+    let guest_port = start_guest().await;
+    let routes = Arc::new(TestRoutes::default());
+    routes
+        .routes
+        .lock()
+        .unwrap()
+        .insert("isbx".into(), route(Some("127.0.0.1"), false, None));
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let limits = vmon_proxy::listen::Limits {
+        max_connections: 8,
+        header_read_timeout: Duration::from_secs(1),
+        keep_alive: Duration::from_secs(5),
+    };
+    tokio::spawn(Proxy::new(routes).serve_with(l, limits, CancellationToken::new()));
+    // Clients that send half a request line and then nothing, up to the cap.
+    let mut slow = Vec::new();
+    for _ in 0..limits.max_connections {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+            .await
+            .unwrap();
+        slow.push(s);
+    }
+    // Past the cap a connection is closed at once (it reads EOF, not a hang).
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let mut over = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let mut buf = [0u8; 16];
+    let n = tokio::time::timeout(Duration::from_secs(5), over.read(&mut buf))
+        .await
+        .expect("the connection over the cap is closed, not left hanging");
+    assert!(matches!(n, Ok(0) | Err(_)), "{n:?}");
+    // The slow ones are cut off after the header timeout...
+    for s in &mut slow {
+        let mut rest = Vec::new();
+        let r = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut rest)).await;
+        assert!(r.is_ok(), "a slow client was not cut off");
+    }
+    // ...and a normal client is served again.
+    let answer = raw(addr, &get("/", "isbx", guest_port, "")).await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+}
