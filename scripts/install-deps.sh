@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Installs what `vmon up` needs on a fresh Debian machine (QEMU, image tools, networking) in one
+# Installs what building and running `vmon up` needs on a fresh Debian machine (QEMU, image tools,
+# networking, protoc for etcd-client's build script) in one
 # apt transaction, then checks that every program vmon runs is there. Test-only servers and the
 # SDK venv come from scripts/install-test-deps.sh. Safe to run again: it only adds what is
 # missing.
@@ -16,6 +17,7 @@ BINS=(
   ip:iproute2
   ps:procps
   curl:curl
+  protoc:protobuf-compiler
 )
 # Packages with no program of their own to check.
 EXTRA=(ca-certificates libnss-myhostname)
