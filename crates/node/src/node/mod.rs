@@ -25,13 +25,13 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use tokio::sync::{Mutex, RwLock};
-use vmon_proto::node::{BuildInfo, NodeError, Running};
+use vmon_proto::node::{BuildInfo, NodeError, Running, StartSpec};
 use vmon_vm::machine::qemu_version;
 use vmon_vm::{AccelChoice, MachineDesc};
 
 use crate::builds::{BuildRecord, Builds};
 use crate::config::{env_or, NodeConfig};
-use crate::envd_client::{self, ENVD_PORT};
+use crate::envd_client::{self, InitRequest, ENVD_PORT};
 use crate::pool::Pool;
 use crate::sandbox::{Live, RamSource, SandboxState};
 use crate::slots::Slots;
@@ -186,6 +186,17 @@ fn claim_slot_block(cfg: &NodeConfig) -> anyhow::Result<(u32, std::fs::File)> {
         "all {} slot blocks on this host are taken by other vmon nodes",
         crate::slots::BLOCKS
     )
+}
+
+/// The `/init` after restoring `rec` for `spec`: its settings, authenticated with the token the
+/// guest holds from the build.
+fn restore_init(spec: &StartSpec, rec: &BuildRecord) -> InitRequest {
+    InitRequest {
+        env_vars: spec.env_vars.clone(),
+        access_token: spec.envd_access_token.clone(),
+        current_token: rec.envd_token.clone(),
+        default_user: None,
+    }
 }
 
 /// Checks that `qemu` offers what snapshots need, with a throwaway machine-less process.

@@ -7,8 +7,7 @@ use std::net::{IpAddr, SocketAddr};
 use anyhow::Context;
 use vmon_proto::node::StartSpec;
 
-use super::restore::restore_init;
-use super::{meminfo_kib, Node};
+use super::{meminfo_kib, restore_init, Node};
 use crate::builds::BuildRecord;
 use crate::envd_client::{self, ENVD_PORT};
 use crate::sandbox::Live;

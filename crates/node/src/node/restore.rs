@@ -14,7 +14,7 @@ use vmon_vm::disk::{create_overlay, BackingFormat};
 use vmon_vm::machine::RamSharing;
 use vmon_vm::{memory, LaunchSpec, MachineDesc, NetDevice, Vm};
 
-use super::{err, valid_id, Node};
+use super::{err, restore_init, valid_id, Node};
 use crate::builds::{new_id, BuildRecord};
 use crate::envd_client::{self, InitRequest, ENVD_PORT};
 use crate::pool::{blank_key, Prepared};
@@ -433,17 +433,6 @@ impl Node {
         let r = self.insert(live);
         drop(guard);
         r
-    }
-}
-
-/// The `/init` after restoring `rec` for `spec`: its settings, authenticated with the token the
-/// guest holds from the build.
-pub(super) fn restore_init(spec: &StartSpec, rec: &BuildRecord) -> InitRequest {
-    InitRequest {
-        env_vars: spec.env_vars.clone(),
-        access_token: spec.envd_access_token.clone(),
-        current_token: rec.envd_token.clone(),
-        default_user: None,
     }
 }
 
