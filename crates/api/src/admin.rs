@@ -1,8 +1,7 @@
 //! Operator routes under `/admin`, authenticated by `X-Admin-Token` (the token `vmon up` keeps
 //! in its data dir), behind the `vmon team|key|sandbox` verbs; and the first-start bootstrap.
 
-use axum::extract::{FromRequestParts, Path, RawQuery, State};
-use axum::http::request::Parts;
+use axum::extract::{Path, RawQuery, State};
 use axum::http::StatusCode;
 use axum::routing::{delete, get, post};
 use axum::{Json, Router};
@@ -10,9 +9,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::control::KillReason;
 use crate::error::{ApiError, ApiResult};
-use crate::http::AppState;
 use crate::ids;
 use crate::records::{ApiKeyInfo, Records, Team, TeamLimits};
+use crate::state::{Admin, AppState};
 
 pub(crate) fn routes() -> Router<AppState> {
     Router::new()
@@ -70,29 +69,6 @@ async fn resume_route(
         Err(ResumeError::NotFound(_)) => Err(ApiError::sandbox_not_found(&id)),
         Err(ResumeError::Refused(m)) => Err(ApiError::conflict(m)),
         Err(ResumeError::Failed(m)) => Err(ApiError::internal(m)),
-    }
-}
-
-pub(crate) struct Admin;
-
-#[axum::async_trait]
-impl FromRequestParts<AppState> for Admin {
-    type Rejection = ApiError;
-
-    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> ApiResult<Self> {
-        let Some(expected) = &state.admin_token else {
-            return Err(ApiError::not_found("no such endpoint"));
-        };
-        let sent = parts
-            .headers
-            .get("x-admin-token")
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or("");
-        if ids::hash_key(sent) == ids::hash_key(expected) {
-            Ok(Admin)
-        } else {
-            Err(ApiError::unauthorized("invalid admin token"))
-        }
     }
 }
 

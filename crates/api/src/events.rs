@@ -13,10 +13,10 @@ use vmon_store::event_types;
 
 use crate::control::rfc3339;
 use crate::error::{ApiError, ApiResult};
-use crate::http::{body, query_pairs, AppState, Auth};
 use crate::records::{
     Delivery, Event, EventQuery, NewWebhook, Webhook, WebhookPatch, WebhookStats,
 };
+use crate::state::{body, query_pairs, AppState, Auth};
 
 pub(crate) fn routes() -> Router<AppState> {
     Router::new()

@@ -1,31 +1,21 @@
-//! The REST surface (axum): routes, auth, body parsing with E2B-shaped errors, and the
-//! handlers, each of which turns one request into one [`Control`] call run to completion in
-//! its own task.
-
-use std::sync::Arc;
+//! The REST surface (axum): the route table (merging the routes of [`admin`],
+//! [`events`](crate::events) and [`telemetry`](crate::telemetry)) and the sandbox handlers,
+//! each of which turns one request into one [`Control`](crate::control::Control) call run to
+//! completion in its own task. The state and extractors they share are in [`crate::state`].
 
 use axum::body::Bytes;
-use axum::extract::{FromRequestParts, Path, RawQuery, State};
-use axum::http::request::Parts;
+use axum::extract::{Path, RawQuery, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post, put};
 use axum::{Json, Router};
-use serde::de::DeserializeOwned;
 use time::OffsetDateTime;
 
-use crate::control::{Control, CreateParams, KillReason};
+use crate::control::{CreateParams, KillReason};
 use crate::error::{ApiError, ApiResult};
 use crate::records::{SandboxRecord, SandboxState, Team};
-use crate::{admin, ids, wire};
-
-/// What every handler shares.
-#[derive(Clone)]
-pub struct AppState {
-    pub control: Arc<Control>,
-    /// `X-Admin-Token` for the admin routes; `None` disables them.
-    pub admin_token: Option<String>,
-}
+use crate::state::{body, query_pairs, AppState, Auth};
+use crate::{admin, wire};
 
 pub fn router(state: AppState) -> Router {
     Router::new()
@@ -54,44 +44,6 @@ pub fn router(state: AppState) -> Router {
         .with_state(state)
 }
 
-/// The authenticated team of a request (`X-API-Key`).
-pub struct Auth(pub Team);
-
-#[axum::async_trait]
-impl FromRequestParts<AppState> for Auth {
-    type Rejection = ApiError;
-
-    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> ApiResult<Self> {
-        let key = parts
-            .headers
-            .get("x-api-key")
-            .and_then(|v| v.to_str().ok())
-            .map(str::trim)
-            .filter(|k| !k.is_empty())
-            .ok_or_else(|| ApiError::unauthorized("missing API key: send it in X-API-Key"))?;
-        let team = state
-            .control
-            .records()
-            .team_by_key_hash(&ids::hash_key(key))
-            .await
-            .map_err(|e| ApiError::internal(format!("looking up the API key failed: {e:#}")))?
-            .ok_or_else(|| ApiError::unauthorized("invalid API key"))?;
-        Ok(Auth(team))
-    }
-}
-
-/// Parses a JSON body leniently (unknown keys ignored; an empty body is `{}`) and answers
-/// type errors with an E2B 400 instead of axum's plain-text rejection.
-pub(crate) fn body<T: DeserializeOwned>(bytes: &Bytes) -> ApiResult<T> {
-    let text: &[u8] = if bytes.iter().all(u8::is_ascii_whitespace) {
-        b"{}"
-    } else {
-        bytes
-    };
-    serde_json::from_slice(text)
-        .map_err(|e| ApiError::bad_request(format!("invalid request body: {e}")))
-}
-
 /// Runs `f` in its own task so it completes even when the client disconnects.
 async fn detached<T, F>(f: F) -> ApiResult<T>
 where
@@ -101,11 +53,6 @@ where
     tokio::spawn(f)
         .await
         .unwrap_or_else(|e| Err(ApiError::internal(format!("the operation failed: {e}"))))
-}
-
-pub(crate) fn query_pairs(raw: Option<String>) -> ApiResult<Vec<(String, String)>> {
-    serde_urlencoded::from_str::<Vec<(String, String)>>(raw.as_deref().unwrap_or(""))
-        .map_err(|e| ApiError::bad_request(format!("invalid query: {e}")))
 }
 
 fn query_value<'a>(pairs: &'a [(String, String)], name: &str) -> Option<&'a str> {

@@ -15,6 +15,7 @@ pub mod events;
 pub mod http;
 pub mod ids;
 pub mod records;
+pub mod state;
 pub mod telemetry;
 pub mod wire;
 
@@ -31,7 +32,7 @@ pub async fn serve(
     admin_token: Option<String>,
     cancel: tokio_util::sync::CancellationToken,
 ) -> anyhow::Result<()> {
-    let app = http::router(http::AppState {
+    let app = http::router(state::AppState {
         control,
         admin_token,
     });

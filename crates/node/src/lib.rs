@@ -6,6 +6,7 @@
 //! state change that must survive a crash is written (fsynced) before it is acted on.
 
 pub mod builds;
+mod config;
 pub mod envd_client;
 mod node;
 mod pool;
@@ -14,5 +15,6 @@ pub mod sandbox;
 pub mod slots;
 pub mod telemetry;
 
-pub use node::{probe_qmp, Node, NodeConfig, ENVD_VERSION};
+pub use config::NodeConfig;
+pub use node::{probe_qmp, Node, ENVD_VERSION};
 pub use slots::BLOCKS as SLOT_BLOCKS;

@@ -3,13 +3,40 @@
 //! then costs a device-state load and `/init`.
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use vmon_vm::Vm;
 
-use crate::node::Node;
 use crate::slots::Slot;
+
+/// Pool keys of blank processes: `blank:<mem_base artifact>`.
+pub(crate) const BLANK_PREFIX: &str = "blank:";
+
+/// The pool key of the blank processes for RAM base `mem_base`.
+pub(crate) fn blank_key(mem_base: &str) -> String {
+    format!("{BLANK_PREFIX}{mem_base}")
+}
+
+/// What a refill needs from the pool's owner (the node): the pool itself, the turns and the
+/// artifacts guard restores share, and a way to make one process for a key.
+pub(crate) trait Filler: Send + Sync + 'static {
+    /// The pool being filled.
+    fn pool(&self) -> &Pool;
+    /// Restores waiting for or holding a turn; refills wait until there are none.
+    fn restores_in_flight(&self) -> usize;
+    /// The turns of CPU-heavy restore work, shared with restores.
+    fn restore_gate(&self) -> &tokio::sync::Semaphore;
+    /// The artifacts guard, shared: held until the new process is in the pool.
+    fn artifacts_shared(&self)
+        -> impl Future<Output = tokio::sync::RwLockReadGuard<'_, ()>> + Send;
+    /// One process for pool `key`; None when there is nothing to make for it.
+    fn prepare_for_pool(
+        &self,
+        key: &str,
+    ) -> impl Future<Output = anyhow::Result<Option<Prepared>>> + Send;
+}
 
 pub(crate) struct Prepared {
     pub tag: String,
@@ -65,7 +92,7 @@ impl Pool {
 
     /// How many processes pool `key` is topped up to.
     fn target(&self, key: &str) -> usize {
-        if key.starts_with(crate::node::BLANK_PREFIX) {
+        if key.starts_with(BLANK_PREFIX) {
             self.blank_size.load(std::sync::atomic::Ordering::Relaxed)
         } else {
             self.size()
@@ -86,7 +113,7 @@ impl Pool {
 
     /// Tops pool `key` (a template build, or `blank:<mem_base>`) up to its size in the
     /// background, after restores in flight are done: a claim never waits for a refill.
-    pub fn refill(&self, node: Arc<Node>, key: String) {
+    pub fn refill<F: Filler>(&self, node: Arc<F>, key: String) {
         if self.target(&key) == 0 {
             return;
         }
@@ -99,7 +126,7 @@ impl Pool {
             Err(_) => return,
         }
         tokio::spawn(async move {
-            while node.pool_ref().depth(&key) < node.pool_ref().target(&key) {
+            while node.pool().depth(&key) < node.pool().target(&key) {
                 while node.restores_in_flight() > 0 {
                     tokio::time::sleep(std::time::Duration::from_millis(20)).await;
                 }
@@ -111,7 +138,7 @@ impl Pool {
                 };
                 match node.prepare_for_pool(&key).await {
                     Ok(Some(p)) => {
-                        if let Ok(mut m) = node.pool_ref().ready.lock() {
+                        if let Ok(mut m) = node.pool().ready.lock() {
                             m.entry(key.clone()).or_default().push(p);
                         }
                     }
@@ -122,7 +149,7 @@ impl Pool {
                     }
                 }
             }
-            if let Ok(mut f) = node.pool_ref().filling.lock() {
+            if let Ok(mut f) = node.pool().filling.lock() {
                 f.remove(&key);
             }
         });

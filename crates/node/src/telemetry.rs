@@ -16,8 +16,6 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use serde_json::Value;
 use vmon_proto::node::{LogDirection, LogEntry, LogLevel, LogQuery, MetricSample};
 
-use crate::node::Node;
-
 /// How often every running sandbox is sampled.
 pub const SCRAPE_EVERY: Duration = Duration::from_secs(5);
 /// How long a sandbox's samples and logs stay after its last execution ended.
@@ -97,8 +95,18 @@ fn sandbox_dir(data_dir: &Path, id: &str) -> Option<PathBuf> {
     valid_id(id).then(|| data_dir.join("sandboxes").join(id))
 }
 
+/// What the scraper needs from its owner (the node).
+pub(crate) trait Scraped: Send + Sync + 'static {
+    /// Running sandboxes that may be sampled now (busy ones wait a round).
+    fn scrape_targets(&self) -> Vec<Target>;
+    /// Where each sandbox's samples are kept (`<data>/sandboxes/<id>`).
+    fn data_dir(&self) -> &Path;
+    /// The newest samples, kept in memory.
+    fn telemetry(&self) -> &Telemetry;
+}
+
 /// Runs the scraper and the cleanup for as long as the node lives.
-pub(crate) fn spawn(node: Weak<Node>) {
+pub(crate) fn spawn<N: Scraped>(node: Weak<N>) {
     tokio::spawn(async move {
         let mut ticker = tokio::time::interval(SCRAPE_EVERY);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
@@ -130,7 +138,7 @@ pub(crate) fn spawn(node: Weak<Node>) {
 
 /// Samples every running sandbox once, in parallel; a guest that does not answer in time
 /// simply has no sample this round.
-async fn scrape_all(node: &Arc<Node>) {
+async fn scrape_all<N: Scraped>(node: &Arc<N>) {
     let targets = node.scrape_targets();
     let ids: HashSet<String> = targets.iter().map(|t| t.sandbox_id.clone()).collect();
     let mut tasks = tokio::task::JoinSet::new();
@@ -153,12 +161,12 @@ async fn scrape_all(node: &Arc<Node>) {
                 if let Ok(Err(e)) = written {
                     tracing::warn!(sandbox = %id, "writing a metrics sample failed: {e:#}");
                 }
-                node.telemetry.latest().insert(id, sample);
+                node.telemetry().latest().insert(id, sample);
             }
             Err(e) => tracing::debug!(sandbox = %id, "metrics scrape failed: {e:#}"),
         }
     }
-    node.telemetry.latest().retain(|id, _| ids.contains(id));
+    node.telemetry().latest().retain(|id, _| ids.contains(id));
 }
 
 async fn scrape(addr: SocketAddr, token: Option<&str>) -> anyhow::Result<MetricSample> {

@@ -27,7 +27,7 @@ use tokio_util::sync::CancellationToken;
 use super::targets::{VettedResolver, WebhookTargets};
 use super::{rfc3339, Control};
 use crate::records::{DeliveryAttempt, Event, OutboxItem};
-use crate::telemetry::WebhookOutcome;
+use crate::telemetry::platform::{platform, WebhookOutcome};
 
 /// How each event is delivered to each webhook.
 #[derive(Debug, Clone)]
@@ -334,7 +334,7 @@ impl Control {
                 Err(Attempt::TimedOut(e)) => (None, Some(e), WebhookOutcome::TimedOut),
                 Err(Attempt::Failed(e)) => (None, Some(e), WebhookOutcome::Failed),
             };
-            crate::telemetry::platform().webhook_delivery(counted);
+            platform().webhook_delivery(counted);
             let success = error.is_none();
             let record = DeliveryAttempt {
                 webhook_id: hook.id.clone(),

@@ -121,7 +121,8 @@ impl Control {
             let _e = span.enter();
             drop(_e);
             let t0 = std::time::Instant::now();
-            let report = |op, ok| crate::telemetry::platform().transition(op, ok, t0.elapsed());
+            let report =
+                |op, ok| crate::telemetry::platform::platform().transition(op, ok, t0.elapsed());
             if rec.auto_pause {
                 let fence = guard.fence().token();
                 let paused = self

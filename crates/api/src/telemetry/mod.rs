@@ -27,8 +27,8 @@ use vmon_proto::node::{LogDirection, LogEntry, LogLevel, LogQuery, MetricSample,
 
 use crate::control::{record_error, Control};
 use crate::error::{ApiError, ApiResult};
-use crate::http::{AppState, Auth};
 use crate::records::{EventKind, EventQuery, SandboxState, Team};
+use crate::state::{Admin, AppState, Auth};
 
 pub use platform::{platform, Platform, WebhookOutcome};
 
@@ -449,7 +449,7 @@ async fn logs_v2(
 /// milliseconds so a follower can continue from the last one.
 async fn admin_logs(
     State(s): State<AppState>,
-    _: crate::admin::Admin,
+    _: Admin,
     Path(id): Path<String>,
     RawQuery(raw): RawQuery,
 ) -> ApiResult<Json<Vec<LogEntry>>> {

@@ -307,7 +307,7 @@ pub async fn harness_at(guest_ip: IpAddr, limits: TeamLimits) -> Harness {
     let other = admin::create_team_with_key(records.as_ref(), "Team B", None, limits)
         .await
         .unwrap();
-    let router = vmon_api::http::router(vmon_api::http::AppState {
+    let router = vmon_api::http::router(vmon_api::state::AppState {
         control: control.clone(),
         admin_token: Some("admintoken".into()),
     });

@@ -1,0 +1,93 @@
+//! What every route module shares: the request state ([`AppState`]), the extractors that
+//! authenticate a request ([`Auth`] for a team's `X-API-Key`, [`Admin`] for the operator's
+//! `X-Admin-Token`), and lenient body and query parsing with E2B-shaped errors. The route
+//! modules (`http`, `admin`, `events`, `telemetry`) import these; this module imports none of
+//! them.
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::FromRequestParts;
+use axum::http::request::Parts;
+use serde::de::DeserializeOwned;
+
+use crate::control::Control;
+use crate::error::{ApiError, ApiResult};
+use crate::ids;
+use crate::records::Team;
+
+/// What every handler shares.
+#[derive(Clone)]
+pub struct AppState {
+    pub control: Arc<Control>,
+    /// `X-Admin-Token` for the admin routes; `None` disables them.
+    pub admin_token: Option<String>,
+}
+
+/// The authenticated team of a request (`X-API-Key`).
+pub struct Auth(pub Team);
+
+#[axum::async_trait]
+impl FromRequestParts<AppState> for Auth {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> ApiResult<Self> {
+        let key = parts
+            .headers
+            .get("x-api-key")
+            .and_then(|v| v.to_str().ok())
+            .map(str::trim)
+            .filter(|k| !k.is_empty())
+            .ok_or_else(|| ApiError::unauthorized("missing API key: send it in X-API-Key"))?;
+        let team = state
+            .control
+            .records()
+            .team_by_key_hash(&ids::hash_key(key))
+            .await
+            .map_err(|e| ApiError::internal(format!("looking up the API key failed: {e:#}")))?
+            .ok_or_else(|| ApiError::unauthorized("invalid API key"))?;
+        Ok(Auth(team))
+    }
+}
+
+/// The operator (`X-Admin-Token`); the admin routes answer 404 when no token is set.
+pub(crate) struct Admin;
+
+#[axum::async_trait]
+impl FromRequestParts<AppState> for Admin {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> ApiResult<Self> {
+        let Some(expected) = &state.admin_token else {
+            return Err(ApiError::not_found("no such endpoint"));
+        };
+        let sent = parts
+            .headers
+            .get("x-admin-token")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("");
+        if ids::hash_key(sent) == ids::hash_key(expected) {
+            Ok(Admin)
+        } else {
+            Err(ApiError::unauthorized("invalid admin token"))
+        }
+    }
+}
+
+/// Parses a JSON body leniently (unknown keys ignored; an empty body is `{}`) and answers
+/// type errors with an E2B 400 instead of axum's plain-text rejection.
+pub(crate) fn body<T: DeserializeOwned>(bytes: &Bytes) -> ApiResult<T> {
+    let text: &[u8] = if bytes.iter().all(u8::is_ascii_whitespace) {
+        b"{}"
+    } else {
+        bytes
+    };
+    serde_json::from_slice(text)
+        .map_err(|e| ApiError::bad_request(format!("invalid request body: {e}")))
+}
+
+/// The pairs of a raw query string, in order (a key may repeat).
+pub(crate) fn query_pairs(raw: Option<String>) -> ApiResult<Vec<(String, String)>> {
+    serde_urlencoded::from_str::<Vec<(String, String)>>(raw.as_deref().unwrap_or(""))
+        .map_err(|e| ApiError::bad_request(format!("invalid query: {e}")))
+}

@@ -1,0 +1,212 @@
+//! Cold boots: a fresh QEMU over the image's rootfs or a build's disk, with its own shared RAM
+//! file, waited for until envd answers. Template builds and `boot_image` start here.
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::bail;
+use vmon_proto::node::{NetworkPolicy, NodeError, Running};
+use vmon_vm::disk::{create_overlay, BackingFormat};
+use vmon_vm::machine::{kernel_cmdline, RamSharing};
+use vmon_vm::{LaunchSpec, MachineDesc, NetDevice, Vm};
+
+use super::{err, valid_id, Node, ENVD_VERSION};
+use crate::builds::new_id;
+use crate::envd_client::{self, InitRequest, ENVD_PORT};
+use crate::sandbox::{Live, RamSource, SandboxState};
+use crate::slots::TAP;
+
+impl Node {
+    pub(super) fn machine(&self, vcpus: u32, memory_mb: u32) -> Result<MachineDesc, NodeError> {
+        if vcpus == 0 {
+            return Err(NodeError::InvalidArgument(
+                "vCPUs must be at least 1".into(),
+            ));
+        }
+        if vcpus > 64 {
+            return Err(NodeError::InvalidArgument(format!(
+                "{vcpus} vCPUs is more than 64"
+            )));
+        }
+        if memory_mb < 128 {
+            return Err(NodeError::InvalidArgument(format!(
+                "memory of {memory_mb} MiB is below the 128 MiB a guest needs"
+            )));
+        }
+        if self.host_memory_mb > 0 && u64::from(memory_mb) > self.host_memory_mb {
+            return Err(NodeError::InvalidArgument(format!(
+                "memory of {memory_mb} MiB is more than this host's {} MiB",
+                self.host_memory_mb
+            )));
+        }
+        Ok(MachineDesc {
+            qemu_binary: self.cfg.qemu_binary.clone(),
+            qemu_version: self.qemu_version.clone(),
+            accel: self.accel.accel,
+            cpu_model: self.accel.accel.cpu_model().to_string(),
+            vcpus,
+            memory_mb,
+            kernel: self.image.vmlinuz.clone(),
+            initrd: self.image.initrd.clone(),
+            // Under TCG a translated block is found again only at the same virtual address:
+            // with address-space randomisation every new process (each command's shell, its
+            // libraries) is translated afresh and soon flushes the whole cache. The guest is
+            // the isolation boundary, not its processes; under KVM nothing is translated.
+            cmdline: kernel_cmdline(match self.accel.accel {
+                vmon_vm::accel::Accel::Tcg => "norandmaps",
+                vmon_vm::accel::Accel::Kvm => "",
+            }),
+        })
+    }
+
+    /// Cold-boots a VM with its own shared RAM file over `disk` (the image rootfs when `None`).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) async fn boot(
+        &self,
+        run_dir: &Path,
+        id: &str,
+        execution_id: &str,
+        machine: MachineDesc,
+        disk: Option<(&str, &[String])>,
+        disk_mb: u32,
+        policy: &NetworkPolicy,
+        init: &InitRequest,
+        resume_generation: u32,
+    ) -> anyhow::Result<Live> {
+        let _guard = self.artifacts_guard.read().await;
+        let slot = self.slots.acquire(policy).await?;
+        self.slots.refill();
+        let mut made: Vec<PathBuf> = Vec::new();
+        let r = async {
+            std::fs::create_dir_all(run_dir)?;
+            let (overlay, overlay_path) = self.builds.new_artifact("disk", "qcow2");
+            let chain: Vec<String> = match disk {
+                Some((top, below)) => {
+                    create_overlay(
+                        &self.builds.artifact(top),
+                        BackingFormat::Qcow2,
+                        &overlay_path,
+                    )
+                    .await?;
+                    std::iter::once(top.to_string())
+                        .chain(below.iter().cloned())
+                        .collect()
+                }
+                None => {
+                    create_overlay(&self.image.rootfs, BackingFormat::Raw, &overlay_path).await?;
+                    Vec::new()
+                }
+            };
+            made.push(overlay_path);
+            let (ram, ram_path) = self.builds.new_artifact("ram", "mem");
+            made.push(ram_path.clone());
+            let tag = new_id("");
+            let vm = Vm::launch(&LaunchSpec {
+                tag: tag.clone(),
+                machine: machine.clone(),
+                run_dir: run_dir.to_path_buf(),
+                console_log: run_dir.join("console.log"),
+                ram_file: ram_path,
+                ram: RamSharing::Shared,
+                disk: Some(self.builds.artifact(&overlay)),
+                net: Some(NetDevice { tap: TAP.into() }),
+                netns: Some(slot.netns()),
+                incoming: false,
+                // Template builds run under <data>/run; sandboxes under <data>/sandboxes.
+                die_with_node: run_dir.starts_with(self.cfg.data_dir.join("run")),
+            })
+            .await?;
+            let mut live = Live {
+                state: SandboxState {
+                    id: id.to_string(),
+                    execution_id: execution_id.to_string(),
+                    slot: slot.index,
+                    machine,
+                    ram: RamSource::Shared { file: ram },
+                    overlay,
+                    disk_chain: chain,
+                    disk_node: "d0".into(),
+                    disk_seq: 0,
+                    envd_token: init.access_token.clone(),
+                    envd_version: ENVD_VERSION.into(),
+                    disk_mb,
+                    resume_generation,
+                    qemu_tag: tag,
+                    pausing_build: None,
+                    network: Some(policy.clone()),
+                },
+                vm: Some(vm),
+                slot: slot.clone(),
+                dir: run_dir.to_path_buf(),
+            };
+            let addr = SocketAddr::new(IpAddr::V4(slot.addr()), ENVD_PORT);
+            let ready = async {
+                envd_client::wait_healthy(addr, self.cfg.boot_timeout).await?;
+                envd_client::init(addr, init, Duration::from_secs(60)).await
+            };
+            if let Err(e) = ready.await {
+                if let Some(mut vm) = live.vm.take() {
+                    vm.kill().await;
+                }
+                let console =
+                    std::fs::read_to_string(run_dir.join("console.log")).unwrap_or_default();
+                let tail: String = console
+                    .lines()
+                    .rev()
+                    .take(15)
+                    .collect::<Vec<_>>()
+                    .into_iter()
+                    .rev()
+                    .collect::<Vec<_>>()
+                    .join("\n");
+                bail!("{e:#}\nlast console lines:\n{tail}");
+            }
+            live.state.save(run_dir)?;
+            anyhow::Ok(live)
+        }
+        .await;
+        if r.is_err() {
+            let _ = self.slots.release(&slot).await;
+            for p in made {
+                let _ = std::fs::remove_file(p);
+            }
+        }
+        r
+    }
+
+    /// Boots a fresh sandbox straight from the image (no build): the slow path every build
+    /// starts from.
+    pub async fn boot_image(
+        &self,
+        sandbox_id: &str,
+        vcpus: u32,
+        memory_mb: u32,
+        policy: &NetworkPolicy,
+    ) -> Result<Running, NodeError> {
+        if !valid_id(sandbox_id) {
+            return Err(NodeError::InvalidArgument(format!(
+                "{sandbox_id:?} is not a valid id"
+            )));
+        }
+        let machine = self.machine(vcpus, memory_mb)?;
+        crate::slots::validate_policy(policy).map_err(NodeError::InvalidArgument)?;
+        let exec = new_id("e");
+        let dir = self.sandbox_root(sandbox_id).join(&exec);
+        let live = self
+            .boot(
+                &dir,
+                sandbox_id,
+                &exec,
+                machine,
+                None,
+                self.image.manifest.disk_mb,
+                policy,
+                &InitRequest::default(),
+                0,
+            )
+            .await
+            .map_err(err)?;
+        self.insert(live)
+    }
+}

@@ -1,0 +1,344 @@
+//! Captures: pause and checkpoint of a running sandbox into a new build. The disk switches to a
+//! fresh overlay (the old one freezes), the memory becomes a layer over the RAM base (or the
+//! VM's own RAM file), and the device state is saved.
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use vmon_proto::node::{BuildInfo, NodeError};
+use vmon_vm::memory;
+
+use super::parking::Parked;
+use super::{err, Node};
+use crate::builds::{new_id, now_unix, BuildRecord, MAX_LAYERS};
+use crate::envd_client::{self, InitRequest, ENVD_PORT};
+use crate::sandbox::{Live, RamSource, SandboxState};
+
+/// Crash-test hook: `VMON_FAULT=<point>` aborts the process at that point, as a node crash
+/// would. Points: `pause:captured` (artifacts written, no record), `pause:committed` (record
+/// written, QEMU not yet gone).
+fn fault(point: &str) {
+    if std::env::var("VMON_FAULT").as_deref() == Ok(point) {
+        tracing::error!(point, "VMON_FAULT: aborting");
+        std::process::abort();
+    }
+}
+
+/// Crash-test hook: `VMON_FAULT=<point>` makes that step fail with an error.
+fn fault_err(point: &str) -> anyhow::Result<()> {
+    if std::env::var("VMON_FAULT").as_deref() == Ok(point) {
+        bail!("injected failure at {point}");
+    }
+    Ok(())
+}
+
+impl Node {
+    /// Switches a stopped sandbox's disk to a fresh overlay; the old one freezes. Returns the
+    /// frozen overlay and the chain under it.
+    async fn switch_disk(&self, l: &mut Live) -> anyhow::Result<(String, Vec<String>)> {
+        let vm = l.vm.as_ref().context("sandbox has no VM")?;
+        let (next, next_path) = self.builds.new_artifact("disk", "qcow2");
+        let next_node = format!("d{}", l.state.disk_seq + 1);
+        vm.qmp
+            .blockdev_snapshot_sync(&l.state.disk_node, &next_path, &next_node)
+            .await?;
+        let frozen = std::mem::replace(&mut l.state.overlay, next);
+        let chain = l.state.disk_chain.clone();
+        l.state.disk_chain.insert(0, frozen.clone());
+        l.state.disk_node = next_node;
+        l.state.disk_seq += 1;
+        Ok((frozen, chain))
+    }
+
+    /// Flushes the guest's page cache so the disk holds every file written (before a capture
+    /// that keeps the disk only). A failure is logged: the capture still has what was synced.
+    async fn sync_guest(l: &Live, before: &str) {
+        let addr = SocketAddr::new(IpAddr::V4(l.slot.addr()), ENVD_PORT);
+        let token = l.state.envd_token.as_deref();
+        if let Err(e) = envd_client::run(addr, token, "root", "sync", Duration::from_secs(60)).await
+        {
+            tracing::warn!(sandbox = %l.state.id, "guest sync before {before} failed: {e:#}");
+        }
+    }
+
+    /// Captures memory (when asked) and device state of a *stopped* VM into a new build that
+    /// shares this sandbox's disk `disk` (frozen). Does not resume or stop the VM.
+    async fn capture(
+        &self,
+        live: &Live,
+        build_id: &str,
+        memory: bool,
+        for_pause: bool,
+        disk: String,
+        disk_chain: Vec<String>,
+    ) -> anyhow::Result<BuildRecord> {
+        let vm = live.vm.as_ref().context("sandbox has no VM")?;
+        let mut rec = BuildRecord {
+            id: build_id.to_string(),
+            parent: None,
+            machine: live.state.machine.clone(),
+            image_hash: self.image.manifest.hash.clone(),
+            mem_base: None,
+            layers: Vec::new(),
+            devstate: None,
+            disk: Some(disk),
+            disk_chain,
+            disk_mb: live.state.disk_mb,
+            envd_version: live.state.envd_version.clone(),
+            envd_token: live.state.envd_token.clone(),
+            resume_generation: live.state.resume_generation,
+            created_unix: now_unix(),
+        };
+        if !memory {
+            return Ok(rec);
+        }
+        let (dev, dev_path) = self.builds.new_artifact("dev", "state");
+        vm.qmp.save_devices_state(&dev_path).await?;
+        rec.devstate = Some(dev);
+        match &live.state.ram {
+            RamSource::Private {
+                mem_base,
+                layers,
+                basis,
+            } => {
+                rec.parent = Some(basis.clone());
+                let flatten = layers.len() >= MAX_LAYERS;
+                let previous = if flatten || layers.is_empty() {
+                    None
+                } else {
+                    Some(layers.clone())
+                };
+                let (layer, layer_path) = self.builds.new_artifact("layer", "mem");
+                let pid = vm.pid;
+                let ram_file = self.builds.artifact(mem_base);
+                let layer_files: Option<Vec<PathBuf>> = previous
+                    .as_ref()
+                    .map(|ls| ls.iter().map(|l| self.builds.artifact(l)).collect());
+                let stats = tokio::task::spawn_blocking(move || {
+                    let hashes = match layer_files {
+                        Some(files) => {
+                            let mut h = memory::PageHashes::new();
+                            for f in files {
+                                h.extend(memory::read_layer_index(&f)?.page_hashes());
+                            }
+                            Some(h)
+                        }
+                        None => None,
+                    };
+                    memory::capture(pid, &ram_file, &layer_path, hashes.as_ref())
+                })
+                .await
+                .map_err(|e| anyhow::anyhow!("capture task: {e}"))??;
+                tracing::debug!(pages = stats.pages, skipped = stats.skipped, "memory layer");
+                rec.mem_base = Some(mem_base.clone());
+                rec.layers = if flatten { Vec::new() } else { layers.clone() };
+                if stats.pages > 0 || rec.layers.is_empty() {
+                    rec.layers.push(layer);
+                } else {
+                    let _ = std::fs::remove_file(self.builds.artifact(&layer));
+                }
+            }
+            RamSource::Shared { file } if for_pause => {
+                // The VM stops for good: its own RAM file becomes the base, no copy.
+                std::fs::File::open(self.builds.artifact(file))?.sync_all()?;
+                rec.mem_base = Some(file.clone());
+            }
+            RamSource::Shared { file } => {
+                // The running VM keeps writing its file: the build gets a copy.
+                let (copy, copy_path) = self.builds.new_artifact("ram", "mem");
+                let src = self.builds.artifact(file);
+                tokio::task::spawn_blocking(move || sparse_copy(&src, &copy_path))
+                    .await
+                    .map_err(|e| anyhow::anyhow!("copy task: {e}"))??;
+                rec.mem_base = Some(copy);
+            }
+        }
+        Ok(rec)
+    }
+
+    /// Pauses a sandbox into a new build (with its memory when `memory`), parking its QEMU when it may.
+    pub(super) async fn pause_sandbox(
+        &self,
+        sandbox_id: &str,
+        execution_id: &str,
+        memory: bool,
+    ) -> Result<BuildInfo, NodeError> {
+        let mut l = self.live_execution(sandbox_id, execution_id).await?;
+        let _guard = self.artifacts_guard.read().await;
+        let build_id = new_id("p");
+        if !memory {
+            Self::sync_guest(&l, "pause").await;
+        }
+        let vm =
+            l.vm.as_ref()
+                .ok_or_else(|| NodeError::Failed("sandbox has no VM".into()))?;
+        vm.qmp.stop().await.map_err(|e| err(e.into()))?;
+        // Park: keep the stopped QEMU for a fast resume. Its disk moves to a fresh overlay first
+        // so the build's stays frozen whatever happens to the kept process.
+        let park =
+            memory && self.cfg.park_max > 0 && matches!(l.state.ram, RamSource::Private { .. });
+        l.state.pausing_build = Some(build_id.clone());
+        let captured = async {
+            let (disk, chain) = if park {
+                self.switch_disk(&mut l).await?
+            } else {
+                (l.state.overlay.clone(), l.state.disk_chain.clone())
+            };
+            l.state.save(&l.dir)?;
+            let rec = self
+                .capture(&l, &build_id, memory, true, disk, chain)
+                .await?;
+            fault("pause:captured");
+            fault_err("pause:error")?;
+            // The commit point: from here the pause has happened. QEMU is stopped, so its RAM
+            // and the build's overlay no longer change; a crash before it quits is finished by
+            // the next start (see `adopt`).
+            self.builds.put(&rec)?;
+            anyhow::Ok(rec)
+        }
+        .await;
+        let rec = match captured {
+            Ok(r) => r,
+            Err(e) => {
+                // A failed pause leaves the sandbox running.
+                l.state.pausing_build = None;
+                let _ = l.state.save(&l.dir);
+                if let Some(vm) = l.vm.as_ref() {
+                    let _ = vm.qmp.cont().await;
+                }
+                return Err(err(e));
+            }
+        };
+        fault("pause:committed");
+        self.remove(sandbox_id);
+        if park {
+            if let RamSource::Private { mem_base, .. } = &l.state.ram {
+                l.state.ram = RamSource::Private {
+                    mem_base: mem_base.clone(),
+                    layers: rec.layers.clone(),
+                    basis: rec.id.clone(),
+                };
+            }
+            if l.state.save(&l.dir).is_ok() {
+                let live = Live {
+                    state: l.state.clone(),
+                    vm: l.vm.take(),
+                    slot: l.slot.clone(),
+                    dir: l.dir.clone(),
+                };
+                if let Ok(mut m) = self.parked.lock() {
+                    m.insert(
+                        rec.id.clone(),
+                        Parked {
+                            live,
+                            since: std::time::Instant::now(),
+                        },
+                    );
+                }
+                drop(l);
+                self.evict_parked(false).await;
+                return Ok(Self::info(&rec));
+            }
+        }
+        if let Some(vm) = l.vm.take() {
+            vm.quit().await;
+        }
+        // Artifacts now belong to the build.
+        let _ = self.slots.release(&l.slot).await;
+        let _ = std::fs::remove_file(SandboxState::path(&l.dir));
+        for f in ["qmp.sock", "qemu.pid"] {
+            let _ = std::fs::remove_file(l.dir.join(f));
+        }
+        if park {
+            // Parking failed after the switch: the fresh overlay is nobody's.
+            let _ = std::fs::remove_file(self.builds.artifact(&l.state.overlay));
+        }
+        if !memory {
+            if let RamSource::Shared { file } = &l.state.ram {
+                let _ = std::fs::remove_file(self.builds.artifact(file));
+            }
+        }
+        Ok(Self::info(&rec))
+    }
+
+    /// Captures a running sandbox into a new build (with its memory when `memory`); it keeps running.
+    pub(super) async fn checkpoint_sandbox(
+        &self,
+        sandbox_id: &str,
+        execution_id: &str,
+        memory: bool,
+    ) -> Result<BuildInfo, NodeError> {
+        let mut l = self.live_execution(sandbox_id, execution_id).await?;
+        let _guard = self.artifacts_guard.read().await;
+        let build_id = new_id("c");
+        let vm =
+            l.vm.as_ref()
+                .ok_or_else(|| NodeError::Failed("sandbox has no VM".into()))?;
+        if !memory {
+            Self::sync_guest(&l, "snapshot").await;
+        }
+        vm.qmp.stop().await.map_err(|e| err(e.into()))?;
+        let result = async {
+            let (frozen, chain) = self.switch_disk(&mut l).await?;
+            l.state.save(&l.dir)?;
+            let rec = self
+                .capture(&l, &build_id, memory, false, frozen, chain)
+                .await?;
+            self.builds.put(&rec)?;
+            if let RamSource::Private { mem_base, .. } = &l.state.ram {
+                // Later captures of this sandbox compare with the checkpoint.
+                l.state.ram = RamSource::Private {
+                    mem_base: mem_base.clone(),
+                    layers: rec.layers.clone(),
+                    basis: rec.id.clone(),
+                };
+                l.state.save(&l.dir)?;
+            }
+            anyhow::Ok(rec)
+        }
+        .await;
+        if let Some(vm) = l.vm.as_ref() {
+            if let Err(e) = vm.qmp.cont().await {
+                tracing::error!(sandbox = sandbox_id, "cont after checkpoint failed: {e}");
+            }
+        }
+        let rec = result.map_err(err)?;
+        if memory {
+            // The source's own RNG must not be shared with its children: reseed it too.
+            let addr = SocketAddr::new(IpAddr::V4(l.slot.addr()), ENVD_PORT);
+            let token = l.state.envd_token.clone();
+            let req = InitRequest {
+                access_token: token.clone(),
+                current_token: token,
+                ..Default::default()
+            };
+            if let Err(e) = envd_client::init(addr, &req, Duration::from_secs(10)).await {
+                tracing::warn!(sandbox = sandbox_id, "reseeding the source failed: {e:#}");
+            }
+        }
+        Ok(Self::info(&rec))
+    }
+}
+
+/// Copies a sparse file keeping its holes.
+fn sparse_copy(src: &Path, dst: &Path) -> anyhow::Result<()> {
+    use std::os::unix::fs::FileExt;
+    let s = std::fs::File::open(src)?;
+    let len = s.metadata()?.len();
+    let d = std::fs::File::create(dst)?;
+    d.set_len(len)?;
+    let mut buf = vec![0u8; 1 << 20];
+    let mut off = 0u64;
+    while off < len {
+        let n = ((len - off) as usize).min(buf.len());
+        s.read_exact_at(&mut buf[..n], off)?;
+        if buf[..n].iter().any(|&b| b != 0) {
+            d.write_all_at(&buf[..n], off)?;
+        }
+        off += n as u64;
+    }
+    d.sync_all()?;
+    Ok(())
+}

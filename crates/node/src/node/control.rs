@@ -1,0 +1,128 @@
+//! The node's [`NodeControl`] impl: what the API (in process or over gRPC) may ask of it. Each
+//! call is a thin step into the room that does the work.
+
+use std::sync::Arc;
+
+use tokio::sync::Mutex;
+use vmon_proto::node::{
+    BuildInfo, LogEntry, LogQuery, MetricSample, NetworkPolicy, NodeControl, NodeError, Running,
+    StartSpec, TemplateSpec,
+};
+
+use super::{err, Node};
+use crate::sandbox::Live;
+
+#[async_trait::async_trait]
+impl NodeControl for Node {
+    async fn build_template(&self, spec: TemplateSpec) -> Result<BuildInfo, NodeError> {
+        self.make_template(spec).await
+    }
+
+    async fn build_info(&self, build_id: &str) -> Result<BuildInfo, NodeError> {
+        self.record(build_id).map(|r| Self::info(&r))
+    }
+
+    async fn delete_build(&self, build_id: &str) -> Result<(), NodeError> {
+        self.remove_build(build_id).await
+    }
+
+    async fn start(&self, spec: StartSpec) -> Result<Running, NodeError> {
+        let me = self
+            .me
+            .upgrade()
+            .ok_or_else(|| NodeError::Failed("node is shutting down".into()))?;
+        me.start_sandbox(spec).await
+    }
+
+    async fn kill(&self, sandbox_id: &str, execution_id: &str) -> Result<(), NodeError> {
+        let mut l = self.live_execution(sandbox_id, execution_id).await?;
+        self.remove(sandbox_id);
+        self.destroy(&mut l, false).await;
+        Ok(())
+    }
+
+    async fn pause(
+        &self,
+        sandbox_id: &str,
+        execution_id: &str,
+        memory: bool,
+    ) -> Result<BuildInfo, NodeError> {
+        self.pause_sandbox(sandbox_id, execution_id, memory).await
+    }
+
+    async fn checkpoint(
+        &self,
+        sandbox_id: &str,
+        execution_id: &str,
+        memory: bool,
+    ) -> Result<BuildInfo, NodeError> {
+        self.checkpoint_sandbox(sandbox_id, execution_id, memory)
+            .await
+    }
+
+    async fn update_network(
+        &self,
+        sandbox_id: &str,
+        execution_id: &str,
+        policy: NetworkPolicy,
+    ) -> Result<(), NodeError> {
+        crate::slots::validate_policy(&policy).map_err(NodeError::InvalidArgument)?;
+        let mut l = self.live_execution(sandbox_id, execution_id).await?;
+        l.slot.set_policy(&policy).await.map_err(err)?;
+        l.state.network = Some(policy);
+        let dir = l.dir.clone();
+        l.state.save(&dir).map_err(err)
+    }
+
+    async fn list_running(&self) -> Vec<Running> {
+        let lives: Vec<Arc<Mutex<Live>>> = match self.sandboxes.lock() {
+            Ok(m) => m.values().cloned().collect(),
+            Err(_) => return Vec::new(),
+        };
+        let mut out = Vec::new();
+        for l in lives {
+            let l = l.lock().await;
+            out.push(Self::running(&l));
+        }
+        out
+    }
+
+    async fn metrics(
+        &self,
+        sandbox_id: &str,
+        start_unix: i64,
+        end_unix: i64,
+    ) -> Result<Vec<MetricSample>, NodeError> {
+        let dir = self.cfg.data_dir.clone();
+        let id = sandbox_id.to_string();
+        tokio::task::spawn_blocking(move || {
+            crate::telemetry::read_samples(&dir, &id, start_unix, end_unix)
+        })
+        .await
+        .map_err(|e| NodeError::Failed(format!("metrics task: {e}")))
+    }
+
+    async fn latest_metrics(&self, sandbox_ids: &[String]) -> Vec<(String, MetricSample)> {
+        self.telemetry.latest_of(sandbox_ids)
+    }
+
+    async fn logs(&self, sandbox_id: &str, query: LogQuery) -> Result<Vec<LogEntry>, NodeError> {
+        let consoles = self.console_logs(sandbox_id);
+        tokio::task::spawn_blocking(move || {
+            crate::telemetry::select(crate::telemetry::read_entries(&consoles), &query)
+        })
+        .await
+        .map_err(|e| NodeError::Failed(format!("logs task: {e}")))
+    }
+
+    async fn pool_depths(&self) -> Vec<(String, usize)> {
+        let builds = self.pool.builds();
+        builds
+            .into_iter()
+            .map(|b| {
+                let d = self.pool.depth(&b);
+                (b, d)
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,507 @@
+//! The node: sandboxes' lifecycles on top of `vmon_vm`, slots and builds.
+//!
+//! This file holds the [`Node`] itself (its state, `open`, the sandbox table and the small
+//! helpers every room uses). The rest lives in rooms, each an `impl Node` block of one concern:
+//! `boot` (cold boots), `restore` (restores, write-in, warm-up, starting a sandbox), `pools`
+//! (the restore pool's glue), `parking` (stopped QEMUs kept for fast resumes), `capture`
+//! (pause, checkpoint, memory layers), `template` (template builds and deleting builds),
+//! `recovery` (re-adoption after a restart, reaping, the sweep) and `control` (the
+//! [`NodeControl`](vmon_proto::node::NodeControl) impl, thin calls into those).
+
+mod boot;
+mod capture;
+mod control;
+mod parking;
+mod pools;
+mod recovery;
+mod restore;
+mod template;
+
+use std::collections::{HashMap, HashSet};
+use std::net::{IpAddr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use tokio::sync::{Mutex, RwLock};
+use vmon_proto::node::{BuildInfo, NodeError, Running, StartSpec};
+use vmon_vm::machine::qemu_version;
+use vmon_vm::{AccelChoice, MachineDesc};
+
+use crate::builds::{BuildRecord, Builds};
+use crate::config::{env_or, NodeConfig};
+use crate::envd_client::{self, InitRequest, ENVD_PORT};
+use crate::pool::Pool;
+use crate::sandbox::{Live, RamSource, SandboxState};
+use crate::slots::Slots;
+
+use parking::Parked;
+
+/// The envd feature level our guest agent implements (the SDK gates features on it).
+pub const ENVD_VERSION: &str = "0.6.4";
+
+/// QMP commands the snapshot recipe cannot do without.
+const REQUIRED_QMP: &[&str] = &[
+    "xen-save-devices-state",
+    "migrate-incoming",
+    "blockdev-snapshot-sync",
+    "stop",
+    "cont",
+    "query-migrate",
+];
+
+/// One host's sandboxes.
+pub struct Node {
+    cfg: NodeConfig,
+    accel: AccelChoice,
+    qemu_version: String,
+    image: vmon_image::Image,
+    builds: Builds,
+    slots: Arc<Slots>,
+    sandboxes: std::sync::Mutex<HashMap<String, Arc<Mutex<Live>>>>,
+    pool: Pool,
+    /// Held (shared) by every operation that creates artifacts not yet named by a record;
+    /// held exclusively by the sweep.
+    artifacts_guard: RwLock<()>,
+    /// Restores in their CPU-heavy part (spawn, write-in, load, the guest's first answers) at
+    /// once: one per host core. Under TCG a restored guest translates its hot paths anew, and
+    /// ten of them sharing two cores finish later than ten taking turns.
+    restore_gate: tokio::sync::Semaphore,
+    /// Restores waiting for a turn or holding one.
+    restores_in_flight: std::sync::atomic::AtomicUsize,
+    /// The machine of each RAM base that blank processes are kept for.
+    blank_machines: std::sync::Mutex<HashMap<String, MachineDesc>>,
+    /// Paused sandboxes with their QEMU kept stopped, by paused build.
+    parked: std::sync::Mutex<HashMap<String, Parked>>,
+    host_memory_mb: u64,
+    telemetry: crate::telemetry::Telemetry,
+    me: std::sync::Weak<Node>,
+    /// Held for the node's life: no other node on this host may use the same slot block.
+    _block_lock: std::fs::File,
+    /// Held for the node's life: one node per data dir (another would sweep our artifacts).
+    _data_lock: std::fs::File,
+}
+
+fn err(e: anyhow::Error) -> NodeError {
+    NodeError::Failed(format!("{e:#}"))
+}
+
+fn valid_id(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 128
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+}
+
+/// Fields of `/proc/meminfo` (KiB), in the order asked; None where missing.
+fn meminfo_kib<const N: usize>(fields: [&str; N]) -> [Option<u64>; N] {
+    let text = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    fields.map(|name| {
+        text.lines()
+            .find(|l| l.split(':').next() == Some(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|kb| kb.parse().ok())
+    })
+}
+
+fn host_memory_mb() -> u64 {
+    let [total] = meminfo_kib(["MemTotal"]);
+    total.map(|kb| kb / 1024).unwrap_or(0)
+}
+
+/// One node per data dir: `flock` on `<data>/node.lock`, failing fast when another holds it.
+fn lock_data_dir(data_dir: &Path) -> anyhow::Result<std::fs::File> {
+    use std::os::fd::AsRawFd;
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(data_dir.join("node.lock"))?;
+    // SAFETY: flock on a descriptor we own; no memory is passed.
+    let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    if rc != 0 {
+        bail!(
+            "another vmon node is running on {} (one node per data dir)",
+            data_dir.display()
+        );
+    }
+    Ok(f)
+}
+
+/// Takes the host-wide lock of slot block `b` if no live node holds it.
+fn try_lock_block(b: u32) -> anyhow::Result<Option<std::fs::File>> {
+    use std::os::fd::AsRawFd;
+    let lock_dir = Path::new("/run/vmon");
+    std::fs::create_dir_all(lock_dir)?;
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(lock_dir.join(format!("slots-{b}.lock")))?;
+    // SAFETY: flock on a descriptor we own; no memory is passed.
+    let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    Ok((rc == 0).then_some(f))
+}
+
+/// Picks this node's slot block and locks it host-wide (`flock` on `/run/vmon`), so two nodes
+/// never hand out the same namespaces and addresses. The block is remembered in the data dir,
+/// so a restarted node finds its sandboxes' slots again.
+fn claim_slot_block(cfg: &NodeConfig) -> anyhow::Result<(u32, std::fs::File)> {
+    let lock_dir = Path::new("/run/vmon");
+    std::fs::create_dir_all(lock_dir)?;
+    let remembered = cfg.data_dir.join("slot-block");
+    let try_lock = try_lock_block;
+    if let Some(b) = cfg.slot_block {
+        let b = b % crate::slots::BLOCKS;
+        return match try_lock(b)? {
+            Some(f) => {
+                std::fs::write(&remembered, b.to_string())?;
+                Ok((b, f))
+            }
+            None => bail!("slot block {b} is in use by another vmon node on this host"),
+        };
+    }
+    if let Some(b) = std::fs::read_to_string(&remembered)
+        .ok()
+        .and_then(|t| t.trim().parse::<u32>().ok())
+    {
+        if let Some(f) = try_lock(b % crate::slots::BLOCKS)? {
+            return Ok((b % crate::slots::BLOCKS, f));
+        }
+        // Another node holds it now (and has reclaimed whatever we left there).
+        tracing::warn!(block = b, "remembered slot block is taken by another node");
+    }
+    let canon = std::fs::canonicalize(&cfg.data_dir).unwrap_or_else(|_| cfg.data_dir.clone());
+    let start = (xxhash_rust::xxh3::xxh3_64(canon.as_os_str().as_encoded_bytes())
+        % u64::from(crate::slots::BLOCKS)) as u32;
+    for i in 0..crate::slots::BLOCKS {
+        let b = (start + i) % crate::slots::BLOCKS;
+        if let Some(f) = try_lock(b)? {
+            std::fs::write(&remembered, b.to_string())?;
+            return Ok((b, f));
+        }
+    }
+    bail!(
+        "all {} slot blocks on this host are taken by other vmon nodes",
+        crate::slots::BLOCKS
+    )
+}
+
+/// The `/init` after restoring `rec` for `spec`: its settings, authenticated with the token the
+/// guest holds from the build.
+fn restore_init(spec: &StartSpec, rec: &BuildRecord) -> InitRequest {
+    InitRequest {
+        env_vars: spec.env_vars.clone(),
+        access_token: spec.envd_access_token.clone(),
+        current_token: rec.envd_token.clone(),
+        default_user: None,
+    }
+}
+
+/// Checks that `qemu` offers what snapshots need, with a throwaway machine-less process.
+pub async fn probe_qmp(qemu: &Path, dir: &Path) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let sock = dir.join("probe.sock");
+    let _ = std::fs::remove_file(&sock);
+    let mut child = tokio::process::Command::new(qemu)
+        .args([
+            "-machine",
+            "none",
+            "-nodefaults",
+            "-display",
+            "none",
+            "-qmp",
+        ])
+        .arg(format!("unix:{},server=on,wait=off", sock.display()))
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .with_context(|| format!("starting {}", qemu.display()))?;
+    let result = async {
+        let qmp = vmon_vm::Qmp::connect(&sock, Duration::from_secs(10)).await?;
+        let cmds: HashSet<String> = qmp.query_commands().await?.into_iter().collect();
+        let missing: Vec<&str> = REQUIRED_QMP
+            .iter()
+            .copied()
+            .filter(|c| !cmds.contains(*c))
+            .collect();
+        if !missing.is_empty() {
+            bail!(
+                "{} lacks the QMP commands {} that snapshots need",
+                qemu.display(),
+                missing.join(", ")
+            );
+        }
+        anyhow::Ok(())
+    }
+    .await;
+    let _ = child.start_kill();
+    let _ = child.wait().await;
+    let _ = std::fs::remove_file(&sock);
+    result
+}
+
+impl Node {
+    /// Opens the node: probes the host, finds or builds the guest image, re-adopts sandboxes
+    /// that survived a restart and cleans up what a crash left.
+    pub async fn open(cfg: NodeConfig) -> anyhow::Result<Arc<Node>> {
+        std::fs::create_dir_all(&cfg.data_dir)?;
+        let data_lock = lock_data_dir(&cfg.data_dir)?;
+        let accel = vmon_vm::probe_accel(cfg.accel).map_err(|e| anyhow::anyhow!(e))?;
+        tracing::info!(accel = accel.accel.as_str(), reason = %accel.reason, "accelerator");
+        let qemu_version = qemu_version(&cfg.qemu_binary)?;
+        probe_qmp(&cfg.qemu_binary, &cfg.data_dir.join("run")).await?;
+        let envd = match &cfg.envd_binary {
+            Some(p) => p.clone(),
+            None => std::env::current_exe()?.with_file_name("envd"),
+        };
+        let recipe = vmon_image::Recipe::for_host(envd)?;
+        let image = vmon_image::build(&cfg.data_dir, &recipe).await?;
+        let builds = Builds::open(&cfg.data_dir)?;
+        Slots::prepare_host().await?;
+        let (slot_block, block_lock) = claim_slot_block(&cfg)?;
+        tracing::info!(slot_block, "network slot block");
+        let node = Arc::new_cyclic(|me| Node {
+            me: me.clone(),
+            pool: Pool::new(cfg.pool_size, cfg.blank_pool_size),
+            cfg,
+            accel,
+            qemu_version,
+            image,
+            builds,
+            slots: Arc::new(Slots::new(slot_block)),
+            sandboxes: std::sync::Mutex::new(HashMap::new()),
+            artifacts_guard: RwLock::new(()),
+            restore_gate: tokio::sync::Semaphore::new(env_or(
+                "VMON_RESTORE_TURNS",
+                std::thread::available_parallelism().map_or(2, |n| n.get()),
+            )),
+            parked: Default::default(),
+            restores_in_flight: Default::default(),
+            blank_machines: Default::default(),
+            host_memory_mb: host_memory_mb(),
+            telemetry: Default::default(),
+            _block_lock: block_lock,
+            _data_lock: data_lock,
+        });
+        node.recover().await?;
+        node.slots.set_spares(node.cfg.spare_slots);
+        node.slots.refill();
+        crate::telemetry::spawn(Arc::downgrade(&node));
+        let weak = Arc::downgrade(&node);
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_secs(5)).await;
+                let Some(node) = weak.upgrade() else { break };
+                node.evict_parked(false).await;
+            }
+        });
+        Ok(node)
+    }
+
+    /// The QEMU process of a running sandbox.
+    pub async fn qemu_pid(&self, sandbox_id: &str) -> Option<u32> {
+        let live = self.live(sandbox_id).ok()?;
+        let l = live.lock().await;
+        l.vm.as_ref().map(|v| v.pid)
+    }
+
+    /// The block of slot addresses this node owns.
+    pub fn slot_block(&self) -> u32 {
+        self.slots.block()
+    }
+
+    pub fn accel(&self) -> &AccelChoice {
+        &self.accel
+    }
+
+    pub fn qemu_version(&self) -> &str {
+        &self.qemu_version
+    }
+
+    pub fn image(&self) -> &vmon_image::Image {
+        &self.image
+    }
+
+    pub fn data_dir(&self) -> &Path {
+        &self.cfg.data_dir
+    }
+
+    fn sandbox_root(&self, id: &str) -> PathBuf {
+        self.cfg.data_dir.join("sandboxes").join(id)
+    }
+
+    /// The console logs of a sandbox, oldest execution first.
+    pub fn console_logs(&self, sandbox_id: &str) -> Vec<PathBuf> {
+        if !valid_id(sandbox_id) {
+            return Vec::new();
+        }
+        let mut v: Vec<(std::time::SystemTime, PathBuf)> =
+            std::fs::read_dir(self.sandbox_root(sandbox_id))
+                .into_iter()
+                .flatten()
+                .flatten()
+                .filter_map(|e| {
+                    let p = e.path().join("console.log");
+                    let t = std::fs::metadata(e.path())
+                        .and_then(|m| m.created().or(m.modified()))
+                        .ok()?;
+                    p.is_file().then_some((t, p))
+                })
+                .collect();
+        v.sort();
+        v.into_iter().map(|(_, p)| p).collect()
+    }
+
+    fn record(&self, id: &str) -> Result<BuildRecord, NodeError> {
+        match self.builds.get(id) {
+            Ok(Some(r)) => Ok(r),
+            Ok(None) => Err(NodeError::BuildNotFound(id.to_string())),
+            Err(e) => Err(err(e)),
+        }
+    }
+
+    fn info(rec: &BuildRecord) -> BuildInfo {
+        BuildInfo {
+            build_id: rec.id.clone(),
+            has_memory: rec.has_memory(),
+            vcpus: rec.machine.vcpus,
+            memory_mb: rec.machine.memory_mb,
+            disk_mb: rec.disk_mb,
+            envd_version: rec.envd_version.clone(),
+            parent: rec.parent.clone(),
+        }
+    }
+
+    /// A running sandbox, locked, if it is still in run `execution_id`.
+    async fn live_execution(
+        &self,
+        sandbox_id: &str,
+        execution_id: &str,
+    ) -> Result<tokio::sync::OwnedMutexGuard<Live>, NodeError> {
+        let l = self.live(sandbox_id)?.lock_owned().await;
+        if l.state.execution_id != execution_id {
+            return Err(NodeError::NotFound(format!(
+                "{sandbox_id} (execution {execution_id})"
+            )));
+        }
+        Ok(l)
+    }
+
+    fn live(&self, sandbox_id: &str) -> Result<Arc<Mutex<Live>>, NodeError> {
+        self.sandboxes
+            .lock()
+            .map_err(|_| NodeError::Failed("sandbox table poisoned".into()))?
+            .get(sandbox_id)
+            .cloned()
+            .ok_or_else(|| NodeError::NotFound(sandbox_id.to_string()))
+    }
+
+    fn running(l: &Live) -> Running {
+        Running {
+            sandbox_id: l.state.id.clone(),
+            execution_id: l.state.execution_id.clone(),
+            guest_ip: IpAddr::V4(l.slot.addr()),
+            envd_version: l.state.envd_version.clone(),
+            vcpus: l.state.machine.vcpus,
+            memory_mb: l.state.machine.memory_mb,
+            disk_mb: l.state.disk_mb,
+            resume_generation: l.state.resume_generation,
+        }
+    }
+
+    fn insert(&self, live: Live) -> Result<Running, NodeError> {
+        let running = Self::running(&live);
+        self.sandboxes
+            .lock()
+            .map_err(|_| NodeError::Failed("sandbox table poisoned".into()))?
+            .insert(live.state.id.clone(), Arc::new(Mutex::new(live)));
+        Ok(running)
+    }
+
+    fn remove(&self, sandbox_id: &str) {
+        if let Ok(mut m) = self.sandboxes.lock() {
+            m.remove(sandbox_id);
+        }
+    }
+
+    /// Stops and forgets a live sandbox: QEMU, slot, its own artifacts.
+    async fn destroy(&self, live: &mut Live, keep_artifacts: bool) {
+        if let Some(vm) = live.vm.take() {
+            vm.quit().await;
+        }
+        vmon_vm::process::kill_recorded(&live.dir, &live.state.qemu_tag);
+        let _ = self.slots.release(&live.slot).await;
+        if !keep_artifacts {
+            let _ = std::fs::remove_file(self.builds.artifact(&live.state.overlay));
+            if let RamSource::Shared { file } = &live.state.ram {
+                let _ = std::fs::remove_file(self.builds.artifact(file));
+            }
+        }
+        let _ = std::fs::remove_file(SandboxState::path(&live.dir));
+        for f in ["qmp.sock", "qemu.pid"] {
+            let _ = std::fs::remove_file(live.dir.join(f));
+        }
+    }
+
+    /// Runs a shell command in a sandbox as `user` (tests, template start commands).
+    pub async fn exec(
+        &self,
+        sandbox_id: &str,
+        user: &str,
+        cmd: &str,
+        timeout: Duration,
+    ) -> anyhow::Result<envd_client::CommandOutput> {
+        let live = self.live(sandbox_id).map_err(|e| anyhow::anyhow!(e))?;
+        let (addr, token) = {
+            let l = live.lock().await;
+            (
+                SocketAddr::new(IpAddr::V4(l.slot.addr()), ENVD_PORT),
+                l.state.envd_token.clone(),
+            )
+        };
+        envd_client::run(addr, token.as_deref(), user, cmd, timeout).await
+    }
+
+    /// Kills a sandbox's QEMU without telling it (tests of crash recovery).
+    pub async fn crash_vm(&self, sandbox_id: &str) -> Result<u32, NodeError> {
+        let live = self.live(sandbox_id)?;
+        let mut l = live.lock().await;
+        let pid = l.vm.as_ref().map(|v| v.pid).unwrap_or(0);
+        vmon_vm::process::signal(pid, libc::SIGKILL);
+        if let Some(vm) = l.vm.as_mut() {
+            vm.wait_exit(Duration::from_secs(10)).await;
+        }
+        Ok(pid)
+    }
+}
+
+impl crate::telemetry::Scraped for Node {
+    /// Running sandboxes the telemetry scraper may sample now (busy ones wait a round).
+    fn scrape_targets(&self) -> Vec<crate::telemetry::Target> {
+        let Ok(map) = self.sandboxes.lock() else {
+            return Vec::new();
+        };
+        map.values()
+            .filter_map(|live| {
+                let l = live.try_lock().ok()?;
+                Some(crate::telemetry::Target {
+                    sandbox_id: l.state.id.clone(),
+                    envd: SocketAddr::new(IpAddr::V4(l.slot.addr()), ENVD_PORT),
+                    token: l.state.envd_token.clone(),
+                })
+            })
+            .collect()
+    }
+
+    fn data_dir(&self) -> &Path {
+        &self.cfg.data_dir
+    }
+
+    fn telemetry(&self) -> &crate::telemetry::Telemetry {
+        &self.telemetry
+    }
+}

@@ -1,0 +1,453 @@
+//! Restores: a sandbox started from a build's memory. A restore takes a warmed pooled process,
+//! a blank one given the build's disk and layers (write-in), or a fresh one, then loads the
+//! device state and `/init`s the guest. Also the warm-up of pooled processes and
+//! `start_sandbox`, which picks a restore or a cold boot.
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use vmon_proto::node::{NodeError, Running, StartSpec};
+use vmon_vm::disk::{create_overlay, BackingFormat};
+use vmon_vm::machine::RamSharing;
+use vmon_vm::{memory, LaunchSpec, MachineDesc, NetDevice, Vm};
+
+use super::{err, restore_init, valid_id, Node};
+use crate::builds::{new_id, BuildRecord};
+use crate::envd_client::{self, InitRequest, ENVD_PORT};
+use crate::pool::{blank_key, Prepared};
+use crate::sandbox::{Live, RamSource, SandboxState};
+use crate::slots::TAP;
+
+impl Node {
+    /// A restore only loads into the machine a build was made on.
+    fn check_compatible(&self, rec: &BuildRecord) -> Result<(), NodeError> {
+        let m = &rec.machine;
+        if m.accel != self.accel.accel || m.qemu_version != self.qemu_version {
+            return Err(NodeError::InvalidArgument(format!(
+                "build {} was made with {} on {} and cannot restore here ({} on {})",
+                rec.id,
+                m.accel.as_str(),
+                m.qemu_version,
+                self.accel.accel.as_str(),
+                self.qemu_version
+            )));
+        }
+        Ok(())
+    }
+
+    /// Spawns a QEMU waiting for `migrate-incoming` on `rec`'s memory, with its own slot and
+    /// overlay, and its layers already written in.
+    ///
+    /// With `warm`, the process also loads the device state, runs the guest until envd has
+    /// answered a few requests (so QEMU's translation cache holds the hot paths: under TCG the
+    /// first request after a load costs most of a restore), and stops it again. A claim then
+    /// costs `cont` and `/init`. Only template builds are warmed: their guest running a moment
+    /// longer before its first claim is indistinguishable from a template captured later.
+    pub(super) async fn prepare(&self, rec: &BuildRecord, warm: bool) -> anyhow::Result<Prepared> {
+        let Some(mem_base) = rec.mem_base.clone() else {
+            bail!("build {} has no memory", rec.id);
+        };
+        let blank = self.prepare_blank(&mem_base, &rec.machine).await?;
+        let mut p = self.fill_blank(rec, blank).await?;
+        if warm {
+            if let Err(e) = self.warm_up(&p.vm, rec, &p.slot).await {
+                self.discard_prepared(p).await;
+                return Err(e);
+            }
+            p.loaded = true;
+        }
+        Ok(p)
+    }
+
+    /// The caller holds the artifacts guard (shared) from here until the process is in the
+    /// pool or its sandbox in the table: until then nothing else names its overlay.
+    ///
+    /// Spawns a restore process for RAM base `mem_base` with no disk and no state yet: a slot,
+    /// QEMU waiting for `migrate-incoming`. Kept ahead of time per RAM base, it takes the spawn
+    /// out of resumes and fork children; [`Node::fill_blank`] gives it a build.
+    pub(super) async fn prepare_blank(
+        &self,
+        mem_base: &str,
+        machine: &MachineDesc,
+    ) -> anyhow::Result<Prepared> {
+        let slot = self.slots.acquire(&crate::slots::open_policy()).await?;
+        self.slots.refill();
+        let tag = new_id("");
+        let run_dir = self.cfg.data_dir.join("pool").join(&tag);
+        let r = async {
+            std::fs::create_dir_all(&run_dir)?;
+            let vm = Vm::launch(&LaunchSpec {
+                tag: tag.clone(),
+                machine: machine.clone(),
+                run_dir: run_dir.clone(),
+                console_log: run_dir.join("console.log"),
+                ram_file: self.builds.artifact(mem_base),
+                ram: RamSharing::Private,
+                disk: None,
+                net: Some(NetDevice { tap: TAP.into() }),
+                netns: Some(slot.netns()),
+                incoming: true,
+                die_with_node: false,
+            })
+            .await?;
+            if let Err(e) = vm.qmp.prepare_incoming().await {
+                let mut vm = vm;
+                vm.kill().await;
+                return Err(e.into());
+            }
+            anyhow::Ok(vm)
+        }
+        .await;
+        match r {
+            Ok(vm) => Ok(Prepared {
+                tag,
+                slot,
+                overlay: String::new(),
+                vm,
+                run_dir,
+                loaded: false,
+                mem_base: mem_base.to_string(),
+                machine: machine.clone(),
+            }),
+            Err(e) => {
+                let _ = self.slots.release(&slot).await;
+                let _ = std::fs::remove_dir_all(&run_dir);
+                Err(e)
+            }
+        }
+    }
+
+    /// Gives a blank process `rec`'s disk (a fresh overlay on its chain, attached at the slot
+    /// the device state names) and memory layers. The process is discarded on failure.
+    async fn fill_blank(&self, rec: &BuildRecord, mut p: Prepared) -> anyhow::Result<Prepared> {
+        let (overlay, overlay_path) = self.builds.new_artifact("disk", "qcow2");
+        let t0 = std::time::Instant::now();
+        let r = async {
+            if rec.mem_base.as_deref() != Some(p.mem_base.as_str()) {
+                bail!("process was made for another RAM base");
+            }
+            match &rec.disk {
+                Some(d) => {
+                    create_overlay(
+                        &self.builds.artifact(d),
+                        BackingFormat::Qcow2,
+                        &overlay_path,
+                    )
+                    .await?
+                }
+                None => {
+                    create_overlay(&self.image.rootfs, BackingFormat::Raw, &overlay_path).await?
+                }
+            }
+            for (cmd, args) in vmon_vm::machine::disk_attach(&overlay_path) {
+                p.vm.qmp
+                    .execute_raw(cmd, args, Duration::from_secs(30))
+                    .await?;
+            }
+            let t_attach = t0.elapsed();
+            let pid = p.vm.pid;
+            let ram_file = self.builds.artifact(&p.mem_base);
+            let layers: Vec<PathBuf> = rec.layers.iter().map(|l| self.builds.artifact(l)).collect();
+            tokio::task::spawn_blocking(move || {
+                for l in &layers {
+                    memory::write_in(pid, &ram_file, l)?;
+                }
+                anyhow::Ok(())
+            })
+            .await
+            .map_err(|e| anyhow::anyhow!("write-in task: {e}"))??;
+            tracing::debug!(
+                build = %rec.id,
+                attach_ms = t_attach.as_secs_f64() * 1e3,
+                write_in_ms = (t0.elapsed() - t_attach).as_secs_f64() * 1e3,
+                "fill stages"
+            );
+            anyhow::Ok(())
+        }
+        .await;
+        match r {
+            Ok(()) => {
+                p.overlay = overlay;
+                Ok(p)
+            }
+            Err(e) => {
+                self.discard_prepared(p).await;
+                let _ = std::fs::remove_file(&overlay_path);
+                Err(e)
+            }
+        }
+    }
+
+    async fn warm_up(
+        &self,
+        vm: &Vm,
+        rec: &BuildRecord,
+        slot: &crate::slots::Slot,
+    ) -> anyhow::Result<()> {
+        let devstate = rec
+            .devstate
+            .as_deref()
+            .context("build has no device state")?;
+        vm.qmp
+            .migrate_incoming_file(&self.builds.artifact(devstate))
+            .await?;
+        vm.qmp.cont().await?;
+        let addr = SocketAddr::new(IpAddr::V4(slot.addr()), ENVD_PORT);
+        envd_client::wait_healthy(addr, self.cfg.restore_timeout).await?;
+        let token = rec.envd_token.as_deref();
+        // The claim's own `/init` (clock, entropy, token) runs through the same code: translate
+        // it now. The build's token stays; the claim sets the sandbox's.
+        let keep = envd_client::InitRequest {
+            access_token: rec.envd_token.clone(),
+            current_token: rec.envd_token.clone(),
+            ..Default::default()
+        };
+        for _ in 0..3 {
+            envd_client::healthy(addr).await;
+            envd_client::init(addr, &keep, Duration::from_secs(30)).await?;
+            envd_client::run(addr, token, "user", "true", Duration::from_secs(30)).await?;
+        }
+        vm.qmp.stop().await?;
+        Ok(())
+    }
+
+    /// Restores `rec` for a sandbox: a pooled process when one is ready, else a fresh one.
+    async fn restore(
+        self: &Arc<Self>,
+        spec: &StartSpec,
+        rec: &BuildRecord,
+    ) -> anyhow::Result<Live> {
+        let (Some(mem_base), Some(devstate)) = (rec.mem_base.clone(), rec.devstate.clone()) else {
+            bail!("build {} has no memory to restore", rec.id);
+        };
+        if let Some(live) = self.unpark(&rec.id, &spec.sandbox_id) {
+            match self.resume_parked(spec, rec, live).await {
+                Ok(live) => return Ok(live),
+                Err(e) => tracing::warn!(
+                    sandbox = %spec.sandbox_id,
+                    "resuming the kept QEMU failed, restoring from the build: {e:#}"
+                ),
+            }
+        }
+        let _in_flight = InFlight::new(&self.restores_in_flight);
+        let blanks = blank_key(&mem_base);
+        let pooled = self.pool.take(&rec.id);
+        // A warmed pooled process only needs `cont` and `/init`: it skips the gate.
+        let _turn = match &pooled {
+            Some(p) if p.loaded => None,
+            _ => Some(
+                self.restore_gate
+                    .acquire()
+                    .await
+                    .map_err(|_| anyhow::anyhow!("node is shutting down"))?,
+            ),
+        };
+        // Resumes and fork children share their RAM base with a template: keep blank processes
+        // for it from now on.
+        if let Ok(mut m) = self.blank_machines.lock() {
+            m.entry(mem_base.clone())
+                .or_insert_with(|| rec.machine.clone());
+        }
+        let prepared = match pooled {
+            Some(p) => p,
+            None => match self.pool.take(&blanks) {
+                Some(b) if b.vm_matches(&rec.machine) => self.fill_blank(rec, b).await?,
+                Some(b) => {
+                    self.discard_prepared(b).await;
+                    self.prepare(rec, false).await?
+                }
+                None => self.prepare(rec, false).await?,
+            },
+        };
+        let Prepared {
+            tag,
+            slot,
+            overlay,
+            mut vm,
+            run_dir: pool_dir,
+            loaded,
+            ..
+        } = prepared;
+        let run_dir = self.sandbox_root(&spec.sandbox_id).join(&spec.execution_id);
+        let r = async {
+            if let Some(parent) = run_dir.parent() {
+                std::fs::create_dir_all(parent)?;
+            }
+            if run_dir.exists() {
+                std::fs::remove_dir_all(&run_dir)?;
+            }
+            std::fs::rename(&pool_dir, &run_dir)?;
+            if loaded {
+                // What the guest printed while it warmed up in the pool is not this sandbox's:
+                // log readers start after this many console bytes.
+                let len = std::fs::metadata(run_dir.join("console.log"))
+                    .map(|m| m.len())
+                    .unwrap_or(0);
+                std::fs::write(run_dir.join("console.skip"), len.to_string())?;
+            }
+            if spec.network != crate::slots::open_policy() {
+                slot.set_policy(&spec.network).await?;
+            }
+            let t0 = std::time::Instant::now();
+            if !loaded {
+                vm.qmp
+                    .migrate_incoming_file(&self.builds.artifact(&devstate))
+                    .await?;
+            }
+            let t_load = t0.elapsed();
+            vm.qmp.cont().await?;
+            let t_cont = t0.elapsed();
+            let addr = SocketAddr::new(IpAddr::V4(slot.addr()), ENVD_PORT);
+            let init =
+                envd_client::init(addr, &restore_init(spec, rec), self.cfg.restore_timeout).await;
+            tracing::debug!(
+                sandbox = %spec.sandbox_id,
+                load_ms = t_load.as_secs_f64() * 1e3,
+                cont_ms = (t_cont - t_load).as_secs_f64() * 1e3,
+                init_ms = (t0.elapsed() - t_cont).as_secs_f64() * 1e3,
+                "restore stages"
+            );
+            init?;
+            let state = SandboxState {
+                id: spec.sandbox_id.clone(),
+                execution_id: spec.execution_id.clone(),
+                slot: slot.index,
+                machine: rec.machine.clone(),
+                ram: RamSource::Private {
+                    mem_base,
+                    layers: rec.layers.clone(),
+                    basis: rec.id.clone(),
+                },
+                overlay: overlay.clone(),
+                disk_chain: rec
+                    .disk
+                    .iter()
+                    .chain(rec.disk_chain.iter())
+                    .cloned()
+                    .collect(),
+                disk_node: "d0".into(),
+                disk_seq: 0,
+                envd_token: spec.envd_access_token.clone(),
+                envd_version: rec.envd_version.clone(),
+                disk_mb: rec.disk_mb,
+                resume_generation: rec.resume_generation + 1,
+                qemu_tag: tag.clone(),
+                pausing_build: None,
+                network: Some(spec.network.clone()),
+            };
+            state.save(&run_dir)?;
+            anyhow::Ok(state)
+        }
+        .await;
+        match r {
+            Ok(state) => {
+                if rec.parent.is_none() {
+                    // Templates are hot: keep a process ready (started only now, so the
+                    // refill does not compete with this claim). Paused builds restore once.
+                    self.pool.refill(self.clone(), rec.id.clone());
+                }
+                self.pool.refill(self.clone(), blanks.clone());
+                Ok(Live {
+                    state,
+                    vm: Some(vm),
+                    slot,
+                    dir: run_dir,
+                })
+            }
+            Err(e) => {
+                if rec.parent.is_none() {
+                    self.pool.refill(self.clone(), rec.id.clone());
+                }
+                self.pool.refill(self.clone(), blanks.clone());
+                vm.kill().await;
+                let _ = self.slots.release(&slot).await;
+                let _ = std::fs::remove_file(self.builds.artifact(&overlay));
+                let _ = std::fs::remove_dir_all(&pool_dir);
+                Err(e)
+            }
+        }
+    }
+}
+
+impl Node {
+    /// Starts a sandbox from a build: a memory restore, or a cold boot when asked or when the
+    /// build has no memory.
+    pub async fn start_sandbox(self: &Arc<Self>, spec: StartSpec) -> Result<Running, NodeError> {
+        if !valid_id(&spec.sandbox_id) || !valid_id(&spec.execution_id) {
+            return Err(NodeError::InvalidArgument(
+                "sandbox and execution ids must be [A-Za-z0-9_-]".into(),
+            ));
+        }
+        crate::slots::validate_policy(&spec.network).map_err(NodeError::InvalidArgument)?;
+        if self.live(&spec.sandbox_id).is_ok() {
+            return Err(NodeError::InvalidArgument(format!(
+                "sandbox {} is already running",
+                spec.sandbox_id
+            )));
+        }
+        let rec = self.record(&spec.build_id)?;
+        self.check_compatible(&rec)?;
+        if spec.cold_boot {
+            let kept = self
+                .parked
+                .lock()
+                .ok()
+                .and_then(|m| m.get(&rec.id).map(|p| p.live.state.id == spec.sandbox_id))
+                .unwrap_or(false);
+            if kept {
+                self.discard_parked(&rec.id).await;
+            }
+        }
+        let t0 = std::time::Instant::now();
+        // Held until the sandbox is in the table: a sweep must not take its new overlay.
+        let mut guard = None;
+        let live = if rec.has_memory() && !spec.cold_boot {
+            guard = Some(self.artifacts_guard.read().await);
+            self.restore(&spec, &rec).await.map_err(err)?
+        } else {
+            let dir = self.sandbox_root(&spec.sandbox_id).join(&spec.execution_id);
+            let disk = rec.disk.as_deref().map(|d| (d, rec.disk_chain.as_slice()));
+            self.boot(
+                &dir,
+                &spec.sandbox_id,
+                &spec.execution_id,
+                rec.machine.clone(),
+                disk,
+                rec.disk_mb,
+                &spec.network,
+                &InitRequest {
+                    env_vars: spec.env_vars.clone(),
+                    access_token: spec.envd_access_token.clone(),
+                    current_token: None,
+                    default_user: None,
+                },
+                0,
+            )
+            .await
+            .map_err(err)?
+        };
+        tracing::info!(sandbox = %spec.sandbox_id, build = %rec.id, ms = t0.elapsed().as_millis() as u64, "sandbox started");
+        let r = self.insert(live);
+        drop(guard);
+        r
+    }
+}
+
+/// Counts a restore as in flight while alive.
+struct InFlight<'a>(&'a std::sync::atomic::AtomicUsize);
+
+impl<'a> InFlight<'a> {
+    fn new(n: &'a std::sync::atomic::AtomicUsize) -> InFlight<'a> {
+        n.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        InFlight(n)
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}

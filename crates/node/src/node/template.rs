@@ -1,0 +1,173 @@
+//! Builds made and unmade: a template build (boot, start command, ready command, capture of
+//! the whole VM) and the deletion of a build with what was kept for it.
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use tokio::sync::Mutex;
+use vmon_proto::node::{BuildInfo, NodeError, TemplateSpec};
+
+use super::{err, valid_id, Node, ENVD_VERSION};
+use crate::builds::{new_id, now_unix, BuildRecord};
+use crate::envd_client::{self, InitRequest, ENVD_PORT};
+use crate::pool::blank_key;
+use crate::sandbox::{Live, RamSource};
+
+impl Node {
+    /// Builds a template: boots its VM, runs its start and ready commands, captures it.
+    pub(super) async fn make_template(&self, spec: TemplateSpec) -> Result<BuildInfo, NodeError> {
+        if !valid_id(&spec.build_id) {
+            return Err(NodeError::InvalidArgument(format!(
+                "{:?} is not a valid build id",
+                spec.build_id
+            )));
+        }
+        if let Some(rec) = self.builds.get(&spec.build_id).map_err(err)? {
+            return Ok(Self::info(&rec));
+        }
+        let machine = self.machine(spec.vcpus, spec.memory_mb)?;
+        let exec = new_id("t");
+        let dir = self
+            .cfg
+            .data_dir
+            .join("run")
+            .join(format!("template-{}", spec.build_id));
+        let t0 = std::time::Instant::now();
+        tracing::info!(build = %spec.build_id, "booting the template VM");
+        let mut live = self
+            .boot(
+                &dir,
+                &spec.build_id,
+                &exec,
+                machine,
+                None,
+                self.image.manifest.disk_mb.max(spec.disk_mb),
+                &crate::slots::open_policy(),
+                &InitRequest {
+                    env_vars: spec.env_vars.clone(),
+                    ..Default::default()
+                },
+                0,
+            )
+            .await
+            .map_err(err)?;
+        tracing::info!(build = %spec.build_id, secs = t0.elapsed().as_secs_f64(), "template VM is up");
+        let result = async {
+            let addr = SocketAddr::new(IpAddr::V4(live.slot.addr()), ENVD_PORT);
+            if let Some(cmd) = &spec.start_cmd {
+                let quoted = cmd.replace('\'', "'\\''");
+                let out = envd_client::run(
+                    addr,
+                    None,
+                    "user",
+                    &format!("setsid -f bash -l -c '{quoted}' >/dev/null 2>&1 </dev/null"),
+                    Duration::from_secs(60),
+                )
+                .await?;
+                if out.exit_code != 0 {
+                    bail!(
+                        "start command could not be launched: {}",
+                        String::from_utf8_lossy(&out.stderr)
+                    );
+                }
+            }
+            if let Some(ready) = &spec.ready_cmd {
+                let start = tokio::time::Instant::now();
+                loop {
+                    let out = envd_client::run(addr, None, "user", ready, Duration::from_secs(60))
+                        .await?;
+                    if out.exit_code == 0 {
+                        break;
+                    }
+                    if start.elapsed() > Duration::from_secs(600) {
+                        bail!(
+                            "ready command never succeeded: {}",
+                            String::from_utf8_lossy(&out.stderr)
+                        );
+                    }
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+            }
+            // Let the guest settle (page cache, deferred work) so restores start quiet.
+            envd_client::run(addr, None, "root", "sync", Duration::from_secs(60)).await?;
+            let vm = live.vm.as_ref().context("no VM")?;
+            vm.qmp.stop().await?;
+            let (dev, dev_path) = self.builds.new_artifact("dev", "state");
+            vm.qmp.save_devices_state(&dev_path).await?;
+            let RamSource::Shared { file } = live.state.ram.clone() else {
+                bail!("template VM must own its RAM");
+            };
+            let rec = BuildRecord {
+                id: spec.build_id.clone(),
+                parent: None,
+                machine: live.state.machine.clone(),
+                image_hash: self.image.manifest.hash.clone(),
+                mem_base: Some(file),
+                layers: Vec::new(),
+                devstate: Some(dev),
+                disk: Some(live.state.overlay.clone()),
+                disk_chain: Vec::new(),
+                disk_mb: live.state.disk_mb,
+                envd_version: ENVD_VERSION.into(),
+                envd_token: None,
+                resume_generation: 0,
+                created_unix: now_unix(),
+            };
+            if let Some(vm) = live.vm.take() {
+                vm.quit().await;
+            }
+            self.builds.put(&rec)?;
+            anyhow::Ok(rec)
+        }
+        .await;
+        self.destroy(&mut live, result.is_ok()).await;
+        let _ = std::fs::remove_dir_all(&dir);
+        let rec = result.map_err(err)?;
+        tracing::info!(build = %rec.id, secs = t0.elapsed().as_secs_f64(), "template built");
+        Ok(Self::info(&rec))
+    }
+
+    /// Deletes a build no running sandbox restores from, with its pooled and parked processes.
+    pub(super) async fn remove_build(&self, build_id: &str) -> Result<(), NodeError> {
+        let rec = self.record(build_id)?;
+        let lives: Vec<Arc<Mutex<Live>>> = self
+            .sandboxes
+            .lock()
+            .map_err(|_| NodeError::Failed("sandbox table poisoned".into()))?
+            .values()
+            .cloned()
+            .collect();
+        for l in lives {
+            let l = l.lock().await;
+            if matches!(&l.state.ram, RamSource::Private { basis, .. } if basis == build_id) {
+                return Err(NodeError::BuildInUse(build_id.to_string()));
+            }
+        }
+        for p in self.pool.discard(build_id).await {
+            self.discard_prepared(p).await;
+        }
+        self.discard_parked(build_id).await;
+        self.builds.remove_record(build_id).map_err(err)?;
+        if let Some(m) = rec.mem_base.as_deref() {
+            // Blank processes go with the last build on their RAM base.
+            let still_used = self
+                .builds
+                .list()
+                .map_err(err)?
+                .iter()
+                .any(|r| r.mem_base.as_deref() == Some(m));
+            if !still_used {
+                for p in self.pool.discard(&blank_key(m)).await {
+                    self.discard_prepared(p).await;
+                }
+                if let Ok(mut bm) = self.blank_machines.lock() {
+                    bm.remove(m);
+                }
+            }
+        }
+        self.sweep().await.map_err(err)?;
+        Ok(())
+    }
+}
