@@ -68,6 +68,30 @@ pub(crate) struct Target {
     pub sandbox_id: String,
     pub envd: SocketAddr,
     pub token: Option<String>,
+    /// The running execution's console log, kept within [`MAX_CONSOLE_FILE`].
+    pub console: Option<PathBuf>,
+}
+
+/// A running execution's console log is cut back to [`CONSOLE_KEEP`] (its newest part) once
+/// it is larger than this: a guest flooding its serial port costs a bounded amount of disk.
+pub const MAX_CONSOLE_FILE: u64 = 4 << 20;
+pub const CONSOLE_KEEP: u64 = 2 << 20;
+
+/// Caps one console log, moving its `console.skip` mark (warm-up output to leave out) back by
+/// what was cut.
+pub fn cap_console(path: &Path) -> std::io::Result<u64> {
+    let removed = vmon_vm::console::cap(path, MAX_CONSOLE_FILE, CONSOLE_KEEP)?;
+    if removed > 0 {
+        if let Some(skip_file) = path.parent().map(|d| d.join("console.skip")) {
+            if let Some(skip) = std::fs::read_to_string(&skip_file)
+                .ok()
+                .and_then(|t| t.trim().parse::<u64>().ok())
+            {
+                std::fs::write(&skip_file, skip.saturating_sub(removed).to_string())?;
+            }
+        }
+    }
+    Ok(removed)
 }
 
 fn now_unix() -> i64 {
@@ -144,6 +168,18 @@ async fn scrape_all<N: Scraped>(node: &Arc<N>) {
     let mut tasks = tokio::task::JoinSet::new();
     for t in targets {
         tasks.spawn(async move {
+            if let Some(console) = t.console.clone() {
+                let capped = tokio::task::spawn_blocking(move || cap_console(&console)).await;
+                match capped {
+                    Ok(Ok(n)) if n > 0 => {
+                        tracing::info!(sandbox = %t.sandbox_id, bytes = n, "console log cut back")
+                    }
+                    Ok(Err(e)) if e.kind() != std::io::ErrorKind::NotFound => {
+                        tracing::warn!(sandbox = %t.sandbox_id, "capping the console log: {e}")
+                    }
+                    _ => {}
+                }
+            }
             let sample = scrape(t.envd, t.token.as_deref()).await;
             (t.sandbox_id, sample)
         });

@@ -53,6 +53,22 @@ pub fn cap(path: &Path, max: u64, keep: u64) -> std::io::Result<u64> {
     Ok(len - keep)
 }
 
+/// The last `max` bytes of `path` as text (lossy), from the first whole line.
+pub fn read_tail(path: &Path, max: u64) -> std::io::Result<String> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut f = std::fs::File::open(path)?;
+    let len = f.metadata()?.len();
+    let skip = len.saturating_sub(max);
+    f.seek(SeekFrom::Start(skip))?;
+    let mut bytes = Vec::new();
+    f.take(max).read_to_end(&mut bytes)?;
+    if skip > 0 {
+        let cut = bytes.iter().position(|b| *b == b'\n').map_or(0, |i| i + 1);
+        bytes.drain(..cut);
+    }
+    Ok(String::from_utf8_lossy(&bytes).into_owned())
+}
+
 fn marker(path: &Path) -> std::path::PathBuf {
     let mut p = path.as_os_str().to_owned();
     p.push(".cut");
@@ -96,7 +112,7 @@ mod tests {
         assert!(removed > 0);
         let after = std::fs::metadata(&p).expect("meta").len();
         assert_eq!(after, len - removed);
-        assert!(after >= 256 << 10 && after < (256 << 10) + 65536, "{after}");
+        assert!((256 << 10..(256 << 10) + 65536).contains(&after), "{after}");
         // The writer keeps appending at the end, after the cut.
         writeln!(w, "after the cut").expect("write");
         let text = std::fs::read_to_string(&p).expect("read");

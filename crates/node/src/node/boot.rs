@@ -149,8 +149,9 @@ impl Node {
                 if let Some(mut vm) = live.vm.take() {
                     vm.kill().await;
                 }
-                let console =
-                    std::fs::read_to_string(run_dir.join("console.log")).unwrap_or_default();
+                // The guest wrote the log: only its last 64 KiB are read.
+                let console = vmon_vm::console::read_tail(&run_dir.join("console.log"), 64 << 10)
+                    .unwrap_or_default();
                 let tail: String = console
                     .lines()
                     .rev()

@@ -492,6 +492,7 @@ impl crate::telemetry::Scraped for Node {
                     sandbox_id: l.state.id.clone(),
                     envd: SocketAddr::new(IpAddr::V4(l.slot.addr()), ENVD_PORT),
                     token: l.state.envd_token.clone(),
+                    console: l.vm.as_ref().map(|v| v.run_dir.join("console.log")),
                 })
             })
             .collect()

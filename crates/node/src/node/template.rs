@@ -35,6 +35,9 @@ impl Node {
             .join("run")
             .join(format!("template-{}", spec.build_id));
         let t0 = std::time::Instant::now();
+        // A token of the build's own: envd never serves without one, and every restore of the
+        // build presents it to hand the guest its sandbox's token (or a pool's warm-up).
+        let token = new_id("tb") + &new_id("");
         tracing::info!(build = %spec.build_id, "booting the template VM");
         let mut live = self
             .boot(
@@ -47,6 +50,7 @@ impl Node {
                 &crate::slots::open_policy(),
                 &InitRequest {
                     env_vars: spec.env_vars.clone(),
+                    access_token: Some(token.clone()),
                     ..Default::default()
                 },
                 0,
@@ -60,7 +64,7 @@ impl Node {
                 let quoted = cmd.replace('\'', "'\\''");
                 let out = envd_client::run(
                     addr,
-                    None,
+                    Some(&token),
                     "user",
                     &format!("setsid -f bash -l -c '{quoted}' >/dev/null 2>&1 </dev/null"),
                     Duration::from_secs(60),
@@ -76,8 +80,14 @@ impl Node {
             if let Some(ready) = &spec.ready_cmd {
                 let start = tokio::time::Instant::now();
                 loop {
-                    let out = envd_client::run(addr, None, "user", ready, Duration::from_secs(60))
-                        .await?;
+                    let out = envd_client::run(
+                        addr,
+                        Some(&token),
+                        "user",
+                        ready,
+                        Duration::from_secs(60),
+                    )
+                    .await?;
                     if out.exit_code == 0 {
                         break;
                     }
@@ -91,7 +101,7 @@ impl Node {
                 }
             }
             // Let the guest settle (page cache, deferred work) so restores start quiet.
-            envd_client::run(addr, None, "root", "sync", Duration::from_secs(60)).await?;
+            envd_client::run(addr, Some(&token), "root", "sync", Duration::from_secs(60)).await?;
             let vm = live.vm.as_ref().context("no VM")?;
             vm.qmp.stop().await?;
             let (dev, dev_path) = self.builds.new_artifact("dev", "state");
@@ -111,7 +121,7 @@ impl Node {
                 disk_chain: Vec::new(),
                 disk_mb: live.state.disk_mb,
                 envd_version: ENVD_VERSION.into(),
-                envd_token: None,
+                envd_token: Some(token.clone()),
                 resume_generation: 0,
                 created_unix: now_unix(),
             };
