@@ -1,6 +1,9 @@
 //! The dashboard's files through the api's whole router: where they are, their types, and the
 //! headers that keep the page from running foreign script or being framed.
 
+// The shared harness unwraps its own setup.
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use axum::http::StatusCode;
