@@ -21,7 +21,7 @@ import pytest
 from e2b import Sandbox, SandboxState
 from e2b.exceptions import SandboxNotFoundException
 from selenium import webdriver
-from selenium.common.exceptions import NoAlertPresentException
+from selenium.common.exceptions import NoAlertPresentException, StaleElementReferenceException
 from selenium.webdriver.chrome.options import Options
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
@@ -76,7 +76,9 @@ def shot(driver, name: str) -> Path:
 
 def until(driver, predicate, timeout: float = 30, what: str = "condition"):
     """Waits for `predicate(driver)` to be truthy; the message names what never happened."""
-    return WebDriverWait(driver, timeout, poll_frequency=0.5).until(predicate, message=f"timed out waiting for {what}")
+    # Pages re-render rows as data changes: an element replaced mid-check is checked again.
+    wait = WebDriverWait(driver, timeout, poll_frequency=0.5, ignored_exceptions=(StaleElementReferenceException,))
+    return wait.until(predicate, message=f"timed out waiting for {what}")
 
 
 def visible(driver, element_id: str) -> bool:
@@ -218,6 +220,11 @@ def test_a_sandbox_from_the_sdk_on_the_page(browser, vmon, new_sandbox):
     ]
     assert len(seen) == len(set(seen)), f"duplicated console lines: {seen}"
     shot(browser, "sandbox")
+    # The README's picture: the whole page at a laptop's width.
+    browser.set_window_size(1200, 1480)
+    time.sleep(1.5)
+    shot(browser, "dashboard")
+    browser.set_window_size(1280, 1000)
 
     # Pause from the page; the SDK sees it.
     browser.find_element(By.ID, "act-pause").click()
@@ -273,11 +280,15 @@ def test_webhooks_and_api_errors(browser, vmon):
     assert name in row.text
     assert not browser.find_elements(By.ID, "pwned")
 
-    row.find_element(By.XPATH, ".//button[text()='Deliveries']").click()
+    def button(label: str):
+        return browser.find_element(By.CSS_SELECTOR, row_css).find_element(By.XPATH, f".//button[text()='{label}']")
+
+    button("Deliveries").click()
     until(browser, lambda d: visible(d, "deliveries"), 30, "the deliveries panel")
     until(browser, lambda d: "Attempts" in text(d, "deliveries-stats"), 30, "the webhook's stats")
+    assert name in text(browser, "deliveries-name")
 
-    row.find_element(By.XPATH, ".//button[text()='Disable']").click()
+    button("Disable").click()
     until(
         browser,
         lambda d: "disabled" in d.find_element(By.CSS_SELECTOR, row_css).text,
@@ -289,7 +300,7 @@ def test_webhooks_and_api_errors(browser, vmon):
     assert got["enabled"] is False
     shot(browser, "webhooks")
 
-    browser.find_element(By.CSS_SELECTOR, f"{row_css} button.danger").click()
+    button("Delete").click()
     accept_confirm(browser)
     until(browser, lambda d: not d.find_elements(By.CSS_SELECTOR, row_css), 30, "the webhook's row to go")
     with httpx.Client(base_url=vmon.api_url, timeout=30) as c:

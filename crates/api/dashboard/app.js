@@ -253,7 +253,13 @@
     }
     const parts = (location.hash || "#/sandboxes").replace(/^#\/?/, "").split("/");
     const [page, arg] = [parts[0] || "sandboxes", parts.slice(1).join("/")];
-    if (page === "sandbox" && arg) sandboxPage(decodeURIComponent(arg));
+    let id = "";
+    try {
+      id = decodeURIComponent(arg);
+    } catch (_) {
+      // A malformed fragment: the list instead.
+    }
+    if (page === "sandbox" && id) sandboxPage(id);
     else if (page === "snapshots") snapshotsPage();
     else if (page === "webhooks") webhooksPage();
     else if (page === "keys") show("keys");
@@ -330,9 +336,17 @@
     return r;
   }
 
-  async function sparklines(r, id) {
+  // The chart's window: the last `range` seconds, or the sandbox's life when it is shorter.
+  function chartWindow(range, startedAt) {
     const end = Math.floor(Date.now() / 1000);
-    const start = end - 600;
+    const born = Math.floor(Date.parse(startedAt) / 1000);
+    const start = Number.isFinite(born) && born > end - range && born < end - 30 ? born : end - range;
+    return { start: Math.min(start, end - 30), end };
+  }
+
+  async function sparklines(r, s) {
+    const id = s.sandboxID;
+    const { start, end } = chartWindow(600, s.startedAt);
     const { data } = await api("GET", `${sbxPath(id, "/metrics")}?start=${start}&end=${end}`);
     if (!r.row.isConnected) return;
     const samples = Array.isArray(data) ? data : [];
@@ -377,7 +391,7 @@
         `${list.length} shown` + (running !== null ? ` · ${running} running in the team` : "");
       await Promise.all(
         list.slice(0, MAX_SPARKLINES).map((s) =>
-          sparklines(listRows.get(s.sandboxID), s.sandboxID).catch(() => {
+          sparklines(listRows.get(s.sandboxID), s).catch(() => {
             // A sandbox killed between the list and its metrics: the next list drops it.
           }),
         ),
@@ -447,8 +461,7 @@
   async function refreshMetrics() {
     const c = current;
     const range = Number($("metrics-range").value) || 900;
-    const end = Math.floor(Date.now() / 1000);
-    const start = end - range;
+    const { start, end } = chartWindow(range, c.detail ? c.detail.startedAt : "");
     let samples = [];
     try {
       const { data } = await api("GET", `${sbxPath(c.id, "/metrics")}?start=${start}&end=${end}`);
@@ -498,11 +511,12 @@
     const entries = (data && data.logEntries) || [];
     const box = $("log");
     const stick = box.scrollTop + box.clientHeight >= box.scrollHeight - 8;
+    const from = log.cursor;
     let skip = log.atCursor;
     let added = 0;
     lines.forEach((l, i) => {
       const t = Date.parse(l.timestamp);
-      if (log.cursor !== null && t === log.cursor && skip > 0) {
+      if (from !== null && t === from && skip > 0) {
         skip--;
         return;
       }
@@ -719,6 +733,10 @@
     const { data } = await api("GET", "/events/webhooks");
     const list = Array.isArray(data) ? data : [];
     const body = $("webhooks-body");
+    // Rows stay as they are while nothing changed, so a click never lands on a replaced row.
+    const signature = JSON.stringify(list);
+    if (body.dataset.signature === signature) return;
+    body.dataset.signature = signature;
     clear(body);
     for (const w of list) {
       const toggle = el("button", { type: "button", class: "small", text: w.enabled ? "Disable" : "Enable" });

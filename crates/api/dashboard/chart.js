@@ -44,8 +44,8 @@ const VmonChart = (() => {
     const left = o.axis ? AXIS_LEFT : PAD;
     const bottom = o.axis ? AXIS_BOTTOM : PAD;
     const plotW = Math.max(1, w - left - PAD);
-    const plotH = Math.max(1, h - bottom - PAD);
-    const top = PAD;
+    const top = o.axis ? 8 : PAD;
+    const plotH = Math.max(1, h - bottom - top);
 
     let max = o.max;
     if (max === null || max === undefined || !(max > o.min)) {
