@@ -340,8 +340,8 @@
   function chartWindow(range, startedAt) {
     const end = Math.floor(Date.now() / 1000);
     const born = Math.floor(Date.parse(startedAt) / 1000);
-    const start = Number.isFinite(born) && born > end - range && born < end - 30 ? born : end - range;
-    return { start: Math.min(start, end - 30), end };
+    const start = Number.isFinite(born) && born > end - range ? born : end - range;
+    return { start: Math.min(start, end - 60), end };
   }
 
   async function sparklines(r, s) {
@@ -460,6 +460,8 @@
 
   async function refreshMetrics() {
     const c = current;
+    // The window starts at the sandbox's start when that is later: wait for its detail once.
+    if (!c.detail) await refreshDetail().catch(() => {});
     const range = Number($("metrics-range").value) || 900;
     const { start, end } = chartWindow(range, c.detail ? c.detail.startedAt : "");
     let samples = [];
