@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what the test suite needs beyond `vmon up`'s own packages: the servers the backends'
-# tests start (etcd, PostgreSQL), tools the tests run (shellcheck), the Python venv with the
-# pinned E2B SDKs, and the unprivileged user envd's tests run commands as. Safe to run again.
+# tests start (etcd, PostgreSQL), tools the tests run (shellcheck, headless Chromium and its
+# driver for the dashboard's browser tests), the Python venv with the pinned E2B SDKs and
+# selenium, and the unprivileged user envd's tests run commands as. Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh
@@ -12,6 +13,8 @@ BINS=(
   pg_ctl:postgresql
   shellcheck:shellcheck
   node:nodejs
+  chromium:chromium
+  chromedriver:chromium-driver
 )
 have_pkg() {
   { dpkg-query -W -f='${Status}\n' "$1" 2>/dev/null || true; } | grep -q "install ok installed"
@@ -65,7 +68,7 @@ if [ "$(stat -c %u "$home")" != "$uid" ]; then
   chown -R "$TEST_USER:" "$home"
 fi
 
-if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import e2b, e2b_code_interpreter, pytest' 2>/dev/null; then
+if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import e2b, e2b_code_interpreter, pytest, selenium' 2>/dev/null; then
   python3 -m venv .venv
   .venv/bin/pip install -q --upgrade pip >/dev/null
   .venv/bin/pip install -q -r tests/requirements.txt

@@ -10,6 +10,7 @@
 pub mod admin;
 pub mod config;
 pub mod control;
+pub mod dashboard;
 pub mod error;
 pub mod events;
 pub mod http;
