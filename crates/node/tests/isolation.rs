@@ -481,3 +481,53 @@ fn qemu_runs_under_seccomp_in_cgroups_of_its_own() {
         );
     });
 }
+
+#[test]
+fn a_guest_flooding_its_console_leaves_a_bounded_log() {
+    let node = node();
+    let _shared = host_lock().read();
+    runtime().block_on(async {
+        let id = unique("flood");
+        let r = node
+            .boot_image(
+                &id,
+                1,
+                384,
+                &NetworkPolicy {
+                    allow_internet_access: true,
+                    ..Default::default()
+                },
+            )
+            .await
+            .expect("boot");
+        // 12 MiB of lines, three times the bound, then a last line.
+        let out = node
+            .exec(
+                &id,
+                "root",
+                "head -c 12582912 /dev/zero | tr '\\0' x | fold -w 99 > /dev/ttyS0; echo FLOOD-END > /dev/ttyS0; echo done",
+                Duration::from_secs(600),
+            )
+            .await
+            .expect("flood");
+        assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "done");
+        let console = node
+            .console_logs(&id)
+            .pop()
+            .expect("the running execution's console log");
+        let bound = vmon_node::telemetry::MAX_CONSOLE_FILE + 64 * 1024;
+        // The scraper caps the log every few seconds.
+        let mut len = u64::MAX;
+        for _ in 0..60 {
+            len = std::fs::metadata(&console).map(|m| m.len()).unwrap_or(u64::MAX);
+            if len <= bound {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        assert!(len <= bound, "console log is {len} bytes after a 12 MiB flood");
+        let tail = vmon_vm::console::read_tail(&console, 4096).expect("tail");
+        assert!(tail.contains("FLOOD-END"), "the newest lines are kept: {tail:?}");
+        node.kill(&id, &r.execution_id).await.expect("kill");
+    });
+}
