@@ -12,7 +12,6 @@
 //! records are written by rename, so a crash leaves either no record or a complete one.
 
 use std::collections::HashSet;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
@@ -161,15 +160,11 @@ impl Builds {
                 .sync_all()?;
         }
         fsync_dir(&self.artifacts)?;
-        let tmp = self.records.join(format!(".{}.json.tmp", rec.id));
-        {
-            let mut f = std::fs::File::create(&tmp)?;
-            f.write_all(serde_json::to_string_pretty(rec)?.as_bytes())?;
-            f.sync_all()?;
-        }
-        // The record holds an envd token: owner-only.
-        std::fs::set_permissions(&tmp, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
-        std::fs::rename(&tmp, self.records.join(format!("{}.json", rec.id)))?;
+        // The record holds an envd token: owner-only from its first byte.
+        vmon_vm::private::write(
+            &self.records.join(format!("{}.json", rec.id)),
+            serde_json::to_string_pretty(rec)?.as_bytes(),
+        )?;
         fsync_dir(&self.records)?;
         Ok(())
     }

@@ -60,11 +60,7 @@ impl SandboxState {
     }
 
     pub fn save(&self, dir: &Path) -> anyhow::Result<()> {
-        let tmp = dir.join(".sandbox.json.tmp");
-        std::fs::write(&tmp, serde_json::to_vec_pretty(self)?)?;
-        std::fs::set_permissions(&tmp, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
-        std::fs::File::open(&tmp)?.sync_all()?;
-        std::fs::rename(&tmp, Self::path(dir))?;
+        vmon_vm::private::write(&Self::path(dir), &serde_json::to_vec_pretty(self)?)?;
         Ok(())
     }
 

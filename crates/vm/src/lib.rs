@@ -11,6 +11,7 @@ pub mod console;
 pub mod disk;
 pub mod machine;
 pub mod memory;
+pub mod private;
 pub mod process;
 pub mod qmp;
 

@@ -38,12 +38,14 @@ pub async fn run(data_dir: &Path, args: Args) -> anyhow::Result<()> {
                 .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut b))
                 .context("reading /dev/urandom")?;
             let t: String = b.iter().map(|x| format!("{x:02x}")).collect();
-            std::fs::write(&token_path, &t)?;
-            std::fs::set_permissions(
-                &token_path,
-                std::os::unix::fs::PermissionsExt::from_mode(0o600),
-            )?;
-            t
+            match vmon_vm::private::create(&token_path, t.as_bytes()) {
+                Ok(()) => t,
+                // Another node process made it first: use its token.
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                    std::fs::read_to_string(&token_path)?.trim().to_string()
+                }
+                Err(e) => return Err(e).context("writing the node token"),
+            }
         }
     };
     let listener = tokio::net::TcpListener::bind(args.listen)

@@ -10,7 +10,6 @@
 //! answers, then prints the lines and exits. So
 //! `vmon up & eval "$(vmon up --print-env)"` works in one shell.
 
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -205,17 +204,8 @@ async fn bootstrap_team(
 }
 
 fn write_private(path: &Path, contents: &str) -> anyhow::Result<()> {
-    use std::io::Write;
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(path)
-        .with_context(|| format!("writing {}", path.display()))?;
-    f.write_all(contents.as_bytes())?;
-    f.sync_all()?;
-    Ok(())
+    vmon_vm::private::write(path, contents.as_bytes())
+        .with_context(|| format!("writing {}", path.display()))
 }
 
 /// Reads a secret file, creating it with a fresh token first.
