@@ -244,21 +244,30 @@ pub fn timeout(headers: &HeaderMap) -> Option<Duration> {
 
 /// Reads and decodes a unary request body.
 pub async fn read_unary<T: DeserializeOwned>(body: Incoming) -> Result<T, ConnectError> {
-    let bytes = Limited::new(body, MAX_MESSAGE_BYTES)
+    let bytes = read_bounded(body, MAX_MESSAGE_BYTES).await?;
+    decode(&bytes)
+}
+
+/// A whole body of at most `limit` bytes.
+async fn read_bounded<B>(body: B, limit: usize) -> Result<Bytes, ConnectError>
+where
+    B: http_body::Body,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    Ok(Limited::new(body, limit)
         .collect()
         .await
         .map_err(|e| {
             if e.is::<http_body_util::LengthLimitError>() {
                 ConnectError::new(
                     Code::ResourceExhausted,
-                    format!("message larger than {MAX_MESSAGE_BYTES} bytes"),
+                    format!("message larger than {limit} bytes"),
                 )
             } else {
                 ConnectError::new(Code::Canceled, format!("reading request body: {e}"))
             }
         })?
-        .to_bytes();
-    decode(&bytes)
+        .to_bytes())
 }
 
 /// Decodes one JSON message; an empty body is the empty message.
@@ -300,16 +309,23 @@ fn end_stream_payload(result: &Result<(), ConnectError>) -> Vec<u8> {
 }
 
 /// Reads enveloped messages from a streaming request body, one at a time, bounded in size.
-pub struct EnvelopeReader {
-    body: Incoming,
+pub struct EnvelopeReader<B = Incoming> {
+    body: B,
     buf: BytesMut,
+    /// Largest payload accepted (`MAX_MESSAGE_BYTES`).
+    limit: usize,
 }
 
-impl EnvelopeReader {
-    pub fn new(body: Incoming) -> Self {
+impl<B> EnvelopeReader<B>
+where
+    B: http_body::Body<Data = Bytes> + Unpin,
+    B::Error: fmt::Display,
+{
+    pub fn new(body: B) -> Self {
         Self {
             body,
             buf: BytesMut::new(),
+            limit: MAX_MESSAGE_BYTES,
         }
     }
 
@@ -320,10 +336,10 @@ impl EnvelopeReader {
                 let flags = self.buf[0];
                 let len = u32::from_be_bytes([self.buf[1], self.buf[2], self.buf[3], self.buf[4]])
                     as usize;
-                if len > MAX_MESSAGE_BYTES {
+                if len > self.limit {
                     return Err(ConnectError::new(
                         Code::ResourceExhausted,
-                        format!("message of {len} bytes is larger than {MAX_MESSAGE_BYTES}"),
+                        format!("message of {len} bytes is larger than {}", self.limit),
                     ));
                 }
                 if flags & FLAG_COMPRESSED != 0 {
@@ -374,6 +390,10 @@ impl EnvelopeReader {
         }
     }
 }
+
+#[cfg(test)]
+#[path = "connect_fuzz.rs"]
+mod fuzz;
 
 /// The sending half of a streaming response.
 pub struct StreamSender {

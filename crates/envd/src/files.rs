@@ -326,10 +326,12 @@ async fn upload_multipart(
             format!("invalid multipart content type: {e}"),
         )
     })?;
-    let mut mp = multer::Multipart::new(body, boundary);
+    let meter = Arc::new(Meter::default());
+    let framing = boundary.len() as u64 + 4;
+    let mut mp = multer::Multipart::new(Paced::new(body, meter.clone()), boundary);
     let mut written = Vec::new();
     loop {
-        let field = match mp.next_field().await {
+        let mut field = match mp.next_field().await {
             Ok(Some(f)) => f,
             Ok(None) => break,
             Err(e) => {
@@ -339,7 +341,26 @@ async fn upload_multipart(
                 ))
             }
         };
+        let header_bytes: u64 = field
+            .headers()
+            .iter()
+            .map(|(k, v)| (k.as_str().len() + v.len() + 3) as u64)
+            .sum();
+        meter.part(framing + header_bytes + 2);
         let Some(file_name) = field.file_name().map(str::to_string) else {
+            // Drained here, so that its bytes count as handed out.
+            loop {
+                match field.chunk().await {
+                    Ok(Some(c)) => meter.part(c.len() as u64),
+                    Ok(None) => break,
+                    Err(e) => {
+                        return Err(error(
+                            StatusCode::BAD_REQUEST,
+                            format!("invalid multipart body: {e}"),
+                        ))
+                    }
+                }
+            }
             continue;
         };
         let target = match &query_path {
@@ -359,7 +380,12 @@ async fn upload_multipart(
             ));
         }
         let dest = user.resolve(&target).map_err(from_connect)?;
-        let stream: ByteStream = Box::pin(field.map_err(io::Error::other));
+        let m = meter.clone();
+        let stream: ByteStream = Box::pin(
+            field
+                .inspect_ok(move |c| m.part(c.len() as u64))
+                .map_err(io::Error::other),
+        );
         written.push(write_one(user, dest, stream, metadata).await?);
     }
     if written.is_empty() {
@@ -369,6 +395,79 @@ async fn upload_multipart(
         ));
     }
     Ok(written)
+}
+
+/// Most bytes multipart parsing may hold beyond what it has handed out: preamble, boundaries,
+/// part headers, a partial boundary.
+const MAX_MULTIPART_OVERHEAD: u64 = 1 << 20;
+
+/// What went into the multipart parser, and what is known to have come out of it.
+#[derive(Default)]
+struct Meter {
+    fed: std::sync::atomic::AtomicU64,
+    /// Part data handed out, plus a lower bound of the framing consumed for each part.
+    out: std::sync::atomic::AtomicU64,
+}
+
+impl Meter {
+    fn part(&self, n: u64) {
+        self.out.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn held(&self) -> u64 {
+        let fed = self.fed.load(std::sync::atomic::Ordering::Relaxed);
+        fed.saturating_sub(self.out.load(std::sync::atomic::Ordering::Relaxed))
+    }
+}
+
+/// The body as multer sees it. multer moves every chunk that is ready into its buffer before
+/// it parses, and keeps looking for a boundary or the end of part headers for as long as the
+/// body goes on: a fast client, a gzip bomb or a body without framing would fill memory. So it
+/// gets one chunk per poll, and an error once it holds more than `MAX_MULTIPART_OVERHEAD`
+/// bytes it has not handed out.
+struct Paced {
+    inner: ByteStream,
+    meter: Arc<Meter>,
+    just_fed: bool,
+}
+
+impl Paced {
+    fn new(inner: ByteStream, meter: Arc<Meter>) -> Self {
+        Self {
+            inner,
+            meter,
+            just_fed: false,
+        }
+    }
+}
+
+impl Stream for Paced {
+    type Item = io::Result<Bytes>;
+
+    fn poll_next(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        use std::task::Poll;
+        if self.just_fed {
+            self.just_fed = false;
+            cx.waker().wake_by_ref();
+            return Poll::Pending;
+        }
+        if self.meter.held() > MAX_MULTIPART_OVERHEAD {
+            return Poll::Ready(Some(Err(io::Error::other(format!(
+                "more than {MAX_MULTIPART_OVERHEAD} bytes of multipart framing"
+            )))));
+        }
+        let next = self.inner.as_mut().poll_next(cx);
+        if let Poll::Ready(Some(Ok(chunk))) = &next {
+            self.meter
+                .fed
+                .fetch_add(chunk.len() as u64, std::sync::atomic::Ordering::Relaxed);
+            self.just_fed = true;
+        }
+        next
+    }
 }
 
 /// Opens `dest` as the user (creating parent directories), tags it, then streams `body` in.
@@ -432,6 +531,10 @@ fn open_for_write(
     }
     Ok(file)
 }
+
+#[cfg(test)]
+#[path = "files_fuzz.rs"]
+mod fuzz;
 
 #[cfg(test)]
 mod tests {

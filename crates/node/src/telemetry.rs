@@ -558,6 +558,10 @@ pub fn select(entries: Vec<LogEntry>, q: &LogQuery) -> Vec<LogEntry> {
 }
 
 #[cfg(test)]
+#[path = "telemetry_fuzz.rs"]
+mod fuzz;
+
+#[cfg(test)]
 mod tests {
     use super::*;
 

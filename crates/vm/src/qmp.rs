@@ -423,22 +423,33 @@ async fn send_with_fd(
 }
 
 async fn read_line<R: tokio::io::AsyncBufRead + Unpin>(rd: &mut R) -> Result<String, QmpError> {
+    read_line_bounded(rd, MAX_LINE).await
+}
+
+/// One line without its `\n`; a line of more than `max` bytes is an error, and never more than
+/// `max` bytes of it are held.
+async fn read_line_bounded<R: tokio::io::AsyncBufRead + Unpin>(
+    rd: &mut R,
+    max: usize,
+) -> Result<String, QmpError> {
     let mut buf = Vec::new();
     loop {
         let chunk = rd.fill_buf().await.map_err(|_| QmpError::Closed)?;
         if chunk.is_empty() {
             return Err(QmpError::Closed);
         }
-        if let Some(pos) = chunk.iter().position(|&b| b == b'\n') {
-            buf.extend_from_slice(&chunk[..pos]);
-            rd.consume(pos + 1);
-            break;
-        }
-        let n = chunk.len();
-        buf.extend_from_slice(chunk);
-        rd.consume(n);
-        if buf.len() > MAX_LINE {
+        let newline = chunk.iter().position(|&b| b == b'\n');
+        let take = newline.unwrap_or(chunk.len());
+        if buf.len() + take > max {
             return Err(QmpError::Protocol("reply line too long".into()));
+        }
+        buf.extend_from_slice(&chunk[..take]);
+        match newline {
+            Some(pos) => {
+                rd.consume(pos + 1);
+                break;
+            }
+            None => rd.consume(take),
         }
     }
     String::from_utf8(buf).map_err(|_| QmpError::Protocol("reply is not UTF-8".into()))
@@ -491,6 +502,10 @@ async fn read_loop<R: tokio::io::AsyncBufRead + Unpin>(
         }
     }
 }
+
+#[cfg(test)]
+#[path = "qmp_fuzz.rs"]
+mod fuzz;
 
 #[cfg(test)]
 mod tests {
