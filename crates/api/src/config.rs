@@ -42,6 +42,31 @@ pub struct Config {
     /// A PEM file of CA certificates trusted for `https://` webhooks besides the system's
     /// (`VMON_WEBHOOK_CA_FILE`).
     pub webhook_ca_file: Option<std::path::PathBuf>,
+    /// What one team may keep, beyond its concurrency and lifetime limits.
+    pub quotas: Quotas,
+}
+
+/// Per-team quotas; past one the request is 429 with the limit's name.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(default, deny_unknown_fields)]
+pub struct Quotas {
+    /// Paused sandboxes a team may keep (`VMON_MAX_PAUSED`); explicit pauses past it are
+    /// refused, auto-pause on timeout is not (it would otherwise lose the sandbox).
+    pub max_paused: usize,
+    /// Snapshots a team may keep (`VMON_MAX_SNAPSHOTS`).
+    pub max_snapshots: usize,
+    /// Webhooks a team may register (`VMON_MAX_WEBHOOKS`).
+    pub max_webhooks: usize,
+}
+
+impl Default for Quotas {
+    fn default() -> Self {
+        Self {
+            max_paused: 1000,
+            max_snapshots: 1000,
+            max_webhooks: 50,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -78,6 +103,7 @@ impl Default for Config {
             webhook_key_file: None,
             webhook_allow: Vec::new(),
             webhook_ca_file: None,
+            quotas: Quotas::default(),
         }
     }
 }
@@ -158,6 +184,15 @@ impl Config {
         }
         crate::control::WebhookTargets::new(&self.webhook_allow)
             .map_err(|e| anyhow::anyhow!("webhook_allow: {e}"))?;
+        if let Some(v) = var("VMON_MAX_PAUSED") {
+            self.quotas.max_paused = parse("VMON_MAX_PAUSED", v)?;
+        }
+        if let Some(v) = var("VMON_MAX_SNAPSHOTS") {
+            self.quotas.max_snapshots = parse("VMON_MAX_SNAPSHOTS", v)?;
+        }
+        if let Some(v) = var("VMON_MAX_WEBHOOKS") {
+            self.quotas.max_webhooks = parse("VMON_MAX_WEBHOOKS", v)?;
+        }
         if let Some(v) = var("VMON_BASE_VCPUS") {
             self.base_template.vcpus = parse("VMON_BASE_VCPUS", v)?;
         }

@@ -255,9 +255,6 @@ async fn sandbox_events(
     Ok(Json(events.into_iter().map(EventView::from).collect()))
 }
 
-/// Webhooks per team.
-const MAX_WEBHOOKS_PER_TEAM: usize = 50;
-
 /// 400 when the URL's host is on this host or a network behind it (`control/targets.rs`).
 async fn check_destination(s: &AppState, url: &str) -> ApiResult<()> {
     let uri: axum::http::Uri = url
@@ -368,9 +365,10 @@ async fn create_webhook(
         .await
         .map_err(record_error)?
         .len();
-    if have >= MAX_WEBHOOKS_PER_TEAM {
+    let max = s.control.config().quotas.max_webhooks;
+    if have >= max {
         return Err(ApiError::too_many(format!(
-            "a team may have at most {MAX_WEBHOOKS_PER_TEAM} webhooks (delete one first)"
+            "a team may have at most {max} webhooks (quotas.max_webhooks; delete one first)"
         )));
     }
     let events = validate_events(&req.events)?;

@@ -206,6 +206,44 @@ async fn bad_input_is_a_400_with_a_message() {
 }
 
 #[tokio::test]
+async fn team_quotas_are_429_with_the_limit_named() {
+    let quotas = vmon_api::config::Quotas {
+        max_paused: 1,
+        max_snapshots: 1,
+        max_webhooks: 1,
+    };
+    let h = common::harness_with("127.0.0.1".parse().unwrap(), limits(5), quotas).await;
+    let a = h.create(r#"{"templateID":"base"}"#).await;
+    let b = h.create(r#"{"templateID":"base"}"#).await;
+    let r = h
+        .req("POST", &format!("/sandboxes/{a}/pause"), Some("{}"))
+        .await;
+    assert_eq!(r.status, StatusCode::NO_CONTENT, "{:?}", r.json);
+    let r = h
+        .req("POST", &format!("/sandboxes/{b}/pause"), Some("{}"))
+        .await;
+    assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS, "{:?}", r.json);
+    assert!(r.json["message"].as_str().unwrap().contains("max_paused"));
+    let d = h.req("GET", &format!("/sandboxes/{b}"), None).await;
+    assert_eq!(
+        d.json["state"], "running",
+        "the refused pause changed nothing"
+    );
+    let r = h
+        .req("POST", &format!("/sandboxes/{b}/snapshots"), Some("{}"))
+        .await;
+    assert!(r.status.is_success(), "{:?}", r.json);
+    let r = h
+        .req("POST", &format!("/sandboxes/{b}/snapshots"), Some("{}"))
+        .await;
+    assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS, "{:?}", r.json);
+    assert!(r.json["message"]
+        .as_str()
+        .unwrap()
+        .contains("max_snapshots"));
+}
+
+#[tokio::test]
 async fn metadata_and_env_vars_are_bounded() {
     let h = harness(limits(5)).await;
     let many: serde_json::Map<String, serde_json::Value> = (0..101)

@@ -34,6 +34,10 @@ pub struct NodeConfig {
     pub park_max: usize,
     /// How long a parked QEMU is kept.
     pub park_linger: Duration,
+    /// Work that writes builds (template builds, pauses, snapshots, forks) is refused while the
+    /// data dir's disk has less free space than this (`VMON_MIN_FREE_MB`), so a full disk never
+    /// half-writes a build.
+    pub min_free_mb: u64,
 }
 
 impl NodeConfig {
@@ -51,6 +55,7 @@ impl NodeConfig {
             slot_block: None,
             park_max: env_or("VMON_PARK_MAX", 4),
             park_linger: Duration::from_secs(env_or("VMON_PARK_SECS", 300)),
+            min_free_mb: env_or("VMON_MIN_FREE_MB", 1024),
         }
     }
 }
@@ -61,4 +66,48 @@ pub(crate) fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
         .ok()
         .and_then(|v| v.trim().parse().ok())
         .unwrap_or(default)
+}
+
+/// Free space (MiB) on the filesystem holding `path`, when it can be read.
+pub fn free_mb(path: &std::path::Path) -> Option<u64> {
+    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).ok()?;
+    // SAFETY: a zeroed statvfs is a valid out-parameter.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c` is NUL-terminated and `st` is valid for the call.
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return None;
+    }
+    Some(st.f_bavail.saturating_mul(st.f_frsize) >> 20)
+}
+
+/// `Exhausted` (503 at the api) when `path`'s disk has less than `floor_mb` free.
+pub fn check_free(
+    path: &std::path::Path,
+    floor_mb: u64,
+) -> Result<(), vmon_proto::node::NodeError> {
+    match free_mb(path) {
+        Some(free) if free < floor_mb => Err(vmon_proto::node::NodeError::Exhausted(format!(
+            "the node's data dir {} has {free} MiB free, below its floor of {floor_mb} MiB (min_free_mb); free space there first",
+            path.display()
+        ))),
+        _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_disk_below_the_floor_refuses_work_with_a_clear_message() {
+        let here = std::env::temp_dir();
+        assert!(free_mb(&here).is_some());
+        assert!(check_free(&here, 0).is_ok());
+        match check_free(&here, u64::MAX) {
+            Err(vmon_proto::node::NodeError::Exhausted(m)) => {
+                assert!(m.contains("min_free_mb"), "{m}")
+            }
+            other => panic!("{other:?}"),
+        }
+    }
 }

@@ -277,6 +277,13 @@ impl Control {
                 Some(r)
             }
         };
+        let max = self.config.quotas.max_snapshots;
+        let kept = self
+            .records
+            .snapshots(&team.id)
+            .await
+            .map_err(record_error)?
+            .len();
         let existing = match &named {
             Some(r) => {
                 let t = self
@@ -302,6 +309,12 @@ impl Control {
             }
             None => None,
         };
+        // A new tag of an existing snapshot adds no snapshot.
+        if existing.is_none() && kept >= max {
+            return Err(ApiError::too_many(format!(
+                "the team already keeps {kept} snapshots, its most (quotas.max_snapshots); delete one first"
+            )));
+        }
         self.owned(team, id).await?;
         let guard = self.lock(id).await?;
         let result = async {

@@ -411,6 +411,20 @@ impl Control {
                     "sandbox {id} is already paused"
                 )));
             }
+            let max = self.config.quotas.max_paused;
+            let paused = self
+                .records
+                .sandboxes(Some(&team.id))
+                .await
+                .map_err(super::record_error)?
+                .iter()
+                .filter(|r| r.state == SandboxState::Paused)
+                .count();
+            if paused >= max {
+                return Err(ApiError::too_many(format!(
+                    "the team already keeps {paused} paused sandboxes, its most (quotas.max_paused); kill or resume one first"
+                )));
+            }
             self.pause_locked(rec, memory, guard.fence().token()).await
         }
         .await;

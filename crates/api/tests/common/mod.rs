@@ -258,6 +258,14 @@ pub async fn harness(limits: TeamLimits) -> Harness {
 }
 
 pub async fn harness_at(guest_ip: IpAddr, limits: TeamLimits) -> Harness {
+    harness_with(guest_ip, limits, vmon_api::config::Quotas::default()).await
+}
+
+pub async fn harness_with(
+    guest_ip: IpAddr,
+    limits: TeamLimits,
+    quotas: vmon_api::config::Quotas,
+) -> Harness {
     let dir = tempfile::tempdir().unwrap();
     let kv = vmon_kv::Kv::open_embedded(&vmon_kv::EmbeddedConfig::new(dir.path()))
         .await
@@ -267,6 +275,7 @@ pub async fn harness_at(guest_ip: IpAddr, limits: TeamLimits) -> Harness {
         lock_wait_secs: 5,
         // The tests' webhook receivers listen on loopback.
         webhook_allow: vec!["127.0.0.1/32".into()],
+        quotas,
         ..Config::default()
     };
     let records = Arc::new(StoreRecords::open(&config, dir.path()).await.unwrap());

@@ -165,6 +165,7 @@ impl Node {
         execution_id: &str,
         memory: bool,
     ) -> Result<BuildInfo, NodeError> {
+        crate::config::check_free(&self.cfg.data_dir, self.cfg.min_free_mb)?;
         let mut l = self.live_execution(sandbox_id, execution_id).await?;
         let _guard = self.artifacts_guard.read().await;
         let build_id = new_id("p");
@@ -270,6 +271,7 @@ impl Node {
         execution_id: &str,
         memory: bool,
     ) -> Result<BuildInfo, NodeError> {
+        crate::config::check_free(&self.cfg.data_dir, self.cfg.min_free_mb)?;
         let mut l = self.live_execution(sandbox_id, execution_id).await?;
         let _guard = self.artifacts_guard.read().await;
         let build_id = new_id("c");

@@ -27,6 +27,7 @@ impl Node {
         if let Some(rec) = self.builds.get(&spec.build_id).map_err(err)? {
             return Ok(Self::info(&rec));
         }
+        crate::config::check_free(&self.cfg.data_dir, self.cfg.min_free_mb)?;
         let machine = self.machine(spec.vcpus, spec.memory_mb)?;
         let exec = new_id("t");
         let dir = self
