@@ -432,7 +432,9 @@ async fn list_v2(
         .into_iter()
         .filter(|r| states.contains(&r.state))
         .filter(|r| matches_metadata(r, &filter))
-        .filter(|r| started_after.is_none_or(|t| r.started_at > t))
+        // Inclusive, at the precision the API reports: the sandbox that started at exactly
+        // `startedAfter` (a client passing back a `startedAt` it was given) is listed.
+        .filter(|r| started_after.is_none_or(|t| crate::control::to_micros(r.started_at) >= t))
         .filter(|r| template.is_none_or(|t| r.template_id == t || r.alias.as_deref() == Some(t)))
         .collect();
     recs.sort_by(|a, b| {

@@ -524,6 +524,9 @@ fn open_for_write(
         .truncate(true)
         .open(dest)
         .map_err(|e| ConnectError::from_io(&e, format!("opening {}", dest.display())))?;
+    entry::clear_metadata(&file).map_err(|e| {
+        ConnectError::from_io(&e, format!("clearing old metadata of {}", dest.display()))
+    })?;
     for (k, v) in metadata {
         entry::write_metadata(&file, k, v).map_err(|e| {
             ConnectError::from_io(&e, format!("setting metadata {k} on {}", dest.display()))

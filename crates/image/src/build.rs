@@ -46,6 +46,8 @@ const BASE_PACKAGES: &[&str] = &[
     "bash",
     "coreutils",
     "python3",
+    // `python` is python3, as on E2B's base image (users and E2B's own tests call `python`).
+    "python-is-python3",
     "procps",
     "iproute2",
     "sudo",

@@ -64,7 +64,51 @@ pub trait Routes: Send + Sync + 'static {
     async fn resume_for_traffic(&self, sandbox_id: &str) -> Result<IpAddr, ResumeError>;
 }
 
-type ProxyBody = BoxBody<Bytes, hyper::Error>;
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+type ProxyBody = BoxBody<Bytes, BoxError>;
+
+/// How often a response in flight checks that its sandbox still runs where it did.
+const WATCH_EVERY: Duration = Duration::from_secs(1);
+
+/// A response body that ends with an error once its sandbox is gone or has moved (killed or
+/// paused): a stream from a dead guest would otherwise wait for bytes that never come, and
+/// the client (the SDK) learns the sandbox ended only when its own timeout fires.
+struct Watched {
+    inner: ProxyBody,
+    gone: Option<tokio::sync::oneshot::Receiver<String>>,
+}
+
+impl http_body::Body for Watched {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, BoxError>>> {
+        use std::future::Future;
+        let this = self.get_mut();
+        if let Some(gone) = this.gone.as_mut() {
+            match std::pin::Pin::new(gone).poll(cx) {
+                std::task::Poll::Ready(Ok(why)) => {
+                    this.gone = None;
+                    return std::task::Poll::Ready(Some(Err(why.into())));
+                }
+                std::task::Poll::Ready(Err(_)) => this.gone = None,
+                std::task::Poll::Pending => {}
+            }
+        }
+        std::pin::Pin::new(&mut this.inner).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
 
 /// The ingress. Cheap to clone.
 #[derive(Clone)]
@@ -202,6 +246,10 @@ impl Proxy {
             Ok(resp) => {
                 let (mut parts, body) = resp.into_parts();
                 strip_hop_by_hop(&mut parts.headers);
+                let body = Watched {
+                    inner: body.map_err(BoxError::from).boxed(),
+                    gone: Some(self.watch(&target.sandbox_id, addr.ip())),
+                };
                 Response::from_parts(parts, body.boxed())
             }
             Err(e) if e.is_connect() => port_not_open(target),
@@ -281,7 +329,33 @@ impl Proxy {
             });
         }
         let (parts, body) = resp.into_parts();
-        Response::from_parts(parts, body.boxed())
+        Response::from_parts(parts, body.map_err(BoxError::from).boxed())
+    }
+
+    /// Fires (with the reason) once `sandbox_id` no longer runs at `ip`; ends by itself when
+    /// the receiver is dropped (the response finished or its client left).
+    fn watch(&self, sandbox_id: &str, ip: IpAddr) -> tokio::sync::oneshot::Receiver<String> {
+        let (mut tx, rx) = tokio::sync::oneshot::channel();
+        let routes = self.routes.clone();
+        let id = sandbox_id.to_string();
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = tx.closed() => return,
+                    _ = tokio::time::sleep(WATCH_EVERY) => {}
+                }
+                let why = match routes.lookup(&id).await {
+                    None => format!("the sandbox {id} was killed or reached its end of life"),
+                    Some(r) if r.guest_ip != Some(ip) => {
+                        format!("the sandbox {id} was paused or moved")
+                    }
+                    Some(_) => continue,
+                };
+                let _ = tx.send(why);
+                return;
+            }
+        });
+        rx
     }
 }
 

@@ -65,6 +65,20 @@ async fn guest(
             let stream = tokio_stream_from(rx);
             Ok(Response::new(StreamBody::new(stream).boxed()))
         }
+        "/forever" => {
+            // One chunk, then silence: a stream from a guest that has stopped.
+            let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, Infallible>>(4);
+            tokio::spawn(async move {
+                let _ = tx
+                    .send(Ok(Frame::data(Bytes::from_static(b"first;"))))
+                    .await;
+                tokio::time::sleep(Duration::from_secs(3600)).await;
+                drop(tx);
+            });
+            Ok(Response::new(
+                StreamBody::new(tokio_stream_from(rx)).boxed(),
+            ))
+        }
         "/ws" => {
             let mut req = req;
             tokio::spawn(async move {
@@ -344,4 +358,36 @@ async fn slow_clients_are_cut_off_and_never_starve_new_ones() {
     // ...and a normal client is served again.
     let answer = raw(addr, &get("/", "isbx", guest_port, "")).await;
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+}
+
+#[tokio::test]
+async fn a_stream_ends_when_its_sandbox_is_killed() {
+    let port = start_guest().await;
+    let routes = Arc::new(TestRoutes::default());
+    routes
+        .routes
+        .lock()
+        .unwrap()
+        .insert("isbx".into(), route(Some("127.0.0.1"), false, None));
+    let proxy = start_proxy(routes.clone()).await;
+    let mut s = tokio::net::TcpStream::connect(proxy).await.unwrap();
+    s.write_all(get("/forever", "isbx", port, "").as_bytes())
+        .await
+        .unwrap();
+    let mut buf = vec![0u8; 4096];
+    let n = s.read(&mut buf).await.unwrap();
+    assert!(String::from_utf8_lossy(&buf[..n]).contains("HTTP/1.1 200"));
+    // The sandbox is killed: its route goes.
+    routes.routes.lock().unwrap().remove("isbx");
+    let t0 = std::time::Instant::now();
+    let mut rest = Vec::new();
+    let ended = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut rest)).await;
+    assert!(
+        ended.is_ok(),
+        "the stream hung after its sandbox was killed"
+    );
+    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+    // Cut off, not completed: no last chunk of a chunked body.
+    let text = String::from_utf8_lossy(&rest).into_owned();
+    assert!(!text.ends_with("0\r\n\r\n"), "{text:?}");
 }

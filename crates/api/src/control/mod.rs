@@ -366,8 +366,16 @@ pub(crate) fn event(
     }
 }
 
+/// `t` to the microsecond: what the API reports and what clients (Python's datetime) hold, so
+/// a time a client sends back compares equal to the one it was given.
+pub fn to_micros(t: OffsetDateTime) -> OffsetDateTime {
+    t.replace_nanosecond(t.nanosecond() / 1000 * 1000)
+        .unwrap_or(t)
+}
+
 pub fn rfc3339(t: OffsetDateTime) -> String {
-    t.format(&time::format_description::well_known::Rfc3339)
+    to_micros(t)
+        .format(&time::format_description::well_known::Rfc3339)
         .unwrap_or_else(|_| t.unix_timestamp().to_string())
 }
 

@@ -190,9 +190,64 @@ pub fn write_metadata(file: &std::fs::File, key: &str, value: &str) -> io::Resul
     Ok(())
 }
 
+/// Removes every `user.e2b.*` attribute of an open file: an overwrite carries only the metadata
+/// it was given.
+pub fn clear_metadata(file: &std::fs::File) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let fd = file.as_raw_fd();
+    let mut names = vec![0u8; 64 * 1024];
+    // SAFETY: names is writable for its length.
+    let n = unsafe { libc::flistxattr(fd, names.as_mut_ptr().cast(), names.len()) };
+    if n < 0 {
+        let e = io::Error::last_os_error();
+        // A filesystem without extended attributes holds no metadata to clear.
+        return match e.raw_os_error() {
+            Some(libc::ENOTSUP) => Ok(()),
+            _ => Err(e),
+        };
+    }
+    names.truncate(n as usize);
+    for name in names.split(|b| *b == 0).filter(|n| !n.is_empty()) {
+        if !name.starts_with(XATTR_PREFIX.as_bytes()) {
+            continue;
+        }
+        let Ok(cname) = CString::new(name) else {
+            continue;
+        };
+        // SAFETY: cname is NUL-terminated.
+        if unsafe { libc::fremovexattr(fd, cname.as_ptr()) } != 0 {
+            let e = io::Error::last_os_error();
+            if e.raw_os_error() != Some(libc::ENODATA) {
+                return Err(e);
+            }
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_overwrite_clears_old_metadata() {
+        let dir = std::env::temp_dir().join(format!("envd-md-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let p = dir.join("f");
+        let f = std::fs::File::create(&p).expect("create");
+        if write_metadata(&f, "author", "mish").is_err() {
+            // tmpfs without user xattrs: nothing to test here.
+            let _ = std::fs::remove_dir_all(&dir);
+            return;
+        }
+        assert_eq!(
+            read_metadata(&p).get("author").map(String::as_str),
+            Some("mish")
+        );
+        clear_metadata(&f).expect("clear");
+        assert!(read_metadata(&p).is_empty());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     #[test]
     fn mode_strings() {
