@@ -478,7 +478,8 @@ async fn write_one(
     metadata: &BTreeMap<String, String>,
 ) -> Result<WriteInfo, Response<Body>> {
     let (d, md) = (dest.clone(), metadata.clone());
-    let file = user::run_as(user, move || open_for_write(&d, &md))
+    let (uid, gid) = (user.uid, user.gid);
+    let file = user::run_as(user, move || open_for_write(&d, &md, uid, gid))
         .await
         .map_err(from_connect)?;
     let mut file = tokio::fs::File::from_std(file);
@@ -506,6 +507,8 @@ async fn write_one(
 fn open_for_write(
     dest: &Path,
     metadata: &BTreeMap<String, String>,
+    uid: u32,
+    gid: u32,
 ) -> Result<std::fs::File, ConnectError> {
     if std::fs::metadata(dest).map(|m| m.is_dir()).unwrap_or(false) {
         return Err(ConnectError::invalid(format!(
@@ -524,6 +527,9 @@ fn open_for_write(
         .truncate(true)
         .open(dest)
         .map_err(|e| ConnectError::from_io(&e, format!("opening {}", dest.display())))?;
+    // Given to the user as E2B's envd does (an attribute event a watcher sees, as there:
+    // create, chmod, write); a file the user does not own keeps its owner.
+    let _ = std::os::unix::fs::fchown(&file, Some(uid), Some(gid));
     entry::clear_metadata(&file).map_err(|e| {
         ConnectError::from_io(&e, format!("clearing old metadata of {}", dest.display()))
     })?;

@@ -242,13 +242,23 @@ impl Proxy {
         parts.version = http::Version::HTTP_11;
         keep_host(&mut parts.headers, target);
         strip_hop_by_hop(&mut parts.headers);
-        match self.client.request(Request::from_parts(parts, body)).await {
+        // Watched from the start: a guest paused or killed while this request waits for its
+        // answer (a stopped VM answers nothing) gets an answer within a second, not a timeout.
+        let mut gone = self.watch(&target.sandbox_id, addr.ip());
+        let upstream = tokio::select! {
+            r = self.client.request(Request::from_parts(parts, body)) => r,
+            why = &mut gone => {
+                let why = why.unwrap_or_else(|_| "the sandbox went away".to_string());
+                return error(StatusCode::BAD_GATEWAY, &why, Some(target));
+            }
+        };
+        match upstream {
             Ok(resp) => {
                 let (mut parts, body) = resp.into_parts();
                 strip_hop_by_hop(&mut parts.headers);
                 let body = Watched {
                     inner: body.map_err(BoxError::from).boxed(),
-                    gone: Some(self.watch(&target.sandbox_id, addr.ip())),
+                    gone: Some(gone),
                 };
                 Response::from_parts(parts, body.boxed())
             }
