@@ -132,6 +132,27 @@ def test_fork_children_share_then_diverge(new_sandbox, sandboxes):
     assert not children[0].files.exists("/home/user/parent-only.txt")
 
 
+def test_a_paused_sandbox_forks_and_stays_paused(new_sandbox, sandboxes):
+    # vmon only: E2B answers a fork of a paused sandbox with 409.
+    parent = new_sandbox(timeout=600)
+    pid, token = start_ram_state(parent)
+    assert parent.pause()
+    children = parent.fork(count=1, timeout=600)
+    assert len(children) == 1 and not isinstance(children[0], Exception), children
+    child = children[0]
+    sandboxes.append(child)
+    # The child starts from the paused state: memory (the process and its token) and disk.
+    assert child.commands.run("cat /dev/shm/token").stdout.strip() == token
+    assert process_alive(child, pid)
+    assert child.files.read("/home/user/on-disk.txt") == "disk state"
+    assert Sandbox.get_info(parent.sandbox_id).state == SandboxState.PAUSED
+    child.kill()
+    # The source resumes from its own, untouched pause.
+    resumed = Sandbox.connect(parent.sandbox_id, timeout=600)
+    assert resumed.commands.run("cat /dev/shm/token").stdout.strip() == token
+    assert process_alive(resumed, pid)
+
+
 def test_snapshot_outlives_its_source(new_sandbox):
     src = new_sandbox(timeout=600)
     src.files.write("/home/user/snap.txt", "from the snapshot")

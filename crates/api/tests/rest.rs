@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex};
 
 use axum::http::StatusCode;
 use common::harness;
+use vmon_api::records::Records;
 use vmon_api::records::{EventKind, TeamLimits};
 
 fn limits(max_concurrent: u32) -> TeamLimits {
@@ -203,6 +204,71 @@ async fn bad_input_is_a_400_with_a_message() {
     }
     // Nothing was left half-done.
     assert_eq!(h.node.running_count(), 1);
+}
+
+#[tokio::test]
+async fn a_paused_sandbox_forks_from_its_paused_state_and_stays_paused() {
+    let h = harness(limits(5)).await;
+    let id = h.create(r#"{"templateID":"base"}"#).await;
+    let r = h
+        .req("POST", &format!("/sandboxes/{id}/pause"), Some("{}"))
+        .await;
+    assert_eq!(r.status, StatusCode::NO_CONTENT);
+    let paused_build = h
+        .records
+        .sandbox(&id)
+        .await
+        .unwrap()
+        .unwrap()
+        .build
+        .build_id;
+    let r = h
+        .req(
+            "POST",
+            &format!("/sandboxes/{id}/fork"),
+            Some(r#"{"count":2}"#),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{:?}", r.json);
+    let children: Vec<String> = r.json["sandboxes"]
+        .as_array()
+        .or_else(|| r.json.as_array())
+        .expect("children")
+        .iter()
+        .filter_map(|c| {
+            c["sandboxID"]
+                .as_str()
+                .or_else(|| c["sandbox"]["sandboxID"].as_str())
+                .map(String::from)
+        })
+        .collect();
+    assert_eq!(children.len(), 2, "{:?}", r.json);
+    // The children started from the paused build; the source is untouched.
+    let starts = h.node.starts.lock().unwrap().clone();
+    for c in &children {
+        let s = starts.iter().find(|s| &s.sandbox_id == c).expect("started");
+        assert_eq!(s.build_id, paused_build);
+        let d = h.req("GET", &format!("/sandboxes/{c}"), None).await;
+        assert_eq!(d.json["state"], "running");
+    }
+    let src = h.records.sandbox(&id).await.unwrap().unwrap();
+    assert_eq!(src.state, vmon_api::records::SandboxState::Paused);
+    assert_eq!(src.build.build_id, paused_build);
+    // Killing the children never deletes the paused source's state.
+    for c in &children {
+        let r = h.req("DELETE", &format!("/sandboxes/{c}"), None).await;
+        assert_eq!(r.status, StatusCode::NO_CONTENT);
+    }
+    assert!(h.node.builds.lock().unwrap().contains_key(&paused_build));
+    // And the source still resumes.
+    let r = h
+        .req(
+            "POST",
+            &format!("/v2/sandboxes/{id}/connect"),
+            Some(r#"{"timeout":60}"#),
+        )
+        .await;
+    assert!(r.status.is_success(), "{:?}", r.json);
 }
 
 #[tokio::test]

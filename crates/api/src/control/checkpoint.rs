@@ -192,10 +192,11 @@ impl Control {
         let guard = self.lock(id).await?;
         let checkpointed = async {
             let rec = self.owned(team, id).await?;
-            if rec.state != SandboxState::Running {
-                return Err(ApiError::conflict(format!(
-                    "sandbox {id} is paused; only a running sandbox can be forked"
-                )));
+            if rec.state == SandboxState::Paused {
+                // The children start from the paused state (memory and disk, as it was
+                // paused); the source stays paused and untouched, and keeps its build.
+                let build = rec.build.clone();
+                return ApiResult::Ok((rec, build, false));
             }
             let build = self
                 .node
@@ -216,15 +217,19 @@ impl Control {
                 guard.fence().token(),
             )
             .await?;
-            Ok((rec, build))
+            Ok((rec, build, true))
         }
         .await;
         let _ = guard.unlock().await;
-        let (source, build) = checkpointed?;
+        let (source, build, owns_build) = checkpointed?;
         let children = (0..count).map(|_| {
             let control = self.clone();
             let (team, source, build) = (team.clone(), source.clone(), build.clone());
-            tokio::spawn(async move { control.launch_child(&team, &source, &build, timeout).await })
+            tokio::spawn(async move {
+                control
+                    .launch_child(&team, &source, &build, timeout, owns_build)
+                    .await
+            })
         });
         let mut results = Vec::with_capacity(count as usize);
         let mut any = false;
@@ -246,7 +251,7 @@ impl Control {
                 },
             });
         }
-        if !any {
+        if !any && owns_build {
             self.drop_build(&build.build_id).await;
         }
         Ok(results)

@@ -663,13 +663,15 @@ impl Control {
         result
     }
 
-    /// Shared by create and fork: runs [`Self::launch_locked`] for a child.
+    /// Shared by create and fork: runs [`Self::launch_locked`] for a child. A child owns its
+    /// build (deleted once no sandbox uses it) unless the build is its paused source's own.
     pub(crate) async fn launch_child(
         &self,
         team: &Team,
         source: &SandboxRecord,
         build: &BuildInfo,
         timeout: u64,
+        owns_build: bool,
     ) -> ApiResult<wire::Sandbox> {
         let id = ids::sandbox_id();
         let guard = self.lock(&id).await?;
@@ -678,7 +680,7 @@ impl Control {
             template_id: source.template_id.clone(),
             alias: source.alias.clone(),
             build: build.clone(),
-            owned_build: Some(build.build_id.clone()),
+            owned_build: owns_build.then(|| build.build_id.clone()),
             timeout,
             base: Inherited::of(source),
         };
