@@ -393,7 +393,7 @@ where
 
 #[cfg(test)]
 #[path = "connect_fuzz.rs"]
-mod fuzz;
+pub(crate) mod fuzz;
 
 /// The sending half of a streaming response.
 pub struct StreamSender {

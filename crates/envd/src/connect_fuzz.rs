@@ -13,7 +13,8 @@ use proptest::prelude::*;
 
 use super::*;
 
-fn cases(default: u32) -> ProptestConfig {
+/// Cases for a target: `PROPTEST_CASES` when set, else `default`; no regression files.
+pub(crate) fn cases(default: u32) -> ProptestConfig {
     let cases = std::env::var("PROPTEST_CASES")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -25,8 +26,9 @@ fn cases(default: u32) -> ProptestConfig {
     }
 }
 
-fn block_on<F: std::future::Future>(f: F) -> F::Output {
+pub(crate) fn block_on<F: std::future::Future>(f: F) -> F::Output {
     tokio::runtime::Builder::new_current_thread()
+        .enable_all()
         .build()
         .expect("runtime")
         .block_on(f)

@@ -14,25 +14,7 @@ use proptest::prelude::*;
 
 use super::*;
 
-fn cases(default: u32) -> ProptestConfig {
-    let cases = std::env::var("PROPTEST_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default);
-    ProptestConfig {
-        cases,
-        failure_persistence: None,
-        ..ProptestConfig::default()
-    }
-}
-
-fn block_on<F: std::future::Future>(f: F) -> F::Output {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime")
-        .block_on(f)
-}
+use crate::connect::fuzz::{block_on, cases};
 
 /// The test process's own identity, so no switch happens, with `home` as its home.
 fn me(home: &Path) -> User {

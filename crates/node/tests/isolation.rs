@@ -362,6 +362,15 @@ fn a_guest_reaches_only_the_internet_and_what_allow_out_opens() {
     drop(beyond);
 }
 
+/// Boots a guest with internet access, `vcpus` vCPUs and 384 MiB.
+async fn boot_open(node: &vmon_node::Node, id: &str, vcpus: u32) -> vmon_proto::node::Running {
+    let open = NetworkPolicy {
+        allow_internet_access: true,
+        ..Default::default()
+    };
+    node.boot_image(id, vcpus, 384, &open).await.expect("boot")
+}
+
 /// The QEMU process serving the guest reached at `addr`: the one process in its slot.
 fn qemu_pid(addr: Ipv4Addr) -> u32 {
     let out = std::process::Command::new("ip")
@@ -417,18 +426,7 @@ fn qemu_runs_under_seccomp_in_cgroups_of_its_own() {
     let _shared = host_lock().read();
     runtime().block_on(async {
         let id = unique("conf");
-        let r = node
-            .boot_image(
-                &id,
-                2,
-                384,
-                &NetworkPolicy {
-                    allow_internet_access: true,
-                    ..Default::default()
-                },
-            )
-            .await
-            .expect("boot");
+        let r = boot_open(&node, &id, 2).await;
         let addr = match r.guest_ip {
             std::net::IpAddr::V4(v) => v,
             other => panic!("{other}"),
@@ -488,18 +486,7 @@ fn a_guest_flooding_its_console_leaves_a_bounded_log() {
     let _shared = host_lock().read();
     runtime().block_on(async {
         let id = unique("flood");
-        let r = node
-            .boot_image(
-                &id,
-                1,
-                384,
-                &NetworkPolicy {
-                    allow_internet_access: true,
-                    ..Default::default()
-                },
-            )
-            .await
-            .expect("boot");
+        let r = boot_open(&node, &id, 1).await;
         // 12 MiB of lines, three times the bound, then a last line.
         let out = node
             .exec(

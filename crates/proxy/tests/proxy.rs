@@ -135,6 +135,17 @@ async fn start_proxy(routes: Arc<TestRoutes>) -> SocketAddr {
     addr
 }
 
+/// Routes with one running sandbox, `isbx`, on loopback.
+fn one_sandbox() -> Arc<TestRoutes> {
+    let routes = Arc::new(TestRoutes::default());
+    routes
+        .routes
+        .lock()
+        .unwrap()
+        .insert("isbx".into(), route(Some("127.0.0.1"), false, None));
+    routes
+}
+
 fn route(ip: Option<&str>, auto_resume: bool, token: Option<&str>) -> SandboxRoute {
     SandboxRoute {
         guest_ip: ip.map(|i| i.parse().unwrap()),
@@ -160,12 +171,7 @@ fn get(path: &str, id: &str, port: u16, extra: &str) -> String {
 #[tokio::test]
 async fn routes_by_headers_and_host_and_answers_sdk_errors() {
     let port = start_guest().await;
-    let routes = Arc::new(TestRoutes::default());
-    routes
-        .routes
-        .lock()
-        .unwrap()
-        .insert("isbx".into(), route(Some("127.0.0.1"), false, None));
+    let routes = one_sandbox();
     let proxy = start_proxy(routes.clone()).await;
 
     let r = raw(proxy, &get("/", "isbx", port, "")).await;
@@ -200,12 +206,7 @@ async fn routes_by_headers_and_host_and_answers_sdk_errors() {
 #[tokio::test]
 async fn streams_both_ways_without_buffering() {
     let port = start_guest().await;
-    let routes = Arc::new(TestRoutes::default());
-    routes
-        .routes
-        .lock()
-        .unwrap()
-        .insert("isbx".into(), route(Some("127.0.0.1"), false, None));
+    let routes = one_sandbox();
     let proxy = start_proxy(routes).await;
 
     // A chunked request body comes back whole.
@@ -243,12 +244,7 @@ async fn streams_both_ways_without_buffering() {
 #[tokio::test]
 async fn upgrades_pass_through() {
     let port = start_guest().await;
-    let routes = Arc::new(TestRoutes::default());
-    routes
-        .routes
-        .lock()
-        .unwrap()
-        .insert("isbx".into(), route(Some("127.0.0.1"), false, None));
+    let routes = one_sandbox();
     let proxy = start_proxy(routes).await;
     let mut s = tokio::net::TcpStream::connect(proxy).await.unwrap();
     let req = format!(
@@ -318,12 +314,7 @@ async fn traffic_token_and_auto_resume() {
 #[tokio::test]
 async fn slow_clients_are_cut_off_and_never_starve_new_ones() {
     let guest_port = start_guest().await;
-    let routes = Arc::new(TestRoutes::default());
-    routes
-        .routes
-        .lock()
-        .unwrap()
-        .insert("isbx".into(), route(Some("127.0.0.1"), false, None));
+    let routes = one_sandbox();
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap();
     let limits = vmon_proxy::listen::Limits {
@@ -363,12 +354,7 @@ async fn slow_clients_are_cut_off_and_never_starve_new_ones() {
 #[tokio::test]
 async fn a_stream_ends_when_its_sandbox_is_killed() {
     let port = start_guest().await;
-    let routes = Arc::new(TestRoutes::default());
-    routes
-        .routes
-        .lock()
-        .unwrap()
-        .insert("isbx".into(), route(Some("127.0.0.1"), false, None));
+    let routes = one_sandbox();
     let proxy = start_proxy(routes.clone()).await;
     let mut s = tokio::net::TcpStream::connect(proxy).await.unwrap();
     s.write_all(get("/forever", "isbx", port, "").as_bytes())
