@@ -1,0 +1,80 @@
+"""Behaviour E2B's own SDK tests expect (docs/compatibility.md), checked with tests of our own
+through the official SDK: a command stream to a killed sandbox ends, an overwrite clears stale
+metadata, a watcher sees create, chmod and write for a new file, `started_after` is inclusive,
+and the base image has `python`."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+from e2b import FilesystemEventType, Sandbox, SandboxQuery
+
+from conftest import wait_for
+
+
+def test_a_command_stream_ends_when_its_sandbox_is_killed(new_sandbox):
+    sbx = new_sandbox(timeout=300)
+    outcome: dict[str, object] = {}
+
+    def run():
+        t0 = time.monotonic()
+        try:
+            sbx.commands.run("sleep 600", timeout=0, request_timeout=900)
+            outcome["result"] = "returned"
+        except Exception as e:  # the SDK raises; which exception is its business
+            outcome["result"] = e
+        outcome["secs"] = time.monotonic() - t0
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    wait_for(lambda: any("sleep 600" in " ".join([p.cmd, *p.args]) for p in sbx.commands.list()), 60,
+             what="the command running")
+    Sandbox.kill(sbx.sandbox_id)
+    t.join(60)
+    assert not t.is_alive(), "the command stream hung after the kill"
+    assert isinstance(outcome.get("result"), Exception), outcome
+    assert outcome["secs"] < 90, outcome
+
+
+def test_an_overwrite_clears_stale_metadata(new_sandbox):
+    sbx = new_sandbox()
+    sbx.files.write("/home/user/md.txt", "first", metadata={"author": "mish"})
+    assert sbx.files.get_info("/home/user/md.txt").metadata == {"author": "mish"}
+    info = sbx.files.write("/home/user/md.txt", "second")
+    assert not info.metadata
+    assert sbx.files.get_info("/home/user/md.txt").metadata is None
+    assert sbx.files.read("/home/user/md.txt") == "second"
+
+
+def test_a_watcher_sees_create_chmod_write_for_a_written_file(new_sandbox):
+    sbx = new_sandbox()
+    sbx.files.make_dir("/home/user/watched")
+    handle = sbx.files.watch_dir("/home/user/watched")
+    try:
+        sbx.files.write("/home/user/watched/new.txt", "content")
+        events = wait_for(lambda: (e := handle.get_new_events()) and e, 30, what="events")
+        types = [e.type for e in events if e.name == "new.txt"]
+        assert types == [FilesystemEventType.CREATE, FilesystemEventType.CHMOD, FilesystemEventType.WRITE], types
+    finally:
+        handle.stop()
+
+
+def test_started_after_includes_the_sandbox_that_started_then(new_sandbox):
+    tag = f"compat-{time.monotonic_ns()}"
+    sbx = new_sandbox(metadata={"tag": tag})
+    started = sbx.get_info().started_at
+    listed = Sandbox.list(query=SandboxQuery(metadata={"tag": tag}, started_after=started)).next_items()
+    assert sbx.sandbox_id in [s.sandbox_id for s in listed]
+    later = Sandbox.list(
+        query=SandboxQuery(metadata={"tag": tag}, started_after=started + timedelta(seconds=1))
+    ).next_items()
+    assert sbx.sandbox_id not in [s.sandbox_id for s in later]
+
+
+def test_the_base_image_has_python(new_sandbox):
+    sbx = new_sandbox()
+    for cmd in ["python --version", "python3 --version"]:
+        r = sbx.commands.run(cmd)
+        assert (r.stdout + r.stderr).startswith("Python 3"), (cmd, r)
