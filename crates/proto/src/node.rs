@@ -89,6 +89,10 @@ pub struct BuildInfo {
     pub envd_version: String,
     /// The build this one was derived from, if any.
     pub parent: Option<BuildId>,
+    /// Set by `build_info` when the build was made from an older guest image than the node
+    /// has now (a newer envd, new packages): a built-in template is then built again.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub older_image: bool,
 }
 
 /// How to make a template build from the base image.

@@ -126,7 +126,12 @@ impl Control {
         if let Some(t) = existing.filter(|t| t.team_id.is_none()) {
             if let Some(b) = t.tags.get(DEFAULT_TAG) {
                 match self.node.build_info(&b.build_id).await {
-                    Ok(info) => return Ok(info),
+                    Ok(info) if !info.older_image => return Ok(info),
+                    // Sandboxes and snapshots made from the old build keep it.
+                    Ok(_) => tracing::info!(
+                        alias,
+                        "template built from an older guest image: building it again"
+                    ),
                     Err(e) => {
                         tracing::warn!(alias, error = %e, "template build missing on the node: rebuilding")
                     }

@@ -175,6 +175,7 @@ fn from_store(s: vmon_store::SandboxRecord) -> SandboxRecord {
         disk_mb: to_u32(s.disk_mb),
         envd_version: s.envd_version.clone(),
         parent: None,
+        older_image: false,
     });
     SandboxRecord {
         id: s.sandbox_id,
@@ -254,6 +255,7 @@ fn build_info(b: vmon_store::Build) -> BuildInfo {
         disk_mb: to_u32(b.disk_mb),
         envd_version: b.envd_version,
         parent: b.parent_build_id,
+        older_image: false,
     }
 }
 

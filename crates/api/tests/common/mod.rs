@@ -60,6 +60,7 @@ impl FakeNode {
             disk_mb: 1024,
             envd_version: "0.6.4".into(),
             parent,
+            older_image: false,
         };
         self.builds
             .lock()
@@ -80,6 +81,7 @@ impl NodeControl for FakeNode {
             disk_mb: spec.disk_mb,
             envd_version: "0.6.4".into(),
             parent: None,
+            older_image: false,
         };
         self.builds
             .lock()

@@ -19,7 +19,11 @@ impl NodeControl for Node {
     }
 
     async fn build_info(&self, build_id: &str) -> Result<BuildInfo, NodeError> {
-        self.record(build_id).map(|r| Self::info(&r))
+        self.record(build_id).map(|r| {
+            let mut info = Self::info(&r);
+            info.older_image = r.image_hash != self.image.manifest.hash;
+            info
+        })
     }
 
     async fn delete_build(&self, build_id: &str) -> Result<(), NodeError> {

@@ -373,6 +373,7 @@ impl Node {
             disk_mb: rec.disk_mb,
             envd_version: rec.envd_version.clone(),
             parent: rec.parent.clone(),
+            older_image: false,
         }
     }
 
