@@ -118,8 +118,9 @@ def test_sdk_without_sandbox_url(vmon, no_sandbox_url, sandboxes):
     sbx.files.write("/home/user/notes.txt", "written over https")
     assert sbx.files.read("/home/user/notes.txt") == "written over https"
     lines = []
-    h = sbx.commands.run("for i in 1 2 3; do echo $i; sleep 0.2; done", background=True, on_stdout=lines.append)
-    assert h.wait().exit_code == 0
+    # A streamed command: output arrives while it runs.
+    r = sbx.commands.run("for i in 1 2 3; do echo $i; sleep 0.2; done", on_stdout=lines.append)
+    assert r.exit_code == 0
     assert "".join(lines).split() == ["1", "2", "3"]
     # Connecting again by id works the same way.
     again = Sandbox.connect(sbx.sandbox_id)
@@ -138,7 +139,9 @@ def _signed_urls_open_in_plain_clients(sbx: Sandbox):
         assert resp.read() == b"uploaded by url"
     assert httpx.get(down, timeout=30).content == b"uploaded by url"
     # A signature for another path does not open this one.
-    wrong = down.replace(urllib.parse.quote(name), urllib.parse.quote(name + "x"))
+    quoted = urllib.parse.quote(name, safe="")
+    assert quoted in down
+    wrong = down.replace(quoted, urllib.parse.quote(name + "x", safe=""))
     assert httpx.get(wrong, timeout=30).status_code in (400, 401)
 
 
