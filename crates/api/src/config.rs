@@ -44,6 +44,12 @@ pub struct Config {
     pub webhook_ca_file: Option<std::path::PathBuf>,
     /// What one team may keep, beyond its concurrency and lifetime limits.
     pub quotas: Quotas,
+    /// PEM certificate chain (leaf first) the proxy serves TLS with, on the same port as
+    /// plain HTTP (`VMON_PROXY_TLS_CERT`): a certificate for `*.{domain}`. Without one,
+    /// `vmon up` serves certificates of a local CA it creates in `<data dir>/tls`.
+    pub proxy_tls_cert: Option<std::path::PathBuf>,
+    /// PEM private key of `proxy_tls_cert` (`VMON_PROXY_TLS_KEY`).
+    pub proxy_tls_key: Option<std::path::PathBuf>,
 }
 
 /// Per-team quotas; past one the request is 429 with the limit's name.
@@ -104,6 +110,8 @@ impl Default for Config {
             webhook_allow: Vec::new(),
             webhook_ca_file: None,
             quotas: Quotas::default(),
+            proxy_tls_cert: None,
+            proxy_tls_key: None,
         }
     }
 }
@@ -192,6 +200,15 @@ impl Config {
         }
         if let Some(v) = var("VMON_MAX_WEBHOOKS") {
             self.quotas.max_webhooks = parse("VMON_MAX_WEBHOOKS", v)?;
+        }
+        if let Some(v) = var("VMON_PROXY_TLS_CERT") {
+            self.proxy_tls_cert = (!v.is_empty()).then(|| v.into());
+        }
+        if let Some(v) = var("VMON_PROXY_TLS_KEY") {
+            self.proxy_tls_key = (!v.is_empty()).then(|| v.into());
+        }
+        if self.proxy_tls_cert.is_some() != self.proxy_tls_key.is_some() {
+            anyhow::bail!("proxy_tls_cert and proxy_tls_key (VMON_PROXY_TLS_CERT, VMON_PROXY_TLS_KEY) go together: set both or neither");
         }
         if let Some(v) = var("VMON_BASE_VCPUS") {
             self.base_template.vcpus = parse("VMON_BASE_VCPUS", v)?;

@@ -24,7 +24,9 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 pub mod listen;
+pub mod signed;
 pub mod target;
+pub mod tls;
 
 pub use target::Target;
 
@@ -62,6 +64,12 @@ pub trait Routes: Send + Sync + 'static {
     async fn lookup(&self, sandbox_id: &str) -> Option<SandboxRoute>;
     /// Resume a paused sandbox because traffic arrived for it; returns its guest address.
     async fn resume_for_traffic(&self, sandbox_id: &str) -> Result<IpAddr, ResumeError>;
+    /// The id of the sandbox whose envd access token made `signed`
+    /// ([`signed::SignedFiles::signed_with`]), if any: how a signed `/files` URL that names no
+    /// sandbox finds its own. The default knows no tokens.
+    async fn find_signer(&self, _signed: &signed::SignedFiles) -> Option<String> {
+        None
+    }
 }
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -115,6 +123,7 @@ impl http_body::Body for Watched {
 pub struct Proxy {
     routes: Arc<dyn Routes>,
     client: Client<HttpConnector, Incoming>,
+    tls: Option<Arc<rustls::ServerConfig>>,
 }
 
 impl Proxy {
@@ -128,7 +137,18 @@ impl Proxy {
         let client = Client::builder(TokioExecutor::new())
             .pool_max_idle_per_host(0)
             .build(connector);
-        Self { routes, client }
+        Self {
+            routes,
+            client,
+            tls: None,
+        }
+    }
+
+    /// Also accept TLS (on the same port as plain HTTP) with `config`, e.g. from
+    /// [`tls::from_pem`] or a [`tls::LocalCa`].
+    pub fn with_tls(mut self, config: Arc<rustls::ServerConfig>) -> Self {
+        self.tls = Some(config);
+        self
     }
 
     /// Accept connections until `cancel` fires.
@@ -144,12 +164,13 @@ impl Proxy {
         limits: listen::Limits,
         cancel: CancellationToken,
     ) {
+        let tls = self.tls.clone();
         let proxy = self;
         let service = hyper::service::service_fn(move |req| {
             let proxy = proxy.clone();
             async move { Ok::<_, std::convert::Infallible>(proxy.handle(req).await) }
         });
-        listen::serve(listener, limits, cancel, "proxy", service).await;
+        listen::serve_tls(listener, limits, tls, cancel, "proxy", service).await;
     }
 
     /// Answer one request: route it, resume if needed, forward it.
@@ -162,6 +183,16 @@ impl Proxy {
             .or_else(|| req.uri().authority().map(|a| a.to_string()));
         let target = match target::resolve(host.as_deref(), req.headers()) {
             Ok(t) => t,
+            Err(target::TargetError::Missing) => match self.signed_files_target(&req).await {
+                Some(t) => t,
+                None => {
+                    return error(
+                        StatusCode::BAD_REQUEST,
+                        &target::TargetError::Missing.to_string(),
+                        None,
+                    )
+                }
+            },
             Err(e) => return error(StatusCode::BAD_REQUEST, &e.to_string(), None),
         };
         if target.port == ENVD_PORT && is_init_path(req.uri().path()) {
@@ -221,6 +252,17 @@ impl Proxy {
         } else {
             self.forward(req, addr, &target).await
         }
+    }
+
+    /// A signed `/files` request that names no sandbox goes to envd of the sandbox that
+    /// signed it.
+    async fn signed_files_target(&self, req: &Request<Incoming>) -> Option<Target> {
+        let signed = signed::SignedFiles::parse(req.method(), req.uri())?;
+        let id = self.routes.find_signer(&signed).await?;
+        Some(Target {
+            sandbox_id: id,
+            port: ENVD_PORT,
+        })
     }
 
     async fn forward(

@@ -1,12 +1,17 @@
 //! The accept loop the proxy and the api share: HTTP/1.1 and HTTP/2 on one port, with a cap on
 //! open connections and a bound on how long a client may take to send a request's headers, so
 //! that slow or idle clients (slowloris) cannot starve new ones.
+//!
+//! With a TLS configuration ([`serve_tls`], the proxy's), TLS and plain HTTP share the port:
+//! a connection whose first byte is a TLS handshake record (0x16) is served over TLS, any
+//! other in the clear (no plain HTTP request starts with that byte).
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use tokio::net::TcpListener;
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
@@ -33,6 +38,9 @@ impl Default for Limits {
     }
 }
 
+/// The first byte of a TLS connection: a handshake record.
+const TLS_HANDSHAKE: u8 = 0x16;
+
 /// Serves `service` on every connection `listener` accepts until `cancel` fires. Upgrades
 /// (WebSocket, CONNECT) pass through.
 pub async fn serve<S, B>(
@@ -52,6 +60,30 @@ pub async fn serve<S, B>(
     B::Data: Send,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
+    serve_tls(listener, limits, None, cancel, what, service).await
+}
+
+/// [`serve`], and with `tls` also TLS on the same port (sniffed from each connection's first
+/// byte). The TLS handshake must finish within `limits.header_read_timeout`.
+pub async fn serve_tls<S, B>(
+    listener: TcpListener,
+    limits: Limits,
+    tls: Option<Arc<rustls::ServerConfig>>,
+    cancel: CancellationToken,
+    what: &'static str,
+    service: S,
+) where
+    S: hyper::service::Service<http::Request<hyper::body::Incoming>, Response = http::Response<B>>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+    S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    B: http_body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let acceptor = tls.map(tokio_rustls::TlsAcceptor::from);
     let permits = Arc::new(Semaphore::new(limits.max_connections.max(1)));
     loop {
         let (stream, peer) = tokio::select! {
@@ -74,18 +106,26 @@ pub async fn serve<S, B>(
         let _ = stream.set_nodelay(true);
         let service = service.clone();
         let cancel = cancel.clone();
+        let acceptor = acceptor.clone();
         tokio::spawn(async move {
-            let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
-            builder
-                .http1()
-                .timer(TokioTimer::new())
-                .header_read_timeout(limits.header_read_timeout);
-            builder
-                .http2()
-                .timer(TokioTimer::new())
-                .keep_alive_interval(Some(limits.keep_alive))
-                .keep_alive_timeout(limits.keep_alive);
-            let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
+            let conn = async {
+                match acceptor {
+                    None => serve_io(stream, limits, service).await,
+                    Some(acceptor) => match sniff_tls(&stream, limits.header_read_timeout).await {
+                        Some(false) => serve_io(stream, limits, service).await,
+                        Some(true) => {
+                            let accept = acceptor.accept(stream);
+                            match tokio::time::timeout(limits.header_read_timeout, accept).await {
+                                Ok(Ok(tls)) => serve_io(tls, limits, service).await,
+                                Ok(Err(e)) => Err(format!("TLS handshake failed: {e}").into()),
+                                Err(_) => Err("TLS handshake timed out".into()),
+                            }
+                        }
+                        // Closed, or silent for too long, before its first byte.
+                        None => Ok(()),
+                    },
+                }
+            };
             tokio::select! {
                 r = conn => if let Err(e) = r {
                     tracing::debug!(%peer, error = %e, "{what} connection ended");
@@ -95,4 +135,44 @@ pub async fn serve<S, B>(
             drop(permit);
         });
     }
+}
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Whether the connection starts with a TLS handshake; `None` when it closes, fails or sends
+/// nothing within `wait`. Peeks: the byte stays for whoever reads next.
+async fn sniff_tls(stream: &TcpStream, wait: Duration) -> Option<bool> {
+    let mut first = [0u8; 1];
+    match tokio::time::timeout(wait, stream.peek(&mut first)).await {
+        Ok(Ok(1..)) => Some(first[0] == TLS_HANDSHAKE),
+        _ => None,
+    }
+}
+
+/// HTTP/1.1 or HTTP/2 (by the client's preface) on one connection, upgrades included.
+async fn serve_io<I, S, B>(io: I, limits: Limits, service: S) -> Result<(), BoxError>
+where
+    I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    S: hyper::service::Service<http::Request<hyper::body::Incoming>, Response = http::Response<B>>
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+    S::Error: Into<BoxError>,
+    B: http_body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<BoxError>,
+{
+    let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_read_timeout);
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .keep_alive_interval(Some(limits.keep_alive))
+        .keep_alive_timeout(limits.keep_alive);
+    builder
+        .serve_connection_with_upgrades(TokioIo::new(io), service)
+        .await
 }

@@ -21,6 +21,20 @@ impl Routes for ProxyRoutes {
         self.0.route(sandbox_id)
     }
 
+    async fn find_signer(&self, signed: &vmon_proxy::signed::SignedFiles) -> Option<String> {
+        let sandboxes = match self.0.sandboxes(None).await {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(error = %e.message, "listing sandboxes for a signed URL failed");
+                return None;
+            }
+        };
+        sandboxes
+            .into_iter()
+            .find(|rec| signed.signed_with(&rec.envd_access_token))
+            .map(|rec| rec.id)
+    }
+
     async fn resume_for_traffic(&self, sandbox_id: &str) -> Result<IpAddr, ResumeError> {
         let control = self.0.clone();
         let id = sandbox_id.to_string();

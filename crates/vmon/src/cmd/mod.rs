@@ -5,4 +5,5 @@ pub mod doctor;
 pub mod image;
 pub mod node;
 pub mod proxy;
+pub mod proxy_tls;
 pub mod up;

@@ -94,8 +94,10 @@ pub async fn run(data_dir: &Path, args: Args) -> anyhow::Result<()> {
         let _ = tokio::signal::ctrl_c().await;
         c.cancel();
     });
-    vmon_proxy::Proxy::new(Arc::new(routes))
-        .serve(listener, cancel)
-        .await;
+    let mut proxy = vmon_proxy::Proxy::new(Arc::new(routes));
+    if let Some(tls) = super::proxy_tls::load(&config, data_dir, false)? {
+        proxy = proxy.with_tls(tls.config);
+    }
+    proxy.serve(listener, cancel).await;
     Ok(())
 }

@@ -121,7 +121,13 @@ pub async fn serve(data_dir: &Path, config: Config, parts: Parts) -> anyhow::Res
         let proxy_listener = tokio::net::TcpListener::bind(config.proxy_listen)
             .await
             .with_context(|| format!("binding the proxy to {}", config.proxy_listen))?;
-        let proxy = vmon_proxy::Proxy::new(Arc::new(ProxyRoutes(control.clone())));
+        let mut proxy = vmon_proxy::Proxy::new(Arc::new(ProxyRoutes(control.clone())));
+        if let Some(tls) = super::proxy_tls::load(&config, data_dir, true)? {
+            if let Some(files) = &tls.local_ca {
+                eprintln!("{}", files.hint());
+            }
+            proxy = proxy.with_tls(tls.config);
+        }
         let c = cancel.clone();
         tasks.spawn(async move {
             proxy.serve(proxy_listener, c).await;
@@ -137,6 +143,9 @@ pub async fn serve(data_dir: &Path, config: Config, parts: Parts) -> anyhow::Res
     tracing::info!(listen = %config.api_listen, "api ready");
 
     println!("{}", exports(&config, &api_key));
+    if let Some(trust) = trust_exports(&config, data_dir, parts.proxy) {
+        println!("{trust}");
+    }
     use std::io::Write;
     let _ = std::io::stdout().flush();
 
@@ -173,6 +182,12 @@ pub fn exports(config: &Config, api_key: &str) -> String {
         config.sandbox_url(),
         api_key
     )
+}
+
+/// The exports that make clients trust the proxy's local CA, when it serves one.
+fn trust_exports(config: &Config, data_dir: &Path, proxy: bool) -> Option<String> {
+    let files = super::proxy_tls::LocalCaFiles::paths(data_dir);
+    (proxy && config.proxy_tls_cert.is_none() && files.ca.exists()).then(|| files.exports())
 }
 
 /// The first start creates the default team; its key's plaintext goes to a 0600 file.
@@ -232,6 +247,9 @@ async fn print_env_when_ready(
         if let Some(key) = key.filter(|k| !k.trim().is_empty()) {
             if matches!(crate::cmd::admin::http_status(&health).await, Ok(204)) {
                 println!("{}", exports(config, key.trim()));
+                if let Some(trust) = trust_exports(config, data_dir, true) {
+                    println!("{trust}");
+                }
                 return Ok(());
             }
         }
