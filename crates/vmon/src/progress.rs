@@ -39,6 +39,13 @@ impl Write for LogWriter {
 pub fn show(progress: Progress) {
     let tty = std::io::stderr().is_terminal();
     tokio::spawn(async move {
+        // A warm start is ready within moments: no bar, no lines for it.
+        for _ in 0..10 {
+            if progress.is_ready() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
         if tty {
             bar(progress).await
         } else {
@@ -49,13 +56,16 @@ pub fn show(progress: Progress) {
 
 async fn bar(progress: Progress) {
     let bar = ProgressBar::new(100);
-    bar.set_style(
-        ProgressStyle::with_template(
-            "{spinner} building {prefix} [{elapsed_precise}] [{bar:30}] {pos:>3}% {wide_msg}",
-        )
-        .unwrap_or_else(|_| ProgressStyle::default_bar())
-        .progress_chars("=> "),
-    );
+    // A bar where the step has a percent, a spinner where it has none.
+    let with_percent = ProgressStyle::with_template(
+        "{spinner} building {prefix} [{elapsed_precise}] [{bar:30}] {pos:>3}% {wide_msg}",
+    )
+    .unwrap_or_else(|_| ProgressStyle::default_bar())
+    .progress_chars("=> ");
+    let without =
+        ProgressStyle::with_template("{spinner} building {prefix} [{elapsed_precise}] {wide_msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_spinner());
+    bar.set_style(without.clone());
     bar.enable_steady_tick(Duration::from_millis(120));
     *bar_slot() = Some(bar.clone());
     let mut seen = u64::MAX;
@@ -64,7 +74,13 @@ async fn bar(progress: Progress) {
         if s.version != seen {
             seen = s.version;
             bar.set_prefix(s.step.clone());
-            bar.set_position(u64::from(s.percent.unwrap_or(0)));
+            match s.percent {
+                Some(p) => {
+                    bar.set_style(with_percent.clone());
+                    bar.set_position(u64::from(p));
+                }
+                None => bar.set_style(without.clone()),
+            }
             bar.set_message(match s.phase {
                 Phase::Failed => format!(
                     "failed: {} (retrying)",
