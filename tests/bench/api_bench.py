@@ -23,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -89,6 +90,18 @@ def start_server() -> tuple[subprocess.Popen, dict[str, str], Path]:
         if proc.poll() is not None or time.monotonic() > deadline:
             sys.exit(f"vmon up did not start; see {data}/vmon-up.log")
         time.sleep(0.2)
+    # The exports come at once; creates are admitted once `/health` says ready (200).
+    health = f"{exports['E2B_API_URL'].rstrip('/')}/health"
+    while True:
+        try:
+            with urllib.request.urlopen(health, timeout=5) as r:
+                if r.status == 200:
+                    break
+        except OSError:  # 503 while building (HTTPError is an OSError), or not answering
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            sys.exit(f"vmon up did not become ready; see {data}/vmon-up.log")
+        time.sleep(1)
     return proc, exports, data
 
 

@@ -18,6 +18,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -32,8 +34,26 @@ IMAGE_CACHE = Path(
     )
 )
 KEEP = {"images"}
-# First start builds the base template (and maybe the guest image) under TCG.
+# First start builds the base template (and maybe the guest image) under TCG: the exports come
+# at once, `/health` says ready (200) once creates are admitted.
 STARTUP_TIMEOUT = float(os.environ.get("VMON_E2E_STARTUP_TIMEOUT", "3600"))
+
+
+def _health(api_url: str) -> tuple[int, dict]:
+    """`GET /health` of the api: its status and JSON body (503 `building` during the first
+    build, 200 `ready` after); (0, {}) while nothing answers."""
+    import json
+
+    try:
+        with urllib.request.urlopen(f"{api_url.rstrip('/')}/health", timeout=5) as r:
+            return r.status, json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        try:
+            return e.code, json.loads(e.read() or b"{}")
+        except ValueError:
+            return e.code, {}
+    except (OSError, ValueError):
+        return 0, {}
 
 
 def _free_port() -> int:
@@ -206,8 +226,26 @@ def vmon():
             raise RuntimeError(f"vmon up exited with {proc.returncode}; see {log_path}")
         if time.monotonic() > deadline:
             proc.kill()
-            raise RuntimeError(f"vmon up was not ready within {STARTUP_TIMEOUT}s; see {log_path}")
+            raise RuntimeError(f"vmon up printed no exports within {STARTUP_TIMEOUT}s; see {log_path}")
         time.sleep(0.2)
+    # The exports come before the guest image and `base` are built; an SDK create meanwhile
+    # gets 503 (and raises), so the tests start once the platform says it is ready.
+    last_report = 0.0
+    while True:
+        status, body = _health(exports["E2B_API_URL"])
+        if status == 200 and body.get("status") == "ready":
+            break
+        if proc.poll() is not None:
+            raise RuntimeError(f"vmon up exited with {proc.returncode}; see {log_path}")
+        if time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise RuntimeError(
+                f"vmon up was not ready within {STARTUP_TIMEOUT}s ({body.get('message')}); see {log_path}"
+            )
+        if time.monotonic() - last_report > 60:
+            print(f"waiting for vmon up: {body.get('message', status)}", file=sys.stderr)
+            last_report = time.monotonic()
+        time.sleep(1)
 
     saved = {k: os.environ.get(k) for k in exports}
     os.environ.update(exports)

@@ -19,7 +19,7 @@ use crate::{admin, wire};
 
 pub fn router(state: AppState) -> Router {
     Router::new()
-        .route("/health", get(|| async { StatusCode::NO_CONTENT }))
+        .route("/health", get(health))
         .route("/sandboxes", post(create_legacy).get(list_legacy))
         .route("/v2/sandboxes", post(create_v2).get(list_v2))
         .route("/sandboxes/:id", get(get_sandbox).delete(kill))
@@ -472,6 +472,33 @@ async fn list_v2(
 fn parse_cursor(t: &str) -> Option<(i128, String)> {
     let (nanos, id) = t.split_once('_')?;
     Some((nanos.parse().ok()?, id.to_string()))
+}
+
+/// Whether the platform takes creates: 200 `{"status": "ready"}` once `base` is built; until
+/// then 503 with `status` `building` (or `failed`, while a failed build waits to be retried),
+/// the step, its percent and the time elapsed, and the E2B error fields `code` and `message`.
+async fn health(State(st): State<AppState>) -> Response {
+    let s = st.control.startup().snapshot();
+    let ready = s.phase == vmon_proto::progress::Phase::Ready;
+    let status = if ready {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    let mut body = serde_json::json!({
+        "status": s.phase.as_str(),
+        "building": s.what,
+        "message": s.message(),
+        "elapsedSecs": s.elapsed.as_secs(),
+    });
+    if !ready {
+        body["code"] = status.as_u16().into();
+        body["step"] = s.step.into();
+        body["detail"] = s.detail.into();
+        body["percent"] = s.percent.into();
+        body["error"] = s.error.into();
+    }
+    (status, Json(body)).into_response()
 }
 
 #[cfg(test)]

@@ -25,7 +25,8 @@ fn limits(max_concurrent: u32) -> TeamLimits {
 async fn health_and_auth() {
     let h = harness(limits(5)).await;
     let r = h.call("GET", "/health", None, None, &[]).await;
-    assert_eq!(r.status, StatusCode::NO_CONTENT);
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(r.json["status"], "ready", "{:?}", r.json);
 
     let r = h.call("GET", "/v2/sandboxes", None, None, &[]).await;
     assert_eq!(r.status, StatusCode::UNAUTHORIZED);

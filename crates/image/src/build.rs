@@ -10,6 +10,8 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use tokio::io::{AsyncBufReadExt, BufReader};
 
+use vmon_proto::progress::Progress;
+
 use crate::apt::host_apt_source;
 
 /// Bumped whenever the steps below change what an image contains.
@@ -175,6 +177,17 @@ pub fn find(data_dir: &Path, hash: &str) -> anyhow::Result<Image> {
 
 /// Builds the image for `recipe`, or returns the cached one.
 pub async fn build(data_dir: &Path, recipe: &Recipe) -> anyhow::Result<Image> {
+    build_with(data_dir, recipe, None).await
+}
+
+/// [`build`], reporting its steps to `progress` (step "guest image", an estimated percent).
+/// Without a handle it draws its own spinner on a terminal.
+pub async fn build_with(
+    data_dir: &Path,
+    recipe: &Recipe,
+    progress: Option<&Progress>,
+) -> anyhow::Result<Image> {
+    let report = Report(progress);
     let hash = recipe.hash()?;
     let images = data_dir.join("images");
     let dir = images.join(&hash);
@@ -183,6 +196,8 @@ pub async fn build(data_dir: &Path, recipe: &Recipe) -> anyhow::Result<Image> {
         return Ok(img);
     }
     std::fs::create_dir_all(&images)?;
+    report.step();
+    report.update("waiting for another build of the image cache", 0);
     // Several nodes (tests, benches) may share one image cache: one builder at a time.
     let lock_path = images.join(".build.lock");
     let _lock = tokio::task::spawn_blocking(move || lock_exclusive(&lock_path))
@@ -192,7 +207,8 @@ pub async fn build(data_dir: &Path, recipe: &Recipe) -> anyhow::Result<Image> {
         tracing::info!(hash, "image built by another process meanwhile");
         return Ok(img);
     }
-    let tree = ensure_tree(&images, recipe).await?;
+    let tree = ensure_tree(&images, recipe, report).await?;
+    report.update("installing envd and the code interpreter", 88);
 
     let staging = images.join(format!("{hash}.tmp"));
     if staging.exists() {
@@ -212,7 +228,7 @@ pub async fn build(data_dir: &Path, recipe: &Recipe) -> anyhow::Result<Image> {
     std::fs::copy(&vmlinuz, staging.join("vmlinuz"))?;
     std::fs::copy(&initrd, staging.join("initrd"))?;
 
-    let bar = spinner(format!("mkfs.ext4 -d ({} MiB, sparse)", recipe.disk_mb));
+    let bar = report.spinner(format!("mkfs.ext4 -d ({} MiB, sparse)", recipe.disk_mb), 92);
     let rootfs = staging.join("rootfs.img");
     run(
         tokio::process::Command::new("mkfs.ext4")
@@ -223,7 +239,10 @@ pub async fn build(data_dir: &Path, recipe: &Recipe) -> anyhow::Result<Image> {
         "mkfs.ext4",
     )
     .await?;
-    bar.finish_and_clear();
+    if let Some(bar) = bar {
+        bar.finish_and_clear();
+    }
+    report.update("writing the manifest", 99);
 
     let envd_bytes = std::fs::read(&recipe.envd)?;
     let manifest = Manifest {
@@ -282,6 +301,36 @@ fn lock_exclusive(path: &Path) -> anyhow::Result<std::fs::File> {
     Ok(f)
 }
 
+/// Where the steps go: a shared handle, or (without one) a spinner of our own.
+#[derive(Clone, Copy)]
+struct Report<'a>(Option<&'a Progress>);
+
+impl Report<'_> {
+    fn step(self) {
+        if let Some(p) = self.0 {
+            p.step("guest image");
+        }
+    }
+
+    fn update(self, detail: impl Into<String>, percent: u8) {
+        if let Some(p) = self.0 {
+            p.update(detail, Some(percent));
+        }
+    }
+
+    /// Our own spinner when nobody else shows the progress; otherwise a log line and an update.
+    fn spinner(self, msg: String, percent: u8) -> Option<ProgressBar> {
+        match self.0 {
+            Some(p) => {
+                tracing::info!("{msg}");
+                p.update(msg, Some(percent));
+                None
+            }
+            None => Some(spinner(msg)),
+        }
+    }
+}
+
 fn spinner(msg: String) -> ProgressBar {
     let bar = ProgressBar::new_spinner();
     bar.set_style(
@@ -311,10 +360,15 @@ async fn run(cmd: &mut tokio::process::Command, what: &str) -> anyhow::Result<()
 }
 
 /// The debootstrap tree, configured, cached by the package part of the recipe.
-async fn ensure_tree(images: &Path, recipe: &Recipe) -> anyhow::Result<PathBuf> {
+async fn ensure_tree(
+    images: &Path,
+    recipe: &Recipe,
+    report: Report<'_>,
+) -> anyhow::Result<PathBuf> {
     let trees = images.join("trees");
     let tree = trees.join(recipe.tree_hash());
     if tree.join(".vmon-complete").exists() {
+        report.update("debootstrap tree cached", DEBOOTSTRAP_DONE);
         return Ok(tree);
     }
     std::fs::create_dir_all(&trees)?;
@@ -322,10 +376,10 @@ async fn ensure_tree(images: &Path, recipe: &Recipe) -> anyhow::Result<PathBuf> 
     if tmp.exists() {
         std::fs::remove_dir_all(&tmp)?;
     }
-    let bar = spinner(format!(
-        "debootstrap {} from {}",
-        recipe.suite, recipe.mirror
-    ));
+    let bar = report.spinner(
+        format!("debootstrap {} from {}", recipe.suite, recipe.mirror),
+        0,
+    );
     let mut child = tokio::process::Command::new("debootstrap")
         .arg("--variant=minbase")
         .arg(format!("--include={}", recipe.packages.join(",")))
@@ -338,10 +392,20 @@ async fn ensure_tree(images: &Path, recipe: &Recipe) -> anyhow::Result<PathBuf> 
         .spawn()
         .context("running debootstrap (apt-get install debootstrap)")?;
     let mut last = Vec::new();
+    let mut phase = DebootstrapProgress::default();
     if let Some(out) = child.stdout.take() {
         let mut lines = BufReader::new(out).lines();
         while let Ok(Some(line)) = lines.next_line().await {
-            bar.set_message(format!("debootstrap: {}", line.trim()));
+            if let Some(bar) = &bar {
+                bar.set_message(format!("debootstrap: {}", line.trim()));
+            }
+            if let Some((detail, percent)) = phase.line(&line) {
+                // With a handle, whoever shows it writes the log lines.
+                if phase.changed_phase() && report.0.is_none() {
+                    tracing::info!(percent, "debootstrap: {detail}");
+                }
+                report.update(format!("debootstrap: {detail}"), percent);
+            }
             last.push(line);
             if last.len() > 40 {
                 last.remove(0);
@@ -354,7 +418,9 @@ async fn ensure_tree(images: &Path, recipe: &Recipe) -> anyhow::Result<PathBuf> 
         let _ = e.read_to_string(&mut err).await;
     }
     let status = child.wait().await?;
-    bar.finish_and_clear();
+    if let Some(bar) = bar {
+        bar.finish_and_clear();
+    }
     if !status.success() {
         bail!(
             "debootstrap failed ({status}):\n{}\n{}",
@@ -362,10 +428,82 @@ async fn ensure_tree(images: &Path, recipe: &Recipe) -> anyhow::Result<PathBuf> 
             err.trim()
         );
     }
+    report.update("configuring the tree", DEBOOTSTRAP_DONE);
     configure_tree(&tmp).await?;
     std::fs::write(tmp.join(".vmon-complete"), b"")?;
     std::fs::rename(&tmp, &tree)?;
     Ok(tree)
+}
+
+/// Where the image step is when debootstrap is done (the rest is quick).
+const DEBOOTSTRAP_DONE: u8 = 85;
+/// About how many packages the base recipe's debootstrap retrieves (298 for Debian 12); only
+/// used to estimate the percent while retrieving, never past that phase's share.
+const EXPECTED_PACKAGES: u32 = 300;
+
+/// An estimate of how far debootstrap is, read from its `I:` lines: retrieving packages is
+/// 2-15 % (by count), extracting 15-17 %, then each install phase starts at its share of the
+/// time it took on a 2-core TCG host (unpacking the base system is the longest), up to 85 %.
+#[derive(Debug, Default)]
+struct DebootstrapProgress {
+    retrieved: u32,
+    extracted: u32,
+    phase: &'static str,
+    phase_changed: bool,
+}
+
+impl DebootstrapProgress {
+    /// The detail and percent after `line`, when the line says something about progress.
+    fn line(&mut self, line: &str) -> Option<(String, u8)> {
+        let msg = line.trim().strip_prefix("I: ")?;
+        let (phase, percent): (&'static str, u8) = if msg.starts_with("Retrieving InRelease")
+            || msg.starts_with("Retrieving Release")
+            || msg.starts_with("Retrieving Packages")
+            || msg.starts_with("Resolving dependencies")
+            || msg.starts_with("Checking component")
+        {
+            ("fetching the package lists", 1)
+        } else if msg.starts_with("Retrieving ") {
+            self.retrieved += 1;
+            let share = (self.retrieved.min(EXPECTED_PACKAGES) * 13 / EXPECTED_PACKAGES) as u8;
+            self.changed("retrieving packages");
+            return Some((
+                format!("retrieving packages ({} so far)", self.retrieved),
+                2 + share,
+            ));
+        } else if msg.starts_with("Extracting ") {
+            self.extracted += 1;
+            let share = (self.extracted * 2 / self.retrieved.max(self.extracted).max(1)) as u8;
+            self.changed("extracting");
+            return Some(("extracting the required packages".to_string(), 15 + share));
+        } else if msg.starts_with("Installing core packages") {
+            ("installing the core packages", 17)
+        } else if msg.starts_with("Unpacking required packages") {
+            ("unpacking the required packages", 23)
+        } else if msg.starts_with("Configuring required packages") {
+            ("configuring the required packages", 28)
+        } else if msg.starts_with("Unpacking the base system") {
+            ("unpacking the base system", 30)
+        } else if msg.starts_with("Configuring the base system") {
+            ("configuring the base system", 66)
+        } else if msg.starts_with("Base system installed") {
+            ("base system installed", DEBOOTSTRAP_DONE)
+        } else {
+            return None;
+        };
+        self.changed(phase);
+        Some((phase.to_string(), percent))
+    }
+
+    fn changed(&mut self, phase: &'static str) {
+        self.phase_changed = self.phase != phase;
+        self.phase = phase;
+    }
+
+    /// Whether the last line entered a new phase (worth a log line).
+    fn changed_phase(&self) -> bool {
+        self.phase_changed
+    }
 }
 
 /// Users, sudo, hosts; drops the package cache.
@@ -458,4 +596,37 @@ fn find_kernel(tree: &Path) -> anyhow::Result<(PathBuf, PathBuf, String)> {
         bail!("kernel {v} has no initramfs in {}", boot.display());
     }
     Ok((boot.join(format!("vmlinuz-{v}")), initrd, v))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn debootstrap_lines_make_a_rising_percent() {
+        let mut p = DebootstrapProgress::default();
+        assert_eq!(p.line("W: something"), None);
+        let (d, first) = p.line("I: Retrieving InRelease ").expect("progress");
+        assert_eq!(d, "fetching the package lists");
+        let mut last = first;
+        for line in [
+            "I: Retrieving libc6 2.36-9",
+            "I: Validating libc6 2.36-9",
+            "I: Retrieving bash 5.2",
+            "I: Extracting libc6...",
+            "I: Installing core packages...",
+            "I: Unpacking required packages...",
+            "I: Configuring required packages...",
+            "I: Unpacking the base system...",
+            "I: Configuring the base system...",
+            "I: Base system installed successfully.",
+        ] {
+            if let Some((_, pct)) = p.line(line) {
+                assert!(pct >= last, "{line}: {pct} < {last}");
+                last = pct;
+            }
+        }
+        assert_eq!(last, DEBOOTSTRAP_DONE);
+        assert_eq!(p.retrieved, 2);
+    }
 }

@@ -12,4 +12,4 @@ mod apt;
 mod build;
 
 pub use apt::{host_apt_source, AptSource};
-pub use build::{build, find, Image, Manifest, Recipe};
+pub use build::{build, build_with, find, Image, Manifest, Recipe};

@@ -38,6 +38,9 @@ pub struct NodeConfig {
     /// data dir's disk has less free space than this (`VMON_MIN_FREE_MB`), so a full disk never
     /// half-writes a build.
     pub min_free_mb: u64,
+    /// Where the guest image build reports its steps (`vmon up` shows them and the api answers
+    /// with them while the first build runs).
+    pub progress: Option<vmon_proto::progress::Progress>,
 }
 
 impl NodeConfig {
@@ -56,6 +59,7 @@ impl NodeConfig {
             park_max: env_or("VMON_PARK_MAX", 4),
             park_linger: Duration::from_secs(env_or("VMON_PARK_SECS", 300)),
             min_free_mb: env_or("VMON_MIN_FREE_MB", 1024),
+            progress: None,
         }
     }
 }

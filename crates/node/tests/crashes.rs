@@ -48,7 +48,10 @@ fn crash_child() {
     }
     runtime().block_on(async {
         let node = open(&crash_dir()).await;
-        let tpl = format!("crash-tpl-{}", node.image().manifest.hash);
+        let tpl = format!(
+            "crash-tpl-{}",
+            node.image().await.expect("guest image").manifest.hash
+        );
         node.build_template(TemplateSpec {
             build_id: tpl.clone(),
             vcpus: 1,

@@ -7,3 +7,4 @@
 //! This crate holds types only: it must never do I/O.
 
 pub mod node;
+pub mod progress;

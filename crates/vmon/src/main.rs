@@ -3,6 +3,7 @@
 use clap::{Parser, Subcommand};
 
 mod cmd;
+mod progress;
 
 #[derive(Parser)]
 #[command(
@@ -54,7 +55,7 @@ fn main() -> anyhow::Result<()> {
             tracing_subscriber::EnvFilter::try_from_env("VMON_LOG")
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
-        .with_writer(std::io::stderr)
+        .with_writer(|| progress::LogWriter)
         .init();
     let rt = tokio::runtime::Runtime::new()?;
     rt.block_on(async move {

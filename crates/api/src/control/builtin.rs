@@ -1,10 +1,18 @@
-//! Shared templates the api makes by itself: `base` (built before `vmon up` answers) and
+//! Shared templates the api makes by itself: `base` (built in the background from the first
+//! start on; until it is built every create answers 503 saying how far the build is) and
 //! `code-interpreter-v1` (built in the background after it, or on the first create that names
 //! it; a create that arrives during the build waits for it).
 
 use vmon_proto::node::BuildInfo;
+use vmon_proto::progress::Phase;
 
 use super::Control;
+use crate::error::{ApiError, ApiResult};
+
+/// The template every other build starts from.
+pub const BASE: &str = "base";
+/// What the first build is called in progress messages.
+pub const BASE_BUILD: &str = "the base template";
 
 /// The `e2b-code-interpreter` SDK's default template.
 pub const CODE_INTERPRETER: &str = "code-interpreter-v1";
@@ -40,6 +48,41 @@ pub fn builtin(alias: &str) -> Option<Builtin> {
 }
 
 impl Control {
+    /// Builds `base` unless it exists, reporting to [`Control::startup`]; once it succeeds the
+    /// platform is ready and creates are admitted. A failure is reported there too (creates
+    /// then say so) and the caller may try again.
+    pub async fn ensure_base(&self) -> anyhow::Result<BuildInfo> {
+        let p = &self.startup;
+        // An in-process node may already be reporting its image build: leave its step be.
+        if p.phase() == Phase::Failed || p.current_step() == "starting" {
+            p.step("base template");
+            p.update("waiting for the node", None);
+        }
+        match self.ensure_template(BASE, &self.config.base_template).await {
+            Ok(info) => {
+                p.ready();
+                Ok(info)
+            }
+            Err(e) => {
+                p.failed(format!("{e:#}"));
+                Err(e)
+            }
+        }
+    }
+
+    /// 503 with the first build's progress until `base` is built.
+    pub(crate) fn admit_while_starting(&self) -> ApiResult<()> {
+        if self.startup.is_ready() {
+            return Ok(());
+        }
+        let s = self.startup.snapshot();
+        let mut message = s.message();
+        if s.phase == Phase::Building {
+            message.push_str("; retry shortly");
+        }
+        Err(ApiError::unavailable(message))
+    }
+
     /// Builds the builtin template `alias` unless it exists; one builtin build at a time, so
     /// a caller that arrives during a build waits for it and then finds it built.
     pub async fn ensure_builtin(&self, alias: &str) -> anyhow::Result<BuildInfo> {

@@ -144,6 +144,7 @@ impl Control {
         if auto_resume && !auto_pause {
             return Err(ApiError::bad_request("autoResume requires autoPause"));
         }
+        self.admit_while_starting()?;
         let (template, tag, build) = self.resolve_template(team, &req.template_id).await?;
         check_limits(team, &build)?;
         let network = req.network.clone().unwrap_or_default();

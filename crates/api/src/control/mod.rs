@@ -54,15 +54,31 @@ pub struct Control {
     pub(crate) webhook_targets: Arc<WebhookTargets>,
     /// Held while a builtin template (`builtin.rs`) is being built.
     builtin_builds: tokio::sync::Mutex<()>,
+    /// The first build (guest image, `base`): creates answer 503 with it until it is ready.
+    startup: vmon_proto::progress::Progress,
 }
 
 impl Control {
-    /// Builds the core and reconciles records with what the node is really running.
+    /// Builds the core and reconciles records with what the node is really running. Creates
+    /// answer 503 until [`Control::ensure_base`] has succeeded.
     pub async fn open(
         config: Config,
         node: Arc<dyn NodeControl>,
         records: Arc<dyn Records>,
         kv: Kv,
+    ) -> anyhow::Result<Arc<Control>> {
+        let startup = vmon_proto::progress::Progress::new(builtin::BASE_BUILD);
+        Self::open_with(config, node, records, kv, startup).await
+    }
+
+    /// [`Control::open`] with the first build's progress handle, which the in-process node's
+    /// image build may report into as well.
+    pub async fn open_with(
+        config: Config,
+        node: Arc<dyn NodeControl>,
+        records: Arc<dyn Records>,
+        kv: Kv,
+        startup: vmon_proto::progress::Progress,
     ) -> anyhow::Result<Arc<Control>> {
         let webhook_targets = Arc::new(
             WebhookTargets::new(&config.webhook_allow)
@@ -78,6 +94,7 @@ impl Control {
             deliveries_due: tokio::sync::Notify::new(),
             delivery_policy: DeliveryPolicy::default(),
             builtin_builds: tokio::sync::Mutex::new(()),
+            startup,
         });
         control.reconcile().await?;
         Ok(control)
@@ -85,6 +102,11 @@ impl Control {
 
     pub fn config(&self) -> &Config {
         &self.config
+    }
+
+    /// How far the first build is (`GET /health`, the 503 of a create meanwhile).
+    pub fn startup(&self) -> &vmon_proto::progress::Progress {
+        &self.startup
     }
 
     pub fn webhook_targets(&self) -> &WebhookTargets {

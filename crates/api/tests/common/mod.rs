@@ -32,6 +32,13 @@ pub struct FakeNode {
     /// Samples and console entries the telemetry tests plant, per sandbox.
     pub samples: Mutex<HashMap<String, Vec<vmon_proto::node::MetricSample>>>,
     pub log_entries: Mutex<HashMap<String, Vec<vmon_proto::node::LogEntry>>>,
+    /// Template builds wait while a writer holds this (to see the api during a build).
+    pub hold_builds: tokio::sync::RwLock<()>,
+    /// Template builds that fail before any succeeds.
+    pub fail_builds: AtomicUsize,
+    /// The first build's progress, shared with the Control as `vmon up` shares it with an
+    /// in-process node; a build reports an image step into it, as the real node does.
+    pub progress: vmon_proto::progress::Progress,
 }
 
 impl FakeNode {
@@ -46,6 +53,9 @@ impl FakeNode {
             networks: Mutex::new(Vec::new()),
             samples: Mutex::new(HashMap::new()),
             log_entries: Mutex::new(HashMap::new()),
+            hold_builds: tokio::sync::RwLock::new(()),
+            fail_builds: AtomicUsize::new(0),
+            progress: vmon_proto::progress::Progress::new("the base template"),
         })
     }
     pub fn running_count(&self) -> usize {
@@ -73,6 +83,16 @@ impl FakeNode {
 #[async_trait::async_trait]
 impl NodeControl for FakeNode {
     async fn build_template(&self, spec: TemplateSpec) -> Result<BuildInfo, NodeError> {
+        self.progress.step("guest image");
+        self.progress.update("debootstrap", Some(40));
+        let _held = self.hold_builds.read().await;
+        if self
+            .fail_builds
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok()
+        {
+            return Err(NodeError::Failed("injected build failure".into()));
+        }
         let b = BuildInfo {
             build_id: spec.build_id,
             has_memory: true,
@@ -268,6 +288,17 @@ pub async fn harness_with(
     limits: TeamLimits,
     quotas: vmon_api::config::Quotas,
 ) -> Harness {
+    let h = harness_starting(guest_ip, limits, quotas).await;
+    h.control.ensure_base().await.unwrap();
+    h
+}
+
+/// A harness whose `base` is not built yet (as on a first `vmon up` before the build ends).
+pub async fn harness_starting(
+    guest_ip: IpAddr,
+    limits: TeamLimits,
+    quotas: vmon_api::config::Quotas,
+) -> Harness {
     let dir = tempfile::tempdir().unwrap();
     let kv = vmon_kv::Kv::open_embedded(&vmon_kv::EmbeddedConfig::new(dir.path()))
         .await
@@ -281,13 +312,15 @@ pub async fn harness_with(
         ..Config::default()
     };
     let records = Arc::new(StoreRecords::open(&config, dir.path()).await.unwrap());
-    let control = Control::open(config, node.clone(), records.clone(), kv)
-        .await
-        .unwrap();
-    control
-        .ensure_template("base", &Default::default())
-        .await
-        .unwrap();
+    let control = Control::open_with(
+        config,
+        node.clone(),
+        records.clone(),
+        kv,
+        node.progress.clone(),
+    )
+    .await
+    .unwrap();
     // A template too big for the default limits.
     let big = node
         .build_template(TemplateSpec {

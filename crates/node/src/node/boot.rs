@@ -18,7 +18,12 @@ use crate::sandbox::{Live, RamSource, SandboxState};
 use crate::slots::TAP;
 
 impl Node {
-    pub(super) fn machine(&self, vcpus: u32, memory_mb: u32) -> Result<MachineDesc, NodeError> {
+    pub(super) fn machine(
+        &self,
+        image: &vmon_image::Image,
+        vcpus: u32,
+        memory_mb: u32,
+    ) -> Result<MachineDesc, NodeError> {
         if vcpus == 0 {
             return Err(NodeError::InvalidArgument(
                 "vCPUs must be at least 1".into(),
@@ -47,8 +52,8 @@ impl Node {
             cpu_model: self.accel.accel.cpu_model().to_string(),
             vcpus,
             memory_mb,
-            kernel: self.image.vmlinuz.clone(),
-            initrd: self.image.initrd.clone(),
+            kernel: image.vmlinuz.clone(),
+            initrd: image.initrd.clone(),
             // Under TCG a translated block is found again only at the same virtual address:
             // with address-space randomisation every new process (each command's shell, its
             // libraries) is translated afresh and soon flushes the whole cache. The guest is
@@ -94,7 +99,8 @@ impl Node {
                         .collect()
                 }
                 None => {
-                    create_overlay(&self.image.rootfs, BackingFormat::Raw, &overlay_path).await?;
+                    let rootfs = &self.image().await?.rootfs;
+                    create_overlay(rootfs, BackingFormat::Raw, &overlay_path).await?;
                     Vec::new()
                 }
             };
@@ -190,7 +196,8 @@ impl Node {
                 "{sandbox_id:?} is not a valid id"
             )));
         }
-        let machine = self.machine(vcpus, memory_mb)?;
+        let image = self.image().await?;
+        let machine = self.machine(image, vcpus, memory_mb)?;
         crate::slots::validate_policy(policy).map_err(NodeError::InvalidArgument)?;
         let exec = new_id("e");
         let dir = self.sandbox_root(sandbox_id).join(&exec);
@@ -201,7 +208,7 @@ impl Node {
                 &exec,
                 machine,
                 None,
-                self.image.manifest.disk_mb,
+                image.manifest.disk_mb,
                 policy,
                 &InitRequest::default(),
                 0,

@@ -79,7 +79,7 @@ impl Node {
             id: build_id.to_string(),
             parent: None,
             machine: live.state.machine.clone(),
-            image_hash: self.image.manifest.hash.clone(),
+            image_hash: self.image().await?.manifest.hash.clone(),
             mem_base: None,
             layers: Vec::new(),
             devstate: None,

@@ -56,7 +56,10 @@ pub struct Node {
     cfg: NodeConfig,
     accel: AccelChoice,
     qemu_version: String,
-    image: vmon_image::Image,
+    /// What the guest image is made from; the image itself is built once, in the background
+    /// from `open` on, and whatever needs it waits (see [`Node::image`]).
+    recipe: vmon_image::Recipe,
+    image: tokio::sync::OnceCell<vmon_image::Image>,
     builds: Builds,
     slots: Arc<Slots>,
     sandboxes: std::sync::Mutex<HashMap<String, Arc<Mutex<Live>>>>,
@@ -245,8 +248,9 @@ pub async fn probe_qmp(qemu: &Path, dir: &Path) -> anyhow::Result<()> {
 }
 
 impl Node {
-    /// Opens the node: probes the host, finds or builds the guest image, re-adopts sandboxes
-    /// that survived a restart and cleans up what a crash left.
+    /// Opens the node: probes the host, re-adopts sandboxes that survived a restart and cleans
+    /// up what a crash left, and starts finding or building the guest image in the background
+    /// (reporting to `cfg.progress`); boots and template builds wait for it.
     pub async fn open(cfg: NodeConfig) -> anyhow::Result<Arc<Node>> {
         std::fs::create_dir_all(&cfg.data_dir)?;
         let data_lock = lock_data_dir(&cfg.data_dir)?;
@@ -259,7 +263,8 @@ impl Node {
             None => std::env::current_exe()?.with_file_name("envd"),
         };
         let recipe = vmon_image::Recipe::for_host(envd)?;
-        let image = vmon_image::build(&cfg.data_dir, &recipe).await?;
+        // Fails here, not in the background, when envd is missing.
+        recipe.hash()?;
         let builds = Builds::open(&cfg.data_dir)?;
         Slots::prepare_host().await?;
         let (slot_block, block_lock) = claim_slot_block(&cfg)?;
@@ -270,7 +275,8 @@ impl Node {
             cfg,
             accel,
             qemu_version,
-            image,
+            recipe,
+            image: tokio::sync::OnceCell::new(),
             builds,
             slots: Arc::new(Slots::new(slot_block)),
             sandboxes: std::sync::Mutex::new(HashMap::new()),
@@ -291,6 +297,13 @@ impl Node {
         node.slots.set_spares(node.cfg.spare_slots);
         node.slots.refill();
         crate::telemetry::spawn(Arc::downgrade(&node));
+        let weak = Arc::downgrade(&node);
+        tokio::spawn(async move {
+            let Some(node) = weak.upgrade() else { return };
+            if let Err(e) = node.image().await {
+                tracing::warn!(error = %e, "building the guest image failed; the next boot retries");
+            }
+        });
         let weak = Arc::downgrade(&node);
         tokio::spawn(async move {
             loop {
@@ -322,8 +335,24 @@ impl Node {
         &self.qemu_version
     }
 
-    pub fn image(&self) -> &vmon_image::Image {
-        &self.image
+    /// The guest image: the cached one, or built now (one build at a time; a caller that
+    /// arrives meanwhile waits for it, and a failed build is tried again by the next caller).
+    pub async fn image(&self) -> Result<&vmon_image::Image, NodeError> {
+        self.image
+            .get_or_try_init(|| async {
+                let progress = self.cfg.progress.as_ref();
+                let image = vmon_image::build_with(&self.cfg.data_dir, &self.recipe, progress)
+                    .await
+                    .context("building the guest image")?;
+                // What a first start does next (a ready progress ignores this).
+                if let Some(p) = progress {
+                    p.step("template VM");
+                    p.update("booting the template VM and snapshotting it", None);
+                }
+                anyhow::Ok(image)
+            })
+            .await
+            .map_err(err)
     }
 
     pub fn data_dir(&self) -> &Path {

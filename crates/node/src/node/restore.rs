@@ -139,7 +139,8 @@ impl Node {
                     .await?
                 }
                 None => {
-                    create_overlay(&self.image.rootfs, BackingFormat::Raw, &overlay_path).await?
+                    let rootfs = &self.image().await?.rootfs;
+                    create_overlay(rootfs, BackingFormat::Raw, &overlay_path).await?
                 }
             }
             for (cmd, args) in vmon_vm::machine::disk_attach(&overlay_path) {

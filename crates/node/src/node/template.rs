@@ -28,7 +28,8 @@ impl Node {
             return Ok(Self::info(&rec));
         }
         crate::config::check_free(&self.cfg.data_dir, self.cfg.min_free_mb)?;
-        let machine = self.machine(spec.vcpus, spec.memory_mb)?;
+        let image = self.image().await?;
+        let machine = self.machine(image, spec.vcpus, spec.memory_mb)?;
         let exec = new_id("t");
         let dir = self
             .cfg
@@ -47,7 +48,7 @@ impl Node {
                 &exec,
                 machine,
                 None,
-                self.image.manifest.disk_mb.max(spec.disk_mb),
+                image.manifest.disk_mb.max(spec.disk_mb),
                 &crate::slots::open_policy(),
                 &InitRequest {
                     env_vars: spec.env_vars.clone(),
@@ -114,7 +115,7 @@ impl Node {
                 id: spec.build_id.clone(),
                 parent: None,
                 machine: live.state.machine.clone(),
-                image_hash: self.image.manifest.hash.clone(),
+                image_hash: image.manifest.hash.clone(),
                 mem_base: Some(file),
                 layers: Vec::new(),
                 devstate: Some(dev),

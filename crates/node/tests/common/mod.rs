@@ -111,8 +111,9 @@ pub fn template(node: &std::sync::Arc<Node>) -> String {
     static T: OnceLock<String> = OnceLock::new();
     T.get_or_init(|| {
         use vmon_proto::node::{NodeControl, TemplateSpec};
-        let id = format!("test-tpl-{}", node.image().manifest.hash);
         runtime().block_on(async {
+            let image = node.image().await.expect("guest image");
+            let id = format!("test-tpl-{}", image.manifest.hash);
             node.build_template(TemplateSpec {
                 build_id: id.clone(),
                 vcpus: 1,
@@ -123,9 +124,9 @@ pub fn template(node: &std::sync::Arc<Node>) -> String {
                 env_vars: Default::default(),
             })
             .await
-            .expect("template build")
-        });
-        id
+            .expect("template build");
+            id
+        })
     })
     .clone()
 }

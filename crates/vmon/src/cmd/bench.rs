@@ -333,7 +333,11 @@ async fn snapshot(data_dir: &Path, a: SnapshotArgs) -> anyhow::Result<()> {
     cfg.pool_size = 1;
     let blanks = cfg.blank_pool_size;
     let node = Node::open(cfg).await?;
-    let tpl = format!("bench-{}-{}", a.memory_mb, node.image().manifest.hash);
+    let tpl = format!(
+        "bench-{}-{}",
+        a.memory_mb,
+        node.image().await?.manifest.hash
+    );
     node.build_template(TemplateSpec {
         build_id: tpl.clone(),
         vcpus: 1,

@@ -3,11 +3,14 @@
 //!
 //! First start: creates the default team and its API key (the plaintext is kept in
 //! `<data dir>/api-key`, mode 0600, so later starts can print it again; the records hold only
-//! its hash) and builds the `base` template. Once both listeners are up it prints the three
-//! `export` lines on stdout; logs go to stderr. `code-interpreter-v1` builds in the background.
+//! its hash). The api and the proxy listen at once and the three `export` lines go to stdout
+//! right away; logs go to stderr. The guest image and the `base` template build in the
+//! background (a bar on a terminal, progress lines in the log otherwise); until `base` is
+//! built a create answers 503 saying how far the build is and `GET /health` answers 503
+//! `building`. `code-interpreter-v1` builds after `base`, also in the background.
 //!
 //! `vmon up --print-env` starts nothing: it waits until the `vmon up` using the same data dir
-//! answers, then prints the lines and exits. So
+//! is ready (`/health` 200), then prints the lines and exits. So
 //! `vmon up & eval "$(vmon up --print-env)"` works in one shell.
 
 use std::path::{Path, PathBuf};
@@ -82,36 +85,26 @@ pub async fn serve(data_dir: &Path, config: Config, parts: Parts) -> anyhow::Res
     let api_key = bootstrap_team(records.as_ref(), data_dir, &config).await?;
     let admin_token = secret_file(&data_dir.join(ADMIN_TOKEN_FILE))?;
 
+    // The first build (guest image, then `base`) reports here; the bar or log lines, the api's
+    // 503s and `/health` read it.
+    let startup = vmon_proto::progress::Progress::new("the base template");
     let mut local_node = None;
     let node: Arc<dyn vmon_proto::node::NodeControl> = match parts.remote_node {
         Some(n) => n,
         None => {
             tracing::info!(data_dir = %data_dir.display(), "starting the node");
-            let n = vmon_node::Node::open(vmon_node::NodeConfig::new(data_dir.to_path_buf()))
+            let mut node_config = vmon_node::NodeConfig::new(data_dir.to_path_buf());
+            node_config.progress = Some(startup.clone());
+            // Opening is quick: the guest image builds in the background.
+            let n = vmon_node::Node::open(node_config)
                 .await
                 .context("starting the node")?;
             local_node = Some(n.clone());
             n
         }
     };
-    let control = Control::open(config.clone(), node, records, kv).await?;
-    control
-        .ensure_template("base", &config.base_template)
-        .await
-        .context("building the base template")?;
-    // The code interpreter's template is not needed to answer: it builds in the background
-    // while the listeners come up; a create that names it meanwhile waits for this build.
-    let builtin_control = control.clone();
-    tokio::spawn(async move {
-        let alias = vmon_api::control::CODE_INTERPRETER;
-        if let Err(e) = builtin_control.ensure_builtin(alias).await {
-            tracing::warn!(
-                alias,
-                error = format!("{e:#}"),
-                "building a builtin template failed; the first create that names it retries"
-            );
-        }
-    });
+    let control = Control::open_with(config.clone(), node, records, kv, startup.clone()).await?;
+    tokio::spawn(build_in_background(control.clone(), cancel.clone()));
 
     let api_listener = tokio::net::TcpListener::bind(config.api_listen)
         .await
@@ -148,6 +141,9 @@ pub async fn serve(data_dir: &Path, config: Config, parts: Parts) -> anyhow::Res
     }
     use std::io::Write;
     let _ = std::io::stdout().flush();
+    if !startup.is_ready() {
+        crate::progress::show(startup);
+    }
 
     // The first part to stop (or a signal) stops the others.
     let first = tasks.join_next().await;
@@ -161,6 +157,37 @@ pub async fn serve(data_dir: &Path, config: Config, parts: Parts) -> anyhow::Res
         Some(Ok(Err(e))) => Err(e),
         Some(Err(e)) => Err(anyhow::anyhow!("a part of vmon up failed: {e}")),
         _ => Ok(()),
+    }
+}
+
+/// How long a failed first build waits before it is tried again.
+const BASE_RETRY: Duration = Duration::from_secs(30);
+
+/// Builds `base` (after the guest image, when the node builds one) until it succeeds, then
+/// `code-interpreter-v1`. Creates answer 503 with the progress meanwhile.
+async fn build_in_background(control: Arc<Control>, cancel: CancellationToken) {
+    loop {
+        match control.ensure_base().await {
+            Ok(_) => break,
+            Err(e) => tracing::warn!(
+                error = format!("{e:#}"),
+                retry_secs = BASE_RETRY.as_secs(),
+                "building the base template failed; creates answer 503 until it is built"
+            ),
+        }
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tokio::time::sleep(BASE_RETRY) => {}
+        }
+    }
+    // Not needed to take creates: a create that names it meanwhile waits for this build.
+    let alias = vmon_api::control::CODE_INTERPRETER;
+    if let Err(e) = control.ensure_builtin(alias).await {
+        tracing::warn!(
+            alias,
+            error = format!("{e:#}"),
+            "building a builtin template failed; the first create that names it retries"
+        );
     }
 }
 
@@ -245,7 +272,7 @@ async fn print_env_when_ready(
     loop {
         let key = std::fs::read_to_string(data_dir.join(API_KEY_FILE)).ok();
         if let Some(key) = key.filter(|k| !k.trim().is_empty()) {
-            if matches!(crate::cmd::admin::http_status(&health).await, Ok(204)) {
+            if matches!(crate::cmd::admin::http_status(&health).await, Ok(200)) {
                 println!("{}", exports(config, key.trim()));
                 if let Some(trust) = trust_exports(config, data_dir, true) {
                     println!("{trust}");
@@ -255,7 +282,8 @@ async fn print_env_when_ready(
         }
         if tokio::time::Instant::now() >= deadline {
             anyhow::bail!(
-                "no vmon up answered at {health} within {}s (start one with `vmon up`)",
+                "no ready vmon up answered at {health} within {}s (start one with `vmon up`; \
+                 the first start builds the guest image and the base template)",
                 wait.as_secs()
             );
         }
