@@ -19,11 +19,14 @@ impl NodeControl for Node {
     }
 
     async fn build_info(&self, build_id: &str) -> Result<BuildInfo, NodeError> {
-        self.record(build_id).map(|r| {
-            let mut info = Self::info(&r);
-            info.older_image = r.image_hash != self.image.manifest.hash;
-            info
-        })
+        let r = self.record(build_id)?;
+        let mut info = Self::info(&r);
+        // A template build (no parent) is compared with the node's image, waiting for it when
+        // it is being built; builds made from sandboxes are what they are.
+        if r.parent.is_none() {
+            info.older_image = r.image_hash != self.image().await?.manifest.hash;
+        }
+        Ok(info)
     }
 
     async fn delete_build(&self, build_id: &str) -> Result<(), NodeError> {
