@@ -184,7 +184,8 @@ async fn create_team(
         return Err(ApiError::bad_request("name must not be empty"));
     }
     let records = s.control.records();
-    let slug = req.slug.as_deref().map(slugify);
+    // The slug asked for, or the one the name gives: either way it must be free.
+    let slug = Some(slugify(req.slug.as_deref().unwrap_or(req.name.trim())));
     if let Some(slug) = &slug {
         let taken = records
             .teams()
@@ -193,7 +194,9 @@ async fn create_team(
             .iter()
             .any(|t| t.slug == *slug);
         if taken {
-            return Err(ApiError::conflict(format!("the slug {slug:?} is taken")));
+            return Err(ApiError::conflict(format!(
+                "the slug {slug:?} is taken (name the team differently or pass a slug)"
+            )));
         }
     }
     let limits = req

@@ -186,7 +186,7 @@ fn event_query(team_id: &str, raw: Option<String>) -> ApiResult<EventQuery> {
             .find(|(k, _)| k == name)
             .map(|(_, v)| v.trim())
     };
-    let offset = match last("offset").filter(|v| !v.is_empty()) {
+    let offset = match last("offset") {
         None => 0,
         Some(v) => v
             .parse::<i64>()
@@ -194,7 +194,7 @@ fn event_query(team_id: &str, raw: Option<String>) -> ApiResult<EventQuery> {
             .filter(|o| *o >= 0)
             .ok_or_else(|| ApiError::bad_request("offset must be a non-negative integer"))?,
     };
-    let limit = match last("limit").filter(|v| !v.is_empty()) {
+    let limit = match last("limit") {
         None => 10,
         Some(v) => v
             .parse::<i64>()
@@ -202,7 +202,7 @@ fn event_query(team_id: &str, raw: Option<String>) -> ApiResult<EventQuery> {
             .filter(|l| (1..=100).contains(l))
             .ok_or_else(|| ApiError::bad_request("limit must be between 1 and 100"))?,
     };
-    let order_asc = match last("orderAsc").filter(|v| !v.is_empty()) {
+    let order_asc = match last("orderAsc") {
         None => false,
         Some(v) => v
             .parse::<bool>()
@@ -664,6 +664,8 @@ mod tests {
             "limit=x",
             "offset=-1",
             "orderAsc=maybe",
+            "orderAsc=",
+            "limit=",
             "types=nope",
         ] {
             let e = event_query("t", Some(bad.into())).expect_err(bad);

@@ -297,7 +297,6 @@ impl Query {
             .rev()
             .find(|(k, _)| k == name)
             .map(|(_, v)| v.trim())
-            .filter(|v| !v.is_empty())
     }
 
     fn all<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a str> + 'a {
