@@ -1,6 +1,7 @@
 //! Operator routes under `/admin`, authenticated by `X-Admin-Token` (the token `vmon up` keeps
 //! in its data dir), behind the `vmon team|key|sandbox` verbs; and the first-start bootstrap.
 
+use axum::body::Bytes;
 use axum::extract::{Path, RawQuery, State};
 use axum::http::StatusCode;
 use axum::routing::{delete, get, post};
@@ -178,8 +179,9 @@ pub async fn create_team_with_key(
 async fn create_team(
     State(s): State<AppState>,
     _: Admin,
-    Json(req): Json<NewTeam>,
+    bytes: Bytes,
 ) -> ApiResult<(StatusCode, Json<TeamWithKey>)> {
+    let req: NewTeam = crate::state::body(&bytes)?;
     if req.name.trim().is_empty() {
         return Err(ApiError::bad_request("name must not be empty"));
     }

@@ -69,4 +69,15 @@ async fn axums_own_errors_are_code_and_message() {
         .await;
     assert_eq!(r.status, StatusCode::BAD_REQUEST, "{:?}", r.json);
     assert_eq!(r.json["code"], 400, "{:?}", r.json);
+    // A body without the required name was axum's 422, a status the document does not list.
+    let r = h
+        .call(
+            "POST",
+            "/admin/teams",
+            None,
+            Some(r#"{"slug": "x"}"#),
+            ADMIN,
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST, "{:?}", r.json);
 }
