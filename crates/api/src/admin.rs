@@ -1,6 +1,7 @@
 //! Operator routes under `/admin`, authenticated by `X-Admin-Token` (the token `vmon up` keeps
 //! in its data dir), behind the `vmon team|key|sandbox` verbs; and the first-start bootstrap.
 
+use axum::body::Bytes;
 use axum::extract::{Path, RawQuery, State};
 use axum::http::StatusCode;
 use axum::routing::{delete, get, post};
@@ -26,9 +27,10 @@ pub(crate) fn routes() -> Router<AppState> {
 }
 
 /// A sandbox's route as a standalone `vmon proxy` reads it.
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct RouteInfo {
     #[serde(rename = "guestIp")]
+    #[schema(value_type = Option<String>)]
     pub guest_ip: Option<std::net::IpAddr>,
     #[serde(rename = "autoResume")]
     pub auto_resume: bool,
@@ -36,6 +38,18 @@ pub struct RouteInfo {
     pub traffic_access_token: Option<String>,
 }
 
+#[utoipa::path(
+    get, path = "/admin/routes/{sandboxID}", tag = "admin",
+    summary = "A sandbox's route, as a standalone proxy reads it",
+    params(
+        ("sandboxID" = String, Path, description = "The sandbox"),
+    ),
+    responses(
+        (status = 200, description = "The route", body = RouteInfo),
+        (status = 404, description = "Unknown id, or admin routes disabled (no admin token)", body = crate::wire::ErrorBody),
+    ),
+    security(("AdminToken" = []))
+)]
 async fn route(
     State(s): State<AppState>,
     _: Admin,
@@ -53,6 +67,20 @@ async fn route(
     }))
 }
 
+#[utoipa::path(
+    post, path = "/admin/routes/{sandboxID}/resume", tag = "admin",
+    summary = "Resume a paused sandbox for incoming traffic (auto-resume)",
+    params(
+        ("sandboxID" = String, Path, description = "The sandbox"),
+    ),
+    responses(
+        (status = 200, description = "The route of the running sandbox", body = RouteInfo),
+        (status = 404, description = "Unknown id, or admin routes disabled (no admin token)", body = crate::wire::ErrorBody),
+        (status = 409, description = "The sandbox may not be resumed", body = crate::wire::ErrorBody),
+        (status = 503, description = "No capacity", body = crate::wire::ErrorBody),
+    ),
+    security(("AdminToken" = []))
+)]
 async fn resume_route(
     State(s): State<AppState>,
     _: Admin,
@@ -72,14 +100,14 @@ async fn resume_route(
     }
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 pub struct NewTeam {
     pub name: String,
     pub slug: Option<String>,
     pub limits: Option<TeamLimits>,
 }
 
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct TeamWithKey {
     pub team: Team,
     #[serde(rename = "apiKey")]
@@ -87,7 +115,7 @@ pub struct TeamWithKey {
     pub key: ApiKeyInfo,
 }
 
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct AdminSandbox {
     #[serde(rename = "sandboxID")]
     pub sandbox_id: String,
@@ -136,16 +164,30 @@ pub async fn create_team_with_key(
     Ok(TeamWithKey { team, api_key, key })
 }
 
+#[utoipa::path(
+    post, path = "/admin/teams", tag = "admin",
+    summary = "Create a team and its first API key",
+    request_body = NewTeam,
+    responses(
+        (status = 201, description = "The team and its key (the key's only appearance)", body = TeamWithKey),
+        (status = 400, description = "Invalid request", body = crate::wire::ErrorBody),
+        (status = 409, description = "The slug is taken", body = crate::wire::ErrorBody),
+        (status = 404, description = "Unknown id, or admin routes disabled (no admin token)", body = crate::wire::ErrorBody),
+    ),
+    security(("AdminToken" = []))
+)]
 async fn create_team(
     State(s): State<AppState>,
     _: Admin,
-    Json(req): Json<NewTeam>,
+    bytes: Bytes,
 ) -> ApiResult<(StatusCode, Json<TeamWithKey>)> {
+    let req: NewTeam = crate::state::body(&bytes)?;
     if req.name.trim().is_empty() {
         return Err(ApiError::bad_request("name must not be empty"));
     }
     let records = s.control.records();
-    let slug = req.slug.as_deref().map(slugify);
+    // The slug asked for, or the one the name gives: either way it must be free.
+    let slug = Some(slugify(req.slug.as_deref().unwrap_or(req.name.trim())));
     if let Some(slug) = &slug {
         let taken = records
             .teams()
@@ -154,7 +196,9 @@ async fn create_team(
             .iter()
             .any(|t| t.slug == *slug);
         if taken {
-            return Err(ApiError::conflict(format!("the slug {slug:?} is taken")));
+            return Err(ApiError::conflict(format!(
+                "the slug {slug:?} is taken (name the team differently or pass a slug)"
+            )));
         }
     }
     let limits = req
@@ -166,6 +210,15 @@ async fn create_team(
     Ok((StatusCode::CREATED, Json(created)))
 }
 
+#[utoipa::path(
+    get, path = "/admin/teams", tag = "admin",
+    summary = "Every team",
+    responses(
+        (status = 200, description = "The teams", body = Vec<Team>),
+        (status = 404, description = "Unknown id, or admin routes disabled (no admin token)", body = crate::wire::ErrorBody),
+    ),
+    security(("AdminToken" = []))
+)]
 async fn list_teams(State(s): State<AppState>, _: Admin) -> ApiResult<Json<Vec<Team>>> {
     s.control
         .records()
@@ -175,6 +228,18 @@ async fn list_teams(State(s): State<AppState>, _: Admin) -> ApiResult<Json<Vec<T
         .map_err(|e| ApiError::internal(e.to_string()))
 }
 
+#[utoipa::path(
+    post, path = "/admin/teams/{teamID}/keys", tag = "admin",
+    summary = "Create another API key for a team",
+    params(
+        ("teamID" = String, Path, description = "The team"),
+    ),
+    responses(
+        (status = 201, description = "The team and the new key", body = TeamWithKey),
+        (status = 404, description = "Unknown id, or admin routes disabled (no admin token)", body = crate::wire::ErrorBody),
+    ),
+    security(("AdminToken" = []))
+)]
 async fn create_key(
     State(s): State<AppState>,
     _: Admin,
@@ -197,6 +262,19 @@ async fn create_key(
     ))
 }
 
+#[utoipa::path(
+    get, path = "/admin/keys", tag = "admin",
+    summary = "API keys (never their plaintext)",
+    params(
+        ("team" = Option<String>, Query, description = "Only this team's keys"),
+    ),
+    responses(
+        (status = 200, description = "The keys", body = Vec<ApiKeyInfo>),
+        (status = 400, description = "Invalid request", body = crate::wire::ErrorBody),
+        (status = 404, description = "Unknown id, or admin routes disabled (no admin token)", body = crate::wire::ErrorBody),
+    ),
+    security(("AdminToken" = []))
+)]
 async fn list_keys(
     State(s): State<AppState>,
     _: Admin,
@@ -213,6 +291,18 @@ async fn list_keys(
         .map_err(|e| ApiError::internal(e.to_string()))
 }
 
+#[utoipa::path(
+    delete, path = "/admin/keys/{keyID}", tag = "admin",
+    summary = "Revoke an API key",
+    params(
+        ("keyID" = String, Path, description = "The key"),
+    ),
+    responses(
+        (status = 204, description = "Revoked"),
+        (status = 404, description = "Unknown id, or admin routes disabled (no admin token)", body = crate::wire::ErrorBody),
+    ),
+    security(("AdminToken" = []))
+)]
 async fn revoke_key(
     State(s): State<AppState>,
     _: Admin,
@@ -225,6 +315,15 @@ async fn revoke_key(
     }
 }
 
+#[utoipa::path(
+    get, path = "/admin/sandboxes", tag = "admin",
+    summary = "Every team's sandboxes",
+    responses(
+        (status = 200, description = "The sandboxes, oldest first", body = Vec<AdminSandbox>),
+        (status = 404, description = "Unknown id, or admin routes disabled (no admin token)", body = crate::wire::ErrorBody),
+    ),
+    security(("AdminToken" = []))
+)]
 async fn list_sandboxes(State(s): State<AppState>, _: Admin) -> ApiResult<Json<Vec<AdminSandbox>>> {
     let mut recs = s.control.sandboxes(None).await?;
     recs.sort_by_key(|r| r.started_at);
@@ -242,6 +341,19 @@ async fn list_sandboxes(State(s): State<AppState>, _: Admin) -> ApiResult<Json<V
     ))
 }
 
+#[utoipa::path(
+    delete, path = "/admin/sandboxes/{sandboxID}", tag = "admin",
+    summary = "Kill any team's sandbox",
+    params(
+        ("sandboxID" = String, Path, description = "The sandbox"),
+    ),
+    responses(
+        (status = 204, description = "Killed"),
+        (status = 404, description = "Unknown id, or admin routes disabled (no admin token)", body = crate::wire::ErrorBody),
+        (status = 409, description = "Another transition holds the sandbox", body = crate::wire::ErrorBody),
+    ),
+    security(("AdminToken" = []))
+)]
 async fn kill_sandbox(
     State(s): State<AppState>,
     _: Admin,

@@ -91,3 +91,38 @@ impl From<vmon_proto::node::NodeError> for ApiError {
         }
     }
 }
+
+/// The most of a non-JSON error body that becomes the message.
+const MAX_REJECTION_MESSAGE: usize = 1024;
+
+/// Middleware: an error answered by axum itself rather than a handler (an extractor's
+/// plain-text rejection, the empty 405 of a known path's unknown method) becomes
+/// `{code, message}` like every other error. Its status and headers (e.g. `Allow`) stay.
+pub async fn json_errors(resp: Response) -> Response {
+    let status = resp.status();
+    let is_json = resp
+        .headers()
+        .get(axum::http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("application/json"));
+    if !(status.is_client_error() || status.is_server_error()) || is_json {
+        return resp;
+    }
+    let (mut parts, body) = resp.into_parts();
+    let text = match axum::body::to_bytes(body, MAX_REJECTION_MESSAGE * 4).await {
+        Ok(b) => String::from_utf8_lossy(&b).trim().to_string(),
+        Err(_) => String::new(),
+    };
+    let mut message: String = text.chars().take(MAX_REJECTION_MESSAGE).collect();
+    if message.is_empty() {
+        message = status
+            .canonical_reason()
+            .unwrap_or("request failed")
+            .to_ascii_lowercase();
+    }
+    let fresh = ApiError::new(status, message).into_response();
+    parts.headers.remove(axum::http::header::CONTENT_LENGTH);
+    let (fresh_parts, fresh_body) = fresh.into_parts();
+    parts.headers.extend(fresh_parts.headers);
+    Response::from_parts(parts, fresh_body)
+}

@@ -36,7 +36,7 @@ const MAX_SECRET: usize = 512;
 const MAX_NAME: usize = 256;
 
 /// An event as `GET /events/sandboxes` answers it.
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct EventView {
     pub version: String,
     pub id: String,
@@ -75,7 +75,7 @@ impl From<Event> for EventView {
 }
 
 /// A webhook as every webhook route answers it: never the secret.
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct WebhookView {
     pub id: String,
     #[serde(rename = "teamID")]
@@ -105,7 +105,7 @@ impl From<Webhook> for WebhookView {
     }
 }
 
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct DeliveryView {
     pub id: String,
     #[serde(rename = "webhookID")]
@@ -141,7 +141,7 @@ impl From<Delivery> for DeliveryView {
     }
 }
 
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct StatsView {
     pub attempts: i64,
     pub successes: i64,
@@ -186,7 +186,7 @@ fn event_query(team_id: &str, raw: Option<String>) -> ApiResult<EventQuery> {
             .find(|(k, _)| k == name)
             .map(|(_, v)| v.trim())
     };
-    let offset = match last("offset").filter(|v| !v.is_empty()) {
+    let offset = match last("offset") {
         None => 0,
         Some(v) => v
             .parse::<i64>()
@@ -194,7 +194,7 @@ fn event_query(team_id: &str, raw: Option<String>) -> ApiResult<EventQuery> {
             .filter(|o| *o >= 0)
             .ok_or_else(|| ApiError::bad_request("offset must be a non-negative integer"))?,
     };
-    let limit = match last("limit").filter(|v| !v.is_empty()) {
+    let limit = match last("limit") {
         None => 10,
         Some(v) => v
             .parse::<i64>()
@@ -202,7 +202,7 @@ fn event_query(team_id: &str, raw: Option<String>) -> ApiResult<EventQuery> {
             .filter(|l| (1..=100).contains(l))
             .ok_or_else(|| ApiError::bad_request("limit must be between 1 and 100"))?,
     };
-    let order_asc = match last("orderAsc").filter(|v| !v.is_empty()) {
+    let order_asc = match last("orderAsc") {
         None => false,
         Some(v) => v
             .parse::<bool>()
@@ -232,6 +232,21 @@ fn event_query(team_id: &str, raw: Option<String>) -> ApiResult<EventQuery> {
     })
 }
 
+#[utoipa::path(
+    get, path = "/events/sandboxes", tag = "events",
+    summary = "The team's sandbox lifecycle events",
+    params(
+        ("offset" = Option<u64>, Query, description = "Events to skip"),
+        ("limit" = Option<u32>, Query, minimum = 1, maximum = 100, description = "Page size (default 10)"),
+        ("orderAsc" = Option<bool>, Query, description = "Oldest first (default newest first)"),
+        ("types" = Option<Vec<String>>, Query, explode = true, description = "Only these event types (repeated or comma-separated)"),
+    ),
+    responses(
+        (status = 200, description = "Events", body = Vec<EventView>),
+        (status = 400, description = "Invalid request", body = crate::wire::ErrorBody),
+    ),
+    security(("ApiKeyAuth" = []))
+)]
 async fn team_events(
     State(s): State<AppState>,
     Auth(team): Auth,
@@ -243,6 +258,22 @@ async fn team_events(
 }
 
 /// A sandbox's events, killed ones included (their records are gone; their events stay).
+#[utoipa::path(
+    get, path = "/events/sandboxes/{sandboxID}", tag = "events",
+    summary = "One sandbox's lifecycle events",
+    params(
+        ("sandboxID" = String, Path, description = "The sandbox"),
+        ("offset" = Option<u64>, Query, description = "Events to skip"),
+        ("limit" = Option<u32>, Query, minimum = 1, maximum = 100, description = "Page size (default 10)"),
+        ("orderAsc" = Option<bool>, Query, description = "Oldest first (default newest first)"),
+        ("types" = Option<Vec<String>>, Query, explode = true, description = "Only these event types (repeated or comma-separated)"),
+    ),
+    responses(
+        (status = 200, description = "Events", body = Vec<EventView>),
+        (status = 400, description = "Invalid request", body = crate::wire::ErrorBody),
+    ),
+    security(("ApiKeyAuth" = []))
+)]
 async fn sandbox_events(
     State(s): State<AppState>,
     Auth(team): Auth,
@@ -327,7 +358,7 @@ fn validate_name(name: &str) -> ApiResult<()> {
     Ok(())
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, utoipa::ToSchema)]
 struct NewWebhookRequest {
     #[serde(default)]
     name: Option<String>,
@@ -339,7 +370,7 @@ struct NewWebhookRequest {
     signature_secret: String,
 }
 
-#[derive(Deserialize, Default)]
+#[derive(Deserialize, Default, utoipa::ToSchema)]
 struct WebhookPatchRequest {
     name: Option<String>,
     url: Option<String>,
@@ -349,6 +380,17 @@ struct WebhookPatchRequest {
     signature_secret: Option<String>,
 }
 
+#[utoipa::path(
+    post, path = "/events/webhooks", tag = "webhooks",
+    summary = "Register a webhook for lifecycle events",
+    request_body = NewWebhookRequest,
+    responses(
+        (status = 201, description = "The webhook (never its secret)", body = WebhookView),
+        (status = 400, description = "Invalid request", body = crate::wire::ErrorBody),
+        (status = 429, description = "The team has as many webhooks as its quota allows", body = crate::wire::ErrorBody),
+    ),
+    security(("ApiKeyAuth" = []))
+)]
 async fn create_webhook(
     State(s): State<AppState>,
     Auth(team): Auth,
@@ -392,6 +434,14 @@ async fn create_webhook(
     Ok((StatusCode::CREATED, Json(WebhookView::from(hook))).into_response())
 }
 
+#[utoipa::path(
+    get, path = "/events/webhooks", tag = "webhooks",
+    summary = "The team's webhooks",
+    responses(
+        (status = 200, description = "Webhooks", body = Vec<WebhookView>),
+    ),
+    security(("ApiKeyAuth" = []))
+)]
 async fn list_webhooks(
     State(s): State<AppState>,
     Auth(team): Auth,
@@ -418,6 +468,18 @@ async fn owned_webhook(s: &AppState, team_id: &str, id: &str) -> ApiResult<Webho
         .ok_or_else(|| webhook_not_found(id))
 }
 
+#[utoipa::path(
+    get, path = "/events/webhooks/{webhookID}", tag = "webhooks",
+    summary = "A webhook",
+    params(
+        ("webhookID" = String, Path, description = "The webhook"),
+    ),
+    responses(
+        (status = 200, description = "The webhook", body = WebhookView),
+        (status = 404, description = "No such webhook", body = crate::wire::ErrorBody),
+    ),
+    security(("ApiKeyAuth" = []))
+)]
 async fn get_webhook(
     State(s): State<AppState>,
     Auth(team): Auth,
@@ -426,6 +488,20 @@ async fn get_webhook(
     Ok(Json(owned_webhook(&s, &team.id, &id).await?.into()))
 }
 
+#[utoipa::path(
+    patch, path = "/events/webhooks/{webhookID}", tag = "webhooks",
+    summary = "Change a webhook",
+    params(
+        ("webhookID" = String, Path, description = "The webhook"),
+    ),
+    request_body = Option<WebhookPatchRequest>,
+    responses(
+        (status = 200, description = "The webhook", body = WebhookView),
+        (status = 400, description = "Invalid request", body = crate::wire::ErrorBody),
+        (status = 404, description = "No such webhook", body = crate::wire::ErrorBody),
+    ),
+    security(("ApiKeyAuth" = []))
+)]
 async fn patch_webhook(
     State(s): State<AppState>,
     Auth(team): Auth,
@@ -463,6 +539,18 @@ async fn patch_webhook(
     Ok(Json(hook.into()))
 }
 
+#[utoipa::path(
+    delete, path = "/events/webhooks/{webhookID}", tag = "webhooks",
+    summary = "Delete a webhook",
+    params(
+        ("webhookID" = String, Path, description = "The webhook"),
+    ),
+    responses(
+        (status = 200, description = "Deleted"),
+        (status = 404, description = "No such webhook", body = crate::wire::ErrorBody),
+    ),
+    security(("ApiKeyAuth" = []))
+)]
 async fn delete_webhook(
     State(s): State<AppState>,
     Auth(team): Auth,
@@ -481,6 +569,21 @@ async fn delete_webhook(
     }
 }
 
+#[utoipa::path(
+    get, path = "/events/webhooks/{webhookID}/deliveries", tag = "webhooks",
+    summary = "A webhook's delivery attempts, newest first",
+    params(
+        ("webhookID" = String, Path, description = "The webhook"),
+        ("limit" = Option<u32>, Query, maximum = 1000, description = "Page size (default 100)"),
+        ("offset" = Option<u64>, Query, description = "Attempts to skip"),
+    ),
+    responses(
+        (status = 200, description = "Attempts", body = Vec<DeliveryView>),
+        (status = 400, description = "Invalid request", body = crate::wire::ErrorBody),
+        (status = 404, description = "No such webhook", body = crate::wire::ErrorBody),
+    ),
+    security(("ApiKeyAuth" = []))
+)]
 async fn deliveries(
     State(s): State<AppState>,
     Auth(team): Auth,
@@ -513,6 +616,18 @@ async fn deliveries(
     Ok(Json(list.into_iter().map(DeliveryView::from).collect()))
 }
 
+#[utoipa::path(
+    get, path = "/events/webhooks/{webhookID}/stats", tag = "webhooks",
+    summary = "A webhook's delivery statistics",
+    params(
+        ("webhookID" = String, Path, description = "The webhook"),
+    ),
+    responses(
+        (status = 200, description = "Statistics", body = StatsView),
+        (status = 404, description = "No such webhook", body = crate::wire::ErrorBody),
+    ),
+    security(("ApiKeyAuth" = []))
+)]
 async fn stats(
     State(s): State<AppState>,
     Auth(team): Auth,
@@ -549,6 +664,8 @@ mod tests {
             "limit=x",
             "offset=-1",
             "orderAsc=maybe",
+            "orderAsc=",
+            "limit=",
             "types=nope",
         ] {
             let e = event_query("t", Some(bad.into())).expect_err(bad);

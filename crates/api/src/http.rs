@@ -41,7 +41,9 @@ pub fn router(state: AppState) -> Router {
         ))
         .merge(crate::events::routes())
         .merge(crate::dashboard::routes())
+        .merge(crate::openapi::routes())
         .fallback(|| async { ApiError::not_found("no such endpoint") })
+        .layer(axum::middleware::map_response(crate::error::json_errors))
         .with_state(state)
 }
 
@@ -64,6 +66,21 @@ fn query_value<'a>(pairs: &'a [(String, String)], name: &str) -> Option<&'a str>
         .map(|(_, v)| v.as_str())
 }
 
+#[utoipa::path(
+    post, path = "/v2/sandboxes", tag = "sandboxes",
+    summary = "Create a sandbox from a template",
+    params(("Idempotency-Key" = Option<String>, Header, description = "Repeat-safe creation: the same key answers the same sandbox")),
+    request_body = wire::NewSandbox,
+    responses(
+        (status = 201, description = "The sandbox runs", body = wire::Sandbox),
+        (status = 400, description = "Invalid request", body = wire::ErrorBody),
+        (status = 404, description = "No such template", body = wire::ErrorBody),
+        (status = 409, description = "Conflict (an idempotency key in use)", body = wire::ErrorBody),
+        (status = 429, description = "A team limit is reached", body = wire::ErrorBody),
+        (status = 503, description = "No capacity, or the base template is still building", body = wire::ErrorBody),
+    ),
+    security(("ApiKeyAuth" = []))
+)]
 async fn create_v2(
     State(s): State<AppState>,
     Auth(team): Auth,
@@ -73,6 +90,21 @@ async fn create_v2(
     create(s, team, headers, bytes, false).await
 }
 
+#[utoipa::path(
+    post, path = "/sandboxes", tag = "sandboxes",
+    summary = "Create a sandbox (legacy: `NewSandbox`)",
+    params(("Idempotency-Key" = Option<String>, Header, description = "Repeat-safe creation: the same key answers the same sandbox")),
+    request_body = wire::NewSandbox,
+    responses(
+        (status = 201, description = "The sandbox runs", body = wire::Sandbox),
+        (status = 400, description = "Invalid request", body = wire::ErrorBody),
+        (status = 404, description = "No such template", body = wire::ErrorBody),
+        (status = 409, description = "Conflict (an idempotency key in use)", body = wire::ErrorBody),
+        (status = 429, description = "A team limit is reached", body = wire::ErrorBody),
+        (status = 503, description = "No capacity, or the base template is still building", body = wire::ErrorBody),
+    ),
+    security(("ApiKeyAuth" = []))
+)]
 async fn create_legacy(
     State(s): State<AppState>,
     Auth(team): Auth,
@@ -115,6 +147,16 @@ async fn create(
     Ok((StatusCode::CREATED, Json(sandbox)).into_response())
 }
 
+#[utoipa::path(
+    get, path = "/sandboxes/{sandboxID}", tag = "sandboxes",
+    summary = "A running or paused sandbox",
+    params(("sandboxID" = String, Path, description = "The sandbox")),
+    responses(
+        (status = 200, description = "The sandbox", body = wire::SandboxDetail),
+        (status = 404, description = "No such sandbox", body = wire::ErrorBody),
+    ),
+    security(("ApiKeyAuth" = []))
+)]
 async fn get_sandbox(
     State(s): State<AppState>,
     Auth(team): Auth,
@@ -123,6 +165,17 @@ async fn get_sandbox(
     Ok(Json(s.control.detail(&team, &id).await?))
 }
 
+#[utoipa::path(
+    delete, path = "/sandboxes/{sandboxID}", tag = "sandboxes",
+    summary = "Kill a sandbox",
+    params(("sandboxID" = String, Path, description = "The sandbox")),
+    responses(
+        (status = 204, description = "Killed"),
+        (status = 404, description = "No such sandbox", body = wire::ErrorBody),
+        (status = 409, description = "Another transition holds the sandbox", body = wire::ErrorBody),
+    ),
+    security(("ApiKeyAuth" = []))
+)]
 async fn kill(
     State(s): State<AppState>,
     Auth(team): Auth,
@@ -133,6 +186,19 @@ async fn kill(
     Ok(StatusCode::NO_CONTENT)
 }
 
+#[utoipa::path(
+    post, path = "/sandboxes/{sandboxID}/timeout", tag = "sandboxes",
+    summary = "Set the time left until the sandbox ends",
+    params(("sandboxID" = String, Path, description = "The sandbox")),
+    request_body = wire::TimeoutRequest,
+    responses(
+        (status = 204, description = "Set"),
+        (status = 400, description = "Invalid request", body = wire::ErrorBody),
+        (status = 404, description = "No such sandbox", body = wire::ErrorBody),
+        (status = 409, description = "The sandbox is not in a state that allows this", body = wire::ErrorBody),
+    ),
+    security(("ApiKeyAuth" = []))
+)]
 async fn set_timeout(
     State(s): State<AppState>,
     Auth(team): Auth,
@@ -146,6 +212,19 @@ async fn set_timeout(
     Ok(StatusCode::NO_CONTENT)
 }
 
+#[utoipa::path(
+    post, path = "/sandboxes/{sandboxID}/refreshes", tag = "sandboxes",
+    summary = "Extend the sandbox's time left",
+    params(("sandboxID" = String, Path, description = "The sandbox")),
+    request_body = Option<wire::RefreshRequest>,
+    responses(
+        (status = 204, description = "Extended"),
+        (status = 400, description = "Invalid request", body = wire::ErrorBody),
+        (status = 404, description = "No such sandbox", body = wire::ErrorBody),
+        (status = 409, description = "The sandbox is not in a state that allows this", body = wire::ErrorBody),
+    ),
+    security(("ApiKeyAuth" = []))
+)]
 async fn refresh(
     State(s): State<AppState>,
     Auth(team): Auth,
@@ -162,6 +241,20 @@ async fn refresh(
     Ok(StatusCode::NO_CONTENT)
 }
 
+#[utoipa::path(
+    post, path = "/sandboxes/{sandboxID}/pause", tag = "sandboxes",
+    summary = "Pause a sandbox (memory and disk, or the disk only)",
+    params(("sandboxID" = String, Path, description = "The sandbox")),
+    request_body = Option<wire::PauseRequest>,
+    responses(
+        (status = 204, description = "Paused"),
+        (status = 400, description = "Invalid request", body = wire::ErrorBody),
+        (status = 404, description = "No such sandbox", body = wire::ErrorBody),
+        (status = 409, description = "The sandbox is not in a state that allows this", body = wire::ErrorBody),
+        (status = 503, description = "No capacity", body = wire::ErrorBody),
+    ),
+    security(("ApiKeyAuth" = []))
+)]
 async fn pause(
     State(s): State<AppState>,
     Auth(team): Auth,
@@ -175,6 +268,22 @@ async fn pause(
     Ok(StatusCode::NO_CONTENT)
 }
 
+#[utoipa::path(
+    post, path = "/v2/sandboxes/{sandboxID}/connect", tag = "sandboxes",
+    summary = "Connect to a sandbox, resuming it if it is paused",
+    params(("sandboxID" = String, Path, description = "The sandbox")),
+    request_body = Option<wire::ConnectRequest>,
+    responses(
+        (status = 200, description = "It was running", body = wire::Sandbox),
+        (status = 201, description = "It was paused and is resumed", body = wire::Sandbox),
+        (status = 400, description = "Invalid request", body = wire::ErrorBody),
+        (status = 404, description = "No such sandbox", body = wire::ErrorBody),
+        (status = 409, description = "The sandbox is not in a state that allows this", body = wire::ErrorBody),
+        (status = 429, description = "A team limit is reached", body = wire::ErrorBody),
+        (status = 503, description = "No capacity", body = wire::ErrorBody),
+    ),
+    security(("ApiKeyAuth" = []))
+)]
 async fn connect_v2(
     State(s): State<AppState>,
     Auth(team): Auth,
@@ -184,6 +293,22 @@ async fn connect_v2(
     connect(s, team, id, bytes).await
 }
 
+#[utoipa::path(
+    post, path = "/sandboxes/{sandboxID}/connect", tag = "sandboxes",
+    summary = "Connect to a sandbox, resuming it if it is paused",
+    params(("sandboxID" = String, Path, description = "The sandbox")),
+    request_body = Option<wire::ConnectRequest>,
+    responses(
+        (status = 200, description = "It was running", body = wire::Sandbox),
+        (status = 201, description = "It was paused and is resumed", body = wire::Sandbox),
+        (status = 400, description = "Invalid request", body = wire::ErrorBody),
+        (status = 404, description = "No such sandbox", body = wire::ErrorBody),
+        (status = 409, description = "The sandbox is not in a state that allows this", body = wire::ErrorBody),
+        (status = 429, description = "A team limit is reached", body = wire::ErrorBody),
+        (status = 503, description = "No capacity", body = wire::ErrorBody),
+    ),
+    security(("ApiKeyAuth" = []))
+)]
 async fn connect_legacy(
     State(s): State<AppState>,
     Auth(team): Auth,
@@ -207,6 +332,21 @@ async fn connect(s: AppState, team: Team, id: String, bytes: Bytes) -> ApiResult
     Ok((status, Json(sandbox)).into_response())
 }
 
+#[utoipa::path(
+    post, path = "/sandboxes/{sandboxID}/resume", tag = "sandboxes",
+    summary = "Resume a paused sandbox (deprecated: use connect)",
+    params(("sandboxID" = String, Path, description = "The sandbox")),
+    request_body = Option<wire::ResumeRequest>,
+    responses(
+        (status = 201, description = "Resumed", body = wire::Sandbox),
+        (status = 400, description = "Invalid request", body = wire::ErrorBody),
+        (status = 404, description = "No such sandbox", body = wire::ErrorBody),
+        (status = 409, description = "The sandbox is not in a state that allows this", body = wire::ErrorBody),
+        (status = 429, description = "A team limit is reached", body = wire::ErrorBody),
+        (status = 503, description = "No capacity", body = wire::ErrorBody),
+    ),
+    security(("ApiKeyAuth" = []))
+)]
 async fn resume(
     State(s): State<AppState>,
     Auth(team): Auth,
@@ -225,6 +365,21 @@ async fn resume(
     Ok((StatusCode::CREATED, Json(sandbox)).into_response())
 }
 
+#[utoipa::path(
+    post, path = "/sandboxes/{sandboxID}/fork", tag = "sandboxes",
+    summary = "Fork a running sandbox into new ones",
+    params(("sandboxID" = String, Path, description = "The sandbox")),
+    request_body = Option<wire::ForkRequest>,
+    responses(
+        (status = 201, description = "One result per child: a sandbox or an error", body = Vec<wire::ForkResult>),
+        (status = 400, description = "Invalid request", body = wire::ErrorBody),
+        (status = 404, description = "No such sandbox", body = wire::ErrorBody),
+        (status = 409, description = "The sandbox is not in a state that allows this", body = wire::ErrorBody),
+        (status = 429, description = "A team limit is reached", body = wire::ErrorBody),
+        (status = 503, description = "No capacity", body = wire::ErrorBody),
+    ),
+    security(("ApiKeyAuth" = []))
+)]
 async fn fork(
     State(s): State<AppState>,
     Auth(team): Auth,
@@ -241,6 +396,20 @@ async fn fork(
     Ok((StatusCode::CREATED, Json(results)).into_response())
 }
 
+#[utoipa::path(
+    post, path = "/sandboxes/{sandboxID}/snapshots", tag = "sandboxes",
+    summary = "Snapshot a sandbox into a template others can start from",
+    params(("sandboxID" = String, Path, description = "The sandbox")),
+    request_body = Option<wire::SnapshotRequest>,
+    responses(
+        (status = 201, description = "The snapshot", body = wire::SnapshotInfo),
+        (status = 400, description = "Invalid request", body = wire::ErrorBody),
+        (status = 404, description = "No such sandbox", body = wire::ErrorBody),
+        (status = 409, description = "The sandbox is not in a state that allows this", body = wire::ErrorBody),
+        (status = 503, description = "No capacity", body = wire::ErrorBody),
+    ),
+    security(("ApiKeyAuth" = []))
+)]
 async fn snapshot(
     State(s): State<AppState>,
     Auth(team): Auth,
@@ -258,6 +427,19 @@ async fn snapshot(
     Ok((StatusCode::CREATED, Json(info)).into_response())
 }
 
+#[utoipa::path(
+    put, path = "/sandboxes/{sandboxID}/network", tag = "sandboxes",
+    summary = "Replace the sandbox's egress rules",
+    params(("sandboxID" = String, Path, description = "The sandbox")),
+    request_body = wire::NetworkUpdate,
+    responses(
+        (status = 204, description = "Applied"),
+        (status = 400, description = "Invalid request", body = wire::ErrorBody),
+        (status = 404, description = "No such sandbox", body = wire::ErrorBody),
+        (status = 409, description = "The sandbox is not in a state that allows this", body = wire::ErrorBody),
+    ),
+    security(("ApiKeyAuth" = []))
+)]
 async fn update_network(
     State(s): State<AppState>,
     Auth(team): Auth,
@@ -270,6 +452,18 @@ async fn update_network(
     Ok(StatusCode::NO_CONTENT)
 }
 
+#[utoipa::path(
+    delete, path = "/templates/{templateID}", tag = "templates",
+    summary = "Delete a template or snapshot of the team",
+    params(("templateID" = String, Path, description = "The template or snapshot id or name")),
+    responses(
+        (status = 204, description = "Deleted"),
+        (status = 400, description = "Invalid request", body = wire::ErrorBody),
+        (status = 404, description = "No such template", body = wire::ErrorBody),
+        (status = 409, description = "A sandbox still uses it", body = wire::ErrorBody),
+    ),
+    security(("ApiKeyAuth" = []))
+)]
 async fn delete_template(
     State(s): State<AppState>,
     Auth(team): Auth,
@@ -280,6 +474,22 @@ async fn delete_template(
     Ok(StatusCode::NO_CONTENT)
 }
 
+#[utoipa::path(
+    get, path = "/snapshots", tag = "snapshots",
+    summary = "The team's snapshots",
+    params(
+        ("sandboxID" = Option<String>, Query, description = "Only snapshots of this sandbox"),
+        ("name" = Option<String>, Query, description = "Only snapshots with this name"),
+        ("limit" = Option<u32>, Query, minimum = 1, maximum = 1000, description = "Page size (default 100)"),
+        ("nextToken" = Option<String>, Query, description = "The `x-next-token` of the previous page"),
+    ),
+    responses(
+        (status = 200, description = "A page of snapshots", body = Vec<wire::SnapshotInfo>,
+            headers(("x-next-token" = String, description = "Present when there is a next page"))),
+        (status = 400, description = "Invalid query", body = wire::ErrorBody),
+    ),
+    security(("ApiKeyAuth" = []))
+)]
 async fn list_snapshots(
     State(s): State<AppState>,
     Auth(team): Auth,
@@ -353,6 +563,16 @@ fn matches_metadata(rec: &SandboxRecord, filter: &[(String, String)]) -> bool {
         .all(|(k, v)| rec.metadata.get(k).is_some_and(|x| x == v))
 }
 
+#[utoipa::path(
+    get, path = "/sandboxes", tag = "sandboxes",
+    summary = "The team's running sandboxes (legacy)",
+    params(("metadata" = Option<String>, Query, description = "URL-encoded `k=v&k2=v2`: only sandboxes with this metadata")),
+    responses(
+        (status = 200, description = "Running sandboxes, oldest first", body = Vec<wire::ListedSandbox>),
+        (status = 400, description = "Invalid query", body = wire::ErrorBody),
+    ),
+    security(("ApiKeyAuth" = []))
+)]
 async fn list_legacy(
     State(s): State<AppState>,
     Auth(team): Auth,
@@ -373,6 +593,28 @@ async fn list_legacy(
     ))
 }
 
+#[utoipa::path(
+    get, path = "/v2/sandboxes", tag = "sandboxes",
+    summary = "The team's sandboxes, filtered and paged",
+    params(
+        ("metadata" = Option<String>, Query, description = "URL-encoded `k=v&k2=v2`: only sandboxes with this metadata"),
+        ("state" = Option<String>, Query, description = "Comma-separated `running`, `paused` (default both)"),
+        ("order" = Option<String>, Query, description = "`asc` or `desc` by start (default `desc`)"),
+        ("startedAfter" = Option<String>, Query, description = "RFC 3339: only sandboxes started after"),
+        ("template" = Option<String>, Query, description = "Only sandboxes of this template id or alias"),
+        ("limit" = Option<u32>, Query, minimum = 1, maximum = 1000, description = "Page size (default 100)"),
+        ("nextToken" = Option<String>, Query, description = "The `x-next-token` of the previous page"),
+    ),
+    responses(
+        (status = 200, description = "A page of sandboxes", body = Vec<wire::ListedSandbox>,
+            headers(
+                ("x-total-running" = String, description = "How many of the team's sandboxes run"),
+                ("x-next-token" = String, description = "Present when there is a next page"),
+            )),
+        (status = 400, description = "Invalid query", body = wire::ErrorBody),
+    ),
+    security(("ApiKeyAuth" = []))
+)]
 async fn list_v2(
     State(s): State<AppState>,
     Auth(team): Auth,

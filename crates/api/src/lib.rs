@@ -15,6 +15,7 @@ pub mod error;
 pub mod events;
 pub mod http;
 pub mod ids;
+pub mod openapi;
 pub mod records;
 pub mod state;
 pub mod telemetry;

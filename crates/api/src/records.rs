@@ -28,7 +28,7 @@ pub use vmon_store::{
 
 pub type RecordResult<T> = anyhow::Result<T>;
 
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, utoipa::ToSchema)]
 #[serde(default)]
 pub struct TeamLimits {
     /// Running sandboxes at once (paused ones do not count).
@@ -52,7 +52,7 @@ impl Default for TeamLimits {
     }
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, utoipa::ToSchema)]
 pub struct Team {
     pub id: String,
     pub name: String,
@@ -61,12 +61,15 @@ pub struct Team {
     pub limits: TeamLimits,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, utoipa::ToSchema)]
 pub struct ApiKeyInfo {
     pub id: String,
     pub team_id: String,
     /// The first characters of the key, to recognise it in a list.
     pub mask: String,
+    /// `time`'s compact form: year, day of year, hour, minute, second, nanosecond, offset
+    /// hours, minutes, seconds.
+    #[schema(value_type = Vec<i64>)]
     pub created_at: OffsetDateTime,
     pub revoked: bool,
 }

@@ -5,11 +5,12 @@
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
 
 pub type StringMap = BTreeMap<String, String>;
 
 /// `NewSandboxV2` (POST /v2/sandboxes) and `NewSandbox` (POST /sandboxes; also `secure`).
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, ToSchema)]
 pub struct NewSandbox {
     #[serde(rename = "templateID")]
     pub template_id: String,
@@ -23,8 +24,10 @@ pub struct NewSandbox {
     pub allow_internet_access: Option<bool>,
     pub network: Option<NetworkConfig>,
     #[serde(default, deserialize_with = "nullable_map")]
+    #[schema(nullable)]
     pub metadata: StringMap,
     #[serde(rename = "envVars", default, deserialize_with = "nullable_map")]
+    #[schema(nullable)]
     pub env_vars: StringMap,
     #[serde(rename = "volumeMounts", default)]
     pub volume_mounts: Option<Vec<VolumeMount>>,
@@ -34,19 +37,19 @@ fn nullable_map<'de, D: serde::Deserializer<'de>>(d: D) -> Result<StringMap, D::
     Ok(Option::<StringMap>::deserialize(d)?.unwrap_or_default())
 }
 
-#[derive(Debug, Clone, Deserialize, Serialize)]
+#[derive(Debug, Clone, Deserialize, Serialize, ToSchema)]
 pub struct AutoResume {
     pub enabled: bool,
 }
 
-#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq, Eq, ToSchema)]
 pub struct VolumeMount {
     pub name: String,
     pub path: String,
 }
 
 /// `SandboxNetworkConfig`.
-#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq, Eq, ToSchema)]
 pub struct NetworkConfig {
     #[serde(rename = "allowPublicTraffic", skip_serializing_if = "Option::is_none")]
     pub allow_public_traffic: Option<bool>,
@@ -61,7 +64,7 @@ pub struct NetworkConfig {
 }
 
 /// `SandboxNetworkUpdateConfig` (PUT /sandboxes/{id}/network; replace-all).
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
 pub struct NetworkUpdate {
     #[serde(rename = "allowOut")]
     pub allow_out: Option<Vec<String>>,
@@ -73,7 +76,7 @@ pub struct NetworkUpdate {
 }
 
 /// `Sandbox`: what create, connect, resume and each fork child answer.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, ToSchema)]
 pub struct Sandbox {
     #[serde(rename = "templateID")]
     pub template_id: String,
@@ -92,7 +95,7 @@ pub struct Sandbox {
     pub domain: Option<String>,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, ToSchema)]
 pub struct Lifecycle {
     #[serde(rename = "autoResume")]
     pub auto_resume: bool,
@@ -102,7 +105,7 @@ pub struct Lifecycle {
 }
 
 /// `SandboxDetail` (GET /sandboxes/{id}).
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct SandboxDetail {
     #[serde(rename = "templateID")]
     pub template_id: String,
@@ -147,7 +150,7 @@ pub struct SandboxDetail {
 }
 
 /// `ListedSandbox` (GET /sandboxes, GET /v2/sandboxes).
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct ListedSandbox {
     #[serde(rename = "templateID")]
     pub template_id: String,
@@ -176,19 +179,19 @@ pub struct ListedSandbox {
 }
 
 /// `SandboxTimeoutRequest`.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, ToSchema)]
 pub struct TimeoutRequest {
     pub timeout: i64,
 }
 
 /// `SandboxRefreshRequest`.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
 pub struct RefreshRequest {
     pub duration: Option<i64>,
 }
 
 /// `SandboxPauseRequest`.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
 pub struct PauseRequest {
     pub memory: Option<bool>,
     #[serde(rename = "requireHealthyGuest")]
@@ -196,14 +199,14 @@ pub struct PauseRequest {
 }
 
 /// `ConnectSandboxV2` / `ConnectSandbox` (legacy requires `timeout`; we default it).
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
 pub struct ConnectRequest {
     pub timeout: Option<i64>,
     pub memory: Option<bool>,
 }
 
 /// `ResumedSandbox` (deprecated POST /sandboxes/{id}/resume).
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
 pub struct ResumeRequest {
     pub timeout: Option<i64>,
     #[serde(rename = "autoPause")]
@@ -212,14 +215,14 @@ pub struct ResumeRequest {
 }
 
 /// `SandboxForkRequest`.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
 pub struct ForkRequest {
     pub timeout: Option<i64>,
     pub count: Option<i64>,
 }
 
 /// `SandboxForkResult`: exactly one of the two.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct ForkResult {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sandbox: Option<Sandbox>,
@@ -228,14 +231,14 @@ pub struct ForkResult {
 }
 
 /// `SandboxSnapshotRequest`.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
 pub struct SnapshotRequest {
     pub name: Option<String>,
     pub memory: Option<bool>,
 }
 
 /// `SnapshotInfo`.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, ToSchema)]
 pub struct SnapshotInfo {
     #[serde(rename = "snapshotID")]
     pub snapshot_id: String,
@@ -243,7 +246,7 @@ pub struct SnapshotInfo {
 }
 
 /// `Error`.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, ToSchema)]
 pub struct ErrorBody {
     pub code: u16,
     pub message: String,

@@ -125,7 +125,9 @@ pub struct MetricSample {
 }
 
 /// Severity of a console log entry, lowest first.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize, utoipa::ToSchema,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum LogLevel {
     Debug,
@@ -172,7 +174,7 @@ pub struct LogQuery {
 }
 
 /// One line of a sandbox's console (kernel text, or a JSON line of the init or envd).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct LogEntry {
     /// Unix milliseconds: the guest's own timestamp when it is plausible, else the previous
     /// entry's.

@@ -53,7 +53,7 @@ pub(crate) fn routes() -> Router<AppState> {
 }
 
 /// `SandboxMetric` exactly as the SDKs parse it.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct SandboxMetric {
     pub timestamp: String,
@@ -84,10 +84,11 @@ impl From<&MetricSample> for SandboxMetric {
 }
 
 /// `SandboxLogEntry`.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct SandboxLogEntry {
     pub timestamp: String,
     pub message: String,
+    #[schema(value_type = vmon_proto::node::LogLevel)]
     pub level: &'static str,
     pub fields: BTreeMap<String, String>,
 }
@@ -104,20 +105,20 @@ impl From<&LogEntry> for SandboxLogEntry {
 }
 
 /// `SandboxLog` (the v1 raw lines).
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct SandboxLog {
     pub timestamp: String,
     pub line: String,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 pub struct LogsV1 {
     pub logs: Vec<SandboxLog>,
     #[serde(rename = "logEntries")]
     pub log_entries: Vec<SandboxLogEntry>,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 pub struct LogsV2 {
     pub logs: Vec<SandboxLogEntry>,
 }
@@ -296,7 +297,6 @@ impl Query {
             .rev()
             .find(|(k, _)| k == name)
             .map(|(_, v)| v.trim())
-            .filter(|v| !v.is_empty())
     }
 
     fn all<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a str> + 'a {
@@ -366,6 +366,21 @@ impl Query {
     }
 }
 
+#[utoipa::path(
+    get, path = "/sandboxes/{sandboxID}/metrics", tag = "telemetry",
+    summary = "A sandbox's metrics samples",
+    params(
+        ("sandboxID" = String, Path, description = "The sandbox"),
+        ("start" = Option<i64>, Query, description = "Unix seconds: samples from"),
+        ("end" = Option<i64>, Query, description = "Unix seconds: samples until"),
+    ),
+    responses(
+        (status = 200, description = "Samples, oldest first", body = Vec<SandboxMetric>),
+        (status = 400, description = "Invalid request", body = crate::wire::ErrorBody),
+        (status = 404, description = "No such sandbox (or killed more than 7 days ago)", body = crate::wire::ErrorBody),
+    ),
+    security(("ApiKeyAuth" = []))
+)]
 async fn sandbox_metrics(
     State(s): State<AppState>,
     Auth(team): Auth,
@@ -379,11 +394,23 @@ async fn sandbox_metrics(
     ))
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 struct BatchMetrics {
     sandboxes: BTreeMap<String, SandboxMetric>,
 }
 
+#[utoipa::path(
+    get, path = "/sandboxes/metrics", tag = "telemetry",
+    summary = "The latest metrics sample of several sandboxes",
+    params(
+        ("sandbox_ids" = Vec<String>, Query, explode = true, description = "Sandbox ids (repeated or comma-separated; at most 100)"),
+    ),
+    responses(
+        (status = 200, description = "Latest sample per sandbox that has a recent one", body = BatchMetrics),
+        (status = 400, description = "Invalid request", body = crate::wire::ErrorBody),
+    ),
+    security(("ApiKeyAuth" = []))
+)]
 async fn batch_metrics(
     State(s): State<AppState>,
     Auth(team): Auth,
@@ -406,6 +433,21 @@ async fn batch_metrics(
     Ok(Json(BatchMetrics { sandboxes }))
 }
 
+#[utoipa::path(
+    get, path = "/sandboxes/{sandboxID}/logs", tag = "telemetry",
+    summary = "A sandbox's console log (v1)",
+    params(
+        ("sandboxID" = String, Path, description = "The sandbox"),
+        ("start" = Option<i64>, Query, description = "Unix milliseconds: entries from"),
+        ("limit" = Option<u32>, Query, maximum = 10000, description = "At most this many (default 1000)"),
+    ),
+    responses(
+        (status = 200, description = "Log lines and entries", body = LogsV1),
+        (status = 400, description = "Invalid request", body = crate::wire::ErrorBody),
+        (status = 404, description = "No such sandbox (or killed more than 7 days ago)", body = crate::wire::ErrorBody),
+    ),
+    security(("ApiKeyAuth" = []))
+)]
 async fn logs_v1(
     State(s): State<AppState>,
     Auth(team): Auth,
@@ -432,6 +474,24 @@ async fn logs_v1(
     }))
 }
 
+#[utoipa::path(
+    get, path = "/v2/sandboxes/{sandboxID}/logs", tag = "telemetry",
+    summary = "A sandbox's console log entries, filtered",
+    params(
+        ("sandboxID" = String, Path, description = "The sandbox"),
+        ("cursor" = Option<i64>, Query, description = "Unix milliseconds to continue from"),
+        ("direction" = Option<String>, Query, description = "`forward` (default) or `backward`"),
+        ("level" = Option<vmon_proto::node::LogLevel>, Query, description = "Lowest level to answer"),
+        ("search" = Option<String>, Query, max_length = 256, description = "Only entries containing this text"),
+        ("limit" = Option<u32>, Query, maximum = 10000, description = "At most this many (default 1000)"),
+    ),
+    responses(
+        (status = 200, description = "Entries", body = LogsV2),
+        (status = 400, description = "Invalid request", body = crate::wire::ErrorBody),
+        (status = 404, description = "No such sandbox (or killed more than 7 days ago)", body = crate::wire::ErrorBody),
+    ),
+    security(("ApiKeyAuth" = []))
+)]
 async fn logs_v2(
     State(s): State<AppState>,
     Auth(team): Auth,
@@ -447,6 +507,24 @@ async fn logs_v2(
 
 /// The operator's view (`vmon sandbox logs`): v2 filters, entries with their timestamps in
 /// milliseconds so a follower can continue from the last one.
+#[utoipa::path(
+    get, path = "/admin/sandboxes/{sandboxID}/logs", tag = "admin",
+    summary = "Any sandbox's console log entries (`vmon sandbox logs`)",
+    params(
+        ("sandboxID" = String, Path, description = "The sandbox"),
+        ("cursor" = Option<i64>, Query, description = "Unix milliseconds to continue from"),
+        ("direction" = Option<String>, Query, description = "`forward` (default) or `backward`"),
+        ("level" = Option<vmon_proto::node::LogLevel>, Query, description = "Lowest level to answer"),
+        ("search" = Option<String>, Query, max_length = 256, description = "Only entries containing this text"),
+        ("limit" = Option<u32>, Query, maximum = 10000, description = "At most this many (default 1000)"),
+    ),
+    responses(
+        (status = 200, description = "Entries, timestamps in milliseconds", body = Vec<LogEntry>),
+        (status = 400, description = "Invalid request", body = crate::wire::ErrorBody),
+        (status = 404, description = "Unknown id, or admin routes disabled (no admin token)", body = crate::wire::ErrorBody),
+    ),
+    security(("AdminToken" = []))
+)]
 async fn admin_logs(
     State(s): State<AppState>,
     _: Admin,
@@ -457,6 +535,13 @@ async fn admin_logs(
     Ok(Json(s.control.sandbox_logs(None, &id, query).await?))
 }
 
+#[utoipa::path(
+    get, path = "/metrics", tag = "telemetry",
+    summary = "The platform's Prometheus metrics",
+    responses(
+        (status = 200, description = "Prometheus text exposition", body = String, content_type = "text/plain; version=0.0.4"),
+    )
+)]
 async fn prometheus(State(s): State<AppState>) -> Response {
     let (mut running, mut paused) = (0u64, 0u64);
     match s.control.sandboxes(None).await {

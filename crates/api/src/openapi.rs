@@ -1,0 +1,296 @@
+//! The OpenAPI 3.1 document of everything the api serves, generated from the handlers'
+//! `#[utoipa::path]` attributes and the wire types' `ToSchema` derives: `GET /openapi.json`,
+//! and `GET /docs`, a small page (no inline script, no CDN) that lists the operations.
+//!
+//! `tests/openapi.rs` walks the real router and fails when a served path and method is
+//! missing here or this lists one that is not served.
+
+use std::sync::OnceLock;
+
+use axum::http::{header, HeaderName, HeaderValue};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::Router;
+use utoipa::openapi::security::{ApiKey, ApiKeyValue, SecurityScheme};
+use utoipa::openapi::{Content, Ref, RefOr, ResponseBuilder};
+use utoipa::{Modify, OpenApi};
+
+use crate::{admin, events, http, telemetry};
+
+#[derive(OpenApi)]
+#[openapi(
+    info(
+        title = "vmon",
+        description = "The vmon control plane: E2B's sandbox REST API and vmon's own \
+            (admin, lifecycle events and webhooks, telemetry). Team routes authenticate with \
+            `X-API-Key`, operator routes with `X-Admin-Token`. Every error answers \
+            `{\"code\": <status>, \"message\": \"...\"}`."
+    ),
+    paths(
+        health,
+        openapi_json,
+        docs_page,
+        docs_script,
+        dashboard_root,
+        dashboard_index,
+        dashboard_file,
+        http::create_legacy,
+        http::list_legacy,
+        http::create_v2,
+        http::list_v2,
+        http::get_sandbox,
+        http::kill,
+        http::set_timeout,
+        http::refresh,
+        http::pause,
+        http::resume,
+        http::connect_legacy,
+        http::connect_v2,
+        http::fork,
+        http::snapshot,
+        http::update_network,
+        http::list_snapshots,
+        http::delete_template,
+        admin::create_team,
+        admin::list_teams,
+        admin::create_key,
+        admin::list_keys,
+        admin::revoke_key,
+        admin::list_sandboxes,
+        admin::kill_sandbox,
+        admin::route,
+        admin::resume_route,
+        events::team_events,
+        events::sandbox_events,
+        events::list_webhooks,
+        events::create_webhook,
+        events::get_webhook,
+        events::patch_webhook,
+        events::delete_webhook,
+        events::deliveries,
+        events::stats,
+        telemetry::prometheus,
+        telemetry::batch_metrics,
+        telemetry::sandbox_metrics,
+        telemetry::logs_v1,
+        telemetry::logs_v2,
+        telemetry::admin_logs,
+    ),
+    components(schemas(crate::wire::ErrorBody)),
+    modifiers(&Conventions),
+    tags(
+        (name = "sandboxes", description = "E2B: create, list, pause, resume, fork, kill"),
+        (name = "snapshots", description = "E2B: snapshots of sandboxes"),
+        (name = "templates", description = "E2B: templates"),
+        (name = "telemetry", description = "Guest metrics, console logs, platform metrics"),
+        (name = "events", description = "Sandbox lifecycle events"),
+        (name = "webhooks", description = "Lifecycle events pushed to the team's URLs"),
+        (name = "admin", description = "The operator's routes (`X-Admin-Token`)"),
+        (name = "meta", description = "Health and this document"),
+        (name = "dashboard", description = "The web dashboard's static files"),
+    )
+)]
+struct ApiDoc;
+
+/// The security schemes, and the errors every operation may answer: 401 where a credential
+/// is required, 500 everywhere.
+struct Conventions;
+
+impl Modify for Conventions {
+    fn modify(&self, doc: &mut utoipa::openapi::OpenApi) {
+        let components = doc.components.get_or_insert_with(Default::default);
+        components.add_security_scheme(
+            "ApiKeyAuth",
+            SecurityScheme::ApiKey(ApiKey::Header(ApiKeyValue::with_description(
+                "X-API-Key",
+                "A team's API key",
+            ))),
+        );
+        components.add_security_scheme(
+            "AdminToken",
+            SecurityScheme::ApiKey(ApiKey::Header(ApiKeyValue::with_description(
+                "X-Admin-Token",
+                "The operator's token (`admin-token` in vmon's data dir)",
+            ))),
+        );
+        let error = |description: &str| {
+            RefOr::T(
+                ResponseBuilder::new()
+                    .description(description)
+                    .content(
+                        "application/json",
+                        Content::new(Some(Ref::from_schema_name("ErrorBody"))),
+                    )
+                    .build(),
+            )
+        };
+        for item in doc.paths.paths.values_mut() {
+            let ops = [
+                &mut item.get,
+                &mut item.put,
+                &mut item.post,
+                &mut item.delete,
+                &mut item.patch,
+            ];
+            for op in ops.into_iter().flatten() {
+                let secured = op.security.as_ref().is_some_and(|s| !s.is_empty());
+                let responses = &mut op.responses.responses;
+                if secured {
+                    responses
+                        .entry("401".to_string())
+                        .or_insert_with(|| error("Missing or invalid credential"));
+                }
+                responses
+                    .entry("500".to_string())
+                    .or_insert_with(|| error("Internal error"));
+            }
+        }
+    }
+}
+
+/// The document.
+pub fn document() -> utoipa::openapi::OpenApi {
+    ApiDoc::openapi()
+}
+
+fn document_json() -> &'static str {
+    static JSON: OnceLock<String> = OnceLock::new();
+    JSON.get_or_init(|| {
+        document()
+            .to_pretty_json()
+            .unwrap_or_else(|e| format!("{{\"error\": \"serializing the document: {e}\"}}"))
+    })
+}
+
+/// `/openapi.json`, `/docs` and its script; they need no state.
+pub fn routes<S: Clone + Send + Sync + 'static>() -> Router<S> {
+    Router::new()
+        .route("/openapi.json", get(openapi_json))
+        .route("/docs", get(docs_page))
+        .route("/docs/docs.js", get(docs_script))
+}
+
+fn secured(content_type: &'static str, body: &'static [u8]) -> Response {
+    let mut resp = ([(header::CONTENT_TYPE, content_type)], body).into_response();
+    let h = resp.headers_mut();
+    let set = [
+        (
+            header::CONTENT_SECURITY_POLICY,
+            crate::dashboard::CONTENT_SECURITY_POLICY,
+        ),
+        (header::X_FRAME_OPTIONS, "DENY"),
+        (header::X_CONTENT_TYPE_OPTIONS, "nosniff"),
+        (header::REFERRER_POLICY, "no-referrer"),
+        (
+            HeaderName::from_static("cross-origin-opener-policy"),
+            "same-origin",
+        ),
+    ];
+    for (name, value) in set {
+        h.insert(name, HeaderValue::from_static(value));
+    }
+    resp
+}
+
+#[utoipa::path(
+    get, path = "/openapi.json", tag = "meta",
+    summary = "This document",
+    responses((status = 200, description = "The OpenAPI document", content_type = "application/json", body = Object))
+)]
+async fn openapi_json() -> Response {
+    (
+        [(header::CONTENT_TYPE, "application/json")],
+        document_json(),
+    )
+        .into_response()
+}
+
+#[utoipa::path(
+    get, path = "/docs", tag = "meta",
+    summary = "This document as a page",
+    responses((status = 200, description = "HTML", content_type = "text/html", body = String))
+)]
+async fn docs_page() -> Response {
+    secured("text/html; charset=utf-8", DOCS_HTML.as_bytes())
+}
+
+#[utoipa::path(
+    get, path = "/docs/docs.js", tag = "meta",
+    summary = "The script of the docs page",
+    responses((status = 200, description = "JavaScript", content_type = "text/javascript", body = String))
+)]
+async fn docs_script() -> Response {
+    secured("text/javascript; charset=utf-8", DOCS_JS.as_bytes())
+}
+
+const DOCS_HTML: &str = include_str!("../docs/index.html");
+const DOCS_JS: &str = include_str!("../docs/docs.js");
+
+// Routes served by closures elsewhere (`http::router`, `dashboard::routes`): described here.
+
+/// `GET /health` (a closure in [`http::router`]).
+#[utoipa::path(
+    get, path = "/health", tag = "meta",
+    summary = "Liveness",
+    responses((status = 204, description = "The api answers"))
+)]
+#[allow(dead_code)]
+fn health() {}
+
+#[utoipa::path(
+    get, path = "/dashboard", tag = "dashboard",
+    summary = "Redirects to `/dashboard/`",
+    responses((status = 308, description = "Redirect to `/dashboard/`"))
+)]
+#[allow(dead_code)]
+fn dashboard_root() {}
+
+#[utoipa::path(
+    get, path = "/dashboard/", tag = "dashboard",
+    summary = "The dashboard's page",
+    responses((status = 200, description = "HTML", content_type = "text/html", body = String))
+)]
+#[allow(dead_code)]
+fn dashboard_index() {}
+
+#[utoipa::path(
+    get, path = "/dashboard/{name}", tag = "dashboard",
+    summary = "A file of the dashboard",
+    params(("name" = String, Path, description = "The file's name")),
+    responses(
+        (status = 200, description = "The file", content(
+            (String = "text/html"), (String = "text/css"), (String = "text/javascript"),
+            (String = "image/svg+xml"),
+        )),
+        (status = 404, description = "No such file", body = crate::wire::ErrorBody),
+    )
+)]
+#[allow(dead_code)]
+fn dashboard_file() {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_document_serializes_and_names_both_credentials() {
+        let doc: serde_json::Value =
+            serde_json::from_str(document_json()).expect("the document is JSON");
+        let schemes = &doc["components"]["securitySchemes"];
+        assert_eq!(schemes["ApiKeyAuth"]["name"], "X-API-Key");
+        assert_eq!(schemes["AdminToken"]["name"], "X-Admin-Token");
+        assert!(doc["components"]["schemas"]["ErrorBody"].is_object());
+    }
+
+    #[test]
+    fn the_page_has_no_inline_script() {
+        for (i, _) in DOCS_HTML.match_indices("<script") {
+            let tag = &DOCS_HTML[i..i + DOCS_HTML[i..].find('>').unwrap_or(0)];
+            assert!(tag.contains(" src="), "inline script: {tag}");
+        }
+        assert!(
+            !DOCS_JS.contains("innerHTML"),
+            "docs.js parses data as HTML"
+        );
+    }
+}
