@@ -231,8 +231,13 @@ const DOCS_JS: &str = include_str!("../docs/docs.js");
 /// `GET /health` (a closure in [`http::router`]).
 #[utoipa::path(
     get, path = "/health", tag = "meta",
-    summary = "Liveness",
-    responses((status = 204, description = "The api answers"))
+    summary = "Whether the platform takes creates",
+    responses(
+        (status = 200, description = "Ready: `{\"status\": \"ready\", …}`; creates are admitted",
+         body = serde_json::Value),
+        (status = 503, description = "The first build is running (`status` `building`, or `failed` while it waits to be retried), with its step, percent and time elapsed",
+         body = crate::wire::ErrorBody),
+    )
 )]
 #[allow(dead_code)]
 fn health() {}
