@@ -15,6 +15,6 @@ pub mod sandbox;
 pub mod slots;
 pub mod telemetry;
 
-pub use config::NodeConfig;
+pub use config::{free_mb, NodeConfig};
 pub use node::{probe_qmp, Node, ENVD_VERSION};
 pub use slots::BLOCKS as SLOT_BLOCKS;

@@ -117,14 +117,7 @@ fn free_bytes(path: &Path) -> Option<u64> {
     while !p.exists() {
         p = p.parent()?.to_path_buf();
     }
-    let c = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).ok()?;
-    // SAFETY: a zeroed statvfs is a valid out-parameter; `c` is a NUL-terminated path.
-    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
-    // SAFETY: both pointers are valid for the call.
-    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
-        return None;
-    }
-    Some(st.f_bavail.saturating_mul(st.f_frsize))
+    vmon_node::free_mb(&p).map(|mb| mb << 20)
 }
 
 /// The data dir's disk, the ports, name resolution for sandbox hosts, privileges and cgroups:
