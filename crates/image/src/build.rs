@@ -65,6 +65,14 @@ const BASE_PACKAGES: &[&str] = &[
     "python3-matplotlib",
     // The code interpreter's JavaScript contexts.
     "nodejs",
+    // Jupyter kernels for the code interpreter's Python contexts.
+    "python3-ipykernel",
+    "python3-jupyter-client",
+    // What template builds run: the Template SDK's helpers (`pip_install`, `npm_install`,
+    // `git_clone`) and ready checks (`ss`, `curl`, `pgrep`: iproute2, curl, procps above).
+    "python3-pip",
+    "npm",
+    "git",
 ];
 
 /// Everything an image is made from. Two equal recipes make the same image.
