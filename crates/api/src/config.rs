@@ -44,6 +44,10 @@ pub struct Config {
     pub webhook_ca_file: Option<std::path::PathBuf>,
     /// What one team may keep, beyond its concurrency and lifetime limits.
     pub quotas: Quotas,
+    /// Where template build uploads are kept (default `<data dir>/template-files`).
+    pub template_files_dir: Option<std::path::PathBuf>,
+    /// Template builds that run at once; more wait (`waiting`).
+    pub max_template_builds: usize,
     /// PEM certificate chain (leaf first) the proxy serves TLS with, on the same port as
     /// plain HTTP (`VMON_PROXY_TLS_CERT`): a certificate for `*.{domain}`. Without one,
     /// `vmon up` serves certificates of a local CA it creates in `<data dir>/tls`.
@@ -110,6 +114,8 @@ impl Default for Config {
             webhook_allow: Vec::new(),
             webhook_ca_file: None,
             quotas: Quotas::default(),
+            template_files_dir: None,
+            max_template_builds: 2,
             proxy_tls_cert: None,
             proxy_tls_key: None,
         }
@@ -135,6 +141,9 @@ impl Config {
             None => Config::default(),
         };
         config.apply_env(|k| std::env::var(k).ok())?;
+        if config.template_files_dir.is_none() {
+            config.template_files_dir = Some(data_dir.join("template-files"));
+        }
         Ok(config)
     }
 

@@ -7,7 +7,7 @@ use axum::body::Bytes;
 use axum::extract::{Path, RawQuery, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{delete, get, post, put};
+use axum::routing::{get, post, put};
 use axum::{Json, Router};
 use time::OffsetDateTime;
 
@@ -33,7 +33,7 @@ pub fn router(state: AppState) -> Router {
         .route("/sandboxes/:id/snapshots", post(snapshot))
         .route("/sandboxes/:id/network", put(update_network))
         .route("/snapshots", get(list_snapshots))
-        .route("/templates/*id", delete(delete_template))
+        .merge(crate::templates::routes())
         .merge(admin::routes())
         .merge(crate::telemetry::routes())
         .layer(axum::middleware::from_fn(
@@ -452,27 +452,6 @@ async fn update_network(
     Ok(StatusCode::NO_CONTENT)
 }
 
-#[utoipa::path(
-    delete, path = "/templates/{templateID}", tag = "templates",
-    summary = "Delete a template or snapshot of the team",
-    params(("templateID" = String, Path, description = "The template or snapshot id or name")),
-    responses(
-        (status = 204, description = "Deleted"),
-        (status = 400, description = "Invalid request", body = wire::ErrorBody),
-        (status = 404, description = "No such template", body = wire::ErrorBody),
-        (status = 409, description = "A sandbox still uses it", body = wire::ErrorBody),
-    ),
-    security(("ApiKeyAuth" = []))
-)]
-async fn delete_template(
-    State(s): State<AppState>,
-    Auth(team): Auth,
-    Path(id): Path<String>,
-) -> ApiResult<StatusCode> {
-    let control = s.control.clone();
-    detached(async move { control.delete_template(&team, &id).await }).await?;
-    Ok(StatusCode::NO_CONTENT)
-}
 
 #[utoipa::path(
     get, path = "/snapshots", tag = "snapshots",

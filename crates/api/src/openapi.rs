@@ -15,7 +15,7 @@ use utoipa::openapi::security::{ApiKey, ApiKeyValue, SecurityScheme};
 use utoipa::openapi::{Content, Ref, RefOr, ResponseBuilder};
 use utoipa::{Modify, OpenApi};
 
-use crate::{admin, events, http, telemetry};
+use crate::{admin, events, http, telemetry, templates};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -50,7 +50,24 @@ use crate::{admin, events, http, telemetry};
         http::snapshot,
         http::update_network,
         http::list_snapshots,
-        http::delete_template,
+        templates::legacy,
+        templates::legacy_v2,
+        templates::request_build,
+        templates::start_build,
+        templates::status,
+        templates::logs,
+        templates::files_probe,
+        templates::files::upload,
+        templates::alias,
+        templates::assign_tags,
+        templates::remove_tags,
+        templates::tags_of,
+        templates::list,
+        templates::list_v2,
+        templates::get_template,
+        templates::patch_v1,
+        templates::patch_v2,
+        templates::delete,
         admin::create_team,
         admin::list_teams,
         admin::create_key,

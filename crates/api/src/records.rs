@@ -8,6 +8,7 @@
 //!
 //! [`StoreRecords`] implements it on `vmon-store` (SQLite in the data dir, or PostgreSQL).
 
+mod builds;
 mod store;
 
 use std::collections::BTreeMap;
@@ -20,6 +21,7 @@ use vmon_proto::node::BuildInfo;
 
 use crate::wire::{NetworkConfig, StringMap, VolumeMount};
 
+pub use builds::{BuildFailure, BuildLogEntry, BuildRecords, BuildState, TemplateBuild};
 pub use store::{secret_key, StoreRecords, SQLITE_FILE, WEBHOOK_KEY_FILE};
 pub use vmon_store::{
     Delivery, DeliveryAttempt, Event, EventQuery, NewWebhook, OutboxItem, Webhook, WebhookPatch,
@@ -224,7 +226,7 @@ pub enum Committed {
 }
 
 #[async_trait::async_trait]
-pub trait Records: Send + Sync + 'static {
+pub trait Records: BuildRecords + Send + Sync + 'static {
     async fn team_by_key_hash(&self, key_hash: &str) -> RecordResult<Option<Team>>;
     async fn team(&self, team_id: &str) -> RecordResult<Option<Team>>;
     async fn teams(&self) -> RecordResult<Vec<Team>>;

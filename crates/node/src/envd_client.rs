@@ -186,14 +186,83 @@ pub async fn run(
     cmd: &str,
     timeout: Duration,
 ) -> anyhow::Result<CommandOutput> {
-    let body = envelope(&json!({
-        "process": {"cmd": "/bin/bash", "args": ["-l", "-c", cmd]},
-        "stdin": false,
-    }));
-    let auth = format!(
+    run_in(addr, token, user, cmd, None, &BTreeMap::new(), timeout).await
+}
+
+fn basic_auth(user: &str) -> String {
+    format!(
         "Basic {}",
         base64::engine::general_purpose::STANDARD.encode(format!("{user}:"))
-    );
+    )
+}
+
+/// Writes `data` to `path` in the guest, as `user` (envd's raw upload).
+pub async fn upload(
+    addr: SocketAddr,
+    token: Option<&str>,
+    user: &str,
+    path: &str,
+    data: Vec<u8>,
+    timeout: Duration,
+) -> anyhow::Result<()> {
+    let query: String = url_encode(path);
+    let mut headers = vec![
+        ("content-type", "application/octet-stream".to_string()),
+        ("authorization", basic_auth(user)),
+    ];
+    if let Some(t) = token {
+        headers.push(("x-access-token", t.to_string()));
+    }
+    let (status, bytes) = request(
+        addr,
+        "POST",
+        &format!("/files?path={query}"),
+        &headers,
+        data,
+        timeout,
+    )
+    .await?;
+    if !(200..300).contains(&status) {
+        bail!(
+            "upload to {path} answered {status}: {}",
+            String::from_utf8_lossy(&bytes[..bytes.len().min(300)])
+        );
+    }
+    Ok(())
+}
+
+/// Percent-encodes everything but unreserved characters and `/`.
+fn url_encode(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~' | b'/') {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+/// [`run`] in a working directory (`None`: the user's home) with extra environment variables.
+pub async fn run_in(
+    addr: SocketAddr,
+    token: Option<&str>,
+    user: &str,
+    cmd: &str,
+    cwd: Option<&str>,
+    env: &BTreeMap<String, String>,
+    timeout: Duration,
+) -> anyhow::Result<CommandOutput> {
+    let mut process = json!({"cmd": "/bin/bash", "args": ["-l", "-c", cmd], "envs": env});
+    if let Some(dir) = cwd {
+        process["cwd"] = json!(dir);
+    }
+    let body = envelope(&json!({
+        "process": process,
+        "stdin": false,
+    }));
+    let auth = basic_auth(user);
     let mut headers = vec![
         ("content-type", "application/connect+json".to_string()),
         ("connect-protocol-version", "1".to_string()),

@@ -16,8 +16,8 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use vmon_proto::node::{
-    BuildInfo, LogEntry, LogQuery, MetricSample, NetworkPolicy, NodeControl, NodeError, Running,
-    StartSpec, TemplateSpec,
+    BuildInfo, ExecOutput, ExecSpec, LogEntry, LogQuery, MetricSample, NetworkPolicy, NodeControl,
+    NodeError, Running, StartSpec, TemplateSpec,
 };
 
 /// Largest RPC body either side reads (log pages are the big ones).
@@ -64,6 +64,21 @@ struct Latest {
 struct Logs {
     sandbox_id: String,
     query: LogQuery,
+}
+
+#[derive(Serialize, Deserialize)]
+struct Exec {
+    sandbox_id: String,
+    execution_id: String,
+    spec: ExecSpec,
+}
+
+#[derive(Serialize, Deserialize)]
+struct PutFile {
+    sandbox_id: String,
+    execution_id: String,
+    host_path: String,
+    guest_path: String,
 }
 
 #[derive(Clone)]
@@ -151,6 +166,17 @@ async fn call(
             Err(e) => answer::<()>(Err(e)),
         },
         "pool_depths" => answer::<Vec<(String, usize)>>(Ok(n.pool_depths().await)),
+        "exec" => match parse::<Exec>(&body) {
+            Ok(x) => answer(n.exec(&x.sandbox_id, &x.execution_id, x.spec).await),
+            Err(e) => answer::<()>(Err(e)),
+        },
+        "put_file" => match parse::<PutFile>(&body) {
+            Ok(x) => answer(
+                n.put_file(&x.sandbox_id, &x.execution_id, &x.host_path, &x.guest_path)
+                    .await,
+            ),
+            Err(e) => answer::<()>(Err(e)),
+        },
         other => (StatusCode::NOT_FOUND, format!("no node call {other:?}")).into_response(),
     }
 }
@@ -206,7 +232,7 @@ impl RemoteNode {
     ) -> Result<R, NodeError> {
         let body = serde_json::to_vec(arg).map_err(|e| NodeError::Failed(e.to_string()))?;
         // Template builds boot a VM under TCG: allow them time.
-        let timeout = if name == "build_template" {
+        let timeout = if name == "build_template" || name == "exec" {
             Duration::from_secs(1800)
         } else {
             Duration::from_secs(600)
@@ -390,5 +416,40 @@ impl NodeControl for RemoteNode {
         self.call("pool_depths", &json!({}))
             .await
             .unwrap_or_default()
+    }
+
+    async fn exec(
+        &self,
+        sandbox_id: &str,
+        execution_id: &str,
+        spec: ExecSpec,
+    ) -> Result<ExecOutput, NodeError> {
+        self.call(
+            "exec",
+            &Exec {
+                sandbox_id: sandbox_id.into(),
+                execution_id: execution_id.into(),
+                spec,
+            },
+        )
+        .await
+    }
+    async fn put_file(
+        &self,
+        sandbox_id: &str,
+        execution_id: &str,
+        host_path: &str,
+        guest_path: &str,
+    ) -> Result<(), NodeError> {
+        self.call(
+            "put_file",
+            &PutFile {
+                sandbox_id: sandbox_id.into(),
+                execution_id: execution_id.into(),
+                host_path: host_path.into(),
+                guest_path: guest_path.into(),
+            },
+        )
+        .await
     }
 }

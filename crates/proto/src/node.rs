@@ -109,6 +109,26 @@ pub struct TemplateSpec {
     pub env_vars: BTreeMap<String, String>,
 }
 
+/// A command a node runs in one of its sandboxes to its end (template build steps).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct ExecSpec {
+    /// Run as `bash -l -c <cmd>`.
+    pub cmd: String,
+    pub user: String,
+    /// Working directory (`None`: the user's home).
+    pub cwd: Option<String>,
+    pub env: BTreeMap<String, String>,
+    pub timeout_secs: u64,
+}
+
+/// How an [`ExecSpec`] ended; output is cut at a bound and decoded lossily (a guest wrote it).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct ExecOutput {
+    pub exit_code: i32,
+    pub stdout: String,
+    pub stderr: String,
+}
+
 /// One sample of a guest's usage, scraped by the node from envd `GET /metrics`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct MetricSample {
@@ -257,4 +277,21 @@ pub trait NodeControl: Send + Sync + 'static {
     async fn logs(&self, sandbox_id: &str, query: LogQuery) -> Result<Vec<LogEntry>, NodeError>;
     /// Pre-spawned restore processes per build (the restore pool's depth).
     async fn pool_depths(&self) -> Vec<(BuildId, usize)>;
+
+    /// Runs a command in a running sandbox to its end (template build steps).
+    async fn exec(
+        &self,
+        sandbox_id: &str,
+        execution_id: &str,
+        spec: ExecSpec,
+    ) -> Result<ExecOutput, NodeError>;
+    /// Writes the file at `host_path` (on the node's host: in `vmon up` the api and the node
+    /// share the data dir) into a running sandbox at `guest_path`, as root.
+    async fn put_file(
+        &self,
+        sandbox_id: &str,
+        execution_id: &str,
+        host_path: &str,
+        guest_path: &str,
+    ) -> Result<(), NodeError>;
 }

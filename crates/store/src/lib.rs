@@ -54,6 +54,8 @@ mod teams;
 pub use events::EVENT_RETENTION;
 pub use teams::hash_api_key;
 pub use templates::split_reference;
+mod template_builds;
+pub use template_builds::TemplateBuildDoc;
 mod templates;
 mod tx;
 mod webhooks;
@@ -190,6 +192,11 @@ const SQLITE_MIGRATIONS: &[Migration] = &[
         description: "build memory and parent",
         sql: include_str!("../migrations/sqlite/0002_build_memory.sql"),
     },
+    Migration {
+        version: 3,
+        description: "template builds, their logs, the layer cache",
+        sql: include_str!("../migrations/sqlite/0003_template_builds.sql"),
+    },
 ];
 const POSTGRES_MIGRATIONS: &[Migration] = &[
     Migration {
@@ -201,6 +208,11 @@ const POSTGRES_MIGRATIONS: &[Migration] = &[
         version: 2,
         description: "build memory and parent",
         sql: include_str!("../migrations/postgres/0002_build_memory.sql"),
+    },
+    Migration {
+        version: 3,
+        description: "template builds, their logs, the layer cache",
+        sql: include_str!("../migrations/postgres/0003_template_builds.sql"),
     },
 ];
 

@@ -34,6 +34,11 @@ use crate::records::{
 use crate::wire;
 
 pub use checkpoint::{parse_template_ref, TemplateRef};
+
+/// Whether `name` is a built-in template's (`code-interpreter-v1`).
+pub fn builtin_name(name: &str) -> bool {
+    builtin::builtin(name).is_some()
+}
 pub use delivery::{signature, DeliveryPolicy, WebhookPayload};
 pub use lifecycle::{CreateParams, KillReason};
 pub use routes::ProxyRoutes;
@@ -56,6 +61,10 @@ pub struct Control {
     builtin_builds: tokio::sync::Mutex<()>,
     /// The first build (guest image, `base`): creates answer 503 with it until it is ready.
     startup: vmon_proto::progress::Progress,
+    /// Template builds that may run at once (more wait as `waiting`).
+    pub(crate) template_builds: tokio::sync::Semaphore,
+    /// Template build uploads: their signer and directory.
+    uploads: crate::templates::Uploads,
 }
 
 impl Control {
@@ -84,6 +93,11 @@ impl Control {
             WebhookTargets::new(&config.webhook_allow)
                 .map_err(|e| anyhow::anyhow!("webhook_allow: {e}"))?,
         );
+        let config_builds = config.max_template_builds.max(1);
+        let template_files = config
+            .template_files_dir
+            .clone()
+            .unwrap_or_else(|| std::env::temp_dir().join("vmon-template-files"));
         let control = Arc::new(Control {
             config,
             webhook_targets,
@@ -95,8 +109,11 @@ impl Control {
             delivery_policy: DeliveryPolicy::default(),
             builtin_builds: tokio::sync::Mutex::new(()),
             startup,
+            template_builds: tokio::sync::Semaphore::new(config_builds),
+            uploads: crate::templates::Uploads::new(template_files),
         });
         control.reconcile().await?;
+        control.end_interrupted_builds().await?;
         Ok(control)
     }
 
@@ -107,6 +124,19 @@ impl Control {
     /// How far the first build is (`GET /health`, the 503 of a create meanwhile).
     pub fn startup(&self) -> &vmon_proto::progress::Progress {
         &self.startup
+    }
+
+    pub(crate) fn uploads(&self) -> &crate::templates::Uploads {
+        &self.uploads
+    }
+
+    /// Whether the namespace `slug` holds a template or snapshot named `name`.
+    pub(crate) async fn name_taken(&self, slug: &str, name: &str) -> ApiResult<bool> {
+        Ok(self
+            .records
+            .alias_in_use(&format!("{slug}/{name}"))
+            .await
+            .map_err(record_error)?)
     }
 
     pub fn webhook_targets(&self) -> &WebhookTargets {

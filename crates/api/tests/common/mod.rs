@@ -262,6 +262,25 @@ impl NodeControl for FakeNode {
     async fn pool_depths(&self) -> Vec<(String, usize)> {
         vec![("base-build".into(), 1)]
     }
+
+    async fn exec(
+        &self,
+        sandbox_id: &str,
+        _execution_id: &str,
+        _spec: vmon_proto::node::ExecSpec,
+    ) -> Result<vmon_proto::node::ExecOutput, NodeError> {
+        Err(NodeError::NotFound(sandbox_id.into()))
+    }
+
+    async fn put_file(
+        &self,
+        sandbox_id: &str,
+        _execution_id: &str,
+        _host_path: &str,
+        _guest_path: &str,
+    ) -> Result<(), NodeError> {
+        Err(NodeError::NotFound(sandbox_id.into()))
+    }
 }
 
 pub struct Harness {

@@ -5,8 +5,8 @@ use std::sync::Arc;
 
 use tokio::sync::Mutex;
 use vmon_proto::node::{
-    BuildInfo, LogEntry, LogQuery, MetricSample, NetworkPolicy, NodeControl, NodeError, Running,
-    StartSpec, TemplateSpec,
+    BuildInfo, ExecOutput, ExecSpec, LogEntry, LogQuery, MetricSample, NetworkPolicy, NodeControl,
+    NodeError, Running, StartSpec, TemplateSpec,
 };
 
 use super::{err, Node};
@@ -131,5 +131,25 @@ impl NodeControl for Node {
                 (b, d)
             })
             .collect()
+    }
+
+    async fn exec(
+        &self,
+        sandbox_id: &str,
+        execution_id: &str,
+        spec: ExecSpec,
+    ) -> Result<ExecOutput, NodeError> {
+        self.exec_step(sandbox_id, execution_id, spec).await
+    }
+
+    async fn put_file(
+        &self,
+        sandbox_id: &str,
+        execution_id: &str,
+        host_path: &str,
+        guest_path: &str,
+    ) -> Result<(), NodeError> {
+        self.put_step_file(sandbox_id, execution_id, host_path, guest_path)
+            .await
     }
 }

@@ -183,3 +183,97 @@ impl Node {
         Ok(())
     }
 }
+
+/// Most bytes of a step's stdout or stderr that are kept (the rest is cut, said so).
+const MAX_STEP_OUTPUT: usize = 1 << 20;
+/// Largest file a template step may write into its guest.
+const MAX_STEP_FILE: u64 = 1 << 30;
+
+fn bounded_text(mut bytes: Vec<u8>) -> String {
+    let cut = bytes.len() > MAX_STEP_OUTPUT;
+    bytes.truncate(MAX_STEP_OUTPUT);
+    let mut s = String::from_utf8_lossy(&bytes).into_owned();
+    if cut {
+        s.push_str("\n[output cut at 1 MiB]");
+    }
+    s
+}
+
+impl Node {
+    /// A running sandbox's envd address and token, if it is in run `execution_id`.
+    async fn envd_of(
+        &self,
+        sandbox_id: &str,
+        execution_id: &str,
+    ) -> Result<(SocketAddr, Option<String>), NodeError> {
+        let l = self.live_execution(sandbox_id, execution_id).await?;
+        Ok((
+            SocketAddr::new(IpAddr::V4(l.slot.addr()), ENVD_PORT),
+            l.state.envd_token.clone(),
+        ))
+    }
+
+    /// Runs one template build step's command to its end.
+    pub(super) async fn exec_step(
+        &self,
+        sandbox_id: &str,
+        execution_id: &str,
+        spec: vmon_proto::node::ExecSpec,
+    ) -> Result<vmon_proto::node::ExecOutput, NodeError> {
+        let (addr, token) = self.envd_of(sandbox_id, execution_id).await?;
+        let timeout = Duration::from_secs(spec.timeout_secs.clamp(1, 24 * 3600));
+        let out = envd_client::run_in(
+            addr,
+            token.as_deref(),
+            &spec.user,
+            &spec.cmd,
+            spec.cwd.as_deref(),
+            &spec.env,
+            timeout,
+        )
+        .await
+        .map_err(err)?;
+        Ok(vmon_proto::node::ExecOutput {
+            exit_code: out.exit_code,
+            stdout: bounded_text(out.stdout),
+            stderr: bounded_text(out.stderr),
+        })
+    }
+
+    /// Copies a host file into a running sandbox (a template build's COPY archive).
+    pub(super) async fn put_step_file(
+        &self,
+        sandbox_id: &str,
+        execution_id: &str,
+        host_path: &str,
+        guest_path: &str,
+    ) -> Result<(), NodeError> {
+        if !guest_path.starts_with('/') {
+            return Err(NodeError::InvalidArgument(format!(
+                "{guest_path:?} is not an absolute guest path"
+            )));
+        }
+        let (addr, token) = self.envd_of(sandbox_id, execution_id).await?;
+        let len = std::fs::metadata(host_path)
+            .map_err(|e| NodeError::InvalidArgument(format!("{host_path}: {e}")))?
+            .len();
+        if len > MAX_STEP_FILE {
+            return Err(NodeError::InvalidArgument(format!(
+                "{host_path} is larger than {MAX_STEP_FILE} bytes"
+            )));
+        }
+        let data = tokio::fs::read(host_path)
+            .await
+            .map_err(|e| NodeError::InvalidArgument(format!("{host_path}: {e}")))?;
+        envd_client::upload(
+            addr,
+            token.as_deref(),
+            "root",
+            guest_path,
+            data,
+            Duration::from_secs(600),
+        )
+        .await
+        .map_err(err)
+    }
+}
