@@ -452,7 +452,6 @@ async fn update_network(
     Ok(StatusCode::NO_CONTENT)
 }
 
-
 #[utoipa::path(
     get, path = "/snapshots", tag = "snapshots",
     summary = "The team's snapshots",

@@ -65,6 +65,11 @@ const BASE_PACKAGES: &[&str] = &[
     "python3-matplotlib",
     // The code interpreter's JavaScript contexts.
     "nodejs",
+];
+
+/// Packages installed with apt in the debootstrap tree, after debootstrap: their dependencies
+/// need apt's resolver (alternatives, virtual packages), which debootstrap's `--include` lacks.
+const APT_PACKAGES: &[&str] = &[
     // Jupyter kernels for the code interpreter's Python contexts.
     "python3-ipykernel",
     "python3-jupyter-client",
@@ -95,7 +100,11 @@ impl Recipe {
         Ok(Recipe {
             suite: src.suite,
             mirror: src.mirror,
-            packages: BASE_PACKAGES.iter().map(|s| s.to_string()).collect(),
+            packages: BASE_PACKAGES
+                .iter()
+                .chain(APT_PACKAGES)
+                .map(|s| s.to_string())
+                .collect(),
             disk_mb: 4096,
             envd,
         })
@@ -388,9 +397,14 @@ async fn ensure_tree(
         format!("debootstrap {} from {}", recipe.suite, recipe.mirror),
         0,
     );
+    let (by_apt, by_debootstrap): (Vec<&String>, Vec<&String>) = recipe
+        .packages
+        .iter()
+        .partition(|p| APT_PACKAGES.contains(&p.as_str()));
+    let include: Vec<&str> = by_debootstrap.iter().map(|p| p.as_str()).collect();
     let mut child = tokio::process::Command::new("debootstrap")
         .arg("--variant=minbase")
-        .arg(format!("--include={}", recipe.packages.join(",")))
+        .arg(format!("--include={}", include.join(",")))
         .arg(&recipe.suite)
         .arg(&tmp)
         .arg(&recipe.mirror)
@@ -435,6 +449,10 @@ async fn ensure_tree(
             last.join("\n"),
             err.trim()
         );
+    }
+    if !by_apt.is_empty() {
+        report.update("installing packages with apt", DEBOOTSTRAP_DONE);
+        apt_install(&tmp, &by_apt).await?;
     }
     report.update("configuring the tree", DEBOOTSTRAP_DONE);
     configure_tree(&tmp).await?;
@@ -515,6 +533,54 @@ impl DebootstrapProgress {
 }
 
 /// Users, sudo, hosts; drops the package cache.
+/// `apt-get install` in the tree (with `/proc` mounted and no service started), then the
+/// package cache emptied.
+async fn apt_install(tree: &Path, packages: &[&String]) -> anyhow::Result<()> {
+    let policy = tree.join("usr/sbin/policy-rc.d");
+    std::fs::write(&policy, "#!/bin/sh\nexit 101\n")?;
+    std::fs::set_permissions(&policy, std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
+    let proc_dir = tree.join("proc");
+    run(
+        tokio::process::Command::new("mount")
+            .args(["-t", "proc", "proc"])
+            .arg(&proc_dir),
+        "mount /proc in the tree",
+    )
+    .await?;
+    let result = async {
+        run(
+            tokio::process::Command::new("chroot")
+                .arg(tree)
+                .args(["apt-get", "update", "-q"]),
+            "apt-get update in the tree",
+        )
+        .await?;
+        run(
+            tokio::process::Command::new("chroot")
+                .arg(tree)
+                .env("DEBIAN_FRONTEND", "noninteractive")
+                .args(["apt-get", "install", "-y", "-q", "--no-install-recommends"])
+                .args(packages.iter().map(|p| p.as_str())),
+            "apt-get install in the tree",
+        )
+        .await?;
+        run(
+            tokio::process::Command::new("chroot")
+                .arg(tree)
+                .args(["apt-get", "clean"]),
+            "apt-get clean in the tree",
+        )
+        .await
+    }
+    .await;
+    let _ = tokio::process::Command::new("umount")
+        .arg(&proc_dir)
+        .status()
+        .await;
+    let _ = std::fs::remove_file(&policy);
+    result
+}
+
 async fn configure_tree(tree: &Path) -> anyhow::Result<()> {
     let has_user = std::fs::read_to_string(tree.join("etc/passwd"))?
         .lines()

@@ -58,7 +58,10 @@ impl Store {
         .await?;
         rows.iter()
             .map(doc_of)
-            .filter(|d| d.as_ref().map_or(true, |d| statuses.contains(&d.status.as_str())))
+            .filter(|d| {
+                d.as_ref()
+                    .map_or(true, |d| statuses.contains(&d.status.as_str()))
+            })
             .collect()
     }
 
@@ -143,12 +146,14 @@ impl Store {
     /// The cached layer of a team under `key`, marked used now.
     pub async fn template_layer(&self, team_id: &str, key: &str) -> Result<Option<String>> {
         let mut c = self.writer.acquire().await?;
-        sqlx::query("UPDATE template_layers SET used_at = $3 WHERE team_id = $1 AND cache_key = $2")
-            .bind(team_id)
-            .bind(key)
-            .bind(now_ms())
-            .execute(&mut *c)
-            .await?;
+        sqlx::query(
+            "UPDATE template_layers SET used_at = $3 WHERE team_id = $1 AND cache_key = $2",
+        )
+        .bind(team_id)
+        .bind(key)
+        .bind(now_ms())
+        .execute(&mut *c)
+        .await?;
         let row =
             sqlx::query("SELECT doc FROM template_layers WHERE team_id = $1 AND cache_key = $2")
                 .bind(team_id)
@@ -176,14 +181,16 @@ impl Store {
     }
 
     /// Cached layers not used since `before_ms` (Unix ms): `(team, key, doc)`.
-    pub async fn stale_template_layers(&self, before_ms: i64) -> Result<Vec<(String, String, String)>> {
+    pub async fn stale_template_layers(
+        &self,
+        before_ms: i64,
+    ) -> Result<Vec<(String, String, String)>> {
         let mut c = self.reader.acquire().await?;
-        let rows = sqlx::query(
-            "SELECT team_id, cache_key, doc FROM template_layers WHERE used_at < $1",
-        )
-        .bind(before_ms)
-        .fetch_all(&mut *c)
-        .await?;
+        let rows =
+            sqlx::query("SELECT team_id, cache_key, doc FROM template_layers WHERE used_at < $1")
+                .bind(before_ms)
+                .fetch_all(&mut *c)
+                .await?;
         rows.iter()
             .map(|r| Ok((get(r, "team_id")?, get(r, "cache_key")?, get(r, "doc")?)))
             .collect()

@@ -437,6 +437,9 @@ impl Control {
                     .delete_template(&t.id)
                     .await
                     .map_err(record_error)?;
+                if let Err(e) = self.records.delete_template_builds(&t.id).await {
+                    tracing::warn!(template = %t.id, error = %e, "deleting the template's build records failed");
+                }
                 t.tags.into_values().collect()
             }
         };

@@ -56,7 +56,10 @@ impl Control {
                         break;
                     }
                     _ = tick.tick() => self.reap_once(&in_flight).await,
-                    _ = retention.tick() => self.expire_events().await,
+                    _ = retention.tick() => {
+                        self.expire_events().await;
+                        self.collect_layers().await;
+                    }
                 }
             }
         }

@@ -83,8 +83,11 @@ pub trait BuildRecords: Send + Sync + 'static {
     /// A template's builds, newest first.
     async fn template_builds_of(&self, template_id: &str) -> RecordResult<Vec<TemplateBuild>>;
     async fn delete_template_builds(&self, template_id: &str) -> RecordResult<()>;
-    async fn append_build_logs(&self, build_id: &str, entries: &[BuildLogEntry])
-        -> RecordResult<()>;
+    async fn append_build_logs(
+        &self,
+        build_id: &str,
+        entries: &[BuildLogEntry],
+    ) -> RecordResult<()>;
     async fn build_logs(
         &self,
         build_id: &str,
@@ -104,6 +107,8 @@ pub trait BuildRecords: Send + Sync + 'static {
     async fn templates_of(&self, team_id: &str) -> RecordResult<Vec<super::TemplateRecord>>;
     /// Whether a stored name (`slug/alias`, or a shared alias) is taken.
     async fn alias_in_use(&self, stored_alias: &str) -> RecordResult<bool>;
+    /// Whether a template (or snapshot) has ever pointed a tag at this build.
+    async fn is_template_build(&self, build_id: &str) -> RecordResult<bool>;
 }
 
 fn build_of(d: TemplateBuildDoc) -> RecordResult<TemplateBuild> {
@@ -224,7 +229,15 @@ impl BuildRecords for StoreRecords {
         Ok(out)
     }
 
+    async fn is_template_build(&self, build_id: &str) -> RecordResult<bool> {
+        Ok(self.store().build(build_id).await?.is_some())
+    }
+
     async fn alias_in_use(&self, stored_alias: &str) -> RecordResult<bool> {
-        Ok(self.store().template_by_alias(stored_alias).await?.is_some())
+        Ok(self
+            .store()
+            .template_by_alias(stored_alias)
+            .await?
+            .is_some())
     }
 }

@@ -366,7 +366,10 @@ impl StoreRecords {
         Ok(self.store.team(team_id).await?.map(|t| t.slug))
     }
 
-    pub(super) async fn load_template(&self, t: vmon_store::Template) -> RecordResult<Option<TemplateRecord>> {
+    pub(super) async fn load_template(
+        &self,
+        t: vmon_store::Template,
+    ) -> RecordResult<Option<TemplateRecord>> {
         let kind = match t.kind {
             vmon_store::TemplateKind::Snapshot => TemplateKind::Snapshot {
                 source_sandbox_id: t.source_sandbox_id.clone().unwrap_or_default(),

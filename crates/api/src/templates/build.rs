@@ -21,6 +21,8 @@ use crate::records::{BuildFailure, BuildLogEntry, BuildState, Team, TemplateBuil
 const STEP_TIMEOUT: Duration = Duration::from_secs(3600);
 /// How long the ready command may keep failing.
 const READY_TIMEOUT: Duration = Duration::from_secs(600);
+/// How long an unused layer stays in the cache.
+const LAYER_KEEP: Duration = Duration::from_secs(7 * 24 * 3600);
 /// Longest log message kept per entry.
 const MAX_LINE: usize = 4096;
 /// Most log lines one step's output adds (the rest is summarized).
@@ -147,13 +149,19 @@ fn base_key(base: &BuildInfo, vcpus: u32, memory_mb: u32) -> String {
 }
 
 impl Control {
-    /// Ends the builds a restart interrupted: `building` becomes `error`.
+    /// Ends the builds a restart interrupted: `building` (or triggered and queued) becomes
+    /// `error`.
     pub(crate) async fn end_interrupted_builds(&self) -> anyhow::Result<()> {
         for mut b in self
             .records
-            .template_builds_in(&[BuildState::Building])
+            .template_builds_in(&[BuildState::Building, BuildState::Waiting])
             .await?
         {
+            // A waiting build whose files may still come stays; a triggered one was queued in
+            // the process that ended.
+            if b.state == BuildState::Waiting && b.start.is_none() {
+                continue;
+            }
             let message = "the build was interrupted: vmon restarted while it ran".to_string();
             self.records
                 .append_build_logs(
@@ -219,8 +227,12 @@ impl Control {
                 }
             }
             Err(f) => {
-                log.write("error", Some(&f.step), &[format!("Build failed: {}", f.message)])
-                    .await;
+                log.write(
+                    "error",
+                    Some(&f.step),
+                    &[format!("Build failed: {}", f.message)],
+                )
+                .await;
                 build.state = BuildState::Error;
                 build.failure = Some(BuildFailure {
                     message: f.message,
@@ -314,10 +326,14 @@ impl Control {
         if no_cache_from == n && !start.force {
             if let Some(b) = self.cached(team, &final_key).await {
                 for (i, (_, _)) in plan.iter().enumerate() {
-                    log.info(Some(&(i + 1).to_string()), format!("CACHED [{}/{n}] {}", i + 1, describe(&start.steps[i])))
-                        .await;
+                    log.info(
+                        Some(&(i + 1).to_string()),
+                        format!("CACHED [{}/{n}] {}", i + 1, describe(&start.steps[i])),
+                    )
+                    .await;
                 }
-                log.info(Some("finalize"), "CACHED the finished template").await;
+                log.info(Some("finalize"), "CACHED the finished template")
+                    .await;
                 return Ok(b);
             }
         }
@@ -332,7 +348,11 @@ impl Control {
             None if !shape_differs => (0, base.clone()),
             None => {
                 let machine_key = base_key(&base, build.vcpus, build.memory_mb);
-                match self.cached(team, &machine_key).await.filter(|_| !start.force) {
+                match self
+                    .cached(team, &machine_key)
+                    .await
+                    .filter(|_| !start.force)
+                {
                     Some(b) => (0, b),
                     None => {
                         log.info(
@@ -390,7 +410,9 @@ impl Control {
             .await
             .map_err(|e| fail("base", format!("starting the build VM: {e}")))?;
         let result = self
-            .steps_in(team, &vm, start, &plan, &keys, first, from_build, &final_key, log)
+            .steps_in(
+                team, &vm, start, &plan, &keys, first, from_build, &final_key, log,
+            )
             .await;
         vm.kill().await;
         result
@@ -475,7 +497,10 @@ impl Control {
                     if out.exit_code != 0 {
                         return Err(fail(
                             &step,
-                            format!("step {step} (COPY {src} {dest}) failed: {}", cut(out.stderr.trim())),
+                            format!(
+                                "step {step} (COPY {src} {dest}) failed: {}",
+                                cut(out.stderr.trim())
+                            ),
                         ));
                     }
                     true
@@ -487,7 +512,10 @@ impl Control {
                         .map_err(|e| fail(&step, format!("running the step: {e}")))?;
                     if out.exit_code != 0 {
                         log.output(s, "info", &out.stderr).await;
-                        return Err(fail(&step, format!("step {step} failed: {}", cut(out.stderr.trim()))));
+                        return Err(fail(
+                            &step,
+                            format!("step {step} failed: {}", cut(out.stderr.trim())),
+                        ));
                     }
                     true
                 }
@@ -505,7 +533,8 @@ impl Control {
         }
         // The template's own process, then its readiness.
         if let Some(cmd) = start.start_cmd.as_deref().filter(|c| !c.trim().is_empty()) {
-            log.info(Some("finalize"), format!("Starting: {}", cut(cmd))).await;
+            log.info(Some("finalize"), format!("Starting: {}", cut(cmd)))
+                .await;
             let detached = format!(
                 "setsid -f bash -l -c {} >/tmp/vmon-start.log 2>&1 </dev/null",
                 steps::quote(cmd)
@@ -517,16 +546,25 @@ impl Control {
             if out.exit_code != 0 {
                 return Err(fail(
                     "finalize",
-                    format!("the start command could not be started: {}", cut(out.stderr.trim())),
+                    format!(
+                        "the start command could not be started: {}",
+                        cut(out.stderr.trim())
+                    ),
                 ));
             }
         }
         if let Some(ready) = start.ready_cmd.as_deref().filter(|c| !c.trim().is_empty()) {
-            log.info(Some("finalize"), format!("Waiting for: {}", cut(ready))).await;
+            log.info(Some("finalize"), format!("Waiting for: {}", cut(ready)))
+                .await;
             let t0 = tokio::time::Instant::now();
             loop {
                 let out = vm
-                    .exec(ready.to_string(), &state.user, &state, Duration::from_secs(60))
+                    .exec(
+                        ready.to_string(),
+                        &state.user,
+                        &state,
+                        Duration::from_secs(60),
+                    )
                     .await
                     .map_err(|e| fail("finalize", format!("running the ready command: {e}")))?;
                 if out.exit_code == 0 {
@@ -534,7 +572,12 @@ impl Control {
                 }
                 if t0.elapsed() > READY_TIMEOUT {
                     let started = vm
-                        .exec("tail -n 50 /tmp/vmon-start.log 2>/dev/null".into(), "root", &state, Duration::from_secs(30))
+                        .exec(
+                            "tail -n 50 /tmp/vmon-start.log 2>/dev/null".into(),
+                            "root",
+                            &state,
+                            Duration::from_secs(30),
+                        )
                         .await
                         .map(|o| o.stdout)
                         .unwrap_or_default();
@@ -554,7 +597,8 @@ impl Control {
         let _ = vm
             .exec("sync".into(), "root", &state, Duration::from_secs(60))
             .await;
-        log.info(Some("finalize"), "Saving the template (memory and disk)").await;
+        log.info(Some("finalize"), "Saving the template (memory and disk)")
+            .await;
         let done = self
             .node
             .checkpoint(&vm.sandbox_id, &vm.execution_id, true)
@@ -562,6 +606,29 @@ impl Control {
             .map_err(|e| fail("finalize", format!("saving the template: {e}")))?;
         self.remember(team, final_key, &done).await;
         Ok(done)
+    }
+
+    /// The layer cache's collector (the leader's hourly job): a layer unused for
+    /// [`LAYER_KEEP`] leaves the cache and its build goes when nothing stands on it (a template
+    /// tag, a sandbox, a later layer: the node refuses those deletions and the build stays).
+    pub(crate) async fn collect_layers(&self) {
+        let before = OffsetDateTime::now_utc() - LAYER_KEEP;
+        let stale = match self.records.stale_layers(before).await {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "listing stale template layers failed");
+                return;
+            }
+        };
+        for (team, key, build) in stale {
+            if self.records.delete_layer(&team, &key).await.is_err() {
+                continue;
+            }
+            // A template's tag may still name it (the finished template is a layer too).
+            if let Ok(false) = self.records.is_template_build(&build.build_id).await {
+                self.drop_build(&build.build_id).await;
+            }
+        }
     }
 
     /// A cached layer that the node still has.

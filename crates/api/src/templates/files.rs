@@ -132,7 +132,8 @@ async fn write_capped(dir: &FsPath, dest: &FsPath, body: Body) -> ApiResult<u64>
     let mut total: u64 = 0;
     let result = async {
         while let Some(chunk) = stream.next().await {
-            let chunk = chunk.map_err(|e| ApiError::bad_request(format!("reading the upload: {e}")))?;
+            let chunk =
+                chunk.map_err(|e| ApiError::bad_request(format!("reading the upload: {e}")))?;
             total += chunk.len() as u64;
             if total > MAX_UPLOAD {
                 return Err(ApiError::new(
@@ -218,7 +219,9 @@ mod tests {
         assert!(u.check("team1", &"a".repeat(64), &later, sig).is_err());
         let old = "1".to_string();
         let old_sig = hmac(&u.key, &Uploads::message("team1", &"a".repeat(64), 1));
-        let e = u.check("team1", &"a".repeat(64), &old, &old_sig).unwrap_err();
+        let e = u
+            .check("team1", &"a".repeat(64), &old, &old_sig)
+            .unwrap_err();
         assert_eq!(e.message, "signature is already expired");
     }
 }

@@ -81,8 +81,10 @@ fn forbidden(msg: impl Into<String>) -> ApiError {
 
 #[utoipa::path(post, path = "/templates", tag = "templates",
     summary = "The legacy Docker-push build (answers 400: use the Template SDK)",
-    responses((status = 400, description = "Invalid request", body = crate::wire::ErrorBody)))]
-pub(crate) async fn legacy() -> ApiError {
+    responses((status = 400, description = "Invalid request", body = crate::wire::ErrorBody),
+        (status = 401, description = "No or a wrong API key", body = crate::wire::ErrorBody)),
+    security(("ApiKeyAuth" = [])))]
+pub(crate) async fn legacy(_auth: Auth) -> ApiError {
     ApiError::bad_request(
         "this endpoint is the legacy Docker-push build flow, which vmon does not offer: build \
          with `e2b template create <name>` (CLI 2.x) or the Template SDK (Template.build)",
@@ -199,7 +201,10 @@ pub(crate) async fn request_build(
                 tags: BTreeMap::new(),
                 created_at: OffsetDateTime::now_utc(),
             };
-            records.put_template(t.clone()).await.map_err(record_error)?;
+            records
+                .put_template(t.clone())
+                .await
+                .map_err(record_error)?;
             t
         }
     };
@@ -259,8 +264,17 @@ async fn own_template(c: &Control, team: &Team, id_or_name: &str) -> ApiResult<T
         .ok_or_else(not_found)
 }
 
-async fn own_build(c: &Control, team: &Team, template: &str, build: &str) -> ApiResult<TemplateBuild> {
-    let not_found = || ApiError::not_found(format!("build '{build}' of template '{template}' not found"));
+async fn own_build(
+    c: &Control,
+    team: &Team,
+    template: &str,
+    build: &str,
+) -> ApiResult<TemplateBuild> {
+    let not_found = || {
+        ApiError::not_found(format!(
+            "build '{build}' of template '{template}' not found"
+        ))
+    };
     let b = c
         .records()
         .template_build(build)
@@ -318,9 +332,9 @@ pub(crate) async fn start_build(
         ));
     }
     if let Some(t) = &start.from_template {
-        c.resolve_template(&team, t).await.map_err(|e| {
-            ApiError::bad_request(format!("fromTemplate {t:?}: {}", e.message))
-        })?;
+        c.resolve_template(&team, t)
+            .await
+            .map_err(|e| ApiError::bad_request(format!("fromTemplate {t:?}: {}", e.message)))?;
     }
     build.start = Some(redact(raw));
     c.records()
@@ -333,7 +347,10 @@ pub(crate) async fn start_build(
 
 /// The trigger's body as it is kept: registry credentials never reach the store.
 fn redact(mut raw: Value) -> Value {
-    if let Some(obj) = raw.get_mut("fromImageRegistry").and_then(Value::as_object_mut) {
+    if let Some(obj) = raw
+        .get_mut("fromImageRegistry")
+        .and_then(Value::as_object_mut)
+    {
         for (k, v) in obj.iter_mut() {
             if k != "type" && k != "username" && k != "awsRegion" {
                 *v = json!("[redacted]");
@@ -478,7 +495,9 @@ pub(crate) async fn alias(
     if let Some(ns) = &r.namespace {
         if *ns != team.slug {
             return if c.name_taken(ns, &r.name).await? {
-                Err(forbidden(format!("template '{name}' belongs to another team")))
+                Err(forbidden(format!(
+                    "template '{name}' belongs to another team"
+                )))
             } else {
                 Err(not_found())
             };
@@ -585,7 +604,12 @@ pub(crate) async fn tags_of(
 }
 
 /// One template as `GET /templates` lists it.
-async fn template_json(c: &Control, team: &Team, t: &TemplateRecord, with_builds: bool) -> ApiResult<Value> {
+async fn template_json(
+    c: &Control,
+    team: &Team,
+    t: &TemplateRecord,
+    with_builds: bool,
+) -> ApiResult<Value> {
     let builds = c
         .records()
         .template_builds_of(&t.id)
@@ -763,9 +787,11 @@ pub(crate) async fn list_v2(s: State<AppState>, a: Auth) -> ApiResult<Response> 
 
 #[utoipa::path(post, path = "/v2/templates", tag = "templates",
     summary = "The v2 build request of older SDKs (answers 400: use the Template SDK)",
-    responses((status = 400, description = "Invalid request", body = crate::wire::ErrorBody)))]
-pub(crate) async fn legacy_v2() -> ApiError {
-    legacy().await
+    responses((status = 400, description = "Invalid request", body = crate::wire::ErrorBody),
+        (status = 401, description = "No or a wrong API key", body = crate::wire::ErrorBody)),
+    security(("ApiKeyAuth" = [])))]
+pub(crate) async fn legacy_v2(auth: Auth) -> ApiError {
+    legacy(auth).await
 }
 
 #[utoipa::path(get, path = "/templates/{templateID}/builds/{buildID}/logs", tag = "templates",

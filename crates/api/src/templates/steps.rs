@@ -108,7 +108,11 @@ pub fn plan(start: &BuildStart) -> ApiResult<Vec<(Action, StepState)>> {
     let mut out = Vec::with_capacity(start.steps.len());
     for (i, step) in start.steps.iter().enumerate() {
         let n = i + 1;
-        if step.args.iter().any(|a| a.len() > MAX_ARG || a.contains('\0')) {
+        if step
+            .args
+            .iter()
+            .any(|a| a.len() > MAX_ARG || a.contains('\0'))
+        {
             return Err(bad(n, "an argument is too long or holds a NUL byte"));
         }
         let action = match step.kind.as_str() {
@@ -298,7 +302,13 @@ pub fn final_key(prev: &str, start: &BuildStart, state: &StepState) -> String {
 /// in a scratch directory, then place each match of `src` (a glob allowed) at `dest` the way
 /// Docker's COPY does (a directory's contents into `dest`; a file into `dest` when that ends
 /// in `/` or is a directory, else as `dest`), then owner and mode.
-pub fn copy_script(archive: &str, src: &str, dest: &str, owner: &str, mode: Option<&str>) -> String {
+pub fn copy_script(
+    archive: &str,
+    src: &str,
+    dest: &str,
+    owner: &str,
+    mode: Option<&str>,
+) -> String {
     let chmod = match mode {
         Some(m) => format!("chmod -R {m} \"$t\""),
         None => ":".into(),
@@ -381,7 +391,10 @@ mod tests {
     fn bad_steps_are_refused_with_their_number() {
         for (s, want) in [
             (step("FROM", &["x"]), "step 1: unknown step type"),
-            (step("COPY", &["a", "/b"]), "step 1: COPY needs the filesHash"),
+            (
+                step("COPY", &["a", "/b"]),
+                "step 1: COPY needs the filesHash",
+            ),
             (step("ENV", &["A"]), "step 1: ENV takes"),
             (step("RUN", &[""]), "step 1: RUN needs"),
             (step("USER", &["a b"]), "step 1: USER needs"),
