@@ -13,6 +13,7 @@ BINS=(
   pg_ctl:postgresql
   shellcheck:shellcheck
   node:nodejs
+  npm:npm
   chromium:chromium
   chromedriver:chromium-driver
 )

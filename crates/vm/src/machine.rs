@@ -43,9 +43,11 @@ pub struct NetDevice {
     pub tap: String,
 }
 
-/// The kernel command line every guest boots with.
+/// The kernel command line every guest boots with. `no_timer_check`: under TCG on a loaded host
+/// the kernel's IO-APIC timer check can miss its window and panic the boot.
 pub fn kernel_cmdline(extra: &str) -> String {
-    let base = "console=ttyS0 root=/dev/vda rw panic=-1 quiet nokaslr net.ifnames=0 \
+    let base =
+        "console=ttyS0 root=/dev/vda rw panic=-1 quiet nokaslr net.ifnames=0 no_timer_check \
                 init=/usr/local/bin/envd vmon.ip=169.254.0.21/30 vmon.gw=169.254.0.22";
     if extra.is_empty() {
         base.to_string()
