@@ -186,3 +186,39 @@ def test_bad_template_input_is_refused_and_leaves_nothing(vmon):
     assert status == 400 and "Template SDK" in err["message"], err
     status, _ = _api(vmon, "GET", f"/templates/{tid}/builds/{'0' * 8}-0000-4000-8000-{'0' * 12}/status")
     assert status == 404
+
+
+def test_from_template_and_from_dockerfile(vmon, new_sandbox):
+    parent = _name("parent")
+    Template.build(Template().from_base_image().run_cmd("echo parent > /home/user/parent.txt"), parent)
+    child = _name("child")
+    Template.build(
+        Template().from_template(parent).run_cmd("cat /home/user/parent.txt > /home/user/child.txt"),
+        child,
+    )
+    sbx = new_sandbox(child, timeout=120)
+    assert sbx.commands.run("cat /home/user/child.txt").stdout == "parent\n"
+
+    from_base = _name("from-base")
+    Template.build(Template().from_template("base").run_cmd("echo b > /home/user/b.txt"), from_base)
+    sbx = new_sandbox(from_base, timeout=120)
+    assert sbx.commands.run("cat /home/user/b.txt").stdout == "b\n"
+
+    dockerfile = _name("dockerfile")
+    t = Template().from_dockerfile(
+        "FROM e2bdev/base\n"
+        "ENV GREETING=hello\n"
+        "RUN echo \"$GREETING\" > /opt/greeting.txt\n"
+        "WORKDIR /srv/app\n"
+        "RUN pwd > where.txt && whoami >> where.txt\n"
+    )
+    Template.build(t, dockerfile)
+    sbx = new_sandbox(dockerfile, timeout=120)
+    assert sbx.commands.run("cat /opt/greeting.txt").stdout == "hello\n"
+    assert sbx.commands.run("cat /srv/app/where.txt").stdout == "/srv/app\nroot\n"
+
+
+def test_a_registry_image_is_refused_with_a_clear_error(vmon):
+    with pytest.raises(BuildException) as e:
+        Template.build(Template().from_image("registry.invalid/some/image:1"), _name("oci"))
+    assert "registry.invalid/some/image:1" in str(e.value), e.value
