@@ -1,5 +1,6 @@
 //! `vmon bench snapshot`: create, pause, resume and fork figures on this machine, printed as
-//! medians and p99 with the machine, QEMU version and accelerator.
+//! medians and p99 with the machine, QEMU version and accelerator; `boot`, and the SDK-driven
+//! `api` and `template` benchmarks (`tests/bench/`).
 
 use std::path::Path;
 use std::sync::Arc;
@@ -23,6 +24,10 @@ enum What {
     /// The E2B API through the official Python SDK (runs `tests/bench/api_bench.py` with the
     /// repository's venv; against `E2B_API_URL` if set, else its own `vmon up`).
     Api,
+    /// Template builds through the official Template SDK: a first build, a cached rebuild, a
+    /// last-step rebuild, and creates from the result against creates from `base` (runs
+    /// `tests/bench/template_bench.py` like `api`).
+    Template,
 }
 
 #[derive(clap::Args)]
@@ -233,7 +238,8 @@ pub async fn run(data_dir: &Path, args: Args) -> anyhow::Result<()> {
     match args.what {
         What::Snapshot(a) => snapshot(data_dir, a).await,
         What::Boot(a) => boot(data_dir, a).await,
-        What::Api => api_bench().await,
+        What::Api => python_bench("api_bench.py").await,
+        What::Template => python_bench("template_bench.py").await,
     }
 }
 
@@ -248,9 +254,10 @@ fn repo_dir() -> std::path::PathBuf {
     }
 }
 
-async fn api_bench() -> anyhow::Result<()> {
+/// Runs one of the SDK benchmarks in `tests/bench/` with the repository's venv.
+async fn python_bench(name: &str) -> anyhow::Result<()> {
     let repo = repo_dir();
-    let script = repo.join("tests/bench/api_bench.py");
+    let script = repo.join("tests/bench").join(name);
     let python = repo.join(".venv/bin/python");
     if !script.is_file() || !python.is_file() {
         anyhow::bail!(
@@ -264,7 +271,7 @@ async fn api_bench() -> anyhow::Result<()> {
         .status()
         .await?;
     if !status.success() {
-        anyhow::bail!("api bench failed ({status})");
+        anyhow::bail!("{name} failed ({status})");
     }
     Ok(())
 }
