@@ -222,3 +222,30 @@ def test_a_registry_image_is_refused_with_a_clear_error(vmon):
     with pytest.raises(BuildException) as e:
         Template.build(Template().from_image("registry.invalid/some/image:1"), _name("oci"))
     assert "registry.invalid/some/image:1" in str(e.value), e.value
+
+
+def test_another_team_sees_and_touches_nothing_of_a_template(vmon):
+    name = _name("private")
+    status, req = _api(vmon, "POST", "/v3/templates", {"name": name})
+    assert status == 202, req
+    tid, bid, full = req["templateID"], req["buildID"], req["names"][0]
+    other = vmon.create_team(f"tpl-{secrets.token_hex(3)}")
+    for method, path, body in [
+        ("GET", f"/templates/{tid}/builds/{bid}/status", None),
+        ("POST", f"/v2/templates/{tid}/builds/{bid}", {"steps": [], "fromImage": "e2bdev/base", "force": False}),
+        ("GET", f"/templates/{tid}/files/{'ef' * 32}", None),
+        ("GET", f"/templates/{tid}", None),
+        ("GET", f"/templates/{tid}/tags", None),
+        ("DELETE", f"/templates/{tid}", None),
+    ]:
+        status, err = _api(vmon, method, path, body, key=other)
+        assert status == 404, (method, path, status, err)
+        assert set(err) == {"code", "message"}, err
+    quoted = urllib.request.quote(full, safe="")
+    status, err = _api(vmon, "GET", f"/templates/aliases/{quoted}", key=other)
+    assert status == 403, err
+    status, listed = _api(vmon, "GET", "/templates", key=other)
+    assert status == 200 and tid not in {t["templateID"] for t in listed}
+    # Still there for its own team.
+    status, st = _api(vmon, "GET", f"/templates/{tid}/builds/{bid}/status")
+    assert status == 200 and st["status"] == "waiting", st
