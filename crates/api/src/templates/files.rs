@@ -176,8 +176,12 @@ pub(crate) async fn upload(
     body: Body,
 ) -> Response {
     let run = async {
+        // Only URLs this api signed name anything; a malformed one cannot have been.
         if !safe_id(&team) || !is_hash(&hash) {
-            return Err(ApiError::not_found("no such upload"));
+            return Err(ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "the upload URL's signature is invalid",
+            ));
         }
         let pairs = query_pairs(query)?;
         let get = |k: &str| {
