@@ -123,7 +123,13 @@ def test_a_failing_step_fails_the_build_with_its_output(vmon):
 
 def test_a_rebuild_reuses_the_layers_it_has(vmon, new_sandbox):
     name = _name("cached")
-    first = Template().from_base_image().run_cmd("echo 1 > /home/user/one.txt").run_cmd("echo 2 > /home/user/two.txt")
+    # The cache is the team's: a marker of this run's keeps earlier runs' layers out of it.
+    marker = secrets.token_hex(4)
+    first = (
+        Template().from_base_image()
+        .run_cmd(f"echo 1 > /home/user/one.txt # {marker}")
+        .run_cmd("echo 2 > /home/user/two.txt")
+    )
     lines, on_logs = _logs()
     Template.build(first, name, on_build_logs=on_logs)
     assert not any(m.startswith("CACHED") for m in lines), lines
@@ -132,7 +138,11 @@ def test_a_rebuild_reuses_the_layers_it_has(vmon, new_sandbox):
     Template.build(first, name, on_build_logs=on_logs)
     assert "CACHED the finished template" in lines, lines
 
-    changed = Template().from_base_image().run_cmd("echo 1 > /home/user/one.txt").run_cmd("echo 3 > /home/user/two.txt")
+    changed = (
+        Template().from_base_image()
+        .run_cmd(f"echo 1 > /home/user/one.txt # {marker}")
+        .run_cmd("echo 3 > /home/user/two.txt")
+    )
     lines, on_logs = _logs()
     Template.build(changed, name, on_build_logs=on_logs)
     assert any(m.startswith("CACHED [1/2]") for m in lines), lines
@@ -156,14 +166,16 @@ def test_bad_template_input_is_refused_and_leaves_nothing(vmon):
                        {"steps": [{"type": "FROB", "args": [], "force": False}], "force": False})
     assert status == 400 and "unknown step type" in err["message"], err
     status, err = _api(vmon, "POST", f"/v2/templates/{tid}/builds/{bid}", {
-        "steps": [{"type": "COPY", "args": ["x", "/x", "", ""], "filesHash": "ab" * 32, "force": False}],
+        "steps": [{"type": "COPY", "args": ["x", "/x", "", ""], "filesHash": secrets.token_hex(32),
+                   "force": False}],
         "force": False})
     assert status == 400 and "never uploaded" in err["message"], err
     # The refused triggers left the build waiting, with nothing published.
     status, st = _api(vmon, "GET", f"/templates/{tid}/builds/{bid}/status?logsOffset=0&limit=100")
     assert status == 200 and st["status"] == "waiting" and "reason" not in st, st
 
-    status, files = _api(vmon, "GET", f"/templates/{tid}/files/{'cd' * 32}")
+    files_hash = secrets.token_hex(32)
+    status, files = _api(vmon, "GET", f"/templates/{tid}/files/{files_hash}")
     assert status == 201 and files["present"] is False, files
     url = files["url"]
     forged = url.replace("signature=", "signature=00")
@@ -174,7 +186,7 @@ def test_bad_template_input_is_refused_and_leaves_nothing(vmon):
     req = urllib.request.Request(url, data=b"not really a tar", method="PUT")
     with urllib.request.urlopen(req, timeout=30) as r:
         assert r.status == 201
-    status, files = _api(vmon, "GET", f"/templates/{tid}/files/{'cd' * 32}")
+    status, files = _api(vmon, "GET", f"/templates/{tid}/files/{files_hash}")
     assert status == 201 and files == {"present": True}, files
 
     # Names in another team's namespace, and another team's builds.

@@ -281,6 +281,13 @@ pub async fn run_in(
     )
     .await?;
     if status != 200 {
+        // A Connect error: `{"code": "...", "message": "..."}`.
+        if let Ok(Value::Object(e)) = serde_json::from_slice::<Value>(&bytes) {
+            let field = |k: &str| e.get(k).and_then(Value::as_str).map(str::to_string);
+            if let (Some(code), Some(msg)) = (field("code"), field("message")) {
+                bail!("command failed: {code}: {msg}");
+            }
+        }
         bail!(
             "Process.Start answered {status}: {}",
             String::from_utf8_lossy(&bytes[..bytes.len().min(300)])

@@ -159,7 +159,7 @@ impl Control {
         {
             // A waiting build whose files may still come stays; a triggered one was queued in
             // the process that ended.
-            if b.state == BuildState::Waiting && b.start.is_none() {
+            if b.start.is_none() {
                 continue;
             }
             let message = "the build was interrupted: vmon restarted while it ran".to_string();
@@ -448,14 +448,19 @@ impl Control {
                     let out = vm
                         .exec(cmd.clone(), user, &state, STEP_TIMEOUT)
                         .await
-                        .map_err(|e| fail(&step, format!("running the command: {e}")))?;
+                        .map_err(|e| {
+                            fail(
+                                &step,
+                                format!("step {step}: failed to run command '{}': {e}", cut(cmd)),
+                            )
+                        })?;
                     log.output(s, "info", &out.stdout).await;
                     log.output(s, "info", &out.stderr).await;
                     if out.exit_code != 0 {
                         return Err(fail(
                             &step,
                             format!(
-                                "step {step} (RUN {}) failed with exit code {}",
+                                "step {step}: failed to run command '{}': it ended with exit code {}",
                                 cut(cmd),
                                 out.exit_code
                             ),

@@ -307,7 +307,7 @@ pub(crate) async fn start_build(
 ) -> ApiResult<Response> {
     let c = s.control.clone();
     let mut build = own_build(&c, &team, &template, &build_id).await?;
-    if build.state != BuildState::Waiting || build.start.is_some() {
+    if build.start.is_some() || build.state != BuildState::Waiting {
         return Err(ApiError::conflict(format!(
             "build {build_id} was already started"
         )));
@@ -337,6 +337,10 @@ pub(crate) async fn start_build(
             .map_err(|e| ApiError::bad_request(format!("fromTemplate {t:?}: {}", e.message)))?;
     }
     build.start = Some(redact(raw));
+    // Building from the trigger on, as E2B reports it, unless it has to wait for a slot.
+    if c.template_builds.available_permits() > 0 {
+        build.state = BuildState::Building;
+    }
     c.records()
         .put_template_build(&build)
         .await

@@ -301,7 +301,8 @@ pub fn final_key(prev: &str, start: &BuildStart, state: &StepState) -> String {
 /// The script a COPY runs as root once its archive is at `archive` in the guest: extract it
 /// in a scratch directory, then place each match of `src` (a glob allowed) at `dest` the way
 /// Docker's COPY does (a directory's contents into `dest`; a file into `dest` when that ends
-/// in `/` or is a directory, else as `dest`), then owner and mode.
+/// in `/`, is a directory or the glob matched several entries, else as `dest`), then owner
+/// and mode.
 pub fn copy_script(
     archive: &str,
     src: &str,
@@ -328,7 +329,7 @@ if [ ${{#matches[@]}} -eq 0 ]; then echo "COPY: nothing matches $src" >&2; exit 
 for m in "${{matches[@]}}"; do
   if [ -d "$m" ] && [ ! -L "$m" ]; then
     mkdir -p "$dest"; cp -a "$m"/. "$dest"/; t="$dest"
-  elif [[ "$dest" == */ ]] || [ -d "$dest" ]; then
+  elif [[ "$dest" == */ ]] || [ -d "$dest" ] || [ ${{#matches[@]}} -gt 1 ]; then
     mkdir -p "$dest"; cp -a "$m" "$dest"/; t="${{dest%/}}/$(basename "$m")"
   else
     mkdir -p "$(dirname "$dest")"; cp -a "$m" "$dest"; t="$dest"
