@@ -261,3 +261,14 @@ def test_another_team_sees_and_touches_nothing_of_a_template(vmon):
     # Still there for its own team.
     status, st = _api(vmon, "GET", f"/templates/{tid}/builds/{bid}/status")
     assert status == 200 and st["status"] == "waiting", st
+
+
+def test_a_long_step_streams_its_output_while_it_runs(vmon):
+    marker = secrets.token_hex(4)
+    t = Template().from_base_image().run_cmd(f"echo first-{marker}; sleep 4; echo second-{marker}")
+    entries = []
+    Template.build(t, _name("streamed"), on_build_logs=entries.append)
+    first = next(e for e in entries if e.message == f"first-{marker}")
+    second = next(e for e in entries if e.message == f"second-{marker}")
+    # Stamped when the build read them: the first line came out before the step ended.
+    assert (second.timestamp - first.timestamp).total_seconds() >= 2, (first, second)
