@@ -28,6 +28,15 @@ enum What {
     /// last-step rebuild, and creates from the result against creates from `base` (runs
     /// `tests/bench/template_bench.py` like `api`).
     Template,
+    /// Pause/resume cycles that must keep a process's memory and a file byte for byte,
+    /// rotating kept-QEMU, from-files and after-restart resumes (`tests/bench/soak.py`).
+    Soak(SoakArgs),
+}
+
+#[derive(clap::Args)]
+struct SoakArgs {
+    #[arg(long, default_value_t = 50)]
+    cycles: usize,
 }
 
 #[derive(clap::Args)]
@@ -238,8 +247,11 @@ pub async fn run(data_dir: &Path, args: Args) -> anyhow::Result<()> {
     match args.what {
         What::Snapshot(a) => snapshot(data_dir, a).await,
         What::Boot(a) => boot(data_dir, a).await,
-        What::Api => python_bench("api_bench.py").await,
-        What::Template => python_bench("template_bench.py").await,
+        What::Api => python_bench("api_bench.py", &[]).await,
+        What::Template => python_bench("template_bench.py", &[]).await,
+        What::Soak(a) => {
+            python_bench("soak.py", &[("VMON_SOAK_CYCLES", a.cycles.to_string())]).await
+        }
     }
 }
 
@@ -255,7 +267,7 @@ fn repo_dir() -> std::path::PathBuf {
 }
 
 /// Runs one of the SDK benchmarks in `tests/bench/` with the repository's venv.
-async fn python_bench(name: &str) -> anyhow::Result<()> {
+async fn python_bench(name: &str, env: &[(&str, String)]) -> anyhow::Result<()> {
     let repo = repo_dir();
     let script = repo.join("tests/bench").join(name);
     let python = repo.join(".venv/bin/python");
@@ -268,6 +280,7 @@ async fn python_bench(name: &str) -> anyhow::Result<()> {
     }
     let status = tokio::process::Command::new(python)
         .arg(script)
+        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
         .status()
         .await?;
     if !status.success() {
