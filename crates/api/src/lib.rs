@@ -19,6 +19,7 @@ pub mod openapi;
 pub mod records;
 pub mod state;
 pub mod telemetry;
+pub mod volumes;
 pub mod wire;
 
 use std::sync::Arc;

@@ -22,8 +22,8 @@ use crate::wire::{NetworkConfig, StringMap, VolumeMount};
 
 pub use store::{secret_key, StoreRecords, SQLITE_FILE, WEBHOOK_KEY_FILE};
 pub use vmon_store::{
-    Delivery, DeliveryAttempt, Event, EventQuery, NewWebhook, OutboxItem, Webhook, WebhookPatch,
-    WebhookStats,
+    Delivery, DeliveryAttempt, Event, EventQuery, NewVolume, NewWebhook, OutboxItem, Volume,
+    Webhook, WebhookPatch, WebhookStats,
 };
 
 pub type RecordResult<T> = anyhow::Result<T>;
@@ -296,4 +296,13 @@ pub trait Records: Send + Sync + 'static {
         visibility: Duration,
     ) -> RecordResult<Option<Vec<OutboxItem>>>;
     async fn complete_outbox(&self, epoch: i64, seq: i64) -> RecordResult<bool>;
+
+    /// `None` when the team already has a volume of that name.
+    async fn create_volume(&self, new: &NewVolume) -> RecordResult<Option<Volume>>;
+    async fn volume(&self, team_id: &str, id: &str) -> RecordResult<Option<Volume>>;
+    /// Any team's (the content plane checks the token's team itself).
+    async fn volume_by_id(&self, id: &str) -> RecordResult<Option<Volume>>;
+    async fn volume_by_name(&self, team_id: &str, name: &str) -> RecordResult<Option<Volume>>;
+    async fn volumes(&self, team_id: &str) -> RecordResult<Vec<Volume>>;
+    async fn delete_volume(&self, team_id: &str, id: &str) -> RecordResult<bool>;
 }

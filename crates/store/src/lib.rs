@@ -1,7 +1,8 @@
 //! vmon-store: the durable records of the control plane (DESIGN §6): teams, API keys (hashed),
 //! templates and builds with their names, sandbox records (running and paused) with execution
 //! ids, snapshots, lifecycle events (30-day retention), webhooks (secrets encrypted at rest),
-//! webhook deliveries and the webhook outbox.
+//! webhook deliveries and the webhook outbox, and named volumes (their rows; the files are
+//! the api's).
 //!
 //! It must never coordinate: locks, admission counters, routes, idempotency and leader
 //! election are `vmon-kv`'s. What it guarantees is atomicity: a state change, the event that
@@ -34,6 +35,9 @@
 //! tx.commit().await?;
 //! store.sandbox(id) ; store.sandboxes(&SandboxQuery) -> Page<SandboxRecord> ; store.count_sandboxes(team, state)
 //! store.events(&EventQuery) -> Vec<Event> ; store.delete_events_before(t) ; store.run_retention(now)
+//! // volumes (names unique per team)
+//! store.create_volume(&NewVolume) -> Volume (Err(Conflict) on a taken name) ; store.volume(team, id)
+//! store.volumes(team) ; store.delete_volume(team, id) -> bool ; store.volume_by_id(id)
 //! // webhooks
 //! store.create_webhook(&NewWebhook) -> Webhook (never the secret) ; store.webhook_secret(id)
 //! store.record_delivery(&DeliveryAttempt) ; store.deliveries(webhook_id, limit, offset) ; store.webhook_stats(id)
@@ -56,6 +60,7 @@ pub use teams::hash_api_key;
 pub use templates::split_reference;
 mod templates;
 mod tx;
+mod volumes;
 mod webhooks;
 
 use std::path::PathBuf;
@@ -190,6 +195,11 @@ const SQLITE_MIGRATIONS: &[Migration] = &[
         description: "build memory and parent",
         sql: include_str!("../migrations/sqlite/0002_build_memory.sql"),
     },
+    Migration {
+        version: 3,
+        description: "volumes",
+        sql: include_str!("../migrations/sqlite/0003_volumes.sql"),
+    },
 ];
 const POSTGRES_MIGRATIONS: &[Migration] = &[
     Migration {
@@ -201,6 +211,11 @@ const POSTGRES_MIGRATIONS: &[Migration] = &[
         version: 2,
         description: "build memory and parent",
         sql: include_str!("../migrations/postgres/0002_build_memory.sql"),
+    },
+    Migration {
+        version: 3,
+        description: "volumes",
+        sql: include_str!("../migrations/postgres/0003_volumes.sql"),
     },
 ];
 

@@ -411,3 +411,19 @@ pub struct OutboxItem {
     pub delivery_id: String,
     pub event: Event,
 }
+
+/// A named persistent volume of a team. Its files are not in the store.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Volume {
+    pub id: String,
+    pub team_id: String,
+    pub name: String,
+    pub created_at: OffsetDateTime,
+}
+
+#[derive(Clone, Debug)]
+pub struct NewVolume {
+    pub id: String,
+    pub team_id: String,
+    pub name: String,
+}

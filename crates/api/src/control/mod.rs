@@ -56,6 +56,8 @@ pub struct Control {
     builtin_builds: tokio::sync::Mutex<()>,
     /// The first build (guest image, `base`): creates answer 503 with it until it is ready.
     startup: vmon_proto::progress::Progress,
+    /// Volumes (`crate::volumes`); `None` when the config names no volumes directory.
+    volumes: Option<Arc<crate::volumes::Volumes>>,
 }
 
 impl Control {
@@ -84,7 +86,16 @@ impl Control {
             WebhookTargets::new(&config.webhook_allow)
                 .map_err(|e| anyhow::anyhow!("webhook_allow: {e}"))?,
         );
+        let volumes = match (&config.volumes_dir, &config.volume_key_file) {
+            (Some(dir), Some(key)) => Some(Arc::new(crate::volumes::Volumes::open(
+                dir,
+                key,
+                Duration::from_secs(config.volume_token_ttl_secs.max(1)),
+            )?)),
+            _ => None,
+        };
         let control = Arc::new(Control {
+            volumes,
             config,
             webhook_targets,
             node,
@@ -107,6 +118,10 @@ impl Control {
     /// How far the first build is (`GET /health`, the 503 of a create meanwhile).
     pub fn startup(&self) -> &vmon_proto::progress::Progress {
         &self.startup
+    }
+
+    pub fn volumes(&self) -> Option<&Arc<crate::volumes::Volumes>> {
+        self.volumes.as_ref()
     }
 
     pub fn webhook_targets(&self) -> &WebhookTargets {

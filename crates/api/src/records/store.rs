@@ -734,4 +734,32 @@ impl Records for StoreRecords {
     async fn complete_outbox(&self, epoch: i64, seq: i64) -> RecordResult<bool> {
         Ok(self.store.complete_outbox(epoch, seq).await?)
     }
+
+    async fn create_volume(&self, new: &NewVolume) -> RecordResult<Option<Volume>> {
+        match self.store.create_volume(new).await {
+            Ok(v) => Ok(Some(v)),
+            Err(StoreError::Conflict(_)) => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    async fn volume(&self, team_id: &str, id: &str) -> RecordResult<Option<Volume>> {
+        Ok(self.store.volume(team_id, id).await?)
+    }
+
+    async fn volume_by_id(&self, id: &str) -> RecordResult<Option<Volume>> {
+        Ok(self.store.volume_by_id(id).await?)
+    }
+
+    async fn volume_by_name(&self, team_id: &str, name: &str) -> RecordResult<Option<Volume>> {
+        Ok(self.store.volume_by_name(team_id, name).await?)
+    }
+
+    async fn volumes(&self, team_id: &str) -> RecordResult<Vec<Volume>> {
+        Ok(self.store.volumes(team_id).await?)
+    }
+
+    async fn delete_volume(&self, team_id: &str, id: &str) -> RecordResult<bool> {
+        Ok(self.store.delete_volume(team_id, id).await?)
+    }
 }
