@@ -16,6 +16,7 @@ mod network;
 mod reaper;
 mod routes;
 mod targets;
+pub mod volumes;
 
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
@@ -57,7 +58,7 @@ pub struct Control {
     /// The first build (guest image, `base`): creates answer 503 with it until it is ready.
     startup: vmon_proto::progress::Progress,
     /// Volumes (`crate::volumes`); `None` when the config names no volumes directory.
-    volumes: Option<Arc<crate::volumes::Volumes>>,
+    volumes: Option<Arc<volumes::Volumes>>,
 }
 
 impl Control {
@@ -87,7 +88,7 @@ impl Control {
                 .map_err(|e| anyhow::anyhow!("webhook_allow: {e}"))?,
         );
         let volumes = match (&config.volumes_dir, &config.volume_key_file) {
-            (Some(dir), Some(key)) => Some(Arc::new(crate::volumes::Volumes::open(
+            (Some(dir), Some(key)) => Some(Arc::new(volumes::Volumes::open(
                 dir,
                 key,
                 Duration::from_secs(config.volume_token_ttl_secs.max(1)),
@@ -120,7 +121,7 @@ impl Control {
         &self.startup
     }
 
-    pub fn volumes(&self) -> Option<&Arc<crate::volumes::Volumes>> {
+    pub fn volumes(&self) -> Option<&Arc<volumes::Volumes>> {
         self.volumes.as_ref()
     }
 

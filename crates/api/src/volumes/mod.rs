@@ -5,17 +5,13 @@
 //! `<volumes_dir>/<volumeID>` that sandboxes mount through virtio-fs (the node's side) and the
 //! content plane reads and writes through [`tree`], never following a name out of it.
 //!
-//! A token is `vt1.<teamID>.<expiry>.<mac>`: an HMAC-SHA256, under the key in
-//! `volume_key_file`, of the volume id, its team and the expiry. It names no volume because
-//! the URL does, so a token of one volume fails the MAC of every other; the team in clear lets
-//! another team's token see 404, as every other route of another team's volume does.
+//! Where volumes live, their tokens and how mounts are resolved are `control::volumes`'s.
 
 mod content;
 pub mod tree;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
-use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::extract::{Path as UrlPath, State};
@@ -23,105 +19,16 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
-use hmac::{Hmac, Mac};
 use serde::{Deserialize, Serialize};
-use sha2::Sha256;
-use time::OffsetDateTime;
 use vmon_store::{NewVolume, Volume};
 
+pub use crate::control::volumes::{Refused, Volumes};
 use crate::error::{ApiError, ApiResult};
 use crate::records::Team;
 use crate::state::{body, AppState, Auth};
 
 /// The most characters of a volume name.
 const MAX_NAME: usize = 128;
-
-/// Where volumes live and how their tokens are made.
-pub struct Volumes {
-    dir: PathBuf,
-    key: [u8; 32],
-    ttl: Duration,
-}
-
-impl Volumes {
-    /// Creates `dir` (0700: what guests write there, setuid files included, is nobody else's
-    /// to reach) and reads or makes the token key.
-    pub fn open(dir: &Path, key_file: &Path, ttl: Duration) -> anyhow::Result<Volumes> {
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::create_dir_all(dir).map_err(|e| {
-            anyhow::anyhow!("creating the volumes directory {}: {e}", dir.display())
-        })?;
-        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))?;
-        let key = crate::records::secret_key(key_file)?;
-        Ok(Volumes {
-            dir: dir.to_path_buf(),
-            key,
-            ttl,
-        })
-    }
-
-    /// The directory of volume `id` (a UUID: no separators).
-    pub fn dir_of(&self, id: &str) -> PathBuf {
-        self.dir.join(id)
-    }
-
-    fn mac(&self, volume: &Volume, expiry: i64) -> Hmac<Sha256> {
-        let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(&self.key)
-            .unwrap_or_else(|_| unreachable!("HMAC takes keys of any length"));
-        mac.update(
-            format!(
-                "vmon-volume-token/v1\n{}\n{}\n{expiry}",
-                volume.id, volume.team_id
-            )
-            .as_bytes(),
-        );
-        mac
-    }
-
-    /// A fresh token for `volume`, valid for the configured lifetime.
-    pub fn token(&self, volume: &Volume) -> String {
-        let expiry = OffsetDateTime::now_utc().unix_timestamp()
-            + i64::try_from(self.ttl.as_secs()).unwrap_or(i64::MAX / 2);
-        self.token_until(volume, expiry)
-    }
-
-    /// A token for `volume` that expires at `expiry` (Unix seconds).
-    pub fn token_until(&self, volume: &Volume, expiry: i64) -> String {
-        let mac = self.mac(volume, expiry).finalize().into_bytes();
-        format!("vt1.{}.{expiry}.{}", volume.team_id, hex::encode(mac))
-    }
-
-    /// Whether `token` is a live token of `volume`.
-    pub fn verify(&self, volume: &Volume, token: &str) -> Result<(), Refused> {
-        let malformed = Refused::Invalid("malformed volume token");
-        let rest = token.strip_prefix("vt1.").ok_or(malformed)?;
-        let (rest, mac) = rest.rsplit_once('.').ok_or(malformed)?;
-        let (team, expiry) = rest.rsplit_once('.').ok_or(malformed)?;
-        if team != volume.team_id {
-            return Err(Refused::OtherTeam);
-        }
-        let expiry: i64 = expiry.parse().map_err(|_| malformed)?;
-        let mac = hex::decode(mac).map_err(|_| malformed)?;
-        self.mac(volume, expiry)
-            .verify_slice(&mac)
-            .map_err(|_| Refused::Invalid("the token is not valid for this volume"))?;
-        if OffsetDateTime::now_utc().unix_timestamp() >= expiry {
-            return Err(Refused::Invalid(
-                "the volume token has expired; get a new one with GET /volumes/{volumeID}",
-            ));
-        }
-        Ok(())
-    }
-}
-
-/// Why a token does not open a volume.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Refused {
-    /// Another team's token: for it the volume does not exist (404).
-    OtherTeam,
-    /// Malformed, another volume's, or expired (401).
-    Invalid(&'static str),
-}
 
 /// `Volume`.
 #[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]
