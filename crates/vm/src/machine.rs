@@ -37,6 +37,18 @@ pub struct MachineDesc {
     pub cmdline: String,
 }
 
+/// A virtio-fs share: a `vhost-user-fs-pci` device whose daemon (virtiofsd) listens on
+/// `socket`; the guest mounts it by `tag`. Only cold boots carry them: vhost-user devices
+/// cannot be migrated, so such a guest's memory is never saved.
+#[derive(Debug, Clone)]
+pub struct FsShare {
+    pub socket: PathBuf,
+    pub tag: String,
+}
+
+/// The first PCI slot of virtio-fs devices (`FS_ADDR + i` for share `i`).
+const FS_ADDR: u32 = 0x5;
+
 /// A network device backed by a tap inside the VM's namespace.
 #[derive(Debug, Clone)]
 pub struct NetDevice {
@@ -79,6 +91,7 @@ pub struct Placement<'a> {
     pub pidfile: &'a Path,
     /// Start paused, waiting for `migrate-incoming`.
     pub incoming: bool,
+    pub fs_shares: &'a [FsShare],
 }
 
 impl MachineDesc {
@@ -167,6 +180,18 @@ impl MachineDesc {
             a.push(format!(
                 "virtio-net-pci,netdev=n0,id=net0,mac={GUEST_MAC},romfile=,addr={NET_ADDR}"
             ));
+        }
+        for (i, share) in p.fs_shares.iter().enumerate() {
+            a.extend([
+                "-chardev".into(),
+                format!("socket,id=vfs{i},path={}", share.socket.display()),
+                "-device".into(),
+                format!(
+                    "vhost-user-fs-pci,chardev=vfs{i},tag={},queue-size=1024,addr={:#x}",
+                    share.tag,
+                    FS_ADDR + i as u32
+                ),
+            ]);
         }
         if p.incoming {
             a.extend(
@@ -264,6 +289,7 @@ mod tests {
             console_log: Path::new("/c.log"),
             qmp_socket: Path::new("/q.sock"),
             pidfile: Path::new("/p"),
+            fs_shares: &[],
             incoming: true,
         });
         let s = a.join(" ");
