@@ -15,7 +15,7 @@ use utoipa::openapi::security::{ApiKey, ApiKeyValue, SecurityScheme};
 use utoipa::openapi::{Content, Ref, RefOr, ResponseBuilder};
 use utoipa::{Modify, OpenApi};
 
-use crate::{admin, events, http, telemetry};
+use crate::{admin, events, http, telemetry, volumes};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -75,6 +75,17 @@ use crate::{admin, events, http, telemetry};
         telemetry::logs_v1,
         telemetry::logs_v2,
         telemetry::admin_logs,
+        volumes::create_volume,
+        volumes::list_volumes,
+        volumes::get_volume,
+        volumes::delete_volume,
+        volumes::content::list_dir,
+        volumes::content::make_dir,
+        volumes::content::stat_path,
+        volumes::content::patch_path,
+        volumes::content::remove_path,
+        volumes::content::read_file,
+        volumes::content::write_file,
     ),
     components(schemas(crate::wire::ErrorBody)),
     modifiers(&Conventions),
@@ -85,6 +96,7 @@ use crate::{admin, events, http, telemetry};
         (name = "telemetry", description = "Guest metrics, console logs, platform metrics"),
         (name = "events", description = "Sandbox lifecycle events"),
         (name = "webhooks", description = "Lifecycle events pushed to the team's URLs"),
+        (name = "volumes", description = "E2B: named persistent volumes (`/volumes`, `X-API-Key`) and their files (`/volumecontent`, `Authorization: Bearer <volume token>`; errors carry a string `code`)"),
         (name = "admin", description = "The operator's routes (`X-Admin-Token`)"),
         (name = "meta", description = "Health and this document"),
         (name = "dashboard", description = "The web dashboard's static files"),
@@ -112,6 +124,20 @@ impl Modify for Conventions {
                 "X-Admin-Token",
                 "The operator's token (`admin-token` in vmon's data dir)",
             ))),
+        );
+        components.add_security_scheme(
+            "VolumeToken",
+            SecurityScheme::Http({
+                let mut http = utoipa::openapi::security::Http::new(
+                    utoipa::openapi::security::HttpAuthScheme::Bearer,
+                );
+                http.description = Some(
+                    "A volume's content token (`token` of `GET /volumes/{volumeID}`), for that \
+                     volume only, until it expires"
+                        .to_string(),
+                );
+                http
+            }),
         );
         let error = |description: &str| {
             RefOr::T(

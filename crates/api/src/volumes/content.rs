@@ -220,7 +220,19 @@ impl Query {
     }
 }
 
-async fn list_dir(
+#[utoipa::path(
+    get, path = "/volumecontent/{volumeID}/dir", tag = "volumes",
+    summary = "List a directory of a volume, `depth` levels down (1-10)",
+    params(("volumeID" = String, Path, description = "The volume's UUID"), ("path" = String, Query, description = "Path in the volume"), ("depth" = Option<u32>, Query, description = "Levels to list, 1-10 (default 1)")),
+    responses(
+        (status = 200, description = "The entries, sorted by path", body = Vec<EntryStat>),
+        (status = 400, description = "Invalid path or option", body = ContentError),
+        (status = 401, description = "Missing, expired or another volume's token", body = ContentError),
+        (status = 404, description = "No such volume or path (or another team's token)", body = ContentError),
+    ),
+    security(("VolumeToken" = []))
+)]
+pub(crate) async fn list_dir(
     State(s): State<AppState>,
     UrlPath(id): UrlPath<String>,
     headers: HeaderMap,
@@ -243,7 +255,19 @@ async fn list_dir(
     Ok(Json(access.run(move |t| t.list(&path, depth)).await?))
 }
 
-async fn make_dir(
+#[utoipa::path(
+    post, path = "/volumecontent/{volumeID}/dir", tag = "volumes",
+    summary = "Make a directory (`force`: parents too, an existing directory is fine)",
+    params(("volumeID" = String, Path, description = "The volume's UUID"), ("path" = String, Query, description = "Path in the volume"), ("uid" = Option<u32>, Query, description = "Owner (default 9090)"), ("gid" = Option<u32>, Query, description = "Group (default 9090)"), ("mode" = Option<u32>, Query, description = "Mode, decimal (default 0o777)"), ("force" = Option<bool>, Query, description = "Make parents; tolerate an existing directory")),
+    responses(
+        (status = 201, description = "The directory", body = EntryStat), (status = 409, description = "It exists (without force)", body = ContentError),
+        (status = 400, description = "Invalid path or option", body = ContentError),
+        (status = 401, description = "Missing, expired or another volume's token", body = ContentError),
+        (status = 404, description = "No such volume or path (or another team's token)", body = ContentError),
+    ),
+    security(("VolumeToken" = []))
+)]
+pub(crate) async fn make_dir(
     State(s): State<AppState>,
     UrlPath(id): UrlPath<String>,
     headers: HeaderMap,
@@ -256,7 +280,19 @@ async fn make_dir(
     Ok((StatusCode::CREATED, Json(stat)).into_response())
 }
 
-async fn stat_path(
+#[utoipa::path(
+    get, path = "/volumecontent/{volumeID}/path", tag = "volumes",
+    summary = "Stat a path of a volume",
+    params(("volumeID" = String, Path, description = "The volume's UUID"), ("path" = String, Query, description = "Path in the volume")),
+    responses(
+        (status = 200, description = "The entry", body = EntryStat),
+        (status = 400, description = "Invalid path or option", body = ContentError),
+        (status = 401, description = "Missing, expired or another volume's token", body = ContentError),
+        (status = 404, description = "No such volume or path (or another team's token)", body = ContentError),
+    ),
+    security(("VolumeToken" = []))
+)]
+pub(crate) async fn stat_path(
     State(s): State<AppState>,
     UrlPath(id): UrlPath<String>,
     headers: HeaderMap,
@@ -275,7 +311,20 @@ pub struct MetadataPatch {
     pub mode: Option<u32>,
 }
 
-async fn patch_path(
+#[utoipa::path(
+    patch, path = "/volumecontent/{volumeID}/path", tag = "volumes",
+    summary = "Change the owner or mode of a path",
+    params(("volumeID" = String, Path, description = "The volume's UUID"), ("path" = String, Query, description = "Path in the volume")),
+    request_body = MetadataPatch,
+    responses(
+        (status = 200, description = "The entry", body = EntryStat),
+        (status = 400, description = "Invalid path or option", body = ContentError),
+        (status = 401, description = "Missing, expired or another volume's token", body = ContentError),
+        (status = 404, description = "No such volume or path (or another team's token)", body = ContentError),
+    ),
+    security(("VolumeToken" = []))
+)]
+pub(crate) async fn patch_path(
     State(s): State<AppState>,
     UrlPath(id): UrlPath<String>,
     headers: HeaderMap,
@@ -314,7 +363,19 @@ async fn patch_path(
     Ok(Json(access.run(move |t| t.set_meta(&path, owner)).await?))
 }
 
-async fn remove_path(
+#[utoipa::path(
+    delete, path = "/volumecontent/{volumeID}/path", tag = "volumes",
+    summary = "Remove a path, recursively (not the root)",
+    params(("volumeID" = String, Path, description = "The volume's UUID"), ("path" = String, Query, description = "Path in the volume")),
+    responses(
+        (status = 204, description = "Removed"),
+        (status = 400, description = "Invalid path or option", body = ContentError),
+        (status = 401, description = "Missing, expired or another volume's token", body = ContentError),
+        (status = 404, description = "No such volume or path (or another team's token)", body = ContentError),
+    ),
+    security(("VolumeToken" = []))
+)]
+pub(crate) async fn remove_path(
     State(s): State<AppState>,
     UrlPath(id): UrlPath<String>,
     headers: HeaderMap,
@@ -326,7 +387,19 @@ async fn remove_path(
     Ok(StatusCode::NO_CONTENT)
 }
 
-async fn read_file(
+#[utoipa::path(
+    get, path = "/volumecontent/{volumeID}/file", tag = "volumes",
+    summary = "Read a file (streamed, application/octet-stream)",
+    params(("volumeID" = String, Path, description = "The volume's UUID"), ("path" = String, Query, description = "Path in the volume")),
+    responses(
+        (status = 200, description = "The bytes", content_type = "application/octet-stream"),
+        (status = 400, description = "Invalid path or option", body = ContentError),
+        (status = 401, description = "Missing, expired or another volume's token", body = ContentError),
+        (status = 404, description = "No such volume or path (or another team's token)", body = ContentError),
+    ),
+    security(("VolumeToken" = []))
+)]
+pub(crate) async fn read_file(
     State(s): State<AppState>,
     UrlPath(id): UrlPath<String>,
     headers: HeaderMap,
@@ -350,7 +423,20 @@ async fn read_file(
     Ok(resp)
 }
 
-async fn write_file(
+#[utoipa::path(
+    put, path = "/volumecontent/{volumeID}/file", tag = "volumes",
+    summary = "Write a file from the raw body (streamed; `force`: parents too, truncate an existing file)",
+    params(("volumeID" = String, Path, description = "The volume's UUID"), ("path" = String, Query, description = "Path in the volume"), ("uid" = Option<u32>, Query, description = "Owner (default 9090)"), ("gid" = Option<u32>, Query, description = "Group (default 9090)"), ("mode" = Option<u32>, Query, description = "Mode, decimal (default 0o666)"), ("force" = Option<bool>, Query, description = "Make parents; truncate an existing file")),
+    request_body(content = Vec<u8>, content_type = "application/octet-stream", description = "The file's bytes"),
+    responses(
+        (status = 201, description = "The file as written", body = EntryStat), (status = 409, description = "It exists (without force)", body = ContentError), (status = 507, description = "The team's volumes would pass quotas.max_volume_bytes", body = ContentError),
+        (status = 400, description = "Invalid path or option", body = ContentError),
+        (status = 401, description = "Missing, expired or another volume's token", body = ContentError),
+        (status = 404, description = "No such volume or path (or another team's token)", body = ContentError),
+    ),
+    security(("VolumeToken" = []))
+)]
+pub(crate) async fn write_file(
     State(s): State<AppState>,
     UrlPath(id): UrlPath<String>,
     headers: HeaderMap,

@@ -7,7 +7,7 @@
 //!
 //! Where volumes live, their tokens and how mounts are resolved are `control::volumes`'s.
 
-mod content;
+pub(crate) mod content;
 pub mod tree;
 
 use std::path::Path;
