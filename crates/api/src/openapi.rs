@@ -139,18 +139,24 @@ impl Modify for Conventions {
                 http
             }),
         );
-        let error = |description: &str| {
+        // The volume content plane's errors carry a string `code` (E2B's volumecontent spec).
+        let error = |path: &str, description: &str| {
+            let schema = if path.starts_with("/volumecontent/") {
+                "ContentError"
+            } else {
+                "ErrorBody"
+            };
             RefOr::T(
                 ResponseBuilder::new()
                     .description(description)
                     .content(
                         "application/json",
-                        Content::new(Some(Ref::from_schema_name("ErrorBody"))),
+                        Content::new(Some(Ref::from_schema_name(schema))),
                     )
                     .build(),
             )
         };
-        for item in doc.paths.paths.values_mut() {
+        for (path, item) in doc.paths.paths.iter_mut() {
             let ops = [
                 &mut item.get,
                 &mut item.put,
@@ -164,11 +170,11 @@ impl Modify for Conventions {
                 if secured {
                     responses
                         .entry("401".to_string())
-                        .or_insert_with(|| error("Missing or invalid credential"));
+                        .or_insert_with(|| error(path, "Missing or invalid credential"));
                 }
                 responses
                     .entry("500".to_string())
-                    .or_insert_with(|| error("Internal error"));
+                    .or_insert_with(|| error(path, "Internal error"));
             }
         }
     }

@@ -83,7 +83,13 @@ async fn the_control_plane_is_team_scoped_with_unique_names() {
         dup.json["message"],
         "Volume with name 'data' already exists"
     );
-    for bad in [r#"{"name":""}"#, r#"{"name":"a b"}"#, r#"{"name":"x/y"}"#, r#"{}"#, "[1]"] {
+    for bad in [
+        r#"{"name":""}"#,
+        r#"{"name":"a b"}"#,
+        r#"{"name":"x/y"}"#,
+        r#"{}"#,
+        "[1]",
+    ] {
         let r = h.req("POST", "/volumes", Some(bad)).await;
         assert_eq!(r.status, StatusCode::BAD_REQUEST, "{bad}");
         assert!(r.json["message"].is_string(), "{bad}: {:?}", r.json);
@@ -106,7 +112,10 @@ async fn the_control_plane_is_team_scoped_with_unique_names() {
 
     // Another team's key: 404 on every route, nothing destroyed.
     let other = h.other_key.clone();
-    for (method, path) in [("GET", format!("/volumes/{id}")), ("DELETE", format!("/volumes/{id}"))] {
+    for (method, path) in [
+        ("GET", format!("/volumes/{id}")),
+        ("DELETE", format!("/volumes/{id}")),
+    ] {
         let r = h.call(method, &path, Some(&other), None, &[]).await;
         assert_eq!(r.status, StatusCode::NOT_FOUND, "{method} {path}");
         assert_eq!(r.json["code"], 404);
@@ -131,11 +140,24 @@ async fn the_control_plane_is_team_scoped_with_unique_names() {
         StatusCode::NOT_FOUND
     );
     assert_eq!(
-        h.req("DELETE", &format!("/volumes/{id}"), None).await.status,
+        h.req("DELETE", &format!("/volumes/{id}"), None)
+            .await
+            .status,
         StatusCode::NOT_FOUND
     );
-    let r = content(&h, "GET", &format!("/volumecontent/{id}/path?path=%2F"), Some(&token), b"").await;
-    assert_eq!(r.status, StatusCode::NOT_FOUND, "content of a destroyed volume");
+    let r = content(
+        &h,
+        "GET",
+        &format!("/volumecontent/{id}/path?path=%2F"),
+        Some(&token),
+        b"",
+    )
+    .await;
+    assert_eq!(
+        r.status,
+        StatusCode::NOT_FOUND,
+        "content of a destroyed volume"
+    );
 }
 
 #[tokio::test]
@@ -145,10 +167,19 @@ async fn the_content_plane_reads_writes_and_answers_errors_as_the_sdk_parses_the
     let base = format!("/volumecontent/{id}");
     let t = Some(t.as_str());
 
-    let w = content(&h, "PUT", &format!("{base}/file?path=%2Fa%2Fb.txt&force=true"), t, b"hello").await;
+    let w = content(
+        &h,
+        "PUT",
+        &format!("{base}/file?path=%2Fa%2Fb.txt&force=true"),
+        t,
+        b"hello",
+    )
+    .await;
     assert_eq!(w.status, StatusCode::CREATED, "{:?}", w.json());
     let stat = w.json();
-    for key in ["name", "type", "path", "size", "mode", "uid", "gid", "atime", "mtime", "ctime"] {
+    for key in [
+        "name", "type", "path", "size", "mode", "uid", "gid", "atime", "mtime", "ctime",
+    ] {
         assert!(!stat[key].is_null(), "{key} missing from {stat}");
     }
     assert_eq!(stat["name"], "b.txt");
@@ -166,19 +197,37 @@ async fn the_content_plane_reads_writes_and_answers_errors_as_the_sdk_parses_the
     let again = content(&h, "PUT", &format!("{base}/file?path=a/b.txt"), t, b"x").await;
     assert_eq!(again.status, StatusCode::CONFLICT);
     assert!(again.json()["code"].is_string(), "{:?}", again.json());
-    let orphan = content(&h, "PUT", &format!("{base}/file?path=no/such/dir.txt"), t, b"x").await;
+    let orphan = content(
+        &h,
+        "PUT",
+        &format!("{base}/file?path=no/such/dir.txt"),
+        t,
+        b"x",
+    )
+    .await;
     assert_eq!(orphan.status, StatusCode::NOT_FOUND);
 
-    let mk = content(&h, "POST", &format!("{base}/dir?path=x%2Fy%2Fz&force=true&mode=448"), t, b"").await;
+    let mk = content(
+        &h,
+        "POST",
+        &format!("{base}/dir?path=x%2Fy%2Fz&force=true&mode=448"),
+        t,
+        b"",
+    )
+    .await;
     assert_eq!(mk.status, StatusCode::CREATED, "{:?}", mk.json());
     assert_eq!(mk.json()["type"], "directory");
     assert_eq!(mk.json()["mode"], 0o700);
     assert_eq!(
-        content(&h, "POST", &format!("{base}/dir?path=x"), t, b"").await.status,
+        content(&h, "POST", &format!("{base}/dir?path=x"), t, b"")
+            .await
+            .status,
         StatusCode::CONFLICT
     );
     assert_eq!(
-        content(&h, "POST", &format!("{base}/dir?path=q%2Fr"), t, b"").await.status,
+        content(&h, "POST", &format!("{base}/dir?path=q%2Fr"), t, b"")
+            .await
+            .status,
         StatusCode::NOT_FOUND
     );
 
@@ -199,32 +248,54 @@ async fn the_content_plane_reads_writes_and_answers_errors_as_the_sdk_parses_the
         assert_eq!(r.status, StatusCode::BAD_REQUEST, "{bad}");
     }
 
-    let patched = content(&h, "PATCH", &format!("{base}/path?path=a/b.txt"), t, br#"{"mode":384,"uid":1000,"gid":1000}"#).await;
+    let patched = content(
+        &h,
+        "PATCH",
+        &format!("{base}/path?path=a/b.txt"),
+        t,
+        br#"{"mode":384,"uid":1000,"gid":1000}"#,
+    )
+    .await;
     assert_eq!(patched.status, StatusCode::OK, "{:?}", patched.json());
     assert_eq!(patched.json()["mode"], 0o600);
     assert_eq!(patched.json()["uid"], 1000);
-    let bad_patch = content(&h, "PATCH", &format!("{base}/path?path=a/b.txt"), t, br#"{"mode":"x"}"#).await;
+    let bad_patch = content(
+        &h,
+        "PATCH",
+        &format!("{base}/path?path=a/b.txt"),
+        t,
+        br#"{"mode":"x"}"#,
+    )
+    .await;
     assert_eq!(bad_patch.status, StatusCode::BAD_REQUEST);
 
     let missing = content(&h, "GET", &format!("{base}/path?path=nope"), t, b"").await;
     assert_eq!(missing.status, StatusCode::NOT_FOUND);
     assert!(missing.json()["code"].is_string() && missing.json()["message"].is_string());
     assert_eq!(
-        content(&h, "GET", &format!("{base}/path"), t, b"").await.status,
+        content(&h, "GET", &format!("{base}/path"), t, b"")
+            .await
+            .status,
         StatusCode::BAD_REQUEST,
         "path is required"
     );
 
     assert_eq!(
-        content(&h, "DELETE", &format!("{base}/path?path=x"), t, b"").await.status,
+        content(&h, "DELETE", &format!("{base}/path?path=x"), t, b"")
+            .await
+            .status,
         StatusCode::NO_CONTENT
     );
     assert_eq!(
-        content(&h, "GET", &format!("{base}/path?path=x/y"), t, b"").await.status,
+        content(&h, "GET", &format!("{base}/path?path=x/y"), t, b"")
+            .await
+            .status,
         StatusCode::NOT_FOUND
     );
     assert_eq!(
-        content(&h, "DELETE", &format!("{base}/path?path=%2F"), t, b"").await.status,
+        content(&h, "DELETE", &format!("{base}/path?path=%2F"), t, b"")
+            .await
+            .status,
         StatusCode::BAD_REQUEST,
         "the root cannot be removed"
     );
@@ -233,7 +304,14 @@ async fn the_content_plane_reads_writes_and_answers_errors_as_the_sdk_parses_the
     assert!(gone.json()["message"].is_string());
 
     // `..` stays inside the volume.
-    let climbed = content(&h, "GET", &format!("{base}/file?path=..%2F..%2Fvolume-key"), t, b"").await;
+    let climbed = content(
+        &h,
+        "GET",
+        &format!("{base}/file?path=..%2F..%2Fvolume-key"),
+        t,
+        b"",
+    )
+    .await;
     assert_eq!(climbed.status, StatusCode::NOT_FOUND);
 }
 
@@ -245,11 +323,17 @@ async fn a_token_opens_its_own_volume_only_and_expires() {
     let (z, tz) = new_volume(&h, &h.other_key.clone(), "z").await;
     let stat = |id: &str| format!("/volumecontent/{id}/path?path=%2F");
 
-    assert_eq!(content(&h, "GET", &stat(&x), Some(&tx), b"").await.status, StatusCode::OK);
+    assert_eq!(
+        content(&h, "GET", &stat(&x), Some(&tx), b"").await.status,
+        StatusCode::OK
+    );
     let refused = content(&h, "GET", &stat(&y), Some(&tx), b"").await;
     assert_eq!(refused.status, StatusCode::UNAUTHORIZED, "X's token on Y");
     assert!(refused.json()["code"].is_string());
-    assert_eq!(content(&h, "GET", &stat(&x), Some(&ty), b"").await.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(
+        content(&h, "GET", &stat(&x), Some(&ty), b"").await.status,
+        StatusCode::UNAUTHORIZED
+    );
     // Another team's token: the volume does not exist for it, on every content route.
     for (method, route) in [
         ("GET", "dir"),
@@ -265,16 +349,29 @@ async fn a_token_opens_its_own_volume_only_and_expires() {
         assert_eq!(r.status, StatusCode::NOT_FOUND, "{method} {route}");
         assert!(r.json()["code"].is_string());
         let r = content(&h, method, &uri, None, b"{}").await;
-        assert_eq!(r.status, StatusCode::UNAUTHORIZED, "{method} {route} without a token");
+        assert_eq!(
+            r.status,
+            StatusCode::UNAUTHORIZED,
+            "{method} {route} without a token"
+        );
     }
-    assert_eq!(content(&h, "GET", &stat(&z), Some(&tz), b"").await.status, StatusCode::OK);
+    assert_eq!(
+        content(&h, "GET", &stat(&z), Some(&tz), b"").await.status,
+        StatusCode::OK
+    );
     // An API key is not a volume token.
     let key = h.key.clone();
-    assert_eq!(content(&h, "GET", &stat(&x), Some(&key), b"").await.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(
+        content(&h, "GET", &stat(&x), Some(&key), b"").await.status,
+        StatusCode::UNAUTHORIZED
+    );
     // A tampered token.
     let mut bent = tx.clone();
     bent.replace_range(bent.len() - 1.., if tx.ends_with('0') { "1" } else { "0" });
-    assert_eq!(content(&h, "GET", &stat(&x), Some(&bent), b"").await.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(
+        content(&h, "GET", &stat(&x), Some(&bent), b"").await.status,
+        StatusCode::UNAUTHORIZED
+    );
 
     // Expired: the same signature scheme, an expiry in the past.
     let vol = h
@@ -289,9 +386,14 @@ async fn a_token_opens_its_own_volume_only_and_expires() {
     let expired = volumes.token_until(&vol, past);
     let r = content(&h, "GET", &stat(&x), Some(&expired), b"").await;
     assert_eq!(r.status, StatusCode::UNAUTHORIZED);
-    assert!(r.json()["message"].as_str().is_some_and(|m| m.contains("expired")));
+    assert!(r.json()["message"]
+        .as_str()
+        .is_some_and(|m| m.contains("expired")));
     let live = volumes.token_until(&vol, past + 3600);
-    assert_eq!(content(&h, "GET", &stat(&x), Some(&live), b"").await.status, StatusCode::OK);
+    assert_eq!(
+        content(&h, "GET", &stat(&x), Some(&live), b"").await.status,
+        StatusCode::OK
+    );
 }
 
 #[tokio::test]
@@ -301,17 +403,46 @@ async fn volume_quotas_are_enforced() {
         max_volume_bytes: 10,
         ..Default::default()
     };
-    let h = common::harness_with("127.0.0.1".parse().expect("ip"), TeamLimits::default(), quotas).await;
+    let h = common::harness_with(
+        "127.0.0.1".parse().expect("ip"),
+        TeamLimits::default(),
+        quotas,
+    )
+    .await;
     let (id, t) = new_volume(&h, &h.key, "one").await;
     let r = h.req("POST", "/volumes", Some(r#"{"name":"two"}"#)).await;
     assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS);
-    assert!(r.json["message"].as_str().is_some_and(|m| m.contains("max_volumes")));
-    let ok = content(&h, "PUT", &format!("/volumecontent/{id}/file?path=a"), Some(&t), b"0123456789").await;
+    assert!(r.json["message"]
+        .as_str()
+        .is_some_and(|m| m.contains("max_volumes")));
+    let ok = content(
+        &h,
+        "PUT",
+        &format!("/volumecontent/{id}/file?path=a"),
+        Some(&t),
+        b"0123456789",
+    )
+    .await;
     assert_eq!(ok.status, StatusCode::CREATED);
-    let over = content(&h, "PUT", &format!("/volumecontent/{id}/file?path=b"), Some(&t), b"x").await;
+    let over = content(
+        &h,
+        "PUT",
+        &format!("/volumecontent/{id}/file?path=b"),
+        Some(&t),
+        b"x",
+    )
+    .await;
     assert_eq!(over.status, StatusCode::INSUFFICIENT_STORAGE);
     assert_eq!(
-        content(&h, "GET", &format!("/volumecontent/{id}/path?path=b"), Some(&t), b"").await.status,
+        content(
+            &h,
+            "GET",
+            &format!("/volumecontent/{id}/path?path=b"),
+            Some(&t),
+            b""
+        )
+        .await
+        .status,
         StatusCode::NOT_FOUND,
         "a refused write leaves nothing"
     );
@@ -323,12 +454,21 @@ async fn volume_mounts_are_validated_resolved_and_cold_boot() {
     let (id, _) = new_volume(&h, &h.key, "data").await;
     let (_, _) = new_volume(&h, &h.other_key.clone(), "theirs").await;
     for (mounts, needle) in [
-        (r#"[{"name":"nope","path":"/mnt/x"}]"#, "volume 'nope' not found"),
-        (r#"[{"name":"theirs","path":"/mnt/x"}]"#, "volume 'theirs' not found"),
+        (
+            r#"[{"name":"nope","path":"/mnt/x"}]"#,
+            "volume 'nope' not found",
+        ),
+        (
+            r#"[{"name":"theirs","path":"/mnt/x"}]"#,
+            "volume 'theirs' not found",
+        ),
         (r#"[{"name":"data","path":"mnt"}]"#, "must be absolute"),
         (r#"[{"name":"data","path":"/mnt/../x"}]"#, "must be clean"),
         (r#"[{"name":"data","path":"/"}]"#, "cannot be /"),
-        (r#"[{"name":"data","path":"/a"},{"name":"data","path":"/a"}]"#, "mounted twice"),
+        (
+            r#"[{"name":"data","path":"/a"},{"name":"data","path":"/a"}]"#,
+            "mounted twice",
+        ),
         (r#"[{"name":"data"}]"#, "invalid request body"),
     ] {
         let body = format!(r#"{{"templateID":"base","volumeMounts":{mounts}}}"#);
@@ -342,7 +482,14 @@ async fn volume_mounts_are_validated_resolved_and_cold_boot() {
     let sbx = h
         .create(r#"{"templateID":"base","volumeMounts":[{"name":"data","path":"/mnt/data"}]}"#)
         .await;
-    let start = h.node.starts.lock().expect("lock").last().cloned().expect("a start");
+    let start = h
+        .node
+        .starts
+        .lock()
+        .expect("lock")
+        .last()
+        .cloned()
+        .expect("a start");
     assert!(start.cold_boot, "a sandbox with a mount cold-boots");
     assert_eq!(
         start.volumes,
@@ -363,16 +510,29 @@ async fn volume_mounts_are_validated_resolved_and_cold_boot() {
     );
 
     // Pause keeps the disk only; resume cold-boots and mounts again.
-    let p = h.req("POST", &format!("/sandboxes/{sbx}/pause"), Some("{}")).await;
+    let p = h
+        .req("POST", &format!("/sandboxes/{sbx}/pause"), Some("{}"))
+        .await;
     assert_eq!(p.status, StatusCode::NO_CONTENT, "{:?}", p.json);
     let paused = h.events(&sbx).await;
     let last = paused.last().expect("event");
     assert_eq!(last.event_data.as_ref().expect("data")["memory"], false);
     let c = h
-        .req("POST", &format!("/sandboxes/{sbx}/connect"), Some(r#"{"timeout":60}"#))
+        .req(
+            "POST",
+            &format!("/sandboxes/{sbx}/connect"),
+            Some(r#"{"timeout":60}"#),
+        )
         .await;
     assert_eq!(c.status, StatusCode::CREATED, "{:?}", c.json);
-    let start = h.node.starts.lock().expect("lock").last().cloned().expect("a start");
+    let start = h
+        .node
+        .starts
+        .lock()
+        .expect("lock")
+        .last()
+        .cloned()
+        .expect("a start");
     assert!(start.cold_boot);
     assert_eq!(start.volumes.len(), 1);
 }

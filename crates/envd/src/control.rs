@@ -133,7 +133,10 @@ pub async fn init(agent: Arc<Agent>, req: Request<Incoming>) -> Response<Body> {
             .iter()
             .any(|m| !m.path.starts_with('/') || m.tag.is_empty() || m.tag.len() > 36)
         {
-            return error(StatusCode::BAD_REQUEST, "volume mounts need a tag and an absolute path");
+            return error(
+                StatusCode::BAD_REQUEST,
+                "volume mounts need a tag and an absolute path",
+            );
         }
         let mounted = tokio::task::spawn_blocking(move || {
             mounts

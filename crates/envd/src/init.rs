@@ -251,8 +251,11 @@ pub fn mount_volume(tag: &str, path: &str) -> Result<(), String> {
         }
     }
     std::fs::create_dir_all(path).map_err(|e| format!("creating {path}: {e}"))?;
-    let (Ok(s), Ok(t), Ok(f)) = (CString::new(tag), CString::new(path), CString::new("virtiofs"))
-    else {
+    let (Ok(s), Ok(t), Ok(f)) = (
+        CString::new(tag),
+        CString::new(path),
+        CString::new("virtiofs"),
+    ) else {
         return Err("a mount tag or path holds NUL".into());
     };
     // SAFETY: all pointers are valid NUL-terminated strings that outlive the call; data is

@@ -1017,6 +1017,56 @@ pub async fn outbox_exactly_once(b: &support::Backend) {
     second.close().await;
 }
 
+pub async fn volumes_unique_per_team(b: &support::Backend) {
+    let store = &b.store;
+    let new = |id: &str, team: &str, name: &str| NewVolume {
+        id: id.to_owned(),
+        team_id: team.to_owned(),
+        name: name.to_owned(),
+    };
+    let v = store.create_volume(&new("v1", "t1", "data")).await.unwrap();
+    assert_eq!(
+        (v.id.as_str(), v.team_id.as_str(), v.name.as_str()),
+        ("v1", "t1", "data")
+    );
+    assert!(matches!(
+        store.create_volume(&new("v2", "t1", "data")).await,
+        Err(StoreError::Conflict(_))
+    ));
+    // The same name in another team is another volume.
+    store.create_volume(&new("v3", "t2", "data")).await.unwrap();
+    store.create_volume(&new("v4", "t1", "more")).await.unwrap();
+    assert_eq!(store.volume("t1", "v1").await.unwrap(), Some(v.clone()));
+    assert_eq!(store.volume("t2", "v1").await.unwrap(), None);
+    assert_eq!(
+        store.volume_by_id("v3").await.unwrap().unwrap().team_id,
+        "t2"
+    );
+    assert_eq!(
+        store
+            .volume_by_name("t1", "more")
+            .await
+            .unwrap()
+            .unwrap()
+            .id,
+        "v4"
+    );
+    assert_eq!(store.volume_by_name("t2", "more").await.unwrap(), None);
+    let names: Vec<String> = store
+        .volumes("t1")
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|v| v.id)
+        .collect();
+    assert_eq!(names, ["v1", "v4"]);
+    assert!(!store.delete_volume("t2", "v1").await.unwrap());
+    assert!(store.delete_volume("t1", "v1").await.unwrap());
+    assert!(!store.delete_volume("t1", "v1").await.unwrap());
+    // The name is free again.
+    store.create_volume(&new("v5", "t1", "data")).await.unwrap();
+}
+
 macro_rules! conformance {
     ($backend:ident) => {
         mod $backend {
@@ -1038,6 +1088,7 @@ macro_rules! conformance {
             case!(events_query_and_retention);
             case!(webhooks_and_deliveries);
             case!(outbox_exactly_once);
+            case!(volumes_unique_per_team);
         }
     };
 }

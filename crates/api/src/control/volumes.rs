@@ -109,7 +109,6 @@ pub enum Refused {
     Invalid(&'static str),
 }
 
-
 /// Checks the mounts of a create as infra does: at most [`MAX_MOUNTS`], each path non-empty,
 /// absolute, clean (`filepath.Clean`), not `/`, and unique; each name a volume of the team.
 /// Every failure is one 400 listing each bad mount.
@@ -129,14 +128,22 @@ pub(crate) fn check_mount_paths(mounts: &[VolumeMount]) -> ApiResult<()> {
         } else if p == "/" {
             problems.push(format!("volume mount #{i}: path cannot be /"));
         } else if clean(p) != *p {
-            problems.push(format!("volume mount #{i}: path '{p}' must be clean ('{}')", clean(p)));
+            problems.push(format!(
+                "volume mount #{i}: path '{p}' must be clean ('{}')",
+                clean(p)
+            ));
         } else if p.len() > 1024 || p.contains('\0') || p.contains(',') {
-            problems.push(format!("volume mount #{i}: path '{p}' is too long or has NUL or commas"));
+            problems.push(format!(
+                "volume mount #{i}: path '{p}' is too long or has NUL or commas"
+            ));
         } else if mounts[..i].iter().any(|o| o.path == *p) {
             problems.push(format!("volume mount #{i}: path '{p}' is mounted twice"));
         }
         if !crate::volumes::valid_name(&m.name) {
-            problems.push(format!("volume mount #{i}: invalid volume name '{}'", m.name));
+            problems.push(format!(
+                "volume mount #{i}: invalid volume name '{}'",
+                m.name
+            ));
         }
     }
     if problems.is_empty() {

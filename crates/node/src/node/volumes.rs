@@ -110,7 +110,14 @@ impl Node {
                 // No guest-side caching: every sandbox mounting the volume at once, and the
                 // content plane, see each write when it returns.
                 .args(["-o", "cache=none", "-o", "sandbox=namespace"])
-                .args(["-o", "no_posix_lock", "-o", "no_flock", "-o", "modcaps=-mknod"])
+                .args([
+                    "-o",
+                    "no_posix_lock",
+                    "-o",
+                    "no_flock",
+                    "-o",
+                    "modcaps=-mknod",
+                ])
                 .args(["-o", "log_level=warn"])
                 .stdin(std::process::Stdio::null())
                 .stdout(log.try_clone()?)
