@@ -3,6 +3,9 @@
 //! real volume directory (the node is the fake one: mounts in real guests are
 //! `tests/e2e/test_volumes.py`'s).
 
+// The shared harness unwraps its own setup.
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use axum::body::Body;
