@@ -77,6 +77,8 @@ pub struct Quotas {
     /// Bytes a team's volumes may hold, checked on content-plane writes
     /// (`VMON_MAX_VOLUME_BYTES`); in-guest writes are not counted (`docs/security.md`).
     pub max_volume_bytes: u64,
+    /// Secrets a team may keep (`VMON_MAX_SECRETS`); past it a create is 409, as in infra.
+    pub max_secrets: usize,
 }
 
 impl Default for Quotas {
@@ -87,6 +89,7 @@ impl Default for Quotas {
             max_webhooks: 50,
             max_volumes: 100,
             max_volume_bytes: 10 << 30,
+            max_secrets: 100,
         }
     }
 }
@@ -231,6 +234,9 @@ impl Config {
         }
         if let Some(v) = var("VMON_MAX_VOLUME_BYTES") {
             self.quotas.max_volume_bytes = parse("VMON_MAX_VOLUME_BYTES", v)?;
+        }
+        if let Some(v) = var("VMON_MAX_SECRETS") {
+            self.quotas.max_secrets = parse("VMON_MAX_SECRETS", v)?;
         }
         if let Some(v) = var("VMON_VOLUMES_DIR") {
             self.volumes_dir = (!v.is_empty()).then(|| v.into());

@@ -41,6 +41,7 @@ pub fn router(state: AppState) -> Router {
         ))
         .merge(crate::events::routes())
         .merge(crate::volumes::routes())
+        .merge(crate::secrets::routes())
         .merge(crate::dashboard::routes())
         .merge(crate::openapi::routes())
         .fallback(|| async { ApiError::not_found("no such endpoint") })

@@ -17,6 +17,7 @@ pub mod http;
 pub mod ids;
 pub mod openapi;
 pub mod records;
+pub mod secrets;
 pub mod state;
 pub mod telemetry;
 pub mod volumes;

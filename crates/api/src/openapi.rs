@@ -15,7 +15,7 @@ use utoipa::openapi::security::{ApiKey, ApiKeyValue, SecurityScheme};
 use utoipa::openapi::{Content, Ref, RefOr, ResponseBuilder};
 use utoipa::{Modify, OpenApi};
 
-use crate::{admin, events, http, telemetry, volumes};
+use crate::{admin, events, http, secrets, telemetry, volumes};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -86,6 +86,11 @@ use crate::{admin, events, http, telemetry, volumes};
         volumes::content::remove_path,
         volumes::content::read_file,
         volumes::content::write_file,
+        secrets::create_secret,
+        secrets::list_secrets,
+        secrets::get_secret,
+        secrets::update_secret,
+        secrets::delete_secret,
     ),
     components(schemas(crate::wire::ErrorBody)),
     modifiers(&Conventions),
@@ -97,6 +102,7 @@ use crate::{admin, events, http, telemetry, volumes};
         (name = "events", description = "Sandbox lifecycle events"),
         (name = "webhooks", description = "Lifecycle events pushed to the team's URLs"),
         (name = "volumes", description = "E2B: named persistent volumes (`/volumes`, `X-API-Key`) and their files (`/volumecontent`, `Authorization: Bearer <volume token>`; errors carry a string `code`)"),
+        (name = "secrets", description = "E2B: team secrets; values go in and never come out"),
         (name = "admin", description = "The operator's routes (`X-Admin-Token`)"),
         (name = "meta", description = "Health and this document"),
         (name = "dashboard", description = "The web dashboard's static files"),

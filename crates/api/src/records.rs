@@ -22,8 +22,8 @@ use crate::wire::{NetworkConfig, StringMap, VolumeMount};
 
 pub use store::{secret_key, StoreRecords, SQLITE_FILE, WEBHOOK_KEY_FILE};
 pub use vmon_store::{
-    Delivery, DeliveryAttempt, Event, EventQuery, NewVolume, NewWebhook, OutboxItem, Volume,
-    Webhook, WebhookPatch, WebhookStats,
+    Delivery, DeliveryAttempt, Event, EventQuery, NewSecret, NewVolume, NewWebhook, OutboxItem,
+    Secret, Volume, Webhook, WebhookPatch, WebhookStats,
 };
 
 pub type RecordResult<T> = anyhow::Result<T>;
@@ -305,4 +305,25 @@ pub trait Records: Send + Sync + 'static {
     async fn volume_by_name(&self, team_id: &str, name: &str) -> RecordResult<Option<Volume>>;
     async fn volumes(&self, team_id: &str) -> RecordResult<Vec<Volume>>;
     async fn delete_volume(&self, team_id: &str, id: &str) -> RecordResult<bool>;
+
+    /// `None` when the team already has a secret of that name.
+    async fn create_secret(&self, new: &NewSecret) -> RecordResult<Option<Secret>>;
+    /// By id or (any case) name.
+    async fn secret(&self, team_id: &str, id_or_name: &str) -> RecordResult<Option<Secret>>;
+    /// Up to `limit` after the secret with id `after`, oldest first.
+    async fn secrets(
+        &self,
+        team_id: &str,
+        limit: i64,
+        after: Option<&str>,
+    ) -> RecordResult<Vec<Secret>>;
+    async fn count_secrets(&self, team_id: &str) -> RecordResult<i64>;
+    async fn update_secret(
+        &self,
+        team_id: &str,
+        id_or_name: &str,
+        value: &str,
+        metadata: Option<&std::collections::BTreeMap<String, String>>,
+    ) -> RecordResult<Option<Secret>>;
+    async fn delete_secret(&self, team_id: &str, id_or_name: &str) -> RecordResult<bool>;
 }

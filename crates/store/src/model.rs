@@ -427,3 +427,26 @@ pub struct NewVolume {
     pub team_id: String,
     pub name: String,
 }
+
+/// A team secret as returned to clients: never its value.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Secret {
+    pub id: String,
+    pub team_id: String,
+    /// Lower-cased.
+    pub name: String,
+    /// 1 at creation, +1 on every update.
+    pub version: i64,
+    pub metadata: BTreeMap<String, String>,
+    pub created_at: OffsetDateTime,
+    pub updated_at: OffsetDateTime,
+}
+
+#[derive(Clone)]
+pub struct NewSecret {
+    pub id: String,
+    pub team_id: String,
+    pub name: String,
+    pub value: String,
+    pub metadata: BTreeMap<String, String>,
+}

@@ -135,6 +135,8 @@ impl Control {
             validate_idempotency_key(key)?;
         }
         super::check_maps(&req.metadata, &req.env_vars)?;
+        self.refuse_secret_rules(&team.id, req.network.as_ref())
+            .await?;
         let volume_mounts = req.volume_mounts.clone().unwrap_or_default();
         super::volumes::check_mount_paths(&volume_mounts)?;
         // Unknown names are a 400 before anything starts (and again at every start).

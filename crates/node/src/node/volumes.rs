@@ -7,6 +7,7 @@
 //! through FUSE requests that daemon serves inside that root, and no network at all. Each
 //! daemon serves one connection and exits when its QEMU does.
 
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -18,6 +19,9 @@ use super::{valid_id, Node};
 
 /// The most shares one sandbox gets (PCI slots 0x5..).
 pub(super) const MAX_SHARES: usize = 8;
+
+/// Where the daemons' sockets are made (short: `sun_path` is 108 bytes).
+const SOCKET_DIR: &str = "/run/vmon/vfs";
 
 /// The guest's tag of share `i`.
 pub(super) fn tag(i: usize) -> String {
@@ -40,13 +44,22 @@ impl ShareDaemons {
 
     /// Kills the daemons (a boot that failed before QEMU connected).
     pub(super) async fn kill(mut self) {
+        self.unlink_sockets();
         for c in &mut self.children {
             let _ = c.kill().await;
         }
     }
 
+    /// Removes the socket paths once QEMU has connected (each daemon takes one connection).
+    pub(super) fn unlink_sockets(&self) {
+        for s in &self.shares {
+            let _ = std::fs::remove_file(&s.socket);
+        }
+    }
+
     /// Leaves the daemons to exit with their QEMU, reaped in the background.
     pub(super) fn detach(self) {
+        self.unlink_sockets();
         for mut c in self.children {
             tokio::spawn(async move {
                 let _ = c.wait().await;
@@ -99,7 +112,12 @@ impl Node {
     ) -> anyhow::Result<ShareDaemons> {
         let mut daemons = ShareDaemons::none();
         for (i, s) in shares.iter().enumerate() {
-            let socket = run_dir.join(format!("vfs{i}.sock"));
+            // A socket path must fit sun_path (108 bytes): run dirs can be longer. The daemon
+            // takes one connection (its QEMU's, at launch); the path is removed after it.
+            let sockets = Path::new(SOCKET_DIR);
+            std::fs::create_dir_all(sockets)?;
+            std::fs::set_permissions(sockets, std::fs::Permissions::from_mode(0o700))?;
+            let socket = sockets.join(format!("{}-{i}.sock", crate::builds::new_id("")));
             let _ = std::fs::remove_file(&socket);
             let source: PathBuf = self.cfg.volumes_dir.join(&s.volume_id);
             let log = std::fs::File::create(run_dir.join(format!("virtiofsd{i}.log")))?;
