@@ -298,6 +298,47 @@ mod tests {
         assert!(s.contains("-incoming defer -S"));
         assert!(s.contains(&format!("mac={GUEST_MAC}")));
         assert!(s.contains("-smp 2"));
+        assert!(!s.contains("vhost-user-fs"), "no share, no device");
+        let shares = [
+            FsShare {
+                socket: "/run/vmon/vfs/a-0.sock".into(),
+                tag: "vol0".into(),
+            },
+            FsShare {
+                socket: "/run/vmon/vfs/a-1.sock".into(),
+                tag: "vol1".into(),
+            },
+        ];
+        let s = m
+            .args(&Placement {
+                tag: "t2",
+                ram_file: Path::new("/r/ram"),
+                ram: RamSharing::Shared,
+                disk: Some(Path::new("/d.qcow2")),
+                net: Some(&net),
+                console_log: Path::new("/c.log"),
+                qmp_socket: Path::new("/q.sock"),
+                pidfile: Path::new("/p"),
+                fs_shares: &shares,
+                incoming: false,
+            })
+            .join(" ");
+        assert!(
+            s.contains("share=on"),
+            "vhost-user needs shared guest RAM: {s}"
+        );
+        assert!(
+            s.contains("-chardev socket,id=vfs0,path=/run/vmon/vfs/a-0.sock"),
+            "{s}"
+        );
+        assert!(
+            s.contains("vhost-user-fs-pci,chardev=vfs0,tag=vol0,queue-size=1024,addr=0x5"),
+            "{s}"
+        );
+        assert!(
+            s.contains("vhost-user-fs-pci,chardev=vfs1,tag=vol1,queue-size=1024,addr=0x6"),
+            "{s}"
+        );
         assert!(s.contains(
             "-sandbox on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
         ));
