@@ -199,15 +199,16 @@ const SQLITE_MIGRATIONS: &[Migration] = &[
         description: "build memory and parent",
         sql: include_str!("../migrations/sqlite/0002_build_memory.sql"),
     },
-    Migration {
-        version: 3,
-        description: "volumes",
-        sql: include_str!("../migrations/sqlite/0003_volumes.sql"),
-    },
+    // Version 3 is the template builds' (branch `templates`).
     Migration {
         version: 4,
+        description: "volumes",
+        sql: include_str!("../migrations/sqlite/0004_volumes.sql"),
+    },
+    Migration {
+        version: 5,
         description: "secrets",
-        sql: include_str!("../migrations/sqlite/0004_secrets.sql"),
+        sql: include_str!("../migrations/sqlite/0005_secrets.sql"),
     },
 ];
 const POSTGRES_MIGRATIONS: &[Migration] = &[
@@ -221,15 +222,16 @@ const POSTGRES_MIGRATIONS: &[Migration] = &[
         description: "build memory and parent",
         sql: include_str!("../migrations/postgres/0002_build_memory.sql"),
     },
-    Migration {
-        version: 3,
-        description: "volumes",
-        sql: include_str!("../migrations/postgres/0003_volumes.sql"),
-    },
+    // Version 3 is the template builds' (branch `templates`).
     Migration {
         version: 4,
+        description: "volumes",
+        sql: include_str!("../migrations/postgres/0004_volumes.sql"),
+    },
+    Migration {
+        version: 5,
         description: "secrets",
-        sql: include_str!("../migrations/postgres/0004_secrets.sql"),
+        sql: include_str!("../migrations/postgres/0005_secrets.sql"),
     },
 ];
 

@@ -1,6 +1,6 @@
 -- Named persistent volumes, unique by name within a team. Their files live outside the store
 -- (the volumes directory); a row is the volume's existence. Keep in step with
--- ../postgres/0003_volumes.sql.
+-- ../sqlite/0004_volumes.sql.
 CREATE TABLE volumes (
     id TEXT PRIMARY KEY,
     team_id TEXT NOT NULL,
