@@ -63,6 +63,22 @@ def guest_dd(sbx, path: str) -> tuple[float, float]:
     return w, r
 
 
+def stop_leftover_vms(data: Path) -> None:
+    """QEMU outlives its node by design (re-adoption); the ones our own server started go."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if cmd and cmd[0].endswith(b"qemu-system-x86_64") and any(str(data).encode() + b"/" in a for a in cmd):
+            try:
+                os.kill(int(proc.name), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 def main() -> None:
     own = None
     data = None
@@ -119,6 +135,7 @@ def main() -> None:
         if own:
             os.killpg(own.pid, signal.SIGTERM)
             own.wait(timeout=60)
+            stop_leftover_vms(data)
 
     print(f"Machine: {machine()}; {MIB} MiB per transfer")
     print()
