@@ -110,28 +110,6 @@ impl Control {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn cidrs() {
-        for ok in ["8.8.8.8", "10.0.0.0/8", "0.0.0.0/0", "::1", "2001:db8::/32"] {
-            assert!(valid_cidr(ok), "{ok}");
-        }
-        for bad in [
-            "example.com",
-            "10.0.0.0/33",
-            "1.2.3",
-            "",
-            "::/129",
-            "1.1.1.1/x",
-        ] {
-            assert!(!valid_cidr(bad), "{bad}");
-        }
-    }
-}
-
 /// The secret names `${e2b.secrets.<name>}` markers name anywhere in `rules`.
 pub(crate) fn secret_markers(rules: &serde_json::Value) -> Vec<String> {
     fn walk(v: &serde_json::Value, out: &mut Vec<String>) {
@@ -189,5 +167,38 @@ impl Control {
             "secret injection (${e2b.secrets.<name>} in network rules) needs an egress proxy, \
              which this vmon does not have; the sandbox was not created",
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cidrs() {
+        for ok in ["8.8.8.8", "10.0.0.0/8", "0.0.0.0/0", "::1", "2001:db8::/32"] {
+            assert!(valid_cidr(ok), "{ok}");
+        }
+        for bad in [
+            "example.com",
+            "10.0.0.0/33",
+            "1.2.3",
+            "",
+            "::/129",
+            "1.1.1.1/x",
+        ] {
+            assert!(!valid_cidr(bad), "{bad}");
+        }
+    }
+
+    #[test]
+    fn secret_markers_are_found_anywhere_in_the_rules() {
+        let rules = serde_json::json!({"a.example.com": [{"transform": {"headers": {
+            "Authorization": "Bearer ${e2b.secrets.one}",
+            "X-Both": "${e2b.secrets.two}:${e2b.secrets.one}",
+            "X-Open": "${e2b.secrets.unterminated"
+        }}}]});
+        assert_eq!(super::secret_markers(&rules), ["one", "two"]);
+        assert!(super::secret_markers(&serde_json::json!({"h": [{"transform": {}}]})).is_empty());
     }
 }
