@@ -19,6 +19,17 @@ use super::{record_error, Control};
 use crate::error::{ApiError, ApiResult};
 use crate::wire::VolumeMount;
 
+/// The most characters of a volume name.
+pub const MAX_NAME: usize = 128;
+
+/// A volume name as infra takes it: `^[a-zA-Z0-9_-]+$`, at most [`MAX_NAME`] characters.
+pub fn valid_name(name: &str) -> bool {
+    (1..=MAX_NAME).contains(&name.len())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
 /// The most volumes one sandbox mounts.
 pub const MAX_MOUNTS: usize = 8;
 
@@ -139,7 +150,7 @@ pub(crate) fn check_mount_paths(mounts: &[VolumeMount]) -> ApiResult<()> {
         } else if mounts[..i].iter().any(|o| o.path == *p) {
             problems.push(format!("volume mount #{i}: path '{p}' is mounted twice"));
         }
-        if !crate::volumes::valid_name(&m.name) {
+        if !valid_name(&m.name) {
             problems.push(format!(
                 "volume mount #{i}: invalid volume name '{}'",
                 m.name

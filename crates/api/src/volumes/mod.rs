@@ -22,13 +22,10 @@ use axum::{Json, Router};
 use serde::{Deserialize, Serialize};
 use vmon_store::{NewVolume, Volume};
 
-pub use crate::control::volumes::{Refused, Volumes};
+pub use crate::control::volumes::{valid_name, Refused, Volumes, MAX_NAME};
 use crate::error::{ApiError, ApiResult};
 use crate::records::Team;
 use crate::state::{body, AppState, Auth};
-
-/// The most characters of a volume name.
-const MAX_NAME: usize = 128;
 
 /// `Volume`.
 #[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]
@@ -69,13 +66,6 @@ fn enabled(s: &AppState) -> ApiResult<&Arc<Volumes>> {
             "volumes are not configured on this server (volumes_dir, volume_key_file)",
         )
     })
-}
-
-pub(crate) fn valid_name(name: &str) -> bool {
-    (1..=MAX_NAME).contains(&name.len())
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
 }
 
 fn record_error(e: anyhow::Error) -> ApiError {

@@ -135,6 +135,8 @@ fn io(what: &str, path: &VolumePath, e: Errno) -> TreeError {
             TreeError::Invalid(format!("{p}: a component on the way is not a directory"))
         }
         Errno::ISDIR => TreeError::Invalid(format!("{p} is a directory")),
+        // A FIFO (or socket) a guest made, opened without blocking.
+        Errno::NXIO | Errno::OPNOTSUPP => TreeError::Invalid(format!("{p} is not a regular file")),
         Errno::NAMETOOLONG => TreeError::Invalid(format!("{p}: name too long")),
         Errno::NOSPC | Errno::DQUOT => TreeError::Io(format!("{what} {p}: no space left")),
         e => TreeError::Io(format!("{what} {p}: {e}")),
