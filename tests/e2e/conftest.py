@@ -1,5 +1,5 @@
 """End-to-end fixtures: one `vmon up` per test session, the official SDK configured only by
-E2B_API_URL, E2B_API_KEY and E2B_SANDBOX_URL.
+E2B_API_URL, E2B_API_KEY, E2B_SANDBOX_URL and E2B_VOLUME_API_URL.
 
 Each session gets its own data dir (VMON_E2E_DATA_DIR, default /var/tmp/vmon-e2e/run-<pid>), so
 concurrent sessions never share a node; its `images/` is a link to the shared guest-image cache
@@ -221,7 +221,7 @@ def vmon():
     reader = threading.Thread(target=read_exports, daemon=True)
     reader.start()
     deadline = time.monotonic() + STARTUP_TIMEOUT
-    while len(exports) < 3:
+    while len(exports) < 4:
         if proc.poll() is not None:
             raise RuntimeError(f"vmon up exited with {proc.returncode}; see {log_path}")
         if time.monotonic() > deadline:

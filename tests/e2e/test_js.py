@@ -75,3 +75,12 @@ def test_cli_template_create_list_delete(vmon, tmp_path):
     assert gone.returncode == 0, gone.stdout + gone.stderr
     listed = e2b("template", "list", "-f", "json")
     assert name not in {a for t in json.loads(listed.stdout) for a in t["aliases"]}
+
+
+def test_js_sdk_volumes_and_secrets(vmon):
+    env = _node_env(vmon)
+    env.update(E2B_VOLUME_API_URL=vmon.api_url)
+    r = subprocess.run(["node", "volumes.mjs"], cwd=JS, env=env, capture_output=True, text=True, timeout=900)
+    print(r.stdout)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "ok: done" in r.stdout

@@ -54,6 +54,15 @@ pub struct Config {
     pub proxy_tls_cert: Option<std::path::PathBuf>,
     /// PEM private key of `proxy_tls_cert` (`VMON_PROXY_TLS_KEY`).
     pub proxy_tls_key: Option<std::path::PathBuf>,
+    /// Where volumes keep their files, `<dir>/<volumeID>` (`VMON_VOLUMES_DIR`); default
+    /// `<data dir>/volumes`. In a cluster, a filesystem every node and api mounts at this
+    /// same path. Unset (only when the config is built in code): no volume routes.
+    pub volumes_dir: Option<std::path::PathBuf>,
+    /// The key (64 hex characters) volume tokens are signed with (`VMON_VOLUME_KEY_FILE`);
+    /// default `<data dir>/volume-key`, created on first start. Share it across a cluster.
+    pub volume_key_file: Option<std::path::PathBuf>,
+    /// How long a volume token is valid, in seconds (`VMON_VOLUME_TOKEN_TTL_SECS`).
+    pub volume_token_ttl_secs: u64,
 }
 
 /// Per-team quotas; past one the request is 429 with the limit's name.
@@ -67,6 +76,13 @@ pub struct Quotas {
     pub max_snapshots: usize,
     /// Webhooks a team may register (`VMON_MAX_WEBHOOKS`).
     pub max_webhooks: usize,
+    /// Volumes a team may keep (`VMON_MAX_VOLUMES`).
+    pub max_volumes: usize,
+    /// Bytes a team's volumes may hold, checked on content-plane writes
+    /// (`VMON_MAX_VOLUME_BYTES`); in-guest writes are not counted (`docs/security.md`).
+    pub max_volume_bytes: u64,
+    /// Secrets a team may keep (`VMON_MAX_SECRETS`); past it a create is 409, as in infra.
+    pub max_secrets: usize,
 }
 
 impl Default for Quotas {
@@ -75,6 +91,9 @@ impl Default for Quotas {
             max_paused: 1000,
             max_snapshots: 1000,
             max_webhooks: 50,
+            max_volumes: 100,
+            max_volume_bytes: 10 << 30,
+            max_secrets: 100,
         }
     }
 }
@@ -118,6 +137,9 @@ impl Default for Config {
             max_template_builds: 2,
             proxy_tls_cert: None,
             proxy_tls_key: None,
+            volumes_dir: None,
+            volume_key_file: None,
+            volume_token_ttl_secs: 3600,
         }
     }
 }
@@ -143,6 +165,12 @@ impl Config {
         config.apply_env(|k| std::env::var(k).ok())?;
         if config.template_files_dir.is_none() {
             config.template_files_dir = Some(data_dir.join("template-files"));
+        }
+        if config.volumes_dir.is_none() {
+            config.volumes_dir = Some(data_dir.join("volumes"));
+        }
+        if config.volume_key_file.is_none() {
+            config.volume_key_file = Some(data_dir.join("volume-key"));
         }
         Ok(config)
     }
@@ -209,6 +237,24 @@ impl Config {
         }
         if let Some(v) = var("VMON_MAX_WEBHOOKS") {
             self.quotas.max_webhooks = parse("VMON_MAX_WEBHOOKS", v)?;
+        }
+        if let Some(v) = var("VMON_MAX_VOLUMES") {
+            self.quotas.max_volumes = parse("VMON_MAX_VOLUMES", v)?;
+        }
+        if let Some(v) = var("VMON_MAX_VOLUME_BYTES") {
+            self.quotas.max_volume_bytes = parse("VMON_MAX_VOLUME_BYTES", v)?;
+        }
+        if let Some(v) = var("VMON_MAX_SECRETS") {
+            self.quotas.max_secrets = parse("VMON_MAX_SECRETS", v)?;
+        }
+        if let Some(v) = var("VMON_VOLUMES_DIR") {
+            self.volumes_dir = (!v.is_empty()).then(|| v.into());
+        }
+        if let Some(v) = var("VMON_VOLUME_KEY_FILE") {
+            self.volume_key_file = (!v.is_empty()).then(|| v.into());
+        }
+        if let Some(v) = var("VMON_VOLUME_TOKEN_TTL_SECS") {
+            self.volume_token_ttl_secs = parse("VMON_VOLUME_TOKEN_TTL_SECS", v)?;
         }
         if let Some(v) = var("VMON_PROXY_TLS_CERT") {
             self.proxy_tls_cert = (!v.is_empty()).then(|| v.into());

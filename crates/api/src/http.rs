@@ -40,6 +40,8 @@ pub fn router(state: AppState) -> Router {
             crate::telemetry::track_transitions,
         ))
         .merge(crate::events::routes())
+        .merge(crate::volumes::routes())
+        .merge(crate::secrets::routes())
         .merge(crate::dashboard::routes())
         .merge(crate::openapi::routes())
         .fallback(|| async { ApiError::not_found("no such endpoint") })

@@ -17,9 +17,11 @@ pub mod http;
 pub mod ids;
 pub mod openapi;
 pub mod records;
+pub mod secrets;
 pub mod state;
 pub mod telemetry;
 pub mod templates;
+pub mod volumes;
 pub mod wire;
 
 use std::sync::Arc;

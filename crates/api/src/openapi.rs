@@ -15,7 +15,7 @@ use utoipa::openapi::security::{ApiKey, ApiKeyValue, SecurityScheme};
 use utoipa::openapi::{Content, Ref, RefOr, ResponseBuilder};
 use utoipa::{Modify, OpenApi};
 
-use crate::{admin, events, http, telemetry, templates};
+use crate::{admin, events, http, secrets, telemetry, templates, volumes};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -92,6 +92,22 @@ use crate::{admin, events, http, telemetry, templates};
         telemetry::logs_v1,
         telemetry::logs_v2,
         telemetry::admin_logs,
+        volumes::create_volume,
+        volumes::list_volumes,
+        volumes::get_volume,
+        volumes::delete_volume,
+        volumes::content::list_dir,
+        volumes::content::make_dir,
+        volumes::content::stat_path,
+        volumes::content::patch_path,
+        volumes::content::remove_path,
+        volumes::content::read_file,
+        volumes::content::write_file,
+        secrets::create_secret,
+        secrets::list_secrets,
+        secrets::get_secret,
+        secrets::update_secret,
+        secrets::delete_secret,
     ),
     components(schemas(crate::wire::ErrorBody)),
     modifiers(&Conventions),
@@ -102,6 +118,8 @@ use crate::{admin, events, http, telemetry, templates};
         (name = "telemetry", description = "Guest metrics, console logs, platform metrics"),
         (name = "events", description = "Sandbox lifecycle events"),
         (name = "webhooks", description = "Lifecycle events pushed to the team's URLs"),
+        (name = "volumes", description = "E2B: named persistent volumes (`/volumes`, `X-API-Key`) and their files (`/volumecontent`, `Authorization: Bearer <volume token>`; errors carry a string `code`)"),
+        (name = "secrets", description = "E2B: team secrets; values go in and never come out"),
         (name = "admin", description = "The operator's routes (`X-Admin-Token`)"),
         (name = "meta", description = "Health and this document"),
         (name = "dashboard", description = "The web dashboard's static files"),
@@ -130,18 +148,38 @@ impl Modify for Conventions {
                 "The operator's token (`admin-token` in vmon's data dir)",
             ))),
         );
-        let error = |description: &str| {
+        components.add_security_scheme(
+            "VolumeToken",
+            SecurityScheme::Http({
+                let mut http = utoipa::openapi::security::Http::new(
+                    utoipa::openapi::security::HttpAuthScheme::Bearer,
+                );
+                http.description = Some(
+                    "A volume's content token (`token` of `GET /volumes/{volumeID}`), for that \
+                     volume only, until it expires"
+                        .to_string(),
+                );
+                http
+            }),
+        );
+        // The volume content plane's errors carry a string `code` (E2B's volumecontent spec).
+        let error = |path: &str, description: &str| {
+            let schema = if path.starts_with("/volumecontent/") {
+                "ContentError"
+            } else {
+                "ErrorBody"
+            };
             RefOr::T(
                 ResponseBuilder::new()
                     .description(description)
                     .content(
                         "application/json",
-                        Content::new(Some(Ref::from_schema_name("ErrorBody"))),
+                        Content::new(Some(Ref::from_schema_name(schema))),
                     )
                     .build(),
             )
         };
-        for item in doc.paths.paths.values_mut() {
+        for (path, item) in doc.paths.paths.iter_mut() {
             let ops = [
                 &mut item.get,
                 &mut item.put,
@@ -155,11 +193,11 @@ impl Modify for Conventions {
                 if secured {
                     responses
                         .entry("401".to_string())
-                        .or_insert_with(|| error("Missing or invalid credential"));
+                        .or_insert_with(|| error(path, "Missing or invalid credential"));
                 }
                 responses
                     .entry("500".to_string())
-                    .or_insert_with(|| error("Internal error"));
+                    .or_insert_with(|| error(path, "Internal error"));
             }
         }
     }

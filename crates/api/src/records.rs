@@ -24,8 +24,8 @@ use crate::wire::{NetworkConfig, StringMap, VolumeMount};
 pub use builds::{BuildFailure, BuildLogEntry, BuildRecords, BuildState, TemplateBuild};
 pub use store::{secret_key, StoreRecords, SQLITE_FILE, WEBHOOK_KEY_FILE};
 pub use vmon_store::{
-    Delivery, DeliveryAttempt, Event, EventQuery, NewWebhook, OutboxItem, Webhook, WebhookPatch,
-    WebhookStats,
+    Delivery, DeliveryAttempt, Event, EventQuery, NewSecret, NewVolume, NewWebhook, OutboxItem,
+    Secret, Volume, Webhook, WebhookPatch, WebhookStats,
 };
 
 pub type RecordResult<T> = anyhow::Result<T>;
@@ -298,4 +298,34 @@ pub trait Records: BuildRecords + Send + Sync + 'static {
         visibility: Duration,
     ) -> RecordResult<Option<Vec<OutboxItem>>>;
     async fn complete_outbox(&self, epoch: i64, seq: i64) -> RecordResult<bool>;
+
+    /// `None` when the team already has a volume of that name.
+    async fn create_volume(&self, new: &NewVolume) -> RecordResult<Option<Volume>>;
+    async fn volume(&self, team_id: &str, id: &str) -> RecordResult<Option<Volume>>;
+    /// Any team's (the content plane checks the token's team itself).
+    async fn volume_by_id(&self, id: &str) -> RecordResult<Option<Volume>>;
+    async fn volume_by_name(&self, team_id: &str, name: &str) -> RecordResult<Option<Volume>>;
+    async fn volumes(&self, team_id: &str) -> RecordResult<Vec<Volume>>;
+    async fn delete_volume(&self, team_id: &str, id: &str) -> RecordResult<bool>;
+
+    /// `None` when the team already has a secret of that name.
+    async fn create_secret(&self, new: &NewSecret) -> RecordResult<Option<Secret>>;
+    /// By id or (any case) name.
+    async fn secret(&self, team_id: &str, id_or_name: &str) -> RecordResult<Option<Secret>>;
+    /// Up to `limit` after the secret with id `after`, oldest first.
+    async fn secrets(
+        &self,
+        team_id: &str,
+        limit: i64,
+        after: Option<&str>,
+    ) -> RecordResult<Vec<Secret>>;
+    async fn count_secrets(&self, team_id: &str) -> RecordResult<i64>;
+    async fn update_secret(
+        &self,
+        team_id: &str,
+        id_or_name: &str,
+        value: &str,
+        metadata: Option<&std::collections::BTreeMap<String, String>>,
+    ) -> RecordResult<Option<Secret>>;
+    async fn delete_secret(&self, team_id: &str, id_or_name: &str) -> RecordResult<bool>;
 }

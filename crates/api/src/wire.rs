@@ -61,6 +61,11 @@ pub struct NetworkConfig {
     pub dns_servers: Option<Vec<String>>,
     #[serde(rename = "maskRequestHost", skip_serializing_if = "Option::is_none")]
     pub mask_request_host: Option<String>,
+    /// Per-host request transforms (`{host: [{transform: {headers: {...}}}]}`). vmon has no
+    /// egress proxy to apply them: kept as sent, and a create naming a secret in them is 400.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<Object>)]
+    pub rules: Option<serde_json::Value>,
 }
 
 /// `SandboxNetworkUpdateConfig` (PUT /sandboxes/{id}/network; replace-all).

@@ -278,6 +278,7 @@ async fn team_quotas_are_429_with_the_limit_named() {
         max_paused: 1,
         max_snapshots: 1,
         max_webhooks: 1,
+        ..Default::default()
     };
     let h = common::harness_with("127.0.0.1".parse().unwrap(), limits(5), quotas).await;
     let a = h.create(r#"{"templateID":"base"}"#).await;

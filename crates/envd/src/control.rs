@@ -35,6 +35,15 @@ struct InitRequest {
     default_workdir: Option<String>,
     #[serde(default)]
     entropy: Option<String>,
+    /// virtio-fs shares to mount (vmon's; infra sends NFS mounts here under the same name).
+    #[serde(default)]
+    volume_mounts: Option<Vec<VolumeMount>>,
+}
+
+#[derive(Debug, Deserialize)]
+struct VolumeMount {
+    tag: String,
+    path: String,
 }
 
 fn error(status: StatusCode, message: &str) -> Response<Body> {
@@ -119,6 +128,28 @@ pub async fn init(agent: Arc<Agent>, req: Request<Incoming>) -> Response<Body> {
         add_entropy(&bytes);
     }
 
+    if let Some(mounts) = msg.volume_mounts.filter(|m| !m.is_empty()) {
+        if mounts
+            .iter()
+            .any(|m| !m.path.starts_with('/') || m.tag.is_empty() || m.tag.len() > 36)
+        {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "volume mounts need a tag and an absolute path",
+            );
+        }
+        let mounted = tokio::task::spawn_blocking(move || {
+            mounts
+                .iter()
+                .try_for_each(|m| crate::init::mount_volume(&m.tag, &m.path))
+        })
+        .await;
+        match mounted {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return error(StatusCode::INTERNAL_SERVER_ERROR, &e),
+            Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string()),
+        }
+    }
     agent.set_token(msg.access_token.filter(|t| !t.is_empty()));
     agent.update_defaults(|d| {
         if let Some(env) = msg.env_vars {

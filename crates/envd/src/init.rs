@@ -233,3 +233,47 @@ pub fn run() -> anyhow::Result<()> {
         }
     }
 }
+
+/// Mounts the virtio-fs share `tag` at `path` (made first, like infra's `mkdir -p`), unless
+/// something is mounted there already (a repeated `/init`). `nosuid,nodev`: what another
+/// sandbox wrote into a shared volume must not raise privileges in this one.
+pub fn mount_volume(tag: &str, path: &str) -> Result<(), String> {
+    if is_mounted(path) {
+        return Ok(());
+    }
+    // The cloud kernel has virtio-fs as a module; nothing loads it without udev.
+    if !std::path::Path::new("/sys/module/virtiofs").exists() {
+        let status = std::process::Command::new("/sbin/modprobe")
+            .arg("virtiofs")
+            .status();
+        if !matches!(status, Ok(s) if s.success()) {
+            return Err(format!("loading the virtiofs module failed: {status:?}"));
+        }
+    }
+    std::fs::create_dir_all(path).map_err(|e| format!("creating {path}: {e}"))?;
+    let (Ok(s), Ok(t), Ok(f)) = (
+        CString::new(tag),
+        CString::new(path),
+        CString::new("virtiofs"),
+    ) else {
+        return Err("a mount tag or path holds NUL".into());
+    };
+    // SAFETY: all pointers are valid NUL-terminated strings that outlive the call; data is
+    // null (no options).
+    let rc = unsafe {
+        libc::mount(
+            s.as_ptr(),
+            t.as_ptr(),
+            f.as_ptr(),
+            libc::MS_NOSUID | libc::MS_NODEV,
+            std::ptr::null(),
+        )
+    };
+    if rc != 0 {
+        return Err(format!(
+            "mount -t virtiofs {tag} {path}: {}",
+            std::io::Error::last_os_error()
+        ));
+    }
+    Ok(())
+}

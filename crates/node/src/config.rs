@@ -41,10 +41,19 @@ pub struct NodeConfig {
     /// Where the guest image build reports its steps (`vmon up` shows them and the api answers
     /// with them while the first build runs).
     pub progress: Option<vmon_proto::progress::Progress>,
+    /// Where volumes keep their files, `<dir>/<volumeID>` (`VMON_VOLUMES_DIR`, default
+    /// `<data dir>/volumes`): the api's content plane writes the same directories.
+    pub volumes_dir: PathBuf,
+    /// The virtio-fs daemon (`VMON_VIRTIOFSD`; QEMU 7.2's on Debian 12).
+    pub virtiofsd: PathBuf,
 }
 
 impl NodeConfig {
     pub fn new(data_dir: PathBuf) -> NodeConfig {
+        let volumes_dir = std::env::var_os("VMON_VOLUMES_DIR")
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+            .unwrap_or_else(|| data_dir.join("volumes"));
         NodeConfig {
             data_dir,
             accel: None,
@@ -60,6 +69,11 @@ impl NodeConfig {
             park_linger: Duration::from_secs(env_or("VMON_PARK_SECS", 300)),
             min_free_mb: env_or("VMON_MIN_FREE_MB", 1024),
             progress: None,
+            volumes_dir,
+            virtiofsd: std::env::var_os("VMON_VIRTIOFSD")
+                .filter(|v| !v.is_empty())
+                .map(PathBuf::from)
+                .unwrap_or_else(|| PathBuf::from("/usr/lib/qemu/virtiofsd")),
         }
     }
 }

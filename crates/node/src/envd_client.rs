@@ -73,6 +73,8 @@ pub struct InitRequest {
     /// The token envd holds now (from the build), to authenticate this call.
     pub current_token: Option<String>,
     pub default_user: Option<String>,
+    /// virtio-fs tags to mount, with their guest paths (cold boots of sandboxes with volumes).
+    pub volume_mounts: Vec<(String, String)>,
 }
 
 /// Calls `/init`, retrying until it succeeds or `deadline` passes. Every try carries a fresh
@@ -96,6 +98,13 @@ pub async fn init(addr: SocketAddr, req: &InitRequest, deadline: Duration) -> an
         }
         if let Some(u) = &req.default_user {
             body["defaultUser"] = json!(u);
+        }
+        if !req.volume_mounts.is_empty() {
+            body["volumeMounts"] = req
+                .volume_mounts
+                .iter()
+                .map(|(tag, path)| json!({"tag": tag, "path": path}))
+                .collect();
         }
         let mut headers = vec![("content-type", "application/json".to_string())];
         if let Some(t) = req.current_token.as_ref().or(req.access_token.as_ref()) {

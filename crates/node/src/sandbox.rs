@@ -52,6 +52,9 @@ pub struct SandboxState {
     /// The egress policy its slot enforces now.
     #[serde(default)]
     pub network: Option<vmon_proto::node::NetworkPolicy>,
+    /// Volumes it mounts (virtio-fs): its memory is never captured.
+    #[serde(default)]
+    pub volumes: Vec<vmon_proto::node::VolumeShare>,
 }
 
 impl SandboxState {

@@ -37,6 +37,7 @@ fn a_remote_node_creates_pauses_resumes_and_kills() {
         let id = unique("rpc");
         let r = remote
             .start(StartSpec {
+                volumes: Vec::new(),
                 sandbox_id: id.clone(),
                 execution_id: unique("e"),
                 build_id: tpl.clone(),
@@ -63,6 +64,7 @@ fn a_remote_node_creates_pauses_resumes_and_kills() {
             .expect("pause over RPC");
         let r2 = remote
             .start(StartSpec {
+                volumes: Vec::new(),
                 sandbox_id: id.clone(),
                 execution_id: unique("e"),
                 build_id: b.build_id.clone(),

@@ -53,6 +53,18 @@ pub struct StartSpec {
     /// Token envd will demand in `X-Access-Token`.
     pub envd_access_token: Option<String>,
     pub network: NetworkPolicy,
+    /// Volumes to mount (virtio-fs). A sandbox with any is always cold-booted: a mount's
+    /// state lives outside the guest's memory and cannot be restored with it.
+    #[serde(default)]
+    pub volumes: Vec<VolumeShare>,
+}
+
+/// One volume a sandbox mounts: `<volumes dir>/<volume_id>` on the node, `path` in the guest.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VolumeShare {
+    pub volume_id: String,
+    /// Absolute and clean.
+    pub path: String,
 }
 
 /// A sandbox that is running on a node.

@@ -1,7 +1,8 @@
 //! vmon-store: the durable records of the control plane (DESIGN §6): teams, API keys (hashed),
 //! templates and builds with their names, sandbox records (running and paused) with execution
 //! ids, snapshots, lifecycle events (30-day retention), webhooks (secrets encrypted at rest),
-//! webhook deliveries and the webhook outbox.
+//! webhook deliveries and the webhook outbox, and named volumes (their rows; the files are
+//! the api's), and team secrets (values sealed like webhook secrets).
 //!
 //! It must never coordinate: locks, admission counters, routes, idempotency and leader
 //! election are `vmon-kv`'s. What it guarantees is atomicity: a state change, the event that
@@ -34,6 +35,12 @@
 //! tx.commit().await?;
 //! store.sandbox(id) ; store.sandboxes(&SandboxQuery) -> Page<SandboxRecord> ; store.count_sandboxes(team, state)
 //! store.events(&EventQuery) -> Vec<Event> ; store.delete_events_before(t) ; store.run_retention(now)
+//! // volumes (names unique per team)
+//! store.create_volume(&NewVolume) -> Volume (Err(Conflict) on a taken name) ; store.volume(team, id)
+//! store.volumes(team) ; store.delete_volume(team, id) -> bool ; store.volume_by_id(id)
+//! // secrets (values sealed, never returned; by id or lower-cased name)
+//! store.create_secret(&NewSecret) ; store.secret(team, id_or_name) ; store.secrets(team, limit, after)
+//! store.update_secret(team, id_or_name, value, metadata) ; store.delete_secret(team, id_or_name)
 //! // webhooks
 //! store.create_webhook(&NewWebhook) -> Webhook (never the secret) ; store.webhook_secret(id)
 //! store.record_delivery(&DeliveryAttempt) ; store.deliveries(webhook_id, limit, offset) ; store.webhook_stats(id)
@@ -49,6 +56,7 @@ pub mod bench;
 mod events;
 mod model;
 mod sandboxes;
+mod secrets;
 mod sql;
 mod teams;
 pub use events::EVENT_RETENTION;
@@ -58,6 +66,7 @@ mod template_builds;
 pub use template_builds::TemplateBuildDoc;
 mod templates;
 mod tx;
+mod volumes;
 mod webhooks;
 
 use std::path::PathBuf;
@@ -197,6 +206,16 @@ const SQLITE_MIGRATIONS: &[Migration] = &[
         description: "template builds, their logs, the layer cache",
         sql: include_str!("../migrations/sqlite/0003_template_builds.sql"),
     },
+    Migration {
+        version: 4,
+        description: "volumes",
+        sql: include_str!("../migrations/sqlite/0004_volumes.sql"),
+    },
+    Migration {
+        version: 5,
+        description: "secrets",
+        sql: include_str!("../migrations/sqlite/0005_secrets.sql"),
+    },
 ];
 const POSTGRES_MIGRATIONS: &[Migration] = &[
     Migration {
@@ -213,6 +232,16 @@ const POSTGRES_MIGRATIONS: &[Migration] = &[
         version: 3,
         description: "template builds, their logs, the layer cache",
         sql: include_str!("../migrations/postgres/0003_template_builds.sql"),
+    },
+    Migration {
+        version: 4,
+        description: "volumes",
+        sql: include_str!("../migrations/postgres/0004_volumes.sql"),
+    },
+    Migration {
+        version: 5,
+        description: "secrets",
+        sql: include_str!("../migrations/postgres/0005_secrets.sql"),
     },
 ];
 

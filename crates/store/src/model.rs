@@ -411,3 +411,42 @@ pub struct OutboxItem {
     pub delivery_id: String,
     pub event: Event,
 }
+
+/// A named persistent volume of a team. Its files are not in the store.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Volume {
+    pub id: String,
+    pub team_id: String,
+    pub name: String,
+    pub created_at: OffsetDateTime,
+}
+
+#[derive(Clone, Debug)]
+pub struct NewVolume {
+    pub id: String,
+    pub team_id: String,
+    pub name: String,
+}
+
+/// A team secret as returned to clients: never its value.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Secret {
+    pub id: String,
+    pub team_id: String,
+    /// Lower-cased.
+    pub name: String,
+    /// 1 at creation, +1 on every update.
+    pub version: i64,
+    pub metadata: BTreeMap<String, String>,
+    pub created_at: OffsetDateTime,
+    pub updated_at: OffsetDateTime,
+}
+
+#[derive(Clone)]
+pub struct NewSecret {
+    pub id: String,
+    pub team_id: String,
+    pub name: String,
+    pub value: String,
+    pub metadata: BTreeMap<String, String>,
+}

@@ -26,7 +26,7 @@ impl SecretBox {
         }
     }
 
-    fn seal(&self, webhook_id: &str, secret: &str) -> Result<(Vec<u8>, Vec<u8>)> {
+    pub(crate) fn seal(&self, webhook_id: &str, secret: &str) -> Result<(Vec<u8>, Vec<u8>)> {
         let nonce: [u8; 12] = rand::random();
         let sealed = self
             .cipher
@@ -41,7 +41,7 @@ impl SecretBox {
         Ok((nonce.to_vec(), sealed))
     }
 
-    fn open(&self, webhook_id: &str, nonce: &[u8], sealed: &[u8]) -> Result<String> {
+    pub(crate) fn open(&self, webhook_id: &str, nonce: &[u8], sealed: &[u8]) -> Result<String> {
         if nonce.len() != 12 {
             return Err(StoreError::Crypto);
         }

@@ -1017,6 +1017,138 @@ pub async fn outbox_exactly_once(b: &support::Backend) {
     second.close().await;
 }
 
+pub async fn volumes_unique_per_team(b: &support::Backend) {
+    let store = &b.store;
+    let new = |id: &str, team: &str, name: &str| NewVolume {
+        id: id.to_owned(),
+        team_id: team.to_owned(),
+        name: name.to_owned(),
+    };
+    let v = store.create_volume(&new("v1", "t1", "data")).await.unwrap();
+    assert_eq!(
+        (v.id.as_str(), v.team_id.as_str(), v.name.as_str()),
+        ("v1", "t1", "data")
+    );
+    assert!(matches!(
+        store.create_volume(&new("v2", "t1", "data")).await,
+        Err(StoreError::Conflict(_))
+    ));
+    // The same name in another team is another volume.
+    store.create_volume(&new("v3", "t2", "data")).await.unwrap();
+    store.create_volume(&new("v4", "t1", "more")).await.unwrap();
+    assert_eq!(store.volume("t1", "v1").await.unwrap(), Some(v.clone()));
+    assert_eq!(store.volume("t2", "v1").await.unwrap(), None);
+    assert_eq!(
+        store.volume_by_id("v3").await.unwrap().unwrap().team_id,
+        "t2"
+    );
+    assert_eq!(
+        store
+            .volume_by_name("t1", "more")
+            .await
+            .unwrap()
+            .unwrap()
+            .id,
+        "v4"
+    );
+    assert_eq!(store.volume_by_name("t2", "more").await.unwrap(), None);
+    let names: Vec<String> = store
+        .volumes("t1")
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|v| v.id)
+        .collect();
+    assert_eq!(names, ["v1", "v4"]);
+    assert!(!store.delete_volume("t2", "v1").await.unwrap());
+    assert!(store.delete_volume("t1", "v1").await.unwrap());
+    assert!(!store.delete_volume("t1", "v1").await.unwrap());
+    // The name is free again.
+    store.create_volume(&new("v5", "t1", "data")).await.unwrap();
+}
+
+pub async fn secrets_sealed_versioned_paged(b: &support::Backend) {
+    let store = &b.store;
+    let new = |id: &str, team: &str, name: &str, value: &str| NewSecret {
+        id: id.to_owned(),
+        team_id: team.to_owned(),
+        name: name.to_owned(),
+        value: value.to_owned(),
+        metadata: BTreeMap::from([("k".to_owned(), "v".to_owned())]),
+    };
+    let s1 = store
+        .create_secret(&new("sec_1", "t1", "API-Key", "v1"))
+        .await
+        .unwrap();
+    assert_eq!((s1.name.as_str(), s1.version), ("api-key", 1));
+    assert!(matches!(
+        store
+            .create_secret(&new("sec_2", "t1", "api-key", "x"))
+            .await,
+        Err(StoreError::Conflict(_))
+    ));
+    store
+        .create_secret(&new("sec_3", "t2", "api-key", "other team"))
+        .await
+        .unwrap();
+    store
+        .create_secret(&new("sec_4", "t1", "second", "v"))
+        .await
+        .unwrap();
+    store
+        .create_secret(&new("sec_5", "t1", "third", "v"))
+        .await
+        .unwrap();
+    assert_eq!(
+        store.secret("t1", "API-KEY").await.unwrap().unwrap().id,
+        "sec_1"
+    );
+    assert_eq!(
+        store.secret("t1", "sec_1").await.unwrap().unwrap().name,
+        "api-key"
+    );
+    assert_eq!(store.secret("t2", "sec_1").await.unwrap(), None);
+    assert_eq!(
+        store.secret_value("t1", "sec_1").await.unwrap().as_deref(),
+        Some("v1")
+    );
+    assert_eq!(store.secret_value("t2", "sec_1").await.unwrap(), None);
+    assert_eq!(store.count_secrets("t1").await.unwrap(), 3);
+
+    let page1 = store.secrets("t1", 2, None).await.unwrap();
+    let page2 = store.secrets("t1", 2, Some(&page1[1].id)).await.unwrap();
+    let ids: Vec<&str> = page1
+        .iter()
+        .chain(page2.iter())
+        .map(|s| s.id.as_str())
+        .collect();
+    assert_eq!(ids, ["sec_1", "sec_4", "sec_5"]);
+
+    let up = store
+        .update_secret("t1", "api-key", "v2", None)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!((up.version, up.metadata.len()), (2, 1));
+    let up = store
+        .update_secret("t1", "sec_1", "v3", Some(&BTreeMap::new()))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!((up.version, up.metadata.len()), (3, 0));
+    assert_eq!(
+        store.secret_value("t1", "sec_1").await.unwrap().as_deref(),
+        Some("v3")
+    );
+    assert_eq!(
+        store.update_secret("t2", "sec_1", "x", None).await.unwrap(),
+        None
+    );
+    assert!(!store.delete_secret("t2", "sec_1").await.unwrap());
+    assert!(store.delete_secret("t1", "API-key").await.unwrap());
+    assert_eq!(store.secret("t1", "sec_1").await.unwrap(), None);
+}
+
 macro_rules! conformance {
     ($backend:ident) => {
         mod $backend {
@@ -1038,6 +1170,8 @@ macro_rules! conformance {
             case!(events_query_and_retention);
             case!(webhooks_and_deliveries);
             case!(outbox_exactly_once);
+            case!(volumes_unique_per_team);
+            case!(secrets_sealed_versioned_paged);
         }
     };
 }

@@ -16,6 +16,6 @@ pub mod process;
 pub mod qmp;
 
 pub use accel::{probe as probe_accel, Accel, AccelChoice};
-pub use machine::{MachineDesc, NetDevice};
+pub use machine::{FsShare, MachineDesc, NetDevice};
 pub use process::{LaunchSpec, Vm};
 pub use qmp::{Qmp, QmpError};

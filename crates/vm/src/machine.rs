@@ -37,6 +37,18 @@ pub struct MachineDesc {
     pub cmdline: String,
 }
 
+/// A virtio-fs share: a `vhost-user-fs-pci` device whose daemon (virtiofsd) listens on
+/// `socket`; the guest mounts it by `tag`. Only cold boots carry them: vhost-user devices
+/// cannot be migrated, so such a guest's memory is never saved.
+#[derive(Debug, Clone)]
+pub struct FsShare {
+    pub socket: PathBuf,
+    pub tag: String,
+}
+
+/// The first PCI slot of virtio-fs devices (`FS_ADDR + i` for share `i`).
+const FS_ADDR: u32 = 0x5;
+
 /// A network device backed by a tap inside the VM's namespace.
 #[derive(Debug, Clone)]
 pub struct NetDevice {
@@ -81,6 +93,7 @@ pub struct Placement<'a> {
     pub pidfile: &'a Path,
     /// Start paused, waiting for `migrate-incoming`.
     pub incoming: bool,
+    pub fs_shares: &'a [FsShare],
 }
 
 impl MachineDesc {
@@ -169,6 +182,18 @@ impl MachineDesc {
             a.push(format!(
                 "virtio-net-pci,netdev=n0,id=net0,mac={GUEST_MAC},romfile=,addr={NET_ADDR}"
             ));
+        }
+        for (i, share) in p.fs_shares.iter().enumerate() {
+            a.extend([
+                "-chardev".into(),
+                format!("socket,id=vfs{i},path={}", share.socket.display()),
+                "-device".into(),
+                format!(
+                    "vhost-user-fs-pci,chardev=vfs{i},tag={},queue-size=1024,addr={:#x}",
+                    share.tag,
+                    FS_ADDR + i as u32
+                ),
+            ]);
         }
         if p.incoming {
             a.extend(
@@ -266,6 +291,7 @@ mod tests {
             console_log: Path::new("/c.log"),
             qmp_socket: Path::new("/q.sock"),
             pidfile: Path::new("/p"),
+            fs_shares: &[],
             incoming: true,
         });
         let s = a.join(" ");
@@ -274,6 +300,47 @@ mod tests {
         assert!(s.contains("-incoming defer -S"));
         assert!(s.contains(&format!("mac={GUEST_MAC}")));
         assert!(s.contains("-smp 2"));
+        assert!(!s.contains("vhost-user-fs"), "no share, no device");
+        let shares = [
+            FsShare {
+                socket: "/run/vmon/vfs/a-0.sock".into(),
+                tag: "vol0".into(),
+            },
+            FsShare {
+                socket: "/run/vmon/vfs/a-1.sock".into(),
+                tag: "vol1".into(),
+            },
+        ];
+        let s = m
+            .args(&Placement {
+                tag: "t2",
+                ram_file: Path::new("/r/ram"),
+                ram: RamSharing::Shared,
+                disk: Some(Path::new("/d.qcow2")),
+                net: Some(&net),
+                console_log: Path::new("/c.log"),
+                qmp_socket: Path::new("/q.sock"),
+                pidfile: Path::new("/p"),
+                fs_shares: &shares,
+                incoming: false,
+            })
+            .join(" ");
+        assert!(
+            s.contains("share=on"),
+            "vhost-user needs shared guest RAM: {s}"
+        );
+        assert!(
+            s.contains("-chardev socket,id=vfs0,path=/run/vmon/vfs/a-0.sock"),
+            "{s}"
+        );
+        assert!(
+            s.contains("vhost-user-fs-pci,chardev=vfs0,tag=vol0,queue-size=1024,addr=0x5"),
+            "{s}"
+        );
+        assert!(
+            s.contains("vhost-user-fs-pci,chardev=vfs1,tag=vol1,queue-size=1024,addr=0x6"),
+            "{s}"
+        );
         assert!(s.contains(
             "-sandbox on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
         ));

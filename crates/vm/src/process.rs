@@ -13,7 +13,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 
 use crate::cgroup;
-use crate::machine::{MachineDesc, NetDevice, Placement, RamSharing};
+use crate::machine::{FsShare, MachineDesc, NetDevice, Placement, RamSharing};
 use crate::qmp::Qmp;
 
 /// Where and how to run one QEMU.
@@ -35,6 +35,8 @@ pub struct LaunchSpec {
     /// Killed when the node process ends (a template build is worthless without its node; a
     /// sandbox outlives it and is re-adopted).
     pub die_with_node: bool,
+    /// virtio-fs shares (cold boots only; their daemons must already listen).
+    pub fs_shares: Vec<FsShare>,
 }
 
 /// A running QEMU and its QMP connection.
@@ -78,6 +80,7 @@ impl Vm {
             qmp_socket: &qmp_sock,
             pidfile: &pidfile,
             incoming: spec.incoming,
+            fs_shares: &spec.fs_shares,
         });
         let stderr_path = spec.run_dir.join("qemu.stderr");
         let stderr = std::fs::File::create(&stderr_path)?;

@@ -205,7 +205,7 @@ impl Control {
             }
             let build = self
                 .node
-                .checkpoint(&rec.id, &rec.execution_id, true)
+                .checkpoint(&rec.id, &rec.execution_id, rec.volume_mounts.is_empty())
                 .await?;
             let ev = event(
                 &rec,
@@ -334,6 +334,8 @@ impl Control {
                     "sandbox {id} is paused; only a running sandbox can be snapshotted"
                 )));
             }
+            // A mount's state is outside the guest's memory: snapshot the disk only.
+            let memory = memory && rec.volume_mounts.is_empty();
             let build = self.node.checkpoint(&rec.id, &rec.execution_id, memory).await?;
             let tag = named
                 .as_ref()

@@ -135,9 +135,12 @@ impl Control {
             validate_idempotency_key(key)?;
         }
         super::check_maps(&req.metadata, &req.env_vars)?;
-        if req.volume_mounts.as_ref().is_some_and(|v| !v.is_empty()) {
-            return Err(ApiError::bad_request("volume mounts are not supported"));
-        }
+        self.refuse_secret_rules(&team.id, req.network.as_ref())
+            .await?;
+        let volume_mounts = req.volume_mounts.clone().unwrap_or_default();
+        super::volumes::check_mount_paths(&volume_mounts)?;
+        // Unknown names are a 400 before anything starts (and again at every start).
+        self.volume_shares(&team.id, &volume_mounts).await?;
         let auto_pause = req.auto_pause.unwrap_or(false);
         let auto_resume = req.auto_resume.as_ref().is_some_and(|a| a.enabled);
         let auto_pause_memory = req.auto_pause_memory.unwrap_or(true);
@@ -164,7 +167,7 @@ impl Control {
                 allow_internet_access: req.allow_internet_access,
                 public_traffic: network.allow_public_traffic.unwrap_or(true),
                 network,
-                volume_mounts: Vec::new(),
+                volume_mounts,
             },
         };
         match params.idempotency_key {
@@ -257,6 +260,9 @@ impl Control {
         fence: i64,
     ) -> ApiResult<wire::Sandbox> {
         let team = launch.team;
+        let volumes = self
+            .volume_shares(&team.id, &launch.base.volume_mounts)
+            .await?;
         let counter = admission_key(&team.id);
         if !self
             .kv
@@ -303,7 +309,9 @@ impl Control {
             sandbox_id: id.to_string(),
             execution_id: execution_id.clone(),
             build_id: launch.build.build_id.clone(),
-            cold_boot: !launch.build.has_memory,
+            // A mount's state is outside the guest's memory: such sandboxes cold-boot.
+            cold_boot: !launch.build.has_memory || !volumes.is_empty(),
+            volumes,
             env_vars: base.env_vars.clone(),
             envd_access_token: Some(envd_access_token),
             network: network_policy(&rec),
@@ -439,6 +447,8 @@ impl Control {
         memory: bool,
         fence: i64,
     ) -> ApiResult<()> {
+        // A mount's state is outside the guest's memory: pause the disk only.
+        let memory = memory && rec.volume_mounts.is_empty();
         let build = self.node.pause(&rec.id, &rec.execution_id, memory).await?;
         let superseded = rec.owned_build.take();
         rec.state = SandboxState::Paused;
@@ -564,8 +574,16 @@ impl Control {
             return Err(concurrency_error(team));
         }
         let execution_id = ids::execution_id();
-        let cold_boot = cold_boot || !rec.build.has_memory;
+        let volumes = match self.volume_shares(&team.id, &rec.volume_mounts).await {
+            Ok(v) => v,
+            Err(e) => {
+                self.release(&counter).await;
+                return Err(e);
+            }
+        };
+        let cold_boot = cold_boot || !rec.build.has_memory || !volumes.is_empty();
         let spec = StartSpec {
+            volumes,
             sandbox_id: rec.id.clone(),
             execution_id: execution_id.clone(),
             build_id: rec.build.build_id.clone(),

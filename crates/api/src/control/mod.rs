@@ -16,6 +16,7 @@ mod network;
 mod reaper;
 mod routes;
 mod targets;
+pub mod volumes;
 
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
@@ -65,6 +66,8 @@ pub struct Control {
     pub(crate) template_builds: tokio::sync::Semaphore,
     /// Template build uploads: their signer and directory.
     uploads: crate::templates::Uploads,
+    /// Volumes (`crate::volumes`); `None` when the config names no volumes directory.
+    volumes: Option<Arc<volumes::Volumes>>,
 }
 
 impl Control {
@@ -98,7 +101,16 @@ impl Control {
             .template_files_dir
             .clone()
             .unwrap_or_else(|| std::env::temp_dir().join("vmon-template-files"));
+        let volumes = match (&config.volumes_dir, &config.volume_key_file) {
+            (Some(dir), Some(key)) => Some(Arc::new(volumes::Volumes::open(
+                dir,
+                key,
+                Duration::from_secs(config.volume_token_ttl_secs.max(1)),
+            )?)),
+            _ => None,
+        };
         let control = Arc::new(Control {
+            volumes,
             config,
             webhook_targets,
             node,
@@ -136,6 +148,10 @@ impl Control {
             .alias_in_use(&format!("{slug}/{name}"))
             .await
             .map_err(record_error)
+    }
+
+    pub fn volumes(&self) -> Option<&Arc<volumes::Volumes>> {
+        self.volumes.as_ref()
     }
 
     pub fn webhook_targets(&self) -> &WebhookTargets {

@@ -737,4 +737,74 @@ impl Records for StoreRecords {
     async fn complete_outbox(&self, epoch: i64, seq: i64) -> RecordResult<bool> {
         Ok(self.store.complete_outbox(epoch, seq).await?)
     }
+
+    async fn create_volume(&self, new: &NewVolume) -> RecordResult<Option<Volume>> {
+        match self.store.create_volume(new).await {
+            Ok(v) => Ok(Some(v)),
+            Err(StoreError::Conflict(_)) => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    async fn volume(&self, team_id: &str, id: &str) -> RecordResult<Option<Volume>> {
+        Ok(self.store.volume(team_id, id).await?)
+    }
+
+    async fn volume_by_id(&self, id: &str) -> RecordResult<Option<Volume>> {
+        Ok(self.store.volume_by_id(id).await?)
+    }
+
+    async fn volume_by_name(&self, team_id: &str, name: &str) -> RecordResult<Option<Volume>> {
+        Ok(self.store.volume_by_name(team_id, name).await?)
+    }
+
+    async fn volumes(&self, team_id: &str) -> RecordResult<Vec<Volume>> {
+        Ok(self.store.volumes(team_id).await?)
+    }
+
+    async fn delete_volume(&self, team_id: &str, id: &str) -> RecordResult<bool> {
+        Ok(self.store.delete_volume(team_id, id).await?)
+    }
+
+    async fn create_secret(&self, new: &NewSecret) -> RecordResult<Option<Secret>> {
+        match self.store.create_secret(new).await {
+            Ok(v) => Ok(Some(v)),
+            Err(StoreError::Conflict(_)) => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    async fn secret(&self, team_id: &str, id_or_name: &str) -> RecordResult<Option<Secret>> {
+        Ok(self.store.secret(team_id, id_or_name).await?)
+    }
+
+    async fn secrets(
+        &self,
+        team_id: &str,
+        limit: i64,
+        after: Option<&str>,
+    ) -> RecordResult<Vec<Secret>> {
+        Ok(self.store.secrets(team_id, limit, after).await?)
+    }
+
+    async fn count_secrets(&self, team_id: &str) -> RecordResult<i64> {
+        Ok(self.store.count_secrets(team_id).await?)
+    }
+
+    async fn update_secret(
+        &self,
+        team_id: &str,
+        id_or_name: &str,
+        value: &str,
+        metadata: Option<&std::collections::BTreeMap<String, String>>,
+    ) -> RecordResult<Option<Secret>> {
+        Ok(self
+            .store
+            .update_secret(team_id, id_or_name, value, metadata)
+            .await?)
+    }
+
+    async fn delete_secret(&self, team_id: &str, id_or_name: &str) -> RecordResult<bool> {
+        Ok(self.store.delete_secret(team_id, id_or_name).await?)
+    }
 }

@@ -507,6 +507,7 @@ impl Control {
                     allow_internet_access: true,
                     ..Default::default()
                 },
+                volumes: Vec::new(),
             })
             .await
             .map_err(|e| fail("base", format!("starting the build VM: {e}")))?;

@@ -328,6 +328,8 @@ pub async fn harness_starting(
         // The tests' webhook receivers listen on loopback.
         webhook_allow: vec!["127.0.0.1/32".into()],
         quotas,
+        volumes_dir: Some(dir.path().join("volumes")),
+        volume_key_file: Some(dir.path().join("volume-key")),
         ..Config::default()
     };
     let records = Arc::new(StoreRecords::open(&config, dir.path()).await.unwrap());

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::bail;
-use vmon_proto::node::{NetworkPolicy, NodeError, Running};
+use vmon_proto::node::{NetworkPolicy, NodeError, Running, VolumeShare};
 use vmon_vm::disk::{create_overlay, BackingFormat};
 use vmon_vm::machine::{kernel_cmdline, RamSharing};
 use vmon_vm::{LaunchSpec, MachineDesc, NetDevice, Vm};
@@ -78,13 +78,23 @@ impl Node {
         policy: &NetworkPolicy,
         init: &InitRequest,
         resume_generation: u32,
+        volumes: &[VolumeShare],
     ) -> anyhow::Result<Live> {
         let _guard = self.artifacts_guard.read().await;
         let slot = self.slots.acquire(policy).await?;
         self.slots.refill();
         let mut made: Vec<PathBuf> = Vec::new();
+        let mut daemons = super::volumes::ShareDaemons::none();
         let r = async {
             std::fs::create_dir_all(run_dir)?;
+            daemons = self.start_share_daemons(run_dir, volumes).await?;
+            let mut init = init.clone();
+            init.volume_mounts = volumes
+                .iter()
+                .enumerate()
+                .map(|(i, v)| (super::volumes::tag(i), v.path.clone()))
+                .collect();
+            let init = &init;
             let (overlay, overlay_path) = self.builds.new_artifact("disk", "qcow2");
             let chain: Vec<String> = match disk {
                 Some((top, below)) => {
@@ -121,6 +131,7 @@ impl Node {
                 incoming: false,
                 // Template builds run under <data>/run; sandboxes under <data>/sandboxes.
                 die_with_node: run_dir.starts_with(self.cfg.data_dir.join("run")),
+                fs_shares: daemons.shares.clone(),
             })
             .await?;
             let mut live = Live {
@@ -141,6 +152,7 @@ impl Node {
                     qemu_tag: tag,
                     pausing_build: None,
                     network: Some(policy.clone()),
+                    volumes: volumes.to_vec(),
                 },
                 vm: Some(vm),
                 slot: slot.clone(),
@@ -174,10 +186,13 @@ impl Node {
         }
         .await;
         if r.is_err() {
+            daemons.kill().await;
             let _ = self.slots.release(&slot).await;
             for p in made {
                 let _ = std::fs::remove_file(p);
             }
+        } else {
+            daemons.detach();
         }
         r
     }
@@ -212,6 +227,7 @@ impl Node {
                 policy,
                 &InitRequest::default(),
                 0,
+                &[],
             )
             .await
             .map_err(err)?;

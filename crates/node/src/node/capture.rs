@@ -169,6 +169,8 @@ impl Node {
         let mut l = self.live_execution(sandbox_id, execution_id).await?;
         let _guard = self.artifacts_guard.read().await;
         let build_id = new_id("p");
+        // A guest with volumes mounted keeps part of its state in virtiofsd: disk only.
+        let memory = memory && l.state.volumes.is_empty();
         if !memory {
             Self::sync_guest(&l, "pause").await;
         }
@@ -275,6 +277,7 @@ impl Node {
         let mut l = self.live_execution(sandbox_id, execution_id).await?;
         let _guard = self.artifacts_guard.read().await;
         let build_id = new_id("c");
+        let memory = memory && l.state.volumes.is_empty();
         let vm =
             l.vm.as_ref()
                 .ok_or_else(|| NodeError::Failed("sandbox has no VM".into()))?;

@@ -5,7 +5,8 @@
 //! `boot` (cold boots), `restore` (restores, write-in, warm-up, starting a sandbox), `pools`
 //! (the restore pool's glue), `parking` (stopped QEMUs kept for fast resumes), `capture`
 //! (pause, checkpoint, memory layers), `template` (template builds and deleting builds),
-//! `recovery` (re-adoption after a restart, reaping, the sweep) and `control` (the
+//! `recovery` (re-adoption after a restart, reaping, the sweep), `volumes` (the virtio-fs
+//! daemons of mounted volumes) and `control` (the
 //! [`NodeControl`](vmon_proto::node::NodeControl) impl, thin calls into those).
 
 mod boot;
@@ -16,6 +17,7 @@ mod pools;
 mod recovery;
 mod restore;
 mod template;
+mod volumes;
 
 use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr};
@@ -199,6 +201,7 @@ fn restore_init(spec: &StartSpec, rec: &BuildRecord) -> InitRequest {
         access_token: spec.envd_access_token.clone(),
         current_token: rec.envd_token.clone(),
         default_user: None,
+        volume_mounts: Vec::new(),
     }
 }
 

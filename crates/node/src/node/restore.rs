@@ -91,6 +91,7 @@ impl Node {
                 netns: Some(slot.netns()),
                 incoming: true,
                 die_with_node: false,
+                fs_shares: Vec::new(),
             })
             .await?;
             if let Err(e) = vm.qmp.prepare_incoming().await {
@@ -338,6 +339,7 @@ impl Node {
                 qemu_tag: tag.clone(),
                 pausing_build: None,
                 network: Some(spec.network.clone()),
+                volumes: Vec::new(),
             };
             state.save(&run_dir)?;
             anyhow::Ok(state)
@@ -389,9 +391,12 @@ impl Node {
                 spec.sandbox_id
             )));
         }
+        super::volumes::validate(&self.cfg.volumes_dir, &spec.volumes)?;
         let rec = self.record(&spec.build_id)?;
         self.check_compatible(&rec)?;
-        if spec.cold_boot {
+        // A mount's state lives outside the guest's memory: never restore one.
+        let cold_boot = spec.cold_boot || !spec.volumes.is_empty();
+        if cold_boot {
             let kept = self
                 .parked
                 .lock()
@@ -405,7 +410,7 @@ impl Node {
         let t0 = std::time::Instant::now();
         // Held until the sandbox is in the table: a sweep must not take its new overlay.
         let mut guard = None;
-        let live = if rec.has_memory() && !spec.cold_boot {
+        let live = if rec.has_memory() && !cold_boot {
             guard = Some(self.artifacts_guard.read().await);
             self.restore(&spec, &rec).await.map_err(err)?
         } else {
@@ -424,8 +429,10 @@ impl Node {
                     access_token: spec.envd_access_token.clone(),
                     current_token: None,
                     default_user: None,
+                    volume_mounts: Vec::new(),
                 },
                 0,
+                &spec.volumes,
             )
             .await
             .map_err(err)?

@@ -56,6 +56,7 @@ impl Node {
                     ..Default::default()
                 },
                 0,
+                &[],
             )
             .await
             .map_err(err)?;

@@ -204,10 +204,13 @@ impl<F: std::future::Future<Output = ()> + Send> ThenOk for F {
 
 pub fn exports(config: &Config, api_key: &str) -> String {
     format!(
-        "export E2B_API_URL={}\nexport E2B_SANDBOX_URL={}\nexport E2B_API_KEY={}",
+        "export E2B_API_URL={}\nexport E2B_SANDBOX_URL={}\nexport E2B_API_KEY={}\n\
+         export E2B_VOLUME_API_URL={}",
         config.api_url(),
         config.sandbox_url(),
-        api_key
+        api_key,
+        // The SDK's volume content calls ignore E2B_API_URL; the api serves /volumecontent.
+        config.api_url(),
     )
 }
 
