@@ -94,6 +94,10 @@ if command -v qemu-system-x86_64 >/dev/null 2>&1 && ! qemu-system-x86_64 --versi
   echo "error: qemu-system-x86_64 does not run (apt-get install --reinstall qemu-system-x86)" >&2
   failed=1
 fi
+# Volumes are served by QEMU 7.2's virtiofsd (qemu-system-common); newer QEMUs dropped it.
+if [ ! -x /usr/lib/qemu/virtiofsd ] && [ -z "${VMON_VIRTIOFSD:-}" ]; then
+  echo "note: /usr/lib/qemu/virtiofsd is missing (Debian 12's qemu-system-common has it); volume mounts will fail" >&2
+fi
 [ "$failed" = 0 ] || exit 1
 
 # `sandbox.get_host(port)` names `{port}-{id}.localhost:<proxy port>`: names under `localhost`
