@@ -150,7 +150,8 @@ def main() -> None:
     try:
         sbx = Sandbox.create("base", timeout=3600)
         sbx.files.write("/home/user/holder.py", HOLDER)
-        sbx.commands.run("python3 /home/user/holder.py", background=True)
+        # timeout=0: the SDK's default (60 s) would have envd kill the holder mid-run.
+        sbx.commands.run("python3 /home/user/holder.py", background=True, timeout=0)
         deadline = time.monotonic() + 300
         while sbx.commands.run("cat /home/user/holder.ready 2>/dev/null || true").stdout.strip() == "":
             if time.monotonic() > deadline:
