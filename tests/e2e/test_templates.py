@@ -217,8 +217,3 @@ def test_from_template_and_from_dockerfile(vmon, new_sandbox):
     assert sbx.commands.run("cat /opt/greeting.txt").stdout == "hello\n"
     assert sbx.commands.run("cat /srv/app/where.txt").stdout == "/srv/app\nroot\n"
 
-
-def test_a_registry_image_is_refused_with_a_clear_error(vmon):
-    with pytest.raises(BuildException) as e:
-        Template.build(Template().from_image("registry.invalid/some/image:1"), _name("oci"))
-    assert "registry.invalid/some/image:1" in str(e.value), e.value
