@@ -187,6 +187,15 @@ def test_a_template_from_a_registry_image_runs_that_image(vmon, new_sandbox, reg
     Template.build(t, name, on_build_logs=on_logs)
     assert any(m.startswith(f"CACHED {ref} (sha256:") or m == "CACHED the finished template" for m in lines), lines
 
+    # A Dockerfile's FROM is the same image (its first layer cached by now).
+    dockerfile = _name("oci-dockerfile")
+    t = Template().from_dockerfile(f"FROM {ref}\nRUN mkdir -p /opt && echo from-dockerfile > /opt/df.txt\n")
+    lines, on_logs = _logs()
+    Template.build(t, dockerfile, on_build_logs=on_logs)
+    assert any(m.startswith(f"CACHED {ref} (sha256:") for m in lines), lines
+    sbx = new_sandbox(dockerfile, timeout=300)
+    assert sbx.commands.run("cat /opt/df.txt /etc/oci-marker").stdout == f"from-dockerfile\n{MARKER}\n"
+
 
 def test_a_private_registry_takes_its_login_and_refuses_a_wrong_one(vmon, new_sandbox, private_registry, layout):
     ref = private_registry.push(layout, "test/private:1")

@@ -132,11 +132,10 @@ impl Control {
 
     /// Whether the namespace `slug` holds a template or snapshot named `name`.
     pub(crate) async fn name_taken(&self, slug: &str, name: &str) -> ApiResult<bool> {
-        Ok(self
-            .records
+        self.records
             .alias_in_use(&format!("{slug}/{name}"))
             .await
-            .map_err(record_error)?)
+            .map_err(record_error)
     }
 
     pub fn webhook_targets(&self) -> &WebhookTargets {

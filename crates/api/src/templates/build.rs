@@ -217,7 +217,7 @@ impl Control {
                     }
                     Err(e) => {
                         let message = format!("the template could not be recorded: {e:#}");
-                        log.write("error", Some("finalize"), &[message.clone()])
+                        log.write("error", Some("finalize"), std::slice::from_ref(&message))
                             .await;
                         build.state = BuildState::Error;
                         build.failure = Some(BuildFailure {

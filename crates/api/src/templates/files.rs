@@ -209,19 +209,19 @@ mod tests {
     fn signatures_bind_team_hash_and_expiry() {
         let u = Uploads::new(PathBuf::from("/nonexistent"));
         let url = u.url("http://x", "team1", &"a".repeat(64));
-        let q = url.split_once('?').unwrap().1;
-        let pairs: Vec<(String, String)> = serde_urlencoded::from_str(q).unwrap();
+        let q = url.split_once('?').expect("accepted").1;
+        let pairs: Vec<(String, String)> = serde_urlencoded::from_str(q).expect("accepted");
         let (exp, sig) = (&pairs[0].1, &pairs[1].1);
         assert!(u.check("team1", &"a".repeat(64), exp, sig).is_ok());
         assert!(u.check("team2", &"a".repeat(64), exp, sig).is_err());
         assert!(u.check("team1", &"b".repeat(64), exp, sig).is_err());
-        let later = (exp.parse::<u64>().unwrap() + 1).to_string();
+        let later = (exp.parse::<u64>().expect("accepted") + 1).to_string();
         assert!(u.check("team1", &"a".repeat(64), &later, sig).is_err());
         let old = "1".to_string();
         let old_sig = hmac(&u.key, &Uploads::message("team1", &"a".repeat(64), 1));
         let e = u
             .check("team1", &"a".repeat(64), &old, &old_sig)
-            .unwrap_err();
+            .expect_err("refused");
         assert_eq!(e.message, "signature is already expired");
     }
 }

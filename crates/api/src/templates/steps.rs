@@ -380,7 +380,7 @@ mod tests {
             ],
             ..Default::default()
         };
-        let p = plan(&start).unwrap();
+        let p = plan(&start).expect("accepted");
         assert_eq!(p[3].1.env.get("B").map(String::as_str), Some("two"));
         assert_eq!(p[3].1.workdir.as_deref(), Some("/app"));
         assert_eq!(
@@ -415,7 +415,7 @@ mod tests {
                 steps: vec![s],
                 ..Default::default()
             })
-            .unwrap_err();
+            .expect_err("refused");
             assert!(e.message.starts_with(want), "{} vs {want}", e.message);
         }
         let mut c = step("COPY", &["../etc", "/b"]);
@@ -435,7 +435,7 @@ mod tests {
             steps: vec![c.clone()],
             ..Default::default()
         })
-        .unwrap();
+        .expect("accepted");
         match &p[0].0 {
             Action::Copy { dest, owner, .. } => {
                 assert_eq!(dest, "/home/user/dir/f.txt");
