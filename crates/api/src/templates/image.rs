@@ -163,6 +163,20 @@ mod tests {
     }
 
     #[test]
+    fn a_login_in_a_trigger_never_shows_in_debug() {
+        let start: crate::templates::steps::BuildStart =
+            serde_json::from_value(serde_json::json!({
+                "fromImage": "127.0.0.1:5000/x:1",
+                "fromImageRegistry": {"type": "registry", "username": "u", "password": "hunter2"},
+            }))
+            .expect("accepted");
+        assert!(!format!("{start:?}").contains("hunter2"));
+        let login = start.from_image_registry.as_ref().map(|l| &l.0);
+        let c = credentials(login).expect("accepted").expect("a login");
+        assert!(!format!("{c:?}").contains("hunter2"));
+    }
+
+    #[test]
     fn an_image_reference_decides_its_transport() {
         let (img, reg) = image("127.0.0.1:5000/test/img:1", None, &defaults()).expect("accepted");
         assert_eq!(reg, "127.0.0.1:5000");
