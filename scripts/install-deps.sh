@@ -18,6 +18,12 @@ BINS=(
   ps:procps
   curl:curl
   protoc:protobuf-compiler
+  # from_image(...) template builds: pull, unpack, give envd its own libraries, and take the
+  # guest kernel's modules out of the image's rootfs.
+  skopeo:skopeo
+  umoci:umoci
+  patchelf:patchelf
+  debugfs:e2fsprogs
 )
 # Packages with no program of their own to check.
 EXTRA=(ca-certificates libnss-myhostname)

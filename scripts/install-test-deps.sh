@@ -16,6 +16,12 @@ BINS=(
   npm:npm
   chromium:chromium
   chromedriver:chromium-driver
+  # The OCI template tests: a registry of their own, its htpasswd, and the static programs the
+  # tests' tiny image is made of.
+  docker-registry:docker-registry
+  htpasswd:apache2-utils
+  busybox:busybox-static
+  bash-static:bash-static
 )
 have_pkg() {
   { dpkg-query -W -f='${Status}\n' "$1" 2>/dev/null || true; } | grep -q "install ok installed"
@@ -26,6 +32,8 @@ pg_bin() {
 found() {
   case "$1" in
     pg_ctl) [ -n "$(pg_bin pg_ctl)" ] ;;
+    # The dynamically linked busybox has the same name; the tests' image needs the static one.
+    busybox) have_pkg busybox-static ;;
     *) command -v "$1" >/dev/null 2>&1 ;;
   esac
 }
@@ -54,6 +62,8 @@ done
 [ "$failed" = 0 ] || exit 1
 # Debian starts a default etcd on install; tests run their own.
 systemctl disable --now etcd >/dev/null 2>&1 || true
+# The same for the registry (the OCI tests start their own on a free port).
+systemctl disable --now docker-registry >/dev/null 2>&1 || true
 
 # envd's tests run commands as this user; made once here, before any test runs, so that tests
 # running in parallel never race on useradd. A home left owned by another uid (a user deleted

@@ -230,12 +230,6 @@ def test_from_template_and_from_dockerfile(vmon, new_sandbox):
     assert sbx.commands.run("cat /srv/app/where.txt").stdout == "/srv/app\nroot\n"
 
 
-def test_a_registry_image_is_refused_with_a_clear_error(vmon):
-    with pytest.raises(BuildException) as e:
-        Template.build(Template().from_image("registry.invalid/some/image:1"), _name("oci"))
-    assert "registry.invalid/some/image:1" in str(e.value), e.value
-
-
 def test_another_team_sees_and_touches_nothing_of_a_template(vmon):
     name = _name("private")
     status, req = _api(vmon, "POST", "/v3/templates", {"name": name})

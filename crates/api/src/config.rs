@@ -48,6 +48,11 @@ pub struct Config {
     pub template_files_dir: Option<std::path::PathBuf>,
     /// Template builds that run at once; more wait (`waiting`).
     pub max_template_builds: usize,
+    /// Registries a `from_image(...)` build may pull from over plain HTTP (or TLS without
+    /// verification): hosts, `host:port`s, IP addresses or CIDR ranges
+    /// (`VMON_INSECURE_REGISTRIES`, comma-separated). Default: the loopback addresses; every
+    /// other registry is spoken to over verified TLS.
+    pub insecure_registries: Vec<String>,
     /// PEM certificate chain (leaf first) the proxy serves TLS with, on the same port as
     /// plain HTTP (`VMON_PROXY_TLS_CERT`): a certificate for `*.{domain}`. Without one,
     /// `vmon up` serves certificates of a local CA it creates in `<data dir>/tls`.
@@ -135,6 +140,10 @@ impl Default for Config {
             quotas: Quotas::default(),
             template_files_dir: None,
             max_template_builds: 2,
+            insecure_registries: crate::templates::image::DEFAULT_INSECURE
+                .iter()
+                .map(|s| s.to_string())
+                .collect(),
             proxy_tls_cert: None,
             proxy_tls_key: None,
             volumes_dir: None,
@@ -219,6 +228,13 @@ impl Config {
         }
         if let Some(v) = var("VMON_WEBHOOK_ALLOW") {
             self.webhook_allow = v
+                .split(',')
+                .map(|s| s.trim().to_string())
+                .filter(|s| !s.is_empty())
+                .collect();
+        }
+        if let Some(v) = var("VMON_INSECURE_REGISTRIES") {
+            self.insecure_registries = v
                 .split(',')
                 .map(|s| s.trim().to_string())
                 .filter(|s| !s.is_empty())

@@ -6,10 +6,15 @@
 //! of the same recipe is a lookup. The debootstrap tree is cached separately (by the package part
 //! of the recipe) because it is the slow step and does not change when envd does.
 //!
+//! Templates built `from_image(...)` get their rootfs from an OCI registry instead ([`oci`]):
+//! pulled, flattened, given envd (with its own libraries), the kernel's modules and the `user`
+//! account, and made into the same kind of disk.
+//!
 //! This crate only makes files; it never starts a VM.
 
 mod apt;
 mod build;
+pub mod oci;
 
 pub use apt::{host_apt_source, AptSource};
 pub use build::{build, build_with, find, Image, Manifest, Recipe};

@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use vmon_proto::node::{
     BuildInfo, ExecOutput, ExecSpec, LogEntry, LogQuery, MetricSample, NetworkPolicy, NodeControl,
-    NodeError, Running, StartSpec, TemplateSpec,
+    NodeError, OciImage, Running, StartSpec, TemplateSpec,
 };
 
 /// Largest RPC body either side reads (log pages are the big ones).
@@ -117,6 +117,10 @@ async fn call(
     match name.as_str() {
         "build_template" => match parse::<TemplateSpec>(&body) {
             Ok(spec) => answer(n.build_template(spec).await),
+            Err(e) => answer::<()>(Err(e)),
+        },
+        "resolve_image" => match parse::<OciImage>(&body) {
+            Ok(image) => answer(n.resolve_image(image).await),
             Err(e) => answer::<()>(Err(e)),
         },
         "build_info" => match parse::<Build>(&body) {
@@ -287,6 +291,9 @@ impl RemoteNode {
 impl NodeControl for RemoteNode {
     async fn build_template(&self, spec: TemplateSpec) -> Result<BuildInfo, NodeError> {
         self.call("build_template", &spec).await
+    }
+    async fn resolve_image(&self, image: OciImage) -> Result<String, NodeError> {
+        self.call("resolve_image", &image).await
     }
     async fn build_info(&self, build_id: &str) -> Result<BuildInfo, NodeError> {
         self.call(

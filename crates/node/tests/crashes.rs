@@ -60,6 +60,7 @@ fn crash_child() {
             start_cmd: None,
             ready_cmd: None,
             env_vars: Default::default(),
+            image: None,
         })
         .await
         .expect("template");

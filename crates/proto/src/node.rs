@@ -119,6 +119,75 @@ pub struct TemplateSpec {
     /// Shell command that must exit 0 before the snapshot is taken.
     pub ready_cmd: Option<String>,
     pub env_vars: BTreeMap<String, String>,
+    /// The image in an OCI registry whose root filesystem the template boots instead of the
+    /// node's base image (`from_image(...)`), pinned by its digest.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<OciImage>,
+}
+
+/// An image in an OCI registry (a template's `fromImage`).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct OciImage {
+    /// As the user wrote it: `[registry[:port]/]repository[:tag|@digest]`.
+    pub reference: String,
+    /// `sha256:…` of the manifest the reference names; a build pulls exactly this.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub digest: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub credentials: Option<RegistryCredentials>,
+    /// `false` for a registry allowed plain HTTP (and unverified TLS): a loopback address or
+    /// one the operator listed as insecure.
+    pub tls_verify: bool,
+}
+
+impl OciImage {
+    /// The registry (`host[:port]`) and the fully qualified reference, as Docker reads a
+    /// name: no registry part means Docker Hub (`docker.io`, `library/` for one component), no
+    /// tag or digest means `:latest`. `None` for what is not an image reference.
+    pub fn qualified(&self) -> Option<(String, String)> {
+        let r = self.reference.trim();
+        let ok = |c: char| c.is_ascii_alphanumeric() || "._-/:@[]".contains(c);
+        if r.is_empty() || r.len() > 1024 || !r.chars().all(ok) || r.starts_with('/') {
+            return None;
+        }
+        let (first, rest) = r.split_once('/').unwrap_or(("", r));
+        let (registry, path) = if !first.is_empty()
+            && (first.contains('.') || first.contains(':') || first == "localhost")
+        {
+            (first.to_string(), rest.to_string())
+        } else if first.is_empty() {
+            ("docker.io".to_string(), format!("library/{rest}"))
+        } else {
+            ("docker.io".to_string(), r.to_string())
+        };
+        if path.is_empty() || path.split('/').any(str::is_empty) {
+            return None;
+        }
+        let last = path.rsplit('/').next().unwrap_or_default();
+        let tagged = path.contains('@') || last.contains(':');
+        let path = if tagged {
+            path
+        } else {
+            format!("{path}:latest")
+        };
+        Some((registry.clone(), format!("{registry}/{path}")))
+    }
+}
+
+/// A registry login. Kept in memory for one build only; its `Debug` never shows the password.
+#[derive(Clone, Default, Serialize, Deserialize)]
+pub struct RegistryCredentials {
+    pub username: String,
+    pub password: String,
+}
+
+impl std::fmt::Debug for RegistryCredentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RegistryCredentials")
+            .field("username", &self.username)
+            .field("password", &"[redacted]")
+            .finish()
+    }
 }
 
 /// A command a node runs in one of its sandboxes to its end (template build steps).
@@ -240,6 +309,15 @@ pub enum NodeError {
 pub trait NodeControl: Send + Sync + 'static {
     /// Build a template from the node's base image; returns when its snapshot is durable.
     async fn build_template(&self, spec: TemplateSpec) -> Result<BuildInfo, NodeError>;
+    /// The digest (`sha256:…`) of the manifest an image reference names in its registry; a
+    /// registry that cannot be reached, refuses the credentials or lacks the image is an
+    /// `InvalidArgument` naming it.
+    async fn resolve_image(&self, image: OciImage) -> Result<String, NodeError> {
+        Err(NodeError::Failed(format!(
+            "this node cannot pull {}: it has no OCI registry client",
+            image.reference
+        )))
+    }
     /// Look a build up.
     async fn build_info(&self, build_id: &str) -> Result<BuildInfo, NodeError>;
     /// Delete a build; refused with `BuildInUse` while anything depends on it.
@@ -306,4 +384,52 @@ pub trait NodeControl: Send + Sync + 'static {
         host_path: &str,
         guest_path: &str,
     ) -> Result<(), NodeError>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn q(r: &str) -> Option<(String, String)> {
+        OciImage {
+            reference: r.into(),
+            ..Default::default()
+        }
+        .qualified()
+    }
+
+    #[test]
+    fn image_references_are_read_as_docker_reads_them() {
+        let p = |a: &str, b: &str| Some((a.to_string(), b.to_string()));
+        assert_eq!(
+            q("127.0.0.1:5000/test/img:1"),
+            p("127.0.0.1:5000", "127.0.0.1:5000/test/img:1")
+        );
+        assert_eq!(q("localhost/x"), p("localhost", "localhost/x:latest"));
+        assert_eq!(
+            q("ubuntu"),
+            p("docker.io", "docker.io/library/ubuntu:latest")
+        );
+        assert_eq!(q("org/app:v2"), p("docker.io", "docker.io/org/app:v2"));
+        assert_eq!(
+            q("ghcr.io/o/a@sha256:00"),
+            p("ghcr.io", "ghcr.io/o/a@sha256:00")
+        );
+        assert_eq!(q(""), None);
+        assert_eq!(q("a b"), None);
+        assert_eq!(q("x//y"), None);
+    }
+
+    #[test]
+    fn credentials_never_show_their_password() {
+        let c = RegistryCredentials {
+            username: "me".into(),
+            password: "hunter2".into(),
+        };
+        let shown = format!("{c:?}");
+        assert!(
+            shown.contains("me") && !shown.contains("hunter2"),
+            "{shown}"
+        );
+    }
 }

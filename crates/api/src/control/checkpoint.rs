@@ -154,6 +154,7 @@ impl Control {
                 start_cmd,
                 ready_cmd,
                 env_vars: BTreeMap::new(),
+                image: None,
             })
             .await?;
         let id = match self.records.template_by_alias("", alias).await? {

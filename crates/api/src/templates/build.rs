@@ -12,6 +12,7 @@ use sha2::{Digest, Sha256};
 use time::OffsetDateTime;
 use vmon_proto::node::{BuildInfo, ExecSpec, NetworkPolicy, StartSpec, TemplateSpec};
 
+use super::image;
 use super::steps::{self, Action, BuildStart, StepState, BASE_IMAGE};
 use crate::control::{record_error, Control};
 use crate::ids;
@@ -361,8 +362,15 @@ impl Control {
         self.records.put_template(t).await
     }
 
-    /// The base build: `fromTemplate`'s, or `base` for `e2bdev/base`.
-    async fn base_of(&self, team: &Team, start: &BuildStart) -> Result<BuildInfo, Failed> {
+    /// The base build: `fromTemplate`'s, `base` for `e2bdev/base`, or any other `fromImage`
+    /// pulled from its registry and booted (a layer keyed on the reference and its digest).
+    async fn base_of(
+        &self,
+        team: &Team,
+        build: &TemplateBuild,
+        start: &BuildStart,
+        log: &Log,
+    ) -> Result<BuildInfo, Failed> {
         if let Some(t) = &start.from_template {
             let (_, _, b) = self
                 .resolve_template(team, t)
@@ -378,14 +386,66 @@ impl Control {
                     .map_err(|e| fail("base", format!("the base template: {}", e.message)))?;
                 Ok(b)
             }
-            Some(image) => Err(fail(
-                "base",
-                format!(
-                    "pulling the image {image:?} from a registry is not supported by this vmon yet: \
-                     build from_base_image() or from_template(...)"
-                ),
-            )),
+            Some(reference) => self.image_base(team, build, start, reference, log).await,
         }
+    }
+
+    /// The first layer of a build from an OCI image: the cached one for the digest the
+    /// reference names now, or the image pulled and booted by the node.
+    async fn image_base(
+        &self,
+        team: &Team,
+        build: &TemplateBuild,
+        start: &BuildStart,
+        reference: &str,
+        log: &Log,
+    ) -> Result<BuildInfo, Failed> {
+        let (mut oci, registry) = image::image(
+            reference,
+            start.from_image_registry.as_ref().map(|l| &l.0),
+            &self.config.insecure_registries,
+        )
+        .map_err(|e| fail("base", e))?;
+        log.info(
+            Some("base"),
+            format!("Resolving {reference} in the registry {registry}"),
+        )
+        .await;
+        let digest = self
+            .node
+            .resolve_image(oci.clone())
+            .await
+            .map_err(|e| fail("base", e.to_string()))?;
+        let key = image::base_key(reference, &digest, build.vcpus, build.memory_mb);
+        if !start.force {
+            if let Some(b) = self.cached(team, &key).await {
+                log.info(Some("base"), format!("CACHED {reference} ({digest})"))
+                    .await;
+                return Ok(b);
+            }
+        }
+        log.info(
+            Some("base"),
+            format!("Pulling {reference} ({digest}) and booting it"),
+        )
+        .await;
+        oci.digest = Some(digest);
+        let b = self
+            .node
+            .build_template(TemplateSpec {
+                build_id: ids::build_id(),
+                vcpus: build.vcpus,
+                memory_mb: build.memory_mb,
+                disk_mb: build.disk_mb,
+                start_cmd: None,
+                ready_cmd: None,
+                env_vars: BTreeMap::new(),
+                image: Some(oci),
+            })
+            .await
+            .map_err(|e| fail("base", e.to_string()))?;
+        self.remember(team, &key, &b).await;
+        Ok(b)
     }
 
     async fn build_steps(
@@ -397,7 +457,7 @@ impl Control {
     ) -> Result<BuildInfo, Failed> {
         let plan = steps::plan(start).map_err(|e| fail("base", e.message))?;
         let n = plan.len();
-        let base = self.base_of(team, start).await?;
+        let base = self.base_of(team, build, start, log).await?;
         // A machine other than the base's needs a fresh boot of the base image (a memory
         // restore keeps its machine); it is a layer like any other.
         let shape_differs = start.from_template.is_none()
@@ -474,6 +534,7 @@ impl Control {
                                 start_cmd: None,
                                 ready_cmd: None,
                                 env_vars: BTreeMap::new(),
+                                image: None,
                             })
                             .await
                             .map_err(|e| fail("base", format!("booting the base image: {e}")))?;

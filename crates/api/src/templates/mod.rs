@@ -1,13 +1,15 @@
 //! E2B's template-build API (the Template SDK and `e2b template create`): requesting a build,
 //! uploading its files, starting it, polling its status and logs, names and tags, listing and
 //! deleting templates. The wire is in the project's `TEMPLATE-WIRE.md`; the build itself runs
-//! in `build.rs`, its steps are checked in `steps.rs`, uploads are kept by `files.rs`.
+//! in `build.rs`, its steps are checked in `steps.rs`, uploads are kept by `files.rs`, and a base
+//! from an OCI registry is named and keyed in `image.rs`.
 //!
 //! The SDKs send a name such as `team/name:v1` as one percent-encoded segment
 //! (`team%2Fname%3Av1`): the router matches the raw path and decodes a segment after matching.
 
 mod build;
 pub(crate) mod files;
+pub mod image;
 pub mod steps;
 
 use std::collections::BTreeMap;

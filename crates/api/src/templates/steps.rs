@@ -17,9 +17,21 @@ pub struct BuildStart {
     pub force: bool,
     pub from_image: Option<String>,
     pub from_template: Option<String>,
-    pub from_image_registry: Option<serde_json::Value>,
+    pub from_image_registry: Option<RegistryLogin>,
     pub start_cmd: Option<String>,
     pub ready_cmd: Option<String>,
+}
+
+/// `fromImageRegistry` as sent (a password or a cloud key in it): held in memory for the build
+/// only, and its `Debug` shows nothing of it.
+#[derive(Clone, Default, Deserialize)]
+#[serde(transparent)]
+pub struct RegistryLogin(pub serde_json::Value);
+
+impl std::fmt::Debug for RegistryLogin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("RegistryLogin([redacted])")
+    }
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]

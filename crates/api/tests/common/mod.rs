@@ -352,6 +352,7 @@ pub async fn harness_starting(
             start_cmd: None,
             ready_cmd: None,
             env_vars: BTreeMap::new(),
+            image: None,
         })
         .await
         .unwrap();

@@ -17,6 +17,19 @@ use crate::envd_client::{self, InitRequest, ENVD_PORT};
 use crate::sandbox::{Live, RamSource, SandboxState};
 use crate::slots::TAP;
 
+/// What a cold boot's overlay is made over.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum BootDisk<'a> {
+    /// The image's raw rootfs.
+    Image,
+    /// A build's frozen qcow2 `top` and the chain under it.
+    Build { top: &'a str, below: &'a [String] },
+    /// A raw disk just made elsewhere on this filesystem (an OCI image's rootfs): moved into
+    /// the artifacts here, under the guard a sweep waits for, so it is never swept before the
+    /// overlay over it names it.
+    NewRaw(&'a Path),
+}
+
 impl Node {
     pub(super) fn machine(
         &self,
@@ -73,7 +86,7 @@ impl Node {
         id: &str,
         execution_id: &str,
         machine: MachineDesc,
-        disk: Option<(&str, &[String])>,
+        disk: BootDisk<'_>,
         disk_mb: u32,
         policy: &NetworkPolicy,
         init: &InitRequest,
@@ -97,7 +110,7 @@ impl Node {
             let init = &init;
             let (overlay, overlay_path) = self.builds.new_artifact("disk", "qcow2");
             let chain: Vec<String> = match disk {
-                Some((top, below)) => {
+                BootDisk::Build { top, below } => {
                     create_overlay(
                         &self.builds.artifact(top),
                         BackingFormat::Qcow2,
@@ -108,10 +121,17 @@ impl Node {
                         .chain(below.iter().cloned())
                         .collect()
                 }
-                None => {
+                BootDisk::Image => {
                     let rootfs = &self.image().await?.rootfs;
                     create_overlay(rootfs, BackingFormat::Raw, &overlay_path).await?;
                     Vec::new()
+                }
+                BootDisk::NewRaw(path) => {
+                    let (raw, raw_path) = self.builds.new_artifact("rootfs", "img");
+                    std::fs::rename(path, &raw_path)?;
+                    made.push(raw_path.clone());
+                    create_overlay(&raw_path, BackingFormat::Raw, &overlay_path).await?;
+                    vec![raw]
                 }
             };
             made.push(overlay_path);
@@ -222,7 +242,7 @@ impl Node {
                 sandbox_id,
                 &exec,
                 machine,
-                None,
+                BootDisk::Image,
                 image.manifest.disk_mb,
                 policy,
                 &InitRequest::default(),

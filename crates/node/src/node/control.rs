@@ -6,7 +6,7 @@ use std::sync::Arc;
 use tokio::sync::Mutex;
 use vmon_proto::node::{
     BuildInfo, ExecOutput, ExecSpec, LogEntry, LogQuery, MetricSample, NetworkPolicy, NodeControl,
-    NodeError, Running, StartSpec, TemplateSpec,
+    NodeError, OciImage, Running, StartSpec, TemplateSpec,
 };
 
 use super::{err, Node};
@@ -16,6 +16,10 @@ use crate::sandbox::Live;
 impl NodeControl for Node {
     async fn build_template(&self, spec: TemplateSpec) -> Result<BuildInfo, NodeError> {
         self.make_template(spec).await
+    }
+
+    async fn resolve_image(&self, image: OciImage) -> Result<String, NodeError> {
+        self.image_digest(&image).await
     }
 
     async fn build_info(&self, build_id: &str) -> Result<BuildInfo, NodeError> {

@@ -415,7 +415,13 @@ impl Node {
             self.restore(&spec, &rec).await.map_err(err)?
         } else {
             let dir = self.sandbox_root(&spec.sandbox_id).join(&spec.execution_id);
-            let disk = rec.disk.as_deref().map(|d| (d, rec.disk_chain.as_slice()));
+            let disk = match rec.disk.as_deref() {
+                Some(top) => super::boot::BootDisk::Build {
+                    top,
+                    below: rec.disk_chain.as_slice(),
+                },
+                None => super::boot::BootDisk::Image,
+            };
             self.boot(
                 &dir,
                 &spec.sandbox_id,

@@ -2,13 +2,15 @@
 //! the whole VM) and the deletion of a build with what was kept for it.
 
 use std::net::{IpAddr, SocketAddr};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
 use tokio::sync::Mutex;
-use vmon_proto::node::{BuildInfo, NodeError, TemplateSpec};
+use vmon_proto::node::{BuildInfo, NodeError, OciImage, TemplateSpec};
 
+use super::boot::BootDisk;
 use super::{err, valid_id, Node, ENVD_VERSION};
 use crate::builds::{new_id, now_unix, BuildRecord};
 use crate::envd_client::{self, InitRequest, ENVD_PORT};
@@ -37,18 +39,41 @@ impl Node {
             .join("run")
             .join(format!("template-{}", spec.build_id));
         let t0 = std::time::Instant::now();
+        // From an OCI image: its rootfs made into a disk first (in the build's run dir, moved
+        // into the artifacts by the boot).
+        let mut disk_mb = image.manifest.disk_mb.max(spec.disk_mb);
+        let oci_disk = match &spec.image {
+            Some(oci) => {
+                let path = dir.join("rootfs.img");
+                std::fs::create_dir_all(&dir).map_err(|e| err(e.into()))?;
+                match self.oci_disk(oci, image, &dir, &path, disk_mb).await {
+                    Ok(mb) => disk_mb = mb,
+                    Err(e) => {
+                        let _ = std::fs::remove_dir_all(&dir);
+                        return Err(e);
+                    }
+                }
+                tracing::info!(build = %spec.build_id, secs = t0.elapsed().as_secs_f64(), "image pulled and made into a disk");
+                Some(path)
+            }
+            None => None,
+        };
+        let disk = match &oci_disk {
+            Some(p) => BootDisk::NewRaw(p),
+            None => BootDisk::Image,
+        };
         // A token of the build's own: envd never serves without one, and every restore of the
         // build presents it to hand the guest its sandbox's token (or a pool's warm-up).
         let token = new_id("tb") + &new_id("");
         tracing::info!(build = %spec.build_id, "booting the template VM");
-        let mut live = self
+        let live = self
             .boot(
                 &dir,
                 &spec.build_id,
                 &exec,
                 machine,
-                None,
-                image.manifest.disk_mb.max(spec.disk_mb),
+                disk,
+                disk_mb,
                 &crate::slots::open_policy(),
                 &InitRequest {
                     env_vars: spec.env_vars.clone(),
@@ -58,8 +83,14 @@ impl Node {
                 0,
                 &[],
             )
-            .await
-            .map_err(err)?;
+            .await;
+        let mut live = match live {
+            Ok(l) => l,
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&dir);
+                return Err(err(e));
+            }
+        };
         tracing::info!(build = %spec.build_id, secs = t0.elapsed().as_secs_f64(), "template VM is up");
         let result = async {
             let addr = SocketAddr::new(IpAddr::V4(live.slot.addr()), ENVD_PORT);
@@ -121,7 +152,7 @@ impl Node {
                 layers: Vec::new(),
                 devstate: Some(dev),
                 disk: Some(live.state.overlay.clone()),
-                disk_chain: Vec::new(),
+                disk_chain: live.state.disk_chain.clone(),
                 disk_mb: live.state.disk_mb,
                 envd_version: ENVD_VERSION.into(),
                 envd_token: Some(token.clone()),
@@ -140,6 +171,66 @@ impl Node {
         let rec = result.map_err(err)?;
         tracing::info!(build = %rec.id, secs = t0.elapsed().as_secs_f64(), "template built");
         Ok(Self::info(&rec))
+    }
+
+    /// Pulls `oci` (by its digest) and makes its rootfs into the raw disk `out`; returns the
+    /// disk's size in MiB.
+    async fn oci_disk(
+        &self,
+        oci: &OciImage,
+        image: &vmon_image::Image,
+        dir: &Path,
+        out: &Path,
+        min_disk_mb: u32,
+    ) -> Result<u32, NodeError> {
+        let (registry, qualified) = oci.qualified().ok_or_else(|| {
+            NodeError::InvalidArgument(format!("{:?} is not an image reference", oci.reference))
+        })?;
+        let pinned = match &oci.digest {
+            // By digest: what the api resolved (and keyed its cache on) is what is pulled.
+            Some(d) => format!(
+                "{}@{d}",
+                qualified
+                    .split('@')
+                    .next()
+                    .map_or(qualified.as_str(), |n| { strip_tag(n) })
+            ),
+            None => qualified.clone(),
+        };
+        let pull = vmon_image::oci::Pull {
+            reference: &pinned,
+            registry: &registry,
+            credentials: oci.credentials.as_ref(),
+            tls_verify: oci.tls_verify,
+        };
+        vmon_image::oci::make_disk(
+            &pull,
+            image,
+            &self.recipe.envd,
+            &dir.join("oci"),
+            out,
+            min_disk_mb,
+        )
+        .await
+        .map_err(|e| match e.downcast::<vmon_image::oci::RegistryError>() {
+            Ok(r) => NodeError::InvalidArgument(r.0),
+            Err(e) => NodeError::Failed(format!("making {} into a disk: {e:#}", oci.reference)),
+        })
+    }
+
+    /// The digest of the manifest an image reference names.
+    pub(super) async fn image_digest(&self, oci: &OciImage) -> Result<String, NodeError> {
+        let (registry, qualified) = oci.qualified().ok_or_else(|| {
+            NodeError::InvalidArgument(format!("{:?} is not an image reference", oci.reference))
+        })?;
+        vmon_image::oci::resolve_digest(&vmon_image::oci::Pull {
+            reference: &qualified,
+            registry: &registry,
+            credentials: oci.credentials.as_ref(),
+            tls_verify: oci.tls_verify,
+        })
+        .await
+        .map_err(|e| NodeError::InvalidArgument(e.0))
     }
 
     /// Deletes a build no running sandbox restores from, with its pooled and parked processes.
@@ -182,6 +273,14 @@ impl Node {
         }
         self.sweep().await.map_err(err)?;
         Ok(())
+    }
+}
+
+/// `host[:port]/repo:tag` without its tag (a port's colon is not a tag's).
+fn strip_tag(name: &str) -> &str {
+    match name.rsplit_once(':') {
+        Some((head, tag)) if !tag.contains('/') => head,
+        _ => name,
     }
 }
 

@@ -122,6 +122,7 @@ pub fn template(node: &std::sync::Arc<Node>) -> String {
                 start_cmd: None,
                 ready_cmd: None,
                 env_vars: Default::default(),
+                image: None,
             })
             .await
             .expect("template build");

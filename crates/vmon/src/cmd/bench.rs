@@ -367,6 +367,7 @@ async fn snapshot(data_dir: &Path, a: SnapshotArgs) -> anyhow::Result<()> {
         start_cmd: None,
         ready_cmd: None,
         env_vars: Default::default(),
+        image: None,
     })
     .await?;
     let n = a.runs.max(1);
