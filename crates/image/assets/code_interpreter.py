@@ -32,6 +32,7 @@ newline-delimited JSON (`stdout`, `stderr`, `result`, `error`, `number_of_execut
 """
 
 import json
+import math
 import os
 import queue
 import re
@@ -199,9 +200,15 @@ def plain_json(obj):
 
 
 def round8(v):
-    """`v` to 8 significant digits, as E2B's chart extractor rounds measured values."""
+    """`v` rounded as E2B's chart extractor rounds measured values (8 - its exponent
+    significant digits)."""
     v = float(v)
-    return float("%.8g" % v) if v == v else None
+    if v != v or v in (float("inf"), float("-inf")):
+        return None
+    if v == 0:
+        return 0.0
+    exponent = int(math.floor(math.log10(abs(v))))
+    return float("%.*g" % (max(1, 8 - exponent), v))
 
 
 def point_value(v):
@@ -388,8 +395,8 @@ def box_shapes(ax):
             rects.append((v[:, 0].min(), v[:, 0].max(), v[:, 1].min(), v[:, 1].max()))
     if not rects:
         for line in ax.get_lines():
-            x = np.asarray(line.get_xdata(), dtype=float)
-            y = np.asarray(line.get_ydata(), dtype=float)
+            x = np.asarray(line.get_xdata(orig=False), dtype=float)
+            y = np.asarray(line.get_ydata(orig=False), dtype=float)
             if (len(x) == 5 and x[0] == x[-1] and y[0] == y[-1] and len(set(x)) == 2
                     and len(set(y)) == 2):
                 rects.append((x.min(), x.max(), y.min(), y.max()))
@@ -398,7 +405,7 @@ def box_shapes(ax):
     # A vertical plot's medians are horizontal lines across its boxes.
     horizontal = True
     for line in ax.get_lines():
-        x, y = list(line.get_xdata()), list(line.get_ydata())
+        x, y = list(line.get_xdata(orig=False)), list(line.get_ydata(orig=False))
         if len(x) == 2 and y[0] == y[1] and any(
                 np.isclose(min(x), r[0]) and np.isclose(max(x), r[1]) for r in rects):
             horizontal = False
@@ -416,8 +423,8 @@ def box_chart(ax):
     axis = ax.yaxis if horizontal else ax.xaxis
     found = [{"lo": None, "hi": None, "median": None, "outliers": []} for _ in boxes]
     for line in ax.get_lines():
-        pos = np.asarray(line.get_ydata() if horizontal else line.get_xdata(), dtype=float)
-        val = np.asarray(line.get_xdata() if horizontal else line.get_ydata(), dtype=float)
+        pos = np.asarray(line.get_ydata(orig=False) if horizontal else line.get_xdata(orig=False), dtype=float)
+        val = np.asarray(line.get_xdata(orig=False) if horizontal else line.get_ydata(orig=False), dtype=float)
         for (p0, p1, q1, q3), f in zip(boxes, found):
             if not len(pos) or pos.min() < p0 - 1e-9 or pos.max() > p1 + 1e-9:
                 continue
