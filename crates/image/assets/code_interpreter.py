@@ -75,6 +75,9 @@ KERNEL_START_TIMEOUT = 600
 # A cell's client left (or the cell was interrupted) and the kernel did not stop within this
 # many seconds: it is killed and the context starts a new one.
 INTERRUPT_GRACE = 10
+# The kernel sends a cell's last outputs and its `idle` right after its reply: if `idle` has
+# not come this long after the reply, it was lost and the cell is over.
+IDLE_AFTER_REPLY = 5
 
 
 def now_ns():
@@ -969,6 +972,9 @@ class Kernel:
         self.shell = ctx.socket(zmq.DEALER)
         self.iopub = ctx.socket(zmq.SUB)
         self.iopub.setsockopt(zmq.SUBSCRIBE, b"")
+        # Queued here rather than dropped by the kernel's PUB socket while a slow client
+        # holds a cell's stream back: a dropped `idle` would leave the cell unfinished.
+        self.iopub.setsockopt(zmq.RCVHWM, 0)
         for sock, port in ((self.shell, info["shell_port"]), (self.iopub, info["iopub_port"])):
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect("tcp://127.0.0.1:%d" % port)
@@ -1142,9 +1148,11 @@ class KernelContext:
             "allow_stdin": False, "stop_on_error": True})
         idle = replied = errored = False
         gone = False
-        interrupted_at = None
+        interrupted_at = replied_at = None
         while not (idle and replied):
             channel, msg = k.recv(0.5)
+            if replied_at and time.monotonic() - replied_at > IDLE_AFTER_REPLY:
+                break  # the reply came and the kernel is not busy for us any more
             if channel is None:
                 if not gone and disconnected():
                     gone = True
@@ -1163,6 +1171,7 @@ class KernelContext:
             if channel == "shell":
                 if kind == "execute_reply":
                     replied = True
+                    replied_at = time.monotonic()
                     status = content.get("status")
                     if status == "error" and not errored:
                         errored = True
