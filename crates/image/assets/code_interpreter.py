@@ -1017,7 +1017,9 @@ class Kernel:
         shell_ok = iopub_ok = False
         while not (shell_ok and iopub_ok):
             if not self.alive():
-                raise KernelDied("the kernel exited while starting (status %s)" % self.proc.poll())
+                status = self.proc.poll()
+                self.stop()
+                raise KernelDied("the kernel exited while starting (status %s)" % status)
             if time.monotonic() > deadline:
                 self.stop()
                 raise KernelDied("the kernel did not start in %d s" % timeout)
