@@ -78,16 +78,6 @@ const APT_PACKAGES: &[&str] = &[
     "python3-pip",
     "npm",
     "git",
-    // debootstrap does not resolve virtual packages: what provides the virtual ones the
-    // packages above depend on (python3-zmq's cffi ABI, npm's dependencies).
-    "python3-cffi-backend",
-    "node-cli-table",
-    "node-css-selector-tokenizer",
-    "node-css-loader",
-    "node-function-bind",
-    "node-fancy-log",
-    "node-read-package-json",
-    "libboost-regex1.74.0",
 ];
 
 /// Everything an image is made from. Two equal recipes make the same image.
