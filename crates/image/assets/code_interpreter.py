@@ -178,6 +178,14 @@ def install_kernel_hooks(preload):
                 __import__(m)
             except Exception:
                 pass
+        try:  # a first figure reads the font cache and sets Agg up: not in a user's cell
+            plt = sys.modules["matplotlib.pyplot"]
+            fig = plt.figure()
+            fig.add_subplot().plot([0, 1])
+            fig.canvas.draw()
+            plt.close(fig)
+        except Exception:
+            pass
 
 
 def skip_empty_flushes():
@@ -1014,6 +1022,12 @@ class Kernel:
             "sys.modules['_vmon_kernel'] = module\n"
             "spec.loader.exec_module(module)\n"
             "module.install_kernel_hooks(%r)\n" % (os.path.abspath(__file__), preload)))
+        if preload:
+            # A cell with a value, not counted, then its traces cleared: the first code paths
+            # of a cell (IPython's, the formatters') run now, so a template's snapshot holds
+            # them warm.
+            self.run_quiet("1 + 1", silent=False)
+            self.run_quiet("get_ipython().displayhook.flush()")
 
     def alive(self):
         return self.proc.poll() is None
@@ -1057,11 +1071,11 @@ class Kernel:
                     iopub_ok = True
         # Answers to the repeated requests are dropped by parent id later.
 
-    def run_quiet(self, code, timeout=120):
-        """Runs internal code (no output, no history, no count); raises KernelDied if the
-        kernel dies or does not answer."""
+    def run_quiet(self, code, timeout=120, silent=True):
+        """Runs internal code (no history, no count; its output is nobody's); raises
+        KernelDied if the kernel dies or does not answer."""
         msg_id = self.send("execute_request", {
-            "code": code, "silent": True, "store_history": False, "user_expressions": {},
+            "code": code, "silent": silent, "store_history": False, "user_expressions": {},
             "allow_stdin": False, "stop_on_error": False})
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
