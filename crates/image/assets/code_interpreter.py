@@ -996,7 +996,12 @@ class Kernel:
         argv = [sys.executable, "-m", "ipykernel_launcher", "-f", path,
                 "--InteractiveShell.colors=NoColor",
                 "--HistoryManager.hist_file=:memory:",
-                "--PlainTextFormatter.max_seq_length=0"]
+                "--PlainTextFormatter.max_seq_length=0",
+                # ipykernel sleeps 0.5 ms after each cell so that iopub is out before the
+                # reply; a TCG guest's timer makes that several ms, and this server waits for
+                # iopub's `idle` anyway.
+                "--IPythonKernel._execute_sleep=0",
+                "--IPKernelApp.log_level=ERROR"]
         self.proc = subprocess.Popen(
             argv, cwd=cwd, env=kernel_env(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
             close_fds=True, start_new_session=True)
