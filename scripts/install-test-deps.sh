@@ -79,7 +79,7 @@ if [ "$(stat -c %u "$home")" != "$uid" ]; then
   chown -R "$TEST_USER:" "$home"
 fi
 
-if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import e2b, e2b_code_interpreter, pytest, selenium, schemathesis' 2>/dev/null; then
+if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import e2b, e2b_code_interpreter, pytest, selenium, schemathesis, ipykernel, jupyter_client, matplotlib, pandas' 2>/dev/null; then
   python3 -m venv .venv
   .venv/bin/pip install -q --upgrade pip >/dev/null
   .venv/bin/pip install -q -r tests/requirements.txt

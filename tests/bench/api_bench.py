@@ -1,7 +1,9 @@
 """`vmon bench api`: the E2B API through the official Python SDK, as a user sees it.
 
 Measures create -> first command -> kill for 20 back-to-back, 10 paced (1.5 s apart) and 10 parallel sandboxes, and the
-pause and connect (resume) round trips; prints medians and p99 with the machine.
+pause and connect (resume) round trips; and, through `e2b-code-interpreter`, create -> first `run_code("1+1")` and a warm
+`run_code("1+1")` on `code-interpreter-v1` (5 sandboxes, VMON_BENCH_CI); prints medians and p99 with the machine.
+A count set to 0 (VMON_BENCH_SEQ, _PAR, _PACED, _CYCLES, _CI) skips its part.
 
 Against a running server when E2B_API_URL / E2B_API_KEY / E2B_SANDBOX_URL are set; otherwise it
 starts its own `vmon up` (built binary from target/, data dir under /var/tmp with the shared
@@ -40,6 +42,8 @@ def strip_ansi(text: str) -> str:
 
 
 def row(name: str, v: list[float]) -> None:
+    if not v:
+        return
     print(f"| {name} | {statistics.median(v):.0f} ms | {pct(v, 0.99):.0f} ms | {len(v)} |")
 
 
@@ -117,6 +121,7 @@ def main() -> None:
     par_n = int(os.environ.get("VMON_BENCH_PAR", "10"))
     cycles = int(os.environ.get("VMON_BENCH_CYCLES", "5"))
     paced_n = int(os.environ.get("VMON_BENCH_PACED", "10"))
+    ci_n = int(os.environ.get("VMON_BENCH_CI", "5"))
 
     def lifecycle() -> tuple[float, float, float]:
         t0 = time.perf_counter()
@@ -146,8 +151,10 @@ def main() -> None:
         time.sleep(1.5)  # an agent's think time: the pool refills in between
         paced.append(lifecycle())
     t = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(par_n) as ex:
-        par = list(ex.map(lambda _: lifecycle(), range(par_n)))
+    par = []
+    if par_n:
+        with concurrent.futures.ThreadPoolExecutor(par_n) as ex:
+            par = list(ex.map(lambda _: lifecycle(), range(par_n)))
     par_wall = (time.perf_counter() - t) * 1e3
 
     pauses, connects = [], []
@@ -163,6 +170,26 @@ def main() -> None:
         connects.append((time.perf_counter() - t) * 1e3)
     sbx.kill()
 
+    ci_create, ci_first, ci_warm = [], [], []
+    if ci_n:
+        from e2b_code_interpreter import Sandbox as CodeSandbox
+
+        CodeSandbox.create(timeout=300, request_timeout=1800).kill()  # waits for the template
+        time.sleep(5)  # its warm pool process
+        for _ in range(ci_n):
+            t = time.perf_counter()
+            csb = CodeSandbox.create(timeout=300)
+            t1 = time.perf_counter()
+            assert csb.run_code("1+1").text == "2"
+            t2 = time.perf_counter()
+            ci_create.append((t1 - t) * 1e3)
+            ci_first.append((t2 - t1) * 1e3)
+            for _ in range(5):
+                t = time.perf_counter()
+                assert csb.run_code("1+1").text == "2"
+                ci_warm.append((time.perf_counter() - t) * 1e3)
+            csb.kill()
+
     print("## vmon bench api (official Python SDK)\n")
     print(f"machine: {machine()}; server {os.environ['E2B_API_URL']}\n")
     print("| operation | median | p99 | n |\n|---|---|---|---|")
@@ -172,9 +199,13 @@ def main() -> None:
     row("create (1.5 s apart)", [s[0] for s in paced])
     row("create -> first command done (1.5 s apart)", [s[1] for s in paced])
     row(f"create -> command -> kill ({par_n} parallel, each)", [p[2] for p in par])
-    print(f"| {par_n} parallel, wall | {par_wall:.0f} ms | | 1 |")
+    if par:
+        print(f"| {par_n} parallel, wall | {par_wall:.0f} ms | | 1 |")
     row("pause (16 MiB dirtied)", pauses)
     row("connect (resume) -> command done", connects)
+    row("code-interpreter-v1: create", ci_create)
+    row("code-interpreter-v1: first run_code('1+1') after create", ci_first)
+    row("code-interpreter-v1: warm run_code('1+1')", ci_warm)
 
     if own:
         proc, data = own

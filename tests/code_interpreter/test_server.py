@@ -5,6 +5,7 @@ token is the sandbox's."""
 
 from __future__ import annotations
 
+import base64
 import http.client
 import json
 import os
@@ -71,6 +72,8 @@ def server(tmp_path_factory, envd):
     home = tmp_path_factory.mktemp("home")
     port = _free_port()
     env = dict(os.environ, HOME=str(home), VMON_CI_ENVD=f"http://127.0.0.1:{envd}")
+    # ipykernel does not capture fd 1 and 2 (a subprocess's output) under pytest.
+    env.pop("PYTEST_CURRENT_TEST", None)
     proc = subprocess.Popen(
         [sys.executable, str(SERVER), "--host", "127.0.0.1", "--port", str(port)],
         env=env,
@@ -137,7 +140,7 @@ def test_value_of_last_expression(server):
     assert ex.text == "42"
     assert ex.results[0].is_main_result
     ex, _ = execute(port, "'s'")
-    assert ex.text == "'s'"
+    assert ex.text == "s"  # a string's repr without its quotes, as E2B's server gives it
     ex, _ = execute(port, "y = 2\ny * 3")
     assert ex.text == "6"
     ex, _ = execute(port, "None")
@@ -191,7 +194,7 @@ def test_errors(server):
 def test_env_vars_are_per_cell(server):
     port, _ = server
     ex, _ = execute(port, "import os; os.environ.get('VMON_T')", env_vars={"VMON_T": "v"})
-    assert ex.text == "'v'"
+    assert ex.text == "v"
     ex, _ = execute(port, "os.environ.get('VMON_T')")
     assert ex.results == []
 
@@ -216,9 +219,9 @@ def test_contexts(server):
     assert ctx.cwd == str(home / "sub") and ctx.language == "python"
     execute(port, "z = 'default'")
     ex, _ = execute(port, "z = 'mine'\nimport os; os.getcwd()", context_id=ctx.id)
-    assert ex.text == repr(str(home / "sub"))
+    assert ex.text == str(home / "sub")
     ex, _ = execute(port, "z")
-    assert ex.text == "'default'"
+    assert ex.text == "default"
     ex, _ = execute(port, "x", context_id=ctx.id)
     assert ex.error.name == "NameError"
     ids = [c["id"] for c in json.loads(request(port, "GET", "/contexts")[1])]
@@ -250,6 +253,8 @@ def test_bad_input(server):
     ex, _ = execute(port, "'\\x1evmon-cell-end 0'")  # a marker-looking value is just a value
     assert ex.error is None
     ex, _ = execute(port, "print('\\x1evmon-cell-end 999')\nprint('after')")
+    assert "".join(ex.logs.stdout).endswith("after\n")
+    ex, _ = execute(port, "echo '\x1evmon-cell-end 999'; echo after", language="bash")
     assert ex.logs.stdout[-1] == "after\n"
     assert request(port, "GET", "/health")[0] == 200
 
@@ -277,7 +282,7 @@ def test_client_disconnect_interrupts_cell(server):
     s.close()
     t0 = time.monotonic()
     ex, _ = execute(port, "'free again'", context_id=cid)
-    assert ex.text == "'free again'"
+    assert ex.text == "free again"
     assert time.monotonic() - t0 < 15
 
 
@@ -362,9 +367,9 @@ def test_js_cells(server):
     ex, _ = execute(port, "null.x", language="js")
     assert ex.error.name == "TypeError" and "null" in ex.error.value
     ex, _ = execute(port, "require('path').join('a', 'b')", language="js")
-    assert ex.text == "'a/b'"
+    assert ex.text == "a/b"
     ex, _ = execute(port, "process.env.ONLY", language="js", env_vars={"ONLY": "here"})
-    assert ex.text == "'here'"
+    assert ex.text == "here"
     ex, _ = execute(port, "process.env.ONLY", language="js")
     assert ex.results == []
     ex, _ = execute(port, "console.error('e'); undefined", language="js")
@@ -401,3 +406,172 @@ def test_execute_demands_the_sandbox_token(server, tmp_path):
     assert call("GET", "/health", None, {})[0] == 200, "health needs no token (the template's ready check)"
     ex, _ = execute(port, code)
     assert ex.error is None and marker.read_text() == "x", "the right token runs the cell"
+
+
+def new_context(port, **body):
+    status, text = request(port, "POST", "/contexts", body, timeout=120)
+    assert status == 200, text
+    return json.loads(text)["id"]
+
+
+def test_a_python_context_is_an_ipython_kernel(server):
+    port, _ = server
+    cid = new_context(port)
+    ex, lines = execute(port, "get_ipython().__class__.__name__", context_id=cid)
+    assert ex.text == "ZMQInteractiveShell"
+    counts = [l["execution_count"] for l in lines if l["type"] == "number_of_executions"]
+    assert counts == [1]
+    ex, _ = execute(port, "'again'", context_id=cid)
+    assert ex.execution_count == 2
+    ex, _ = execute(port, "1/0", context_id=cid)
+    assert "Cell In[3], line 1" in ex.error.traceback or "Cell In [3], line 1" in ex.error.traceback
+    assert "\x1b[" not in ex.error.traceback  # no terminal colours
+
+
+def test_every_mime_type_the_sdk_reads(server):
+    port, _ = server
+    cid = new_context(port)
+    ex, _ = execute(port, "\n".join([
+        "from IPython.display import *",
+        "import base64",
+        "PNG = base64.b64decode('iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNkYPhfDwAChwGA60e6kgAAAABJRU5ErkJggg==')",
+        "display(HTML('<b>h</b>'))",
+        "display(Markdown('**m**'))",
+        "display(SVG('<svg xmlns=\"http://www.w3.org/2000/svg\"/>'))",
+        "display(Image(PNG, format='png'))",
+        "display(Image(b'\\xff\\xd8\\xff\\xe0fakejpeg', format='jpeg'))",
+        "display(Latex('$x^2$'))",
+        "display(JSON({'k': [1, 2]}))",
+        "display(Javascript('console.log(1)'))",
+        "display({'application/pdf': base64.b64encode(b'%PDF-1.4').decode(), 'text/plain': 'pdf'}, raw=True)",
+        "display({'application/x-vmon': 'other', 'text/plain': 'x'}, raw=True)",
+        "{'main': True}",
+    ]), context_id=cid)
+    assert ex.error is None, ex.error
+    r = ex.results
+    assert [x.is_main_result for x in r] == [False] * 10 + [True]
+    assert r[0].html == "<b>h</b>"
+    assert r[1].markdown == "**m**"
+    assert r[2].svg.startswith("<svg")
+    assert base64.b64decode(r[3].png)[:4] == b"\x89PNG"
+    assert base64.b64decode(r[4].jpeg)[:3] == b"\xff\xd8\xff"
+    assert r[5].latex == "$x^2$"
+    assert r[6].json == {"k": [1, 2]}
+    assert r[7].javascript == "console.log(1)"
+    assert base64.b64decode(r[8].pdf) == b"%PDF-1.4"
+    assert r[9].extra == {"application/x-vmon": "other"}
+    assert r[10].json == {"main": True} and r[10].text == "{'main': True}"
+
+
+def test_dataframes_come_as_html_and_data(server):
+    port, _ = server
+    ex, _ = execute(port, "import pandas as pd\ndf = pd.DataFrame({'a': [1, 2], 'b': [0.5, None]})\ndisplay(df)\ndf")
+    assert ex.error is None, ex.error
+    shown, main = ex.results
+    assert not shown.is_main_result and main.is_main_result
+    for r in (shown, main):
+        assert "<table" in r.html
+        assert r.data == {"a": [1, 2], "b": [0.5, None]}
+
+
+def test_magics(server):
+    port, home = server
+    cid = new_context(port, cwd=str(home))
+    (home / "magic").mkdir(exist_ok=True)
+    ex, _ = execute(port, "%cd magic", context_id=cid)
+    assert ex.error is None and ex.logs.stdout == [f"{home / 'magic'}\n"]
+    ex, _ = execute(port, "import os; os.getcwd()", context_id=cid)
+    assert ex.text == str(home / "magic")
+    ex, _ = execute(port, "%env VMON_MAGIC=yes", context_id=cid)
+    assert ex.logs.stdout == ["env: VMON_MAGIC=yes\n"]
+    ex, _ = execute(port, "!echo $VMON_MAGIC from a shell", context_id=cid)
+    # IPython runs `!` commands on a pty (as in Jupyter): lines end in \r\n.
+    assert ex.logs.stdout == ["yes from a shell\r\n"]
+    ex, _ = execute(port, "%%time\nsum(range(1000))", context_id=cid)
+    assert ex.text == "499500"
+    assert "Wall time" in "".join(ex.logs.stdout)
+    ex, _ = execute(port, "%timeit -n 3 -r 2 sum(range(100))", context_id=cid)
+    assert "per loop" in "".join(ex.logs.stdout), ex.logs
+    ex, _ = execute(port, "files = !ls\nfiles", context_id=cid)
+    assert ex.error is None
+
+
+def chart_of(port, code, cid=None):
+    ex, _ = execute(port, "import matplotlib.pyplot as plt\n" + code + "\nplt.show()", context_id=cid)
+    assert ex.error is None, ex.error
+    figs = [r for r in ex.results if r.png]
+    assert len(figs) == 1, ex.results
+    assert base64.b64decode(figs[0].png)[:4] == b"\x89PNG"
+    return figs[0].chart
+
+
+def test_charts(server):
+    from e2b_code_interpreter.charts import (BarChart, BoxAndWhiskerChart, LineChart, PieChart,
+                                             ScatterChart, SuperChart)
+
+    port, _ = server
+    c = chart_of(port, "plt.plot([1, 2, 3], [4, 1, 9], label='up')\nplt.title('T')\n"
+                       "plt.xlabel('time (s)')\nplt.ylabel('v [m]')\nplt.yscale('log')")
+    assert isinstance(c, LineChart) and c.title == "T"
+    assert (c.x_label, c.x_unit, c.y_label, c.y_unit) == ("time (s)", "s", "v [m]", "m")
+    assert c.x_scale.value == "linear" and c.y_scale.value == "log"
+    assert [(e.label, e.points) for e in c.elements] == [("up", [(1, 4), (2, 1), (3, 9)])]
+    assert len(c.x_ticks) == len(c.x_tick_labels) > 0
+    c = chart_of(port, "plt.bar(['a', 'b', 'c'], [3, 1, 2], label='g')")
+    assert isinstance(c, BarChart)
+    assert [(e.label, e.value, e.group) for e in c.elements] == [("a", 3, "g"), ("b", 1, "g"), ("c", 2, "g")]
+    c = chart_of(port, "plt.barh(['x', 'y'], [5, 6])\nplt.xlabel('amount')\nplt.ylabel('name')")
+    assert [(e.label, e.value) for e in c.elements] == [("x", 5), ("y", 6)]
+    assert (c.x_label, c.y_label) == ("name", "amount")
+    c = chart_of(port, "plt.scatter([1, 2], [3, 4])\nplt.scatter([5], [6])")
+    assert isinstance(c, ScatterChart) and [e.points for e in c.elements] == [[(1, 3), (2, 4)], [(5, 6)]]
+    c = chart_of(port, "plt.pie([1, 1, 2], labels=['p', 'q', 'r'])")
+    assert isinstance(c, PieChart)
+    assert [(e.label, round(e.angle)) for e in c.elements] == [("p", 90), ("q", 90), ("r", 180)]
+    for extra in ("", ", patch_artist=True", ", vert=False"):
+        c = chart_of(port, f"plt.boxplot([[1, 2, 3, 4, 5, 20], [2, 3, 4, 5, 6]], labels=['A', 'B']{extra})")
+        assert isinstance(c, BoxAndWhiskerChart), extra
+        a, b = c.elements
+        assert (a.label, a.min, a.first_quartile, a.median, a.third_quartile, a.max, a.outliers) == (
+            "A", 1, 2.25, 3.5, 4.75, 5, [20]), extra
+        assert (b.label, b.min, b.median, b.max, b.outliers) == ("B", 2, 4, 6, []), extra
+    c = chart_of(port, "fig, (l, r) = plt.subplots(1, 2)\nl.plot([1, 2])\nr.bar([1, 2], [3, 4])\nfig.suptitle('S')")
+    assert isinstance(c, SuperChart) and c.title == "S"
+    assert [type(e) for e in c.elements] == [LineChart, BarChart]
+    c = chart_of(port, "plt.figure().add_subplot()")  # axes without data: no chart
+    assert c is None
+
+
+def test_interrupt_keeps_the_kernel_state(server):
+    port, _ = server
+    cid = new_context(port)
+    execute(port, "kept = 'yes'", context_id=cid)
+    out = {}
+
+    def run():
+        out["ex"], _ = execute(port, "while True: pass", context_id=cid)
+
+    t = threading.Thread(target=run)
+    t.start()
+    time.sleep(2)
+    assert request(port, "POST", f"/contexts/{cid}/interrupt")[0] == 204
+    t.join(30)
+    assert not t.is_alive()
+    assert out["ex"].error.name == "KeyboardInterrupt"
+    ex, _ = execute(port, "kept", context_id=cid)
+    assert ex.text == "yes"
+    assert request(port, "POST", "/contexts/nope/interrupt")[0] == 404
+    # A restart gives a fresh namespace.
+    assert request(port, "POST", f"/contexts/{cid}/restart", timeout=120)[0] == 200
+    ex, _ = execute(port, "kept", context_id=cid)
+    assert ex.error.name == "NameError"
+    assert ex.execution_count == 1
+
+
+def test_languages_without_a_kernel_are_refused_with_the_reason(server):
+    port, _ = server
+    for language, word in (("r", "R kernel"), ("java", "Java"), ("typescript", "TypeScript"), ("ts", "TypeScript")):
+        status, text = request(port, "POST", "/contexts", {"language": language})
+        assert status == 400 and word in text, (language, status, text)
+        status, text = request(port, "POST", "/execute", {"code": "1", "language": language})
+        assert status == 400 and word in text, (language, status, text)

@@ -1,6 +1,7 @@
 """The official `e2b-code-interpreter` SDK against `vmon up`: the default template
 `code-interpreter-v1` (built in the background after `base`), the server on port 49999 through
-the proxy, contexts, and a context's state across pause + connect.
+the proxy, its IPython kernels (rich results, charts, magics, `!pip install`, interrupt,
+restart), contexts, and a context's state across pause + connect and in a fork child.
 
 One sandbox for the whole module, to keep VM time small; the tests run in file order and the
 last one pauses it.
@@ -9,11 +10,15 @@ last one pauses it.
 from __future__ import annotations
 
 import base64
+import hashlib
+import io
 import time
+import zipfile
 
 import httpx
 import pytest
 from e2b_code_interpreter import Sandbox
+from e2b_code_interpreter.charts import BarChart
 
 # The first create may wait for the template's build (20–40 s under TCG, more on a loaded host).
 FIRST_CREATE_TIMEOUT = 1800
@@ -120,7 +125,7 @@ def test_second_context_is_isolated(sbx):
     assert ctx.language == "python" and ctx.cwd == "/home/user"
     sbx.run_code("y = 'ctx'", context=ctx)
     ex = sbx.run_code("y", context=ctx)
-    assert ex.text == "'ctx'"
+    assert ex.text == "ctx"
     ex = sbx.run_code("y")
     assert ex.error.name == "NameError"
     ex = sbx.run_code("x", context=ctx)
@@ -160,6 +165,138 @@ def test_execute_without_the_envd_token_is_401_and_runs_nothing(sbx):
     assert sbx.files.read("/tmp/ran-without-token") == "x"
 
 
+def _wheel(name: str, version: str, files: dict[str, str]) -> bytes:
+    """A pure-Python wheel with the given modules (what `pip wheel` makes, without pip)."""
+    dist = f"{name}-{version}.dist-info"
+    entries = dict(files)
+    entries[f"{dist}/METADATA"] = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+    entries[f"{dist}/WHEEL"] = "Wheel-Version: 1.0\nGenerator: vmon-test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+    record = []
+    for path, text in entries.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
+        record.append(f"{path},sha256={digest},{len(text.encode())}")
+    record.append(f"{dist}/RECORD,,")
+    entries[f"{dist}/RECORD"] = "\n".join(record) + "\n"
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        for path, text in entries.items():
+            z.writestr(path, text)
+    return buf.getvalue()
+
+
+def test_pip_install_of_an_uploaded_wheel(sbx):
+    # The guest may not reach PyPI: the wheel comes from here, as a user uploads one.
+    path = "/home/user/vmon_wheel_demo-1.0-py3-none-any.whl"
+    sbx.files.write(path, _wheel("vmon_wheel_demo", "1.0", {"vmon_wheel_demo/__init__.py": "ANSWER = 42\n"}))
+    ex = sbx.run_code(f"!pip install --no-index {path}", timeout=300)
+    assert ex.error is None, ex.error
+    assert "Successfully installed vmon-wheel-demo-1.0" in "".join(ex.logs.stdout), ex.logs
+    ex = sbx.run_code("import vmon_wheel_demo, sys\nvmon_wheel_demo.ANSWER, vmon_wheel_demo.__file__.startswith('/home/user/.local')")
+    assert ex.text == "(42, True)", (ex.text, ex.error)
+
+
+def test_rich_results_and_dataframes(sbx):
+    ex = sbx.run_code(
+        "import pandas as pd\n"
+        "from IPython.display import display, Markdown, Latex\n"
+        "df = pd.DataFrame({'city': ['Oslo', 'Lima'], 'temp': [3.5, 19.0]})\n"
+        "display(df)\n"
+        "display(Markdown('**bold**'))\n"
+        "Latex(r'$\\alpha$')"
+    )
+    assert ex.error is None, ex.error
+    table, md, latex = ex.results
+    assert "<table" in table.html and "Oslo" in table.html and not table.is_main_result
+    assert table.data == {"city": ["Oslo", "Lima"], "temp": [3.5, 19.0]}
+    assert md.markdown == "**bold**"
+    assert latex.latex == "$\\alpha$" and latex.is_main_result
+    ex = sbx.run_code("{'a': [1, 2]}")
+    assert ex.results[0].json == {"a": [1, 2]}
+
+
+def test_bar_chart_has_its_elements(sbx):
+    ex = sbx.run_code(
+        "import matplotlib.pyplot as plt\n"
+        "plt.bar(['apples', 'pears'], [3, 5], label='fruit')\n"
+        "plt.title('Basket')\nplt.xlabel('kind')\nplt.ylabel('count [pcs]')\n"
+        "plt.show()"
+    )
+    assert ex.error is None, ex.error
+    (fig,) = ex.results
+    assert base64.b64decode(fig.png)[:4] == b"\x89PNG"  # the PNG stays alongside
+    chart = fig.chart
+    assert isinstance(chart, BarChart)
+    assert (chart.title, chart.x_label, chart.y_label, chart.y_unit) == ("Basket", "kind", "count [pcs]", "pcs")
+    assert [(e.label, e.value, e.group) for e in chart.elements] == [("apples", 3, "fruit"), ("pears", 5, "fruit")]
+
+
+def test_magics(sbx):
+    ex = sbx.run_code("%%time\nsum(range(10**5))")
+    assert ex.error is None and ex.text == "4999950000"
+    assert "Wall time" in "".join(ex.logs.stdout), ex.logs
+    ex = sbx.run_code("%cd /tmp")
+    assert ex.logs.stdout == ["/tmp\n"]
+    ex = sbx.run_code("%env VMON_MAGIC=1\nimport os; os.getcwd(), os.environ['VMON_MAGIC']")
+    assert ex.text == "('/tmp', '1')"
+    sbx.run_code("%cd /home/user")
+
+
+def test_error_traceback_names_the_cell(sbx):
+    ex = sbx.run_code("def inner():\n    return {}['missing']\ninner()")
+    assert ex.error.name == "KeyError" and ex.error.value == "'missing'"
+    tb = ex.error.traceback
+    assert "inner()" in tb and "return {}['missing']" in tb and "\x1b[" not in tb, tb
+
+
+def test_interrupt_keeps_state_and_restart_clears_it(sbx):
+    from e2b import TimeoutException
+
+    ctx = sbx.create_code_context()
+    sbx.run_code("before = 'kept'", context=ctx)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutException):
+        sbx.run_code("while True: pass", context=ctx, timeout=5)  # the SDK leaves; the cell is interrupted
+    ex = sbx.run_code("before", context=ctx, timeout=60)
+    assert ex.text == "kept", (ex.text, ex.error)
+    assert time.monotonic() - t0 < 40
+    # The server's interrupt endpoint stops a cell the same way.
+    url = f"{sbx._jupyter_url}/contexts/{ctx.id}/interrupt"
+    route = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "49999"}
+    import threading
+
+    out = {}
+    runner = threading.Thread(target=lambda: out.setdefault("ex", sbx.run_code("import time\nwhile True: time.sleep(0.1)", context=ctx)))
+    runner.start()
+    time.sleep(3)
+    assert httpx.post(url, headers=route, timeout=30).status_code == 204
+    runner.join(60)
+    assert out["ex"].error.name == "KeyboardInterrupt"
+    assert sbx.run_code("before", context=ctx).text == "kept"
+    sbx.restart_code_context(ctx)
+    ex = sbx.run_code("before", context=ctx)
+    assert ex.error.name == "NameError"
+    sbx.remove_code_context(ctx)
+
+
+def test_r_java_and_typescript_are_refused_with_the_reason(sbx):
+    for language, reason in (("r", "no R kernel"), ("java", "no Java Jupyter kernel"), ("typescript", "JavaScript only")):
+        with pytest.raises(Exception) as e:
+            sbx.create_code_context(language=language)
+        assert reason in str(e.value), (language, e.value)
+        with pytest.raises(Exception) as e:
+            sbx.run_code("1", language=language)
+        assert reason in str(e.value), (language, e.value)
+
+
+def test_sandbox_envs_reach_the_kernel(vmon):
+    with Sandbox.create(timeout=120, envs={"VMON_FROM_CREATE": "yes"}) as s:
+        ex = s.run_code("import os; os.environ.get('VMON_FROM_CREATE')")
+        assert ex.text == "yes", (ex.text, ex.error)
+        ex = s.run_code("os.environ['VMON_PER_CELL']", envs={"VMON_PER_CELL": "cell"})
+        assert ex.text == "cell"
+        assert s.run_code("os.environ.get('VMON_PER_CELL')").results == []
+
+
 def test_state_survives_pause_and_connect(sbx):
     sbx.run_code("kept = [1, 2, 3]\nimport os; pid = os.getpid()")
     assert sbx.pause() is True
@@ -168,3 +305,12 @@ def test_state_survives_pause_and_connect(sbx):
     assert ex.text == "([1, 2, 3], True)"
     ex = resumed.run_code("x + 1")
     assert ex.text == "42"
+    # A fork child has the kernel's state and goes its own way.
+    (child,) = resumed.fork(count=1, timeout=600)
+    assert not isinstance(child, Exception), child
+    try:
+        ex = child.run_code("kept.append(4); kept")
+        assert ex.text == "[1, 2, 3, 4]", (ex.text, ex.error)
+        assert resumed.run_code("kept").text == "[1, 2, 3]"
+    finally:
+        child.kill()

@@ -1,15 +1,23 @@
 #!/usr/bin/env python3
 """vmon's code-interpreter server: the HTTP API the `e2b-code-interpreter` SDK speaks, on
-port 49999, written against the Python standard library only (the guest has no pip; its
-image has Debian's numpy, pandas and matplotlib, which the default context imports ahead and
-whose figures come back as PNG results). Contexts run Python, bash or JavaScript (Node.js).
+port 49999. Python contexts are IPython kernels (Debian's `python3-ipykernel`, driven over
+ZeroMQ with `jupyter_client`'s message session); bash and JavaScript (Node.js) contexts are
+worker processes of this server. Everything else is the Python standard library.
 
-Each context is a worker process (this file run with `--worker`) that keeps a namespace and
-runs one cell at a time. The worker's fd 1 and 2 are pipes read by the server, so prints and
-subprocess output both stream; results and errors come back on a separate pipe as JSON lines.
-After a cell the worker writes a marker line to fd 1 and 2 and then `done` on the result pipe;
-the server ends the stream when it has all three, so no output is lost or attributed to the
-next cell.
+A Python context is one kernel process (its own session, so an interrupt or a kill reaches
+what the cell started). The server sends `execute_request` on the kernel's shell socket and
+maps what comes back on iopub to the SDK's messages: `stream` to `stdout`/`stderr`,
+`execute_result` (main) and `display_data` to `result` with every MIME type the SDK reads,
+`error` to `error`, `execute_input` to `number_of_executions`; the cell ends at the kernel's
+`idle` for it. This file is also loaded inside each kernel (as the module `_vmon_kernel`) to
+register what E2B's kernels add to IPython: `e2b/chart` (structured data of a matplotlib
+figure), `e2b/data` (a DataFrame's columns) and JSON for plain lists and dicts.
+
+Each bash or JavaScript context is a worker process (bash: this file run with `--worker`)
+whose fd 1 and 2 are pipes read by the server; results and errors come back on a separate
+pipe as JSON lines. After a cell the worker writes a marker line to fd 1 and 2 and then
+`done` on the result pipe; the server ends the stream when it has all three, so no output is
+lost or attributed to the next cell.
 
 `POST /execute` demands the sandbox's envd access token in `X-Access-Token`, which the official
 SDK sends: the server asks envd (on this guest's loopback) whether the token is the current
@@ -20,18 +28,21 @@ token; a token they do carry must be the right one.
 Endpoints: `GET /health`; `POST /execute` {code, context_id, language, env_vars} streaming
 newline-delimited JSON (`stdout`, `stderr`, `result`, `error`, `number_of_executions`);
 `POST /contexts` {language, cwd}; `GET /contexts`; `DELETE /contexts/{id}`;
-`POST /contexts/{id}/restart`.
+`POST /contexts/{id}/restart`; `POST /contexts/{id}/interrupt`.
 """
 
 import json
+import math
 import os
 import queue
 import re
 import select
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -46,10 +57,27 @@ READ_CHUNK = 64 * 1024
 MARK = b"\x1evmon-cell-end "
 LANGUAGES = {"python": "python", "python3": "python", "py": "python", "bash": "bash", "sh": "bash",
              "shell": "bash", "js": "js", "javascript": "js", "node": "js"}
-INLINE_BACKEND = "vmon_inline"
+# Languages the SDK names that this guest has no kernel for: refused with the reason.
+UNAVAILABLE = {
+    "r": "R contexts are not available: the guest image has no R kernel (r-base, r-cran-irkernel)",
+    "java": "Java contexts are not available: no Java Jupyter kernel is packaged for the guest",
+    "typescript": "TypeScript contexts are not available: the guest's Node.js runs JavaScript only "
+                  "(use language='js')",
+    "ts": "TypeScript contexts are not available: the guest's Node.js runs JavaScript only "
+          "(use language='js')",
+}
 BASH_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
-# Imported ahead by the default context (when the image has them).
+# Imported ahead by the default context's kernel, so a template snapshot holds them loaded.
 PRELOAD = ("numpy", "pandas", "matplotlib.pyplot")
+# A DataFrame larger than this many cells gets no `e2b/data` (its HTML still comes).
+MAX_DATA_CELLS = 200_000
+KERNEL_START_TIMEOUT = 600
+# A cell's client left (or the cell was interrupted) and the kernel did not stop within this
+# many seconds: it is killed and the context starts a new one.
+INTERRUPT_GRACE = 10
+# The kernel sends a cell's last outputs and its `idle` right after its reply: if `idle` has
+# not come this long after the reply, it was lost and the cell is over.
+IDLE_AFTER_REPLY = 5
 
 
 def now_ns():
@@ -61,8 +89,406 @@ def default_cwd():
     return home if os.path.isdir(home) else "/"
 
 
+
+
 # --------------------------------------------------------------------------------------------
-# Worker (one per context)
+# Inside a kernel: what E2B's kernels add to IPython (this file loaded as `_vmon_kernel`)
+# --------------------------------------------------------------------------------------------
+
+_saved_env = []
+
+
+def push_env(env):
+    """Sets a cell's `env_vars` in the kernel, remembering what they replace."""
+    saved = {}
+    for k, v in env.items():
+        if isinstance(k, str) and isinstance(v, str) and k and "=" not in k and "\0" not in k + v:
+            saved[k] = os.environ.get(k)
+            os.environ[k] = v
+    _saved_env.append(saved)
+
+
+def pop_env():
+    """Gives the variables of the last `push_env` their earlier values back."""
+    saved = _saved_env.pop() if _saved_env else {}
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def install_kernel_hooks(preload):
+    """Registers the `e2b/chart`, `e2b/data` and JSON formatters on this kernel's IPython;
+    with `preload`, imports the data stack (names stay unbound)."""
+    from IPython import get_ipython
+    from IPython.core.formatters import BaseFormatter, JSONFormatter
+    from traitlets import ObjectName, Unicode
+
+    class ChartFormatter(BaseFormatter):
+        format_type = Unicode("e2b/chart")
+        print_method = ObjectName("_repr_e2b_chart_")
+        _return_type = (dict,)
+
+        def __call__(self, obj):
+            figure = sys.modules.get("matplotlib.figure")
+            if figure is None or not isinstance(obj, figure.Figure):
+                return super().__call__(obj)
+            try:
+                return chart_of_figure(obj)
+            except Exception:  # a chart we cannot read still has its PNG
+                return None
+
+    class DataFormatter(BaseFormatter):
+        format_type = Unicode("e2b/data")
+        print_method = ObjectName("_repr_e2b_data_")
+        _return_type = (dict,)
+
+        def __call__(self, obj):
+            pandas = sys.modules.get("pandas")
+            if pandas is None or not isinstance(obj, pandas.DataFrame):
+                return super().__call__(obj)
+            if obj.size > MAX_DATA_CELLS:
+                return None
+            try:
+                return plain_json({str(k): v for k, v in obj.to_dict(orient="list").items()})
+            except (TypeError, ValueError):
+                return None
+
+    class ListJSONFormatter(JSONFormatter):
+        # E2B's kernels give lists and dicts an `application/json` (IPython only gives it to
+        # objects with `_repr_json_`).
+        def __call__(self, obj):
+            if isinstance(obj, (list, dict)):
+                try:
+                    return plain_json(obj)
+                except (TypeError, ValueError):
+                    pass
+            return super().__call__(obj)
+
+    ip = get_ipython()
+    skip_empty_flushes()
+    formatters = ip.display_formatter.formatters
+    formatters["e2b/chart"] = ChartFormatter(parent=ip.display_formatter)
+    formatters["e2b/data"] = DataFormatter(parent=ip.display_formatter)
+    formatters["application/json"] = ListJSONFormatter(parent=ip.display_formatter)
+    if preload:
+        for m in PRELOAD:
+            try:
+                __import__(m)
+            except Exception:
+                pass
+        try:  # a first figure reads the font cache and sets Agg up: not in a user's cell
+            plt = sys.modules["matplotlib.pyplot"]
+            fig = plt.figure()
+            fig.add_subplot().plot([0, 1])
+            fig.canvas.draw()
+            plt.close(fig)
+        except Exception:
+            pass
+
+
+def skip_empty_flushes():
+    """ipykernel's `OutStream.flush` waits for a round trip through its iopub thread even with
+    nothing buffered, and every result flushes stdout and stderr: under TCG that is most of a
+    small cell's time. With an empty buffer there is nothing to wait for (what was flushed
+    before is already queued on that thread, ahead of anything sent after)."""
+    try:
+        from ipykernel.iostream import OutStream
+    except ImportError:
+        return
+    flush = OutStream.flush
+    if getattr(flush, "_vmon", False):
+        return
+
+    def flush_if_buffered(self):
+        buffer = getattr(self, "_buffer", None)
+        if buffer is not None and not buffer.tell() and not getattr(self, "_flush_pending", True):
+            return None
+        return flush(self)
+
+    flush_if_buffered._vmon = True
+    OutStream.flush = flush_if_buffered
+
+
+def plain_json(obj):
+    """`obj` as JSON-able Python (numpy scalars and arrays, dates as ISO strings, NaN as null);
+    TypeError or ValueError when it is not data."""
+
+    def default(o):
+        if hasattr(o, "isoformat"):
+            return o.isoformat()
+        if hasattr(o, "tolist"):
+            return o.tolist()
+        raise TypeError("not JSON data: %s" % type(o).__name__)
+
+    def no_nan(o):
+        if isinstance(o, float) and o != o:
+            return None
+        if isinstance(o, list):
+            return [no_nan(x) for x in o]
+        if isinstance(o, dict):
+            return {k: no_nan(v) for k, v in o.items()}
+        return o
+
+    return no_nan(json.loads(json.dumps(obj, default=default)))
+
+
+def round8(v):
+    """`v` rounded as E2B's chart extractor rounds measured values (8 - its exponent
+    significant digits)."""
+    v = float(v)
+    if v != v or v in (float("inf"), float("-inf")):
+        return None
+    if v == 0:
+        return 0.0
+    exponent = int(math.floor(math.log10(abs(v))))
+    return float("%.*g" % (max(1, 8 - exponent), v))
+
+
+def point_value(v):
+    """A data value of a chart as JSON: ISO text for dates, float for numbers, else text."""
+    import datetime
+
+    if isinstance(v, (datetime.date, datetime.datetime)):
+        return v.isoformat()
+    if type(v).__name__ == "datetime64":
+        return str(v.astype("datetime64[s]"))
+    if hasattr(v, "item"):
+        v = v.item()
+    if isinstance(v, bool):
+        return float(v)
+    if isinstance(v, (int, float)):
+        return float(v) if v == v else None
+    return str(v)
+
+
+def chart_of_figure(fig):
+    """The `e2b/chart` of a matplotlib figure (the SDK's `Chart` fields), or None when it
+    has no data."""
+    axes = fig.get_axes()
+    if not axes or not any(ax.has_data() for ax in axes):
+        return None
+    if len(axes) > 1:
+        sup = getattr(fig, "_suptitle", None)
+        return {"type": "superchart", "title": (sup.get_text() if sup is not None else "") or None,
+                "elements": [chart_of_axes(ax) for ax in axes]}
+    return chart_of_axes(axes[0])
+
+
+def axes_kind(ax):
+    """What one Axes draws: line, scatter, bar, pie, box_and_whisker or unknown (E2B's rules:
+    by the kinds of artists on it, grid-like lines aside)."""
+    from matplotlib.collections import PathCollection
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import PathPatch, Rectangle, Wedge
+    from matplotlib.text import Text
+
+    children = getattr(ax, "_children", None)
+    if children is None:
+        children = list(ax.lines) + list(ax.patches) + list(ax.collections)
+    artists = [a for a in children if not isinstance(a, Text)]
+    if artists and all(isinstance(a, (Line2D, PathPatch)) for a in artists) and box_shapes(ax)[0]:
+        return "box_and_whisker"
+    if all(isinstance(a, Line2D) for a in artists):
+        return "line"
+    artists = [a for a in artists if not (isinstance(a, Line2D) and is_grid_line(a))]
+    for kind, cls in (("scatter", PathCollection), ("pie", Wedge), ("bar", Rectangle)):
+        if all(isinstance(a, cls) for a in artists):
+            return kind
+    return "unknown"
+
+
+def is_grid_line(line):
+    x, y = line.get_xdata(), line.get_ydata()
+    return len(x) == 2 and len(y) == 2 and (x[0] == x[1] or y[0] == y[1])
+
+
+def axis_ticks(axis):
+    """(tick positions, tick labels) of an axis, labelled by its formatter (no draw needed)."""
+    locs = list(axis.get_majorticklocs())
+    try:
+        labels = [str(s) for s in axis.get_major_formatter().format_ticks(locs)]
+    except Exception:
+        labels = [t.get_text() for t in axis.get_ticklabels()]
+    return locs, labels
+
+
+def axis_scale(axis):
+    import matplotlib.category as mcategory
+    import matplotlib.dates as mdates
+
+    converter = getattr(axis, "converter", None)
+    dates = tuple(c for c in (getattr(mdates, n, None) for n in
+                              ("DateConverter", "ConciseDateConverter", "_SwitchableDateConverter"))
+                  if isinstance(c, type))
+    if dates and isinstance(converter, dates):
+        return "datetime"
+    scale = axis.get_scale()
+    if scale != "linear":
+        return scale
+    if isinstance(converter, mcategory.StrCategoryConverter):
+        return "categorical"
+    return "linear"
+
+
+def label_at(axis, position):
+    """The tick label at `position` on `axis`, else the position as text."""
+    locs, labels = axis_ticks(axis)
+    for loc, label in zip(locs, labels):
+        if abs(loc - position) <= 1e-9 * max(1.0, abs(position)):
+            return label
+    return "%g" % position
+
+
+def unit_of(label):
+    if not label:
+        return None
+    m = re.search(r"\s\((.*?)\)|\[(.*?)\]", label)
+    return (m.group(1) or m.group(2)) if m else None
+
+
+def chart_2d(ax, kind, swap=False):
+    x_label, y_label = ax.get_xlabel() or None, ax.get_ylabel() or None
+    if swap:  # horizontal bars and boxes: x names the categories, as for vertical ones
+        x_label, y_label = y_label, x_label
+    return {"type": kind, "title": ax.get_title() or None, "elements": [],
+            "x_label": x_label, "y_label": y_label, "x_unit": unit_of(x_label),
+            "y_unit": unit_of(y_label)}
+
+
+def chart_of_axes(ax):
+    kind = axes_kind(ax)
+    if kind == "pie":
+        return {"type": "pie", "title": ax.get_title() or None, "elements": [
+            {"label": w.get_label(), "angle": round8(abs(w.theta2 - w.theta1)), "radius": float(w.r)}
+            for w in ax.patches]}
+    if kind == "bar":
+        return bar_chart(ax)
+    if kind == "box_and_whisker":
+        return box_chart(ax)
+    if kind not in ("line", "scatter"):
+        return {"type": kind, "title": ax.get_title() or None, "elements": []}
+    chart = chart_2d(ax, kind)
+    for name, axis in (("x", ax.xaxis), ("y", ax.yaxis)):
+        locs, labels = axis_ticks(axis)
+        scale = axis_scale(axis)
+        if scale == "datetime":
+            import matplotlib.dates as mdates
+
+            ticks = [mdates.num2date(t).isoformat() for t in locs]
+        else:
+            ticks = [float(t) for t in locs]
+        chart.update({name + "_ticks": ticks, name + "_tick_labels": labels, name + "_scale": scale})
+    if kind == "line":
+        for line in ax.get_lines():
+            if is_grid_line(line):
+                continue
+            label = line.get_label()
+            if label.startswith("_child"):
+                label = "Line " + label[len("_child"):]
+            points = [[point_value(x), point_value(y)] for x, y in zip(line.get_xdata(), line.get_ydata())]
+            chart["elements"].append({"label": label, "points": points})
+    else:
+        for coll in ax.collections:
+            points = [[point_value(x), point_value(y)] for x, y in coll.get_offsets()]
+            chart["elements"].append({"label": coll.get_label(), "points": points})
+    return chart
+
+
+def bar_chart(ax):
+    from matplotlib.container import BarContainer
+
+    bars = [c for c in ax.containers if isinstance(c, BarContainer)]
+    horizontal = bool(bars) and getattr(bars[0], "orientation", None) == "horizontal"
+    chart = chart_2d(ax, "bar", swap=horizontal)
+    axis = ax.yaxis if horizontal else ax.xaxis
+    for container in bars:
+        group = container.get_label()
+        if group.startswith("_container"):
+            group = "Group " + group[len("_container"):]
+        for rect in container:
+            if horizontal:
+                center, value = rect.get_y() + rect.get_height() / 2, rect.get_width()
+            else:
+                center, value = rect.get_x() + rect.get_width() / 2, rect.get_height()
+            chart["elements"].append({"label": label_at(axis, center), "group": group,
+                                      "value": round8(value)})
+    return chart
+
+
+def box_shapes(ax):
+    """The boxes of a box plot as (first position, last position, q1, q3) along its category
+    axis, and whether the plot is horizontal. Boxes are the PathPatches of `patch_artist=True`
+    or the closed five-point rectangles matplotlib draws otherwise."""
+    import numpy as np
+
+    rects = []
+    for patch in ax.patches:
+        v = np.asarray(patch.get_path().vertices, dtype=float)
+        if len(v):
+            rects.append((v[:, 0].min(), v[:, 0].max(), v[:, 1].min(), v[:, 1].max()))
+    if not rects:
+        for line in ax.get_lines():
+            x = np.asarray(line.get_xdata(orig=False), dtype=float)
+            y = np.asarray(line.get_ydata(orig=False), dtype=float)
+            if (len(x) == 5 and x[0] == x[-1] and y[0] == y[-1] and len(set(x)) == 2
+                    and len(set(y)) == 2):
+                rects.append((x.min(), x.max(), y.min(), y.max()))
+    if not rects:
+        return [], False
+    # A vertical plot's medians are horizontal lines across its boxes.
+    horizontal = True
+    for line in ax.get_lines():
+        x, y = list(line.get_xdata(orig=False)), list(line.get_ydata(orig=False))
+        if len(x) == 2 and y[0] == y[1] and any(
+                np.isclose(min(x), r[0]) and np.isclose(max(x), r[1]) for r in rects):
+            horizontal = False
+            break
+    if horizontal:
+        return [(r[2], r[3], r[0], r[1]) for r in rects], True
+    return rects, False
+
+
+def box_chart(ax):
+    import numpy as np
+
+    boxes, horizontal = box_shapes(ax)
+    chart = chart_2d(ax, "box_and_whisker", swap=horizontal)
+    axis = ax.yaxis if horizontal else ax.xaxis
+    found = [{"lo": None, "hi": None, "median": None, "outliers": []} for _ in boxes]
+    for line in ax.get_lines():
+        pos = np.asarray(line.get_ydata(orig=False) if horizontal else line.get_xdata(orig=False), dtype=float)
+        val = np.asarray(line.get_xdata(orig=False) if horizontal else line.get_ydata(orig=False), dtype=float)
+        for (p0, p1, q1, q3), f in zip(boxes, found):
+            if not len(pos) or pos.min() < p0 - 1e-9 or pos.max() > p1 + 1e-9:
+                continue
+            if line.get_linestyle() in ("None", "", " ") and line.get_marker() not in (None, "None", ""):
+                f["outliers"] += [round8(v) for v in val]
+            elif len(val) == 2 and np.isclose(val[0], val[1]):
+                if np.isclose(pos.min(), p0) and np.isclose(pos.max(), p1) and q1 <= val[0] <= q3:
+                    f["median"] = round8(val[0])
+            elif len(val) == 2 and np.isclose(pos[0], pos[1]):
+                if np.isclose(val.max(), q1):
+                    f["lo"] = round8(val.min())
+                elif np.isclose(val.min(), q3):
+                    f["hi"] = round8(val.max())
+            break
+    for (p0, p1, q1, q3), f in zip(boxes, found):
+        chart["elements"].append({
+            "label": label_at(axis, (p0 + p1) / 2),
+            "min": f["lo"] if f["lo"] is not None else round8(q1),
+            "first_quartile": round8(q1),
+            "median": f["median"],
+            "third_quartile": round8(q3),
+            "max": f["hi"] if f["hi"] is not None else round8(q3),
+            "outliers": f["outliers"],
+        })
+    return chart
+
+
+# --------------------------------------------------------------------------------------------
+# Workers of bash and JavaScript contexts
 # --------------------------------------------------------------------------------------------
 
 
@@ -89,242 +515,6 @@ def end_cell(send, count, seq):
     send({"type": "done", "seq": seq})
 
 
-def worker_main(req_fd, resp_fd):
-    import ast
-    import base64
-    import builtins
-    import io
-    import linecache
-    import traceback
-    import types
-
-    requests, send = worker_pipes(req_fd, resp_fd)
-    # Line-buffered text streams on the pipes: one write per printed line.
-    sys.stdout = io.TextIOWrapper(
-        os.fdopen(1, "wb", closefd=False), encoding="utf-8",
-        errors="backslashreplace", line_buffering=True)
-    sys.stderr = io.TextIOWrapper(
-        os.fdopen(2, "wb", closefd=False), encoding="utf-8",
-        errors="backslashreplace", line_buffering=True)
-    sys.__stdout__, sys.__stderr__ = sys.stdout, sys.stderr
-    main = types.ModuleType("__main__")
-    main.__dict__["__builtins__"] = builtins
-    sys.modules["__main__"] = main
-    namespace = main.__dict__
-    count = 0
-    interruptible = [False]
-
-    def on_sigint(signum, frame):
-        if interruptible[0]:
-            raise KeyboardInterrupt
-
-    signal.signal(signal.SIGINT, on_sigint)
-
-    def clip(s):
-        if isinstance(s, str) and len(s) > MAX_TEXT:
-            return s[:MAX_TEXT] + "\n[truncated]"
-        return s
-
-    def formats(value):
-        out = {"text": clip(safe_repr(value)), "is_main_result": True}
-        for attr, key in (("_repr_html_", "html"), ("_repr_markdown_", "markdown"),
-                          ("_repr_svg_", "svg"), ("_repr_png_", "png"),
-                          ("_repr_jpeg_", "jpeg"), ("_repr_latex_", "latex"),
-                          ("_repr_json_", "json"), ("_repr_javascript_", "javascript"),
-                          ("_repr_pdf_", "pdf")):
-            fn = getattr(type(value), attr, None)
-            if fn is None:
-                continue
-            try:
-                data = fn(value)
-            except Exception:
-                continue
-            if isinstance(data, tuple):
-                data = data[0]
-            if data is None:
-                continue
-            if isinstance(data, (bytes, bytearray)):
-                data = base64.b64encode(bytes(data)).decode()
-            if key == "json":
-                try:
-                    json.dumps(data)
-                except (TypeError, ValueError):
-                    continue
-            out[key] = clip(data)
-        return out
-
-    def safe_repr(value):
-        try:
-            return repr(value)
-        except Exception as e:
-            return "<repr failed: %s: %s>" % (type(e).__name__, e)
-
-    def error_msg(exc, filename=None):
-        # The traceback starts at the cell's first frame (not this file's or asyncio's).
-        tb = exc.__traceback__
-        t = tb
-        while t is not None and t.tb_frame.f_code.co_filename != filename:
-            t = t.tb_next
-        tb = t if t is not None else tb
-        if isinstance(exc, SyntaxError):
-            tb = None
-        try:
-            text = "".join(traceback.format_exception(type(exc), exc, tb))
-        except Exception:
-            text = "%s: %s\n" % (type(exc).__name__, exc)
-        try:
-            value = str(exc)
-        except Exception:
-            value = "<str failed>"
-        return {"type": "error", "name": type(exc).__name__, "value": clip(value),
-                "traceback": clip(text)}
-
-    def emit_figures():
-        # What Jupyter's inline backend does: every open figure becomes a PNG result, then
-        # closes. Called by `plt.show()` and after each cell.
-        plt = sys.modules.get("matplotlib.pyplot")
-        if plt is None:
-            return
-        try:
-            nums = plt.get_fignums()
-        except Exception:
-            return
-        for n in nums:
-            try:
-                fig = plt.figure(n)
-                buf = io.BytesIO()
-                fig.savefig(buf, format="png", bbox_inches="tight")
-                w, h = fig.get_size_inches() * fig.dpi
-                text = "<Figure size %dx%d with %d Axes>" % (w, h, len(fig.axes))
-            except Exception as e:
-                send(error_msg(e))
-                continue
-            send({"type": "result", "png": base64.b64encode(buf.getvalue()).decode(),
-                  "text": text, "is_main_result": False})
-        try:
-            plt.close("all")
-        except Exception:
-            pass
-
-    # matplotlib draws with Agg through this backend, whose `show` hands figures to the client.
-    # It is made when matplotlib first asks for it, so a worker that never plots never imports
-    # matplotlib.
-    import importlib.abc
-    import importlib.util
-
-    class InlineBackend(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-        def find_spec(self, name, path=None, target=None):
-            if name != INLINE_BACKEND:
-                return None
-            return importlib.util.spec_from_loader(name, self)
-
-        def create_module(self, spec):
-            return None
-
-        def exec_module(self, module):
-            from matplotlib.backend_bases import FigureManagerBase
-            from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-            module.FigureCanvas = FigureCanvasAgg
-            module.FigureManager = FigureManagerBase
-            module.show = lambda *args, **kwargs: emit_figures()
-
-    sys.meta_path.insert(0, InlineBackend())
-    os.environ.setdefault("MPLBACKEND", "module://" + INLINE_BACKEND)
-    if os.environ.pop("VMON_CI_PRELOAD", None):
-        # The default context imports the data stack now, so a template snapshot holds it
-        # loaded and a sandbox's first `import pandas` costs nothing. Names stay unbound.
-        for m in PRELOAD:
-            try:
-                __import__(m)
-            except Exception:
-                pass
-
-    def run_cell(code, filename):
-        lines = code.splitlines(True)
-        linecache.cache[filename] = (len(code), None, lines, filename)
-        flags = getattr(ast, "PyCF_ALLOW_TOP_LEVEL_AWAIT", 0)
-        try:
-            tree = compile(code, filename, "exec", ast.PyCF_ONLY_AST | flags)
-        except (SyntaxError, ValueError, OverflowError) as e:
-            return error_msg(e), None
-        last = None
-        if tree.body and isinstance(tree.body[-1], ast.Expr):
-            last = ast.Expression(tree.body.pop().value)
-        try:
-            body = compile(tree, filename, "exec", flags)
-            expr = compile(last, filename, "eval", flags) if last is not None else None
-        except (SyntaxError, ValueError, OverflowError) as e:
-            return error_msg(e), None
-        interruptible[0] = True
-        try:
-            if body.co_flags & 0x80 or (expr is not None and expr.co_flags & 0x80):
-                import asyncio
-
-                async def both():
-                    r = eval(body, namespace)
-                    if r is not None and hasattr(r, "__await__"):
-                        await r
-                    if expr is None:
-                        return None
-                    v = eval(expr, namespace)
-                    if hasattr(v, "__await__") and expr.co_flags & 0x80:
-                        v = await v
-                    return v
-
-                value = asyncio.run(both())
-            else:
-                exec(body, namespace)
-                value = eval(expr, namespace) if expr is not None else None
-        except BaseException as e:  # KeyboardInterrupt and SystemExit too: keep the context
-            interruptible[0] = False
-            return error_msg(e, filename), None
-        finally:
-            interruptible[0] = False
-        return None, value
-
-    send({"type": "ready", "pid": os.getpid()})
-    while True:
-        line = requests.readline()
-        if not line:
-            return
-        try:
-            req = json.loads(line)
-        except ValueError:
-            continue
-        seq = req.get("seq", 0)
-        env = req.get("env_vars") or {}
-        saved = {}
-        for k, v in env.items():
-            if isinstance(k, str) and isinstance(v, str) and k and "=" not in k and "\0" not in k + v:
-                saved[k] = os.environ.get(k)
-                os.environ[k] = v
-        count += 1
-        err, value = run_cell(req.get("code", ""), "<cell %d>" % count)
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        if err is None and value is not None:
-            namespace["_"] = value
-            try:
-                send(dict(formats(value), type="result"))
-            except Exception as e:
-                send(error_msg(e))
-        # After the cell's value, as Jupyter's inline backend shows figures after it.
-        emit_figures()
-        try:
-            sys.stdout.flush()
-        except Exception:
-            pass
-        try:
-            sys.stderr.flush()
-        except Exception:
-            pass
-        if err is not None:
-            send(err)
-        end_cell(send, count, seq)
 
 
 def bash_worker_main(req_fd, resp_fd):
@@ -478,7 +668,7 @@ send({ type: 'ready', pid: process.pid });
 
 
 # --------------------------------------------------------------------------------------------
-# Server side of a context
+# Server side of a bash or JavaScript context: a worker process
 # --------------------------------------------------------------------------------------------
 
 
@@ -489,18 +679,15 @@ class WorkerDied(Exception):
 class Worker:
     """A running worker process and the threads that read its pipes into one queue."""
 
-    def __init__(self, cwd, preload=False, language="python"):
+    def __init__(self, cwd, language):
         req_r, req_w = os.pipe()
         resp_r, resp_w = os.pipe()
         env = dict(os.environ)
-        env.pop("VMON_CI_PRELOAD", None)
-        if preload:
-            env["VMON_CI_PRELOAD"] = "1"
         if language == "js":
             argv = ["node", "-e", JS_WORKER, "--", str(req_r), str(resp_w)]
         else:
             argv = [sys.executable, "-u", os.path.abspath(__file__), "--worker", str(req_r),
-                    str(resp_w), language]
+                    str(resp_w), "bash"]
         self.proc = subprocess.Popen(
             argv,
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -615,14 +802,16 @@ class Worker:
                 pass
 
 
-class Context:
-    def __init__(self, cid, language, cwd, preload=False):
+class PipeContext:
+    """A bash or JavaScript context: one worker process, one cell at a time."""
+
+    def __init__(self, cid, language, cwd):
         self.id = cid
         self.language = language
         self.cwd = cwd
         self.lock = threading.Lock()  # one cell at a time
         self.seq = 0
-        self.worker = Worker(cwd, preload, language)
+        self.worker = Worker(cwd, language)
 
     def info(self):
         return {"id": self.id, "language": self.language, "cwd": self.cwd}
@@ -632,19 +821,23 @@ class Context:
         old.stop()  # a running cell ends now (its client gets an error), freeing the lock
         with self.lock:
             if self.worker is old or not self.worker.alive():
-                self.worker = Worker(self.cwd, False, self.language)
+                self.worker = Worker(self.cwd, self.language)
         self.worker.ready.wait(60)
+
+    def interrupt(self):
+        self.worker.interrupt()
 
     def close(self):
         self.worker.stop()
 
-    def execute(self, code, env_vars, emit, disconnected):
+    def execute(self, code, env_vars, emit, disconnected, sandbox_envs=None):
         """Runs one cell; `emit(msg)` gets each output message; `disconnected()` says the client
-        is gone (the cell is then interrupted)."""
+        is gone (the cell is then interrupted). The sandbox's envs are the cell's defaults."""
+        env_vars = dict(sandbox_envs or {}, **(env_vars or {}))
         with self.lock:
             if not self.worker.alive():
                 self.worker.stop()
-                self.worker = Worker(self.cwd, False, self.language)
+                self.worker = Worker(self.cwd, self.language)
             w = self.worker
             # Output printed between cells (background threads) belongs to no request.
             for _ in range(w.events.qsize()):
@@ -654,7 +847,7 @@ class Context:
                     break
                 if kind.endswith("-eof"):  # it died between cells
                     w.stop()
-                    self.worker = w = Worker(self.cwd, False, self.language)
+                    self.worker = w = Worker(self.cwd, self.language)
                     break
             self.seq += 1
             seq = self.seq
@@ -663,7 +856,7 @@ class Context:
                     {"seq": seq, "code": code, "env_vars": env_vars}).encode() + b"\n")
             except OSError:
                 w.stop()
-                self.worker = Worker(self.cwd, False, self.language)
+                self.worker = Worker(self.cwd, self.language)
                 raise WorkerDied("the context's process could not take the cell; it was restarted")
             pending = {"stdout-end", "stderr-end", "done"}
             interrupted_at = None
@@ -695,6 +888,8 @@ class Context:
                         if data.get("seq") == seq:
                             pending.discard("done")
                     elif not gone:
+                        if data.get("type") == "result":
+                            data["text"] = unquoted(data.get("text"))
                         gone = not emit(data)
                 elif kind in ("control-eof", "stdout-eof", "stderr-eof"):
                     # The worker died mid-cell (os._exit, a crash, out of memory).
@@ -711,27 +906,377 @@ class Context:
                     interrupted_at = time.monotonic()
 
 
+
+
+# --------------------------------------------------------------------------------------------
+# Server side of a Python context: an IPython kernel
+# --------------------------------------------------------------------------------------------
+
+# Jupyter MIME types and the SDK's result fields; the rest of a bundle goes to `extra`.
+MIME_FIELDS = {
+    "text/plain": "text", "text/html": "html", "text/markdown": "markdown",
+    "image/svg+xml": "svg", "image/png": "png", "image/jpeg": "jpeg", "application/pdf": "pdf",
+    "text/latex": "latex", "application/json": "json", "application/javascript": "javascript",
+    "e2b/data": "data", "e2b/chart": "chart",
+}
+
+
+def clip(s):
+    if isinstance(s, str) and len(s) > MAX_TEXT:
+        return s[:MAX_TEXT] + "\n[truncated]"
+    return s
+
+
+def unquoted(text):
+    """A result's text as E2B's server gives it: a string's repr without its quotes."""
+    if isinstance(text, str) and len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1]
+    return text
+
+
+def result_message(bundle, is_main):
+    """The SDK's `result` for a Jupyter MIME bundle."""
+    msg = {"type": "result", "is_main_result": is_main}
+    extra = {}
+    for mime, value in bundle.items():
+        field = MIME_FIELDS.get(mime)
+        if field is None:
+            extra[mime] = clip(value)
+        elif value or value == 0:
+            msg[field] = clip(value)
+    if "text" in msg:
+        msg["text"] = unquoted(msg["text"])
+    if extra:
+        msg["extra"] = extra
+    return msg
+
+
+def kernel_env():
+    env = dict(os.environ)
+    # `!pip install` installs for the kernel's interpreter: Debian's python3, whose site is
+    # marked externally managed (pip then installs to the user's site, as a user has no
+    # other). pip's version check would wait on PyPI, which the guest may not reach.
+    env.setdefault("PIP_BREAK_SYSTEM_PACKAGES", "1")
+    env.setdefault("PIP_DISABLE_PIP_VERSION_CHECK", "1")
+    env.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
+    return env
+
+
+def ensure_user_site():
+    """The user's site-packages must exist when a kernel starts, or Python leaves it off
+    `sys.path` and a `pip install` of the running kernel is importable only after a restart."""
+    import site
+
+    try:
+        os.makedirs(site.getusersitepackages(), exist_ok=True)
+    except OSError:
+        pass
+
+
+class KernelDied(Exception):
+    pass
+
+
+class Kernel:
+    """An IPython kernel process and this server's sockets to it (shell and iopub, signed
+    with the kernel's key). Used under its context's lock: ZeroMQ sockets are not shared
+    between threads at once."""
+
+    def __init__(self, cwd, preload=False):
+        import zmq
+        from jupyter_client.connect import write_connection_file
+        from jupyter_client.session import Session
+
+        ensure_user_site()
+        self.dir = tempfile.mkdtemp(prefix="vmon-kernel-")
+        key = uuid.uuid4().hex.encode()
+        path = os.path.join(self.dir, "kernel.json")
+        _, info = write_connection_file(path, ip="127.0.0.1", key=key)
+        self.session = Session(key=key, username="vmon")
+        argv = [sys.executable, "-m", "ipykernel_launcher", "-f", path,
+                "--InteractiveShell.colors=NoColor",
+                "--HistoryManager.hist_file=:memory:",
+                "--PlainTextFormatter.max_seq_length=0",
+                # ipykernel sleeps 0.5 ms after each cell so that iopub is out before the
+                # reply; a TCG guest's timer makes that several ms, and this server waits for
+                # iopub's `idle` anyway.
+                "--IPythonKernel._execute_sleep=0",
+                "--IPKernelApp.log_level=ERROR"]
+        self.proc = subprocess.Popen(
+            argv, cwd=cwd, env=kernel_env(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            close_fds=True, start_new_session=True)
+        ctx = zmq.Context.instance()
+        self.shell = ctx.socket(zmq.DEALER)
+        self.iopub = ctx.socket(zmq.SUB)
+        self.iopub.setsockopt(zmq.SUBSCRIBE, b"")
+        # Queued here rather than dropped by the kernel's PUB socket while a slow client
+        # holds a cell's stream back: a dropped `idle` would leave the cell unfinished.
+        self.iopub.setsockopt(zmq.RCVHWM, 0)
+        for sock, port in ((self.shell, info["shell_port"]), (self.iopub, info["iopub_port"])):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect("tcp://127.0.0.1:%d" % port)
+        self.poller = zmq.Poller()
+        self.poller.register(self.shell, zmq.POLLIN)
+        self.poller.register(self.iopub, zmq.POLLIN)
+        self.fresh = True  # nothing run yet: the sandbox's envs still to set
+        self._wait_ready(KERNEL_START_TIMEOUT)
+        self.run_quiet("exec(%r, {'__name__': '_vmon_setup'})" % (
+            "import importlib.util, sys\n"
+            "spec = importlib.util.spec_from_file_location('_vmon_kernel', %r)\n"
+            "module = importlib.util.module_from_spec(spec)\n"
+            "sys.modules['_vmon_kernel'] = module\n"
+            "spec.loader.exec_module(module)\n"
+            "module.install_kernel_hooks(%r)\n" % (os.path.abspath(__file__), preload)))
+        if preload:
+            # A cell with a value, not counted, then its traces cleared: the first code paths
+            # of a cell (IPython's, the formatters') run now, so a template's snapshot holds
+            # them warm.
+            self.run_quiet("1 + 1", silent=False)
+            self.run_quiet("get_ipython().displayhook.flush()")
+
+    def alive(self):
+        return self.proc.poll() is None
+
+    def send(self, msg_type, content):
+        return self.session.send(self.shell, msg_type, content)["header"]["msg_id"]
+
+    def recv(self, timeout):
+        """The next message on shell or iopub within `timeout` seconds: (channel, message),
+        or (None, None)."""
+        for sock, _ in self.poller.poll(int(timeout * 1000)):
+            frames = sock.recv_multipart()
+            _, parts = self.session.feed_identities(frames)
+            try:
+                msg = self.session.deserialize(parts)
+            except ValueError:  # badly signed: not from our kernel
+                continue
+            return ("shell" if sock is self.shell else "iopub"), msg
+        return None, None
+
+    def _wait_ready(self, timeout):
+        # The kernel is ready when it answers on shell and iopub reaches us: a SUB socket
+        # joins late, and a cell's first outputs must not be lost.
+        deadline = time.monotonic() + timeout
+        shell_ok = iopub_ok = False
+        while not (shell_ok and iopub_ok):
+            if not self.alive():
+                status = self.proc.poll()
+                self.stop()
+                raise KernelDied("the kernel exited while starting (status %s)" % status)
+            if time.monotonic() > deadline:
+                self.stop()
+                raise KernelDied("the kernel did not start in %d s" % timeout)
+            self.send("kernel_info_request", {})
+            until = time.monotonic() + 1
+            while time.monotonic() < until and not (shell_ok and iopub_ok):
+                channel, msg = self.recv(0.2)
+                if channel == "shell":
+                    shell_ok = True
+                elif channel == "iopub":
+                    iopub_ok = True
+        # Answers to the repeated requests are dropped by parent id later.
+
+    def run_quiet(self, code, timeout=120, silent=True):
+        """Runs internal code (no history, no count; its output is nobody's); raises
+        KernelDied if the kernel dies or does not answer."""
+        msg_id = self.send("execute_request", {
+            "code": code, "silent": silent, "store_history": False, "user_expressions": {},
+            "allow_stdin": False, "stop_on_error": False})
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            channel, msg = self.recv(0.5)
+            if channel is None:
+                if not self.alive():
+                    raise KernelDied("the kernel exited")
+                continue
+            if channel == "shell" and msg["parent_header"].get("msg_id") == msg_id:
+                content = msg["content"]
+                if content.get("status") == "error":
+                    sys.stderr.write("kernel setup failed: %s: %s\n" % (
+                        content.get("ename"), content.get("evalue")))
+                return
+        raise KernelDied("the kernel did not answer in %d s" % timeout)
+
+    def interrupt(self):
+        # SIGINT to the kernel's session, as Jupyter does: the cell and what it started.
+        try:
+            os.killpg(self.proc.pid, signal.SIGINT)
+        except OSError:
+            pass
+
+    def kill(self):
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+    def stop(self):
+        self.kill()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        for sock in (self.shell, self.iopub):
+            try:
+                sock.close(linger=0)
+            except Exception:
+                pass
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class KernelContext:
+    """A Python context: one IPython kernel, one cell at a time."""
+
+    def __init__(self, cid, cwd, preload=False):
+        self.id = cid
+        self.language = "python"
+        self.cwd = cwd
+        self.preload = preload
+        self.lock = threading.Lock()  # one cell at a time
+        self.kernel = Kernel(cwd, preload)
+        self.running = None  # the kernel a cell runs in, for interrupt
+
+    def info(self):
+        return {"id": self.id, "language": self.language, "cwd": self.cwd}
+
+    def restart(self):
+        # A running cell sees its kernel die and ends (its client gets an error), freeing the
+        # lock; the sockets are closed by the thread holding it.
+        self.kernel.kill()
+        with self.lock:
+            self.kernel.stop()
+            self.kernel = Kernel(self.cwd)
+
+    def interrupt(self):
+        k = self.running
+        if k is not None:
+            k.interrupt()
+
+    def close(self):
+        self.kernel.kill()
+        with self.lock:
+            self.kernel.stop()
+
+    def _kernel(self):
+        if not self.kernel.alive():
+            self.kernel.stop()
+            self.kernel = Kernel(self.cwd)
+        return self.kernel
+
+    def execute(self, code, env_vars, emit, disconnected, sandbox_envs=None):
+        with self.lock:
+            k = self.kernel
+            try:
+                k = self._kernel()
+                if k.fresh and sandbox_envs:
+                    k.run_quiet("__import__('os').environ.update(%r)" % (sandbox_envs,))
+                k.fresh = False
+                if env_vars:
+                    k.run_quiet("__import__('_vmon_kernel').push_env(%r)" % (env_vars,))
+                self.running = k
+                try:
+                    self._run_cell(k, code, emit, disconnected)
+                finally:
+                    self.running = None
+                if env_vars and k.alive():
+                    k.run_quiet("__import__('_vmon_kernel').pop_env()")
+            except KernelDied as e:
+                code_ = k.proc.poll()
+                k.stop()
+                emit({"type": "error", "name": "ContextDied",
+                      "value": "the context's kernel exited (%s: %s); its state is lost and it "
+                               "restarts on the next cell" % (code_, e), "traceback": ""})
+
+    def _run_cell(self, k, code, emit, disconnected):
+        msg_id = k.send("execute_request", {
+            "code": code, "silent": False, "store_history": True, "user_expressions": {},
+            "allow_stdin": False, "stop_on_error": True})
+        idle = replied = errored = False
+        gone = False
+        interrupted_at = replied_at = None
+        while not (idle and replied):
+            channel, msg = k.recv(0.5)
+            if replied_at and time.monotonic() - replied_at > IDLE_AFTER_REPLY:
+                break  # the reply came and the kernel is not busy for us any more
+            if channel is None:
+                if not gone and disconnected():
+                    gone = True
+                if gone and interrupted_at is None:
+                    k.interrupt()
+                    interrupted_at = time.monotonic()
+                if interrupted_at and time.monotonic() - interrupted_at > INTERRUPT_GRACE:
+                    raise KernelDied("it did not stop on an interrupt and was killed")
+                if not k.alive():
+                    raise KernelDied("exit status %s" % k.proc.poll())
+                continue
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue  # an earlier request's, or output of a thread between cells
+            kind, content = msg["msg_type"], msg["content"]
+            out = None
+            if channel == "shell":
+                if kind == "execute_reply":
+                    replied = True
+                    replied_at = time.monotonic()
+                    status = content.get("status")
+                    if status == "error" and not errored:
+                        errored = True
+                        out = {"type": "error", "name": content.get("ename", ""),
+                               "value": clip(content.get("evalue", "")),
+                               "traceback": clip("\n".join(content.get("traceback", [])))}
+                    elif status == "abort":
+                        out = {"type": "error", "name": "ExecutionAborted",
+                               "value": "Execution was aborted", "traceback": ""}
+            elif kind == "status":
+                idle = content.get("execution_state") == "idle"
+            elif kind == "execute_input":
+                out = {"type": "number_of_executions", "execution_count": content.get("execution_count")}
+            elif kind == "stream":
+                name = "stderr" if content.get("name") == "stderr" else "stdout"
+                out = {"type": name, "text": clip(content.get("text", "")), "timestamp": now_ns()}
+            elif kind in ("execute_result", "display_data"):
+                out = result_message(content.get("data") or {}, kind == "execute_result")
+            elif kind == "error" and not errored:
+                errored = True
+                out = {"type": "error", "name": content.get("ename", ""),
+                       "value": clip(content.get("evalue", "")),
+                       "traceback": clip("\n".join(content.get("traceback", [])))}
+            if out is not None and not gone:
+                gone = not emit(out)
+
+
 class Contexts:
     def __init__(self):
         self.lock = threading.Lock()
         self.by_id = {}
         self.default = {}
+        # A default context is made once even when its first cells come together; a kernel
+        # start takes seconds, so it is not made under `lock`.
+        self.making_default = threading.Lock()
+
+    @staticmethod
+    def _make(language, cwd, preload=False):
+        cid = str(uuid.uuid4())
+        if language == "python":
+            return KernelContext(cid, cwd, preload)
+        return PipeContext(cid, language, cwd)
 
     def create(self, language, cwd):
-        ctx = Context(str(uuid.uuid4()), language, cwd)
+        ctx = self._make(language, cwd)
         with self.lock:
             self.by_id[ctx.id] = ctx
         return ctx
 
     def default_for(self, language, preload=False):
-        with self.lock:
-            cid = self.default.get(language)
-            ctx = self.by_id.get(cid) if cid else None
+        with self.making_default:
+            with self.lock:
+                cid = self.default.get(language)
+                ctx = self.by_id.get(cid) if cid else None
             if ctx is not None:
                 return ctx
-            ctx = Context(str(uuid.uuid4()), language, default_cwd(), preload)
-            self.by_id[ctx.id] = ctx
-            self.default[language] = ctx.id
+            ctx = self._make(language, default_cwd(), preload)
+            with self.lock:
+                self.by_id[ctx.id] = ctx
+                self.default[language] = ctx.id
             return ctx
 
     def get(self, cid):
@@ -755,7 +1300,6 @@ class Contexts:
 
 CONTEXTS = Contexts()
 
-
 # --------------------------------------------------------------------------------------------
 # HTTP
 # --------------------------------------------------------------------------------------------
@@ -771,9 +1315,12 @@ class BadRequest(Exception):
 def language_of(value):
     if value is None or value == "":
         return "python"
-    if not isinstance(value, str) or value.lower() not in LANGUAGES:
+    name = value.strip().lower() if isinstance(value, str) else None
+    if name in UNAVAILABLE:
+        raise BadRequest(400, UNAVAILABLE[name])
+    if name not in LANGUAGES:
         raise BadRequest(400, "unsupported language %r (this server runs python, bash and js)" % (value,))
-    return LANGUAGES[value.lower()]
+    return LANGUAGES[name]
 
 
 ENVD_URL = os.environ.get("VMON_CI_ENVD", "http://127.0.0.1:49983")
@@ -782,19 +1329,28 @@ MAX_TOKEN = 4096
 _ENVD = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
-def token_accepted(token):
-    """True when envd accepts `token` as the sandbox's access token (`GET /envs` answers 200;
-    a sandbox created without a token answers 200 to anyone, as its envd does)."""
+def sandbox_envs(token):
+    """The sandbox's environment variables when envd accepts `token` as its access token
+    (`GET /envs` answers 200; a sandbox created without a token answers 200 to anyone, as its
+    envd does), else None."""
     if token is not None and len(token) > MAX_TOKEN:
-        return False
+        return None
     headers = {} if token is None else {"X-Access-Token": token}
     req = urllib.request.Request(ENVD_URL + "/envs", headers=headers)
     try:
         with _ENVD.open(req, timeout=10) as r:
-            r.read(1 << 20)
-            return r.status == 200
+            body = r.read(1 << 20)
+            if r.status != 200:
+                return None
     except (urllib.error.URLError, OSError, ValueError):
-        return False
+        return None
+    try:
+        envs = json.loads(body or b"{}")
+    except ValueError:
+        envs = {}
+    if not isinstance(envs, dict):
+        return {}
+    return {k: v for k, v in envs.items() if isinstance(k, str) and isinstance(v, str)}
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -863,7 +1419,8 @@ class Handler(BaseHTTPRequestHandler):
                 return self.send_json(200, {"status": "ok"})
             token = self.headers.get("X-Access-Token")
             needs_token = parts == ["execute"] or token is not None
-            if needs_token and not token_accepted(token):
+            self.envs = sandbox_envs(token) if needs_token else {}
+            if self.envs is None:
                 # The body is not read: the connection cannot be reused.
                 self.close_connection = True
                 return self.send_json(401, {"code": 401, "message": "invalid or missing access token"})
@@ -891,6 +1448,16 @@ class Handler(BaseHTTPRequestHandler):
                         raise BadRequest(404, "context %s not found" % parts[1])
                     ctx.restart()
                     return self.send_json(200, ctx.info())
+                if method == "POST" and len(parts) == 3 and parts[2] == "interrupt":
+                    self.read_json()
+                    ctx = CONTEXTS.get(parts[1])
+                    if ctx is None:
+                        raise BadRequest(404, "context %s not found" % parts[1])
+                    ctx.interrupt()
+                    self.send_response(204)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return None
             raise BadRequest(404, "no route %s %s" % (method, path))
         except BadRequest as e:
             return self.send_text(e.status, e.message)
@@ -977,7 +1544,7 @@ class Handler(BaseHTTPRequestHandler):
             return not alive[0]
 
         try:
-            ctx.execute(code, env_vars, emit, disconnected)
+            ctx.execute(code, env_vars, emit, disconnected, self.envs)
         except WorkerDied as e:
             emit({"type": "error", "name": "ContextDied", "value": str(e), "traceback": ""})
         except Exception as e:  # the headers are out: report in the stream
@@ -1006,9 +1573,8 @@ def main():
     p.add_argument("--host", default=os.environ.get("VMON_CI_HOST", "0.0.0.0"))
     p.add_argument("--port", type=int, default=int(os.environ.get("VMON_CI_PORT", "49999")))
     args = p.parse_args()
-    # A warm default context, so the first cell (and the template snapshot) has it ready.
-    ctx = CONTEXTS.default_for("python", preload=True)
-    ctx.worker.ready.wait(600)
+    # A warm default kernel, so the first cell (and the template snapshot) has it ready.
+    CONTEXTS.default_for("python", preload=True)
     server = Server((args.host, args.port), Handler)
     sys.stderr.write("code interpreter listening on %s:%d\n" % (args.host, args.port))
     sys.stderr.flush()
@@ -1016,10 +1582,7 @@ def main():
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 5 and sys.argv[1] == "--worker":
-        if sys.argv[4] == "bash":
-            bash_worker_main(int(sys.argv[2]), int(sys.argv[3]))
-        else:
-            worker_main(int(sys.argv[2]), int(sys.argv[3]))
+    if len(sys.argv) == 5 and sys.argv[1] == "--worker" and sys.argv[4] == "bash":
+        bash_worker_main(int(sys.argv[2]), int(sys.argv[3]))
     else:
         main()
