@@ -69,7 +69,8 @@ def test_reboot_resume(new_sandbox):
 
 
 def test_auto_pause_then_resume(new_sandbox):
-    sbx = new_sandbox(timeout=5, lifecycle={"on_timeout": "pause"})
+    # Long enough for the setup below on a loaded machine: a pause mid-setup cuts its calls.
+    sbx = new_sandbox(timeout=20, lifecycle={"on_timeout": "pause"})
     pid, token = start_ram_state(sbx)
     assert sbx.get_info().lifecycle["on_timeout"] == "pause"
     wait_for(
@@ -84,7 +85,7 @@ def test_auto_pause_then_resume(new_sandbox):
 
 
 def test_auto_resume_by_traffic(new_sandbox, vmon):
-    sbx = new_sandbox(timeout=5, lifecycle={"on_timeout": "pause", "auto_resume": True})
+    sbx = new_sandbox(timeout=20, lifecycle={"on_timeout": "pause", "auto_resume": True})
     pid, token = start_ram_state(sbx)
     info = sbx.get_info()
     assert info.lifecycle["auto_resume"] is True
