@@ -154,8 +154,10 @@ impl BuildVm {
             out = out_file,
             rc = rc_file
         );
+        // A background job of the launching shell, which exits at once: no `setsid -f`, which
+        // an image's busybox may lack.
         let launch = format!(
-            "setsid -f bash -c {} > /dev/null 2>&1 < /dev/null",
+            "bash -c {} > /dev/null 2>&1 < /dev/null &",
             steps::quote(&inner)
         );
         let started = self
@@ -701,8 +703,8 @@ impl Control {
             log.info(Some("finalize"), format!("Starting: {}", cut(cmd)))
                 .await;
             let detached = format!(
-                "setsid -f bash -l -c {} >/tmp/vmon-start.log 2>&1 </dev/null",
-                steps::quote(cmd)
+                "{{ setsid -f bash -l -c {q} || bash -l -c {q} & }} >/tmp/vmon-start.log 2>&1 </dev/null",
+                q = steps::quote(cmd)
             );
             let out = vm
                 .exec(detached, &state.user, &state, Duration::from_secs(60))
