@@ -48,21 +48,25 @@ impl Store {
         row.map(|r| doc_of(&r)).transpose()
     }
 
-    /// Builds in one of `statuses`, oldest first.
+    /// Builds in one of `statuses`, oldest first (selected by the indexed status column, so a
+    /// start does not read the whole history).
     pub async fn template_builds_in(&self, statuses: &[&str]) -> Result<Vec<TemplateBuildDoc>> {
         let mut c = self.reader.acquire().await?;
-        let rows = sqlx::query(
-            "SELECT id, template_id, team_id, status, doc FROM template_builds ORDER BY created_at",
-        )
-        .fetch_all(&mut *c)
-        .await?;
-        rows.iter()
-            .map(doc_of)
-            .filter(|d| {
-                d.as_ref()
-                    .map_or(true, |d| statuses.contains(&d.status.as_str()))
-            })
-            .collect()
+        let mut out = Vec::new();
+        for status in statuses {
+            let rows = sqlx::query(
+                "SELECT id, template_id, team_id, status, doc, created_at FROM template_builds \
+                 WHERE status = $1",
+            )
+            .bind(*status)
+            .fetch_all(&mut *c)
+            .await?;
+            for r in &rows {
+                out.push((get::<i64>(r, "created_at")?, doc_of(r)?));
+            }
+        }
+        out.sort_by_key(|(at, _)| *at);
+        Ok(out.into_iter().map(|(_, d)| d).collect())
     }
 
     /// A template's builds, newest first.
