@@ -1,6 +1,6 @@
 //! The files a template's COPY steps upload. The SDK asks `GET /templates/{id}/files/{hash}`
 //! and, when vmon lacks them, `PUT`s the archive to the URL the answer names, with no API key:
-//! that URL is vmon's own `/template-files/{team}/{hash}`, signed (HMAC-SHA256 over team, hash
+//! that URL is vmon's own `/template-files/{team}/{hash}`, signed (HMAC-SHA256, the `hmac` crate, over team, hash
 //! and expiry) and valid for an hour. Archives are kept per team under the data dir's
 //! `template-files/`, written to a temporary file and renamed once complete, at most 1 GiB.
 
@@ -13,7 +13,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use futures::StreamExt;
 use rand::Rng;
-use sha2::{Digest, Sha256};
+use sha2::Sha256;
 use tokio::io::AsyncWriteExt;
 
 use super::steps::is_hash;
@@ -40,20 +40,14 @@ fn now() -> u64 {
 }
 
 fn hmac(key: &[u8; 32], msg: &str) -> String {
-    let mut k = [0u8; 64];
-    k[..32].copy_from_slice(key);
-    let inner_key: Vec<u8> = k.iter().map(|b| b ^ 0x36).collect();
-    let outer_key: Vec<u8> = k.iter().map(|b| b ^ 0x5c).collect();
-    let inner = Sha256::new()
-        .chain_update(&inner_key)
-        .chain_update(msg.as_bytes())
-        .finalize();
-    hex::encode(
-        Sha256::new()
-            .chain_update(&outer_key)
-            .chain_update(inner)
-            .finalize(),
-    )
+    use hmac::{Hmac, Mac};
+    // HMAC takes a key of any length: `new_from_slice` cannot fail here.
+    <Hmac<Sha256> as Mac>::new_from_slice(key)
+        .map(|mut m| {
+            m.update(msg.as_bytes());
+            hex::encode(m.finalize().into_bytes())
+        })
+        .unwrap_or_default()
 }
 
 fn safe_id(s: &str) -> bool {
