@@ -68,6 +68,9 @@ pub struct Config {
     pub volume_key_file: Option<std::path::PathBuf>,
     /// How long a volume token is valid, in seconds (`VMON_VOLUME_TOKEN_TTL_SECS`).
     pub volume_token_ttl_secs: u64,
+    /// Whether `code-interpreter-v1` is built in the background after `base`
+    /// (`VMON_PREBUILD_CODE_INTERPRETER`); when `false`, the first create naming it builds it.
+    pub prebuild_code_interpreter: bool,
 }
 
 /// Per-team quotas; past one the request is 429 with the limit's name.
@@ -149,6 +152,7 @@ impl Default for Config {
             volumes_dir: None,
             volume_key_file: None,
             volume_token_ttl_secs: 3600,
+            prebuild_code_interpreter: true,
         }
     }
 }
@@ -207,6 +211,9 @@ impl Config {
         }
         if let Some(v) = var("VMON_DOMAIN") {
             self.domain = (!v.is_empty()).then_some(v);
+        }
+        if let Some(v) = var("VMON_PREBUILD_CODE_INTERPRETER") {
+            self.prebuild_code_interpreter = !matches!(v.trim(), "0" | "false" | "no");
         }
         if let Some(v) = var("VMON_CLIENT_ID") {
             self.client_id = v;

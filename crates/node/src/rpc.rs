@@ -229,6 +229,12 @@ impl RemoteNode {
         Ok(RemoteNode { addr, token })
     }
 
+    /// [`NodeControl::list_running`] that says when the node did not answer (an empty list
+    /// would read as "runs nothing").
+    pub async fn list_running_checked(&self) -> Result<Vec<Running>, NodeError> {
+        self.call("list_running", &json!({})).await
+    }
+
     async fn call<A: Serialize, R: DeserializeOwned>(
         &self,
         name: &str,

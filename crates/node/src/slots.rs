@@ -26,7 +26,7 @@ pub const GUEST_IP: Ipv4Addr = Ipv4Addr::new(169, 254, 0, 21);
 pub const GATEWAY_IP: Ipv4Addr = Ipv4Addr::new(169, 254, 0, 22);
 pub const TAP: &str = "tap0";
 /// Slots per node: each node on a host owns one block of 169.254.128.0/17.
-const MAX_SLOTS: u32 = 512;
+pub const MAX_SLOTS: u32 = 512;
 /// Blocks in 169.254.128.0/17.
 pub const BLOCKS: u32 = 16;
 

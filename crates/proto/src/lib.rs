@@ -6,5 +6,6 @@
 //!
 //! This crate holds types only: it must never do I/O.
 
+pub mod cluster;
 pub mod node;
 pub mod progress;

@@ -122,6 +122,29 @@ impl Control {
         start_cmd: Option<String>,
         ready_cmd: Option<String>,
     ) -> anyhow::Result<BuildInfo> {
+        // One build of a builtin at a time across api replicas; a replica that waited here
+        // then finds it built.
+        let guard = self
+            .kv
+            .lock(
+                &format!("builtin/{alias}"),
+                std::time::Duration::from_secs(3600),
+            )
+            .await?;
+        let result = self
+            .ensure_template_locked(alias, spec, start_cmd, ready_cmd)
+            .await;
+        let _ = guard.unlock().await;
+        result
+    }
+
+    async fn ensure_template_locked(
+        &self,
+        alias: &str,
+        spec: &crate::config::BaseTemplate,
+        start_cmd: Option<String>,
+        ready_cmd: Option<String>,
+    ) -> anyhow::Result<BuildInfo> {
         let existing = self.records.template_by_alias("", alias).await?;
         if let Some(t) = existing.filter(|t| t.team_id.is_none()) {
             if let Some(b) = t.tags.get(DEFAULT_TAG) {

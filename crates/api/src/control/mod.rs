@@ -10,6 +10,7 @@
 mod builtin;
 pub use builtin::CODE_INTERPRETER;
 mod checkpoint;
+mod cluster;
 mod delivery;
 mod lifecycle;
 mod network;
@@ -36,6 +37,17 @@ use crate::wire;
 
 pub use checkpoint::{parse_template_ref, TemplateRef};
 
+fn route_of(rec: &SandboxRecord) -> SandboxRoute {
+    SandboxRoute {
+        guest_ip: match rec.state {
+            SandboxState::Running => rec.guest_ip,
+            SandboxState::Paused => None,
+        },
+        auto_resume: rec.auto_resume,
+        traffic_access_token: rec.traffic_access_token.clone(),
+    }
+}
+
 /// Whether `name` is a built-in template's (`code-interpreter-v1`).
 pub fn builtin_name(name: &str) -> bool {
     builtin::builtin(name).is_some()
@@ -49,6 +61,9 @@ pub use targets::WebhookTargets;
 pub struct Control {
     pub(crate) config: Config,
     pub(crate) node: Arc<dyn NodeControl>,
+    /// The members' view when `node` is a cluster of nodes: routes are then read from the
+    /// store (every replica's commits land there) and the leader reconciles node by node.
+    pub(crate) cluster: Option<Arc<dyn vmon_proto::cluster::Cluster>>,
     pub(crate) records: Arc<dyn Records>,
     pub(crate) kv: Kv,
     /// What the proxy needs per sandbox, kept in step with every commit.
@@ -92,6 +107,30 @@ impl Control {
         kv: Kv,
         startup: vmon_proto::progress::Progress,
     ) -> anyhow::Result<Arc<Control>> {
+        Self::open_parts(config, node, None, records, kv, startup).await
+    }
+
+    /// [`Control::open_with`] over a cluster of nodes: `node` routes each call to its member,
+    /// `cluster` is the members' view (the same object, as `vmon_cluster::ClusterNodes`).
+    pub async fn open_cluster(
+        config: Config,
+        node: Arc<dyn NodeControl>,
+        cluster: Arc<dyn vmon_proto::cluster::Cluster>,
+        records: Arc<dyn Records>,
+        kv: Kv,
+        startup: vmon_proto::progress::Progress,
+    ) -> anyhow::Result<Arc<Control>> {
+        Self::open_parts(config, node, Some(cluster), records, kv, startup).await
+    }
+
+    async fn open_parts(
+        config: Config,
+        node: Arc<dyn NodeControl>,
+        cluster: Option<Arc<dyn vmon_proto::cluster::Cluster>>,
+        records: Arc<dyn Records>,
+        kv: Kv,
+        startup: vmon_proto::progress::Progress,
+    ) -> anyhow::Result<Arc<Control>> {
         let webhook_targets = Arc::new(
             WebhookTargets::new(&config.webhook_allow)
                 .map_err(|e| anyhow::anyhow!("webhook_allow: {e}"))?,
@@ -114,6 +153,7 @@ impl Control {
             config,
             webhook_targets,
             node,
+            cluster,
             records,
             kv,
             routes: RwLock::new(HashMap::new()),
@@ -165,6 +205,11 @@ impl Control {
     /// After a restart: records of sandboxes the node no longer runs are orphans; VMs the
     /// node runs without a record are killed; team counters are recounted.
     async fn reconcile(&self) -> anyhow::Result<()> {
+        // In a cluster other replicas are creating meanwhile and nodes come and go: the
+        // leader reconciles node by node, all the time (`cluster.rs`).
+        if self.cluster.is_some() {
+            return Ok(());
+        }
         let running = self.node.list_running().await;
         let records = self.records.sandboxes(None).await?;
         let mut per_team: HashMap<String, u64> = HashMap::new();
@@ -262,22 +307,19 @@ impl Control {
     }
 
     fn set_route(&self, rec: &SandboxRecord) {
-        let route = SandboxRoute {
-            guest_ip: match rec.state {
-                SandboxState::Running => rec.guest_ip,
-                SandboxState::Paused => None,
-            },
-            auto_resume: rec.auto_resume,
-            traffic_access_token: rec.traffic_access_token.clone(),
-        };
-        self.routes_mut().insert(rec.id.clone(), route);
+        self.routes_mut().insert(rec.id.clone(), route_of(rec));
     }
 
     fn routes_mut(&self) -> std::sync::RwLockWriteGuard<'_, HashMap<String, SandboxRoute>> {
         self.routes.write().unwrap_or_else(|p| p.into_inner())
     }
 
-    pub(crate) fn route(&self, id: &str) -> Option<SandboxRoute> {
+    pub(crate) async fn route(&self, id: &str) -> Option<SandboxRoute> {
+        if self.cluster.is_some() {
+            // Another replica may have made the last change: the store has it.
+            let rec = self.records.sandbox(id).await.ok()??;
+            return Some(route_of(&rec));
+        }
         self.routes
             .read()
             .unwrap_or_else(|p| p.into_inner())

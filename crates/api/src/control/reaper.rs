@@ -43,6 +43,8 @@ impl Control {
             tokio::spawn(self.clone().run_dispatcher(leadership.epoch(), leading));
             let mut tick = tokio::time::interval(Duration::from_secs(1));
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut members = tokio::time::interval(super::cluster::RECONCILE_EVERY);
+            members.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             let mut retention = tokio::time::interval(RETENTION_EVERY);
             retention.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
@@ -56,6 +58,11 @@ impl Control {
                         break;
                     }
                     _ = tick.tick() => self.reap_once(&in_flight).await,
+                    _ = members.tick(), if self.cluster.is_some() => {
+                        if let Some(c) = &self.cluster {
+                            self.reconcile_cluster(c.as_ref()).await;
+                        }
+                    }
                     _ = retention.tick() => {
                         self.expire_events().await;
                         self.collect_layers().await;

@@ -18,7 +18,7 @@ pub struct ProxyRoutes(pub Arc<Control>);
 #[async_trait::async_trait]
 impl Routes for ProxyRoutes {
     async fn lookup(&self, sandbox_id: &str) -> Option<SandboxRoute> {
-        self.0.route(sandbox_id)
+        self.0.route(sandbox_id).await
     }
 
     async fn find_signer(&self, signed: &vmon_proxy::signed::SignedFiles) -> Option<String> {

@@ -12,13 +12,20 @@ pub struct Args {
     /// A `vmon node` to drive over RPC (`http://host:port`) instead of an in-process node.
     #[arg(long, env = "VMON_NODE_URL")]
     pub node: Option<String>,
-    /// The node's RPC token (`<node data dir>/node-token`).
-    #[arg(long, env = "VMON_NODE_TOKEN")]
+    /// The node's RPC token (`<node data dir>/node-token`); in a cluster, every node's.
+    #[arg(long, env = "VMON_NODE_TOKEN", hide_env_values = true)]
     pub node_token: Option<String>,
+    /// etcd client URLs (comma-separated): be a replica of this cluster. The KV is then etcd,
+    /// the nodes are those registered there, and records must be in PostgreSQL (`store_url`).
+    #[arg(long, env = "VMON_ETCD_ENDPOINTS", value_delimiter = ',')]
+    pub etcd: Vec<String>,
 }
 
 pub async fn run(data_dir: &Path, args: Args) -> anyhow::Result<()> {
     let config = vmon_api::Config::load(args.config.as_deref(), data_dir)?;
+    if !args.etcd.is_empty() {
+        return replica(data_dir, config, args).await;
+    }
     let remote_node = match args.node {
         Some(url) => {
             let token = args
@@ -36,6 +43,36 @@ pub async fn run(data_dir: &Path, args: Args) -> anyhow::Result<()> {
         super::up::Parts {
             proxy: false,
             remote_node,
+            cluster: None,
+        },
+    )
+    .await
+}
+
+/// One api replica of a cluster: etcd for the KV, the registered nodes behind one
+/// `ClusterNodes`, PostgreSQL for records.
+async fn replica(data_dir: &Path, config: vmon_api::Config, args: Args) -> anyhow::Result<()> {
+    use anyhow::Context;
+    if config.store_url.is_none() {
+        anyhow::bail!(
+            "a cluster replica keeps its records in PostgreSQL: set store_url (VMON_STORE_URL)"
+        );
+    }
+    let token = args
+        .node_token
+        .filter(|t| !t.trim().is_empty())
+        .ok_or_else(|| anyhow::anyhow!("--etcd needs the nodes' --node-token (VMON_NODE_TOKEN)"))?;
+    let kv = vmon_kv::Kv::connect_etcd(&vmon_kv::EtcdConfig::new(args.etcd.clone()))
+        .await
+        .context("connecting to etcd")?;
+    let nodes = vmon_cluster::ClusterNodes::new(kv.clone(), token.trim().to_string());
+    super::up::serve(
+        data_dir,
+        config,
+        super::up::Parts {
+            proxy: false,
+            remote_node: Some(nodes.clone()),
+            cluster: Some(super::up::ClusterParts { kv, view: nodes }),
         },
     )
     .await

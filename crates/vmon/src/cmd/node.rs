@@ -16,6 +16,33 @@ pub struct Args {
     /// Force an accelerator (kvm or tcg) instead of probing.
     #[arg(long, env = "VMON_ACCEL")]
     accel: Option<String>,
+    /// The RPC token (default: `<data dir>/node-token`, made on first start). Every node of
+    /// a cluster takes the one token its api replicas present.
+    #[arg(long, env = "VMON_NODE_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+    #[command(flatten)]
+    cluster: ClusterArgs,
+}
+
+/// Joining a cluster: the node registers itself in etcd and heartbeats its load.
+#[derive(clap::Args)]
+struct ClusterArgs {
+    /// etcd client URLs (comma-separated): register in this cluster.
+    #[arg(long, env = "VMON_ETCD_ENDPOINTS", value_delimiter = ',')]
+    etcd: Vec<String>,
+    /// This node's id in the cluster (default: `<data dir>/node-id`, made on first start).
+    #[arg(long, env = "VMON_NODE_ID")]
+    node_id: Option<String>,
+    /// The RPC URL the api replicas reach this node at (default `http://<listen>`).
+    #[arg(long, env = "VMON_NODE_ADVERTISE")]
+    advertise: Option<String>,
+    /// The sandbox ingress (`vmon proxy`) on this node's host, for proxies elsewhere.
+    #[arg(long, env = "VMON_NODE_INGRESS")]
+    ingress: Option<String>,
+    /// The host name proxies compare to tell whether they can reach this node's guests
+    /// directly (default: the hostname).
+    #[arg(long, env = "VMON_NODE_HOST")]
+    host: Option<String>,
 }
 
 pub async fn run(data_dir: &Path, args: Args) -> anyhow::Result<()> {
@@ -30,7 +57,122 @@ pub async fn run(data_dir: &Path, args: Args) -> anyhow::Result<()> {
         .await
         .context("starting the node")?;
     let token_path = data_dir.join("node-token");
-    let token = match std::fs::read_to_string(&token_path) {
+    let token = match args.token.clone().filter(|t| !t.trim().is_empty()) {
+        Some(t) => t.trim().to_string(),
+        None => file_token(&token_path)?,
+    };
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("binding node RPC to {}", args.listen))?;
+    let cancel = tokio_util::sync::CancellationToken::new();
+    let c = cancel.clone();
+    tokio::spawn(async move {
+        let _ = tokio::signal::ctrl_c().await;
+        c.cancel();
+    });
+    if !args.cluster.etcd.is_empty() {
+        join_cluster(data_dir, &args, node.clone(), cancel.clone()).await?;
+    }
+    println!(
+        "vmon node listening on http://{} (token in {})",
+        args.listen,
+        if args.token.is_some() {
+            "VMON_NODE_TOKEN".to_string()
+        } else {
+            token_path.display().to_string()
+        }
+    );
+    let served: Arc<dyn vmon_proto::node::NodeControl> = node.clone();
+    vmon_node::rpc::serve(listener, served, token, cancel).await?;
+    node.drain_pool().await;
+    Ok(())
+}
+
+/// Registers the node in etcd and keeps its entry fresh until `cancel`.
+async fn join_cluster(
+    data_dir: &Path,
+    args: &Args,
+    node: Arc<vmon_node::Node>,
+    cancel: tokio_util::sync::CancellationToken,
+) -> anyhow::Result<()> {
+    use vmon_proto::node::NodeControl;
+    let c = &args.cluster;
+    let kv = vmon_kv::Kv::connect_etcd(&vmon_kv::EtcdConfig::new(c.etcd.clone()))
+        .await
+        .context("connecting to etcd")?;
+    let id = match &c.node_id {
+        Some(id) => id.clone(),
+        None => persistent_id(&data_dir.join("node-id"))?,
+    };
+    let facts = vmon_cluster::registry::host_facts(data_dir);
+    let rpc_url = c
+        .advertise
+        .clone()
+        .unwrap_or_else(|| format!("http://{}", args.listen));
+    let ingress_url = c.ingress.clone();
+    let host = c.host.clone().unwrap_or_else(|| facts.hostname.clone());
+    let dir = data_dir.to_path_buf();
+    let node_id = id.clone();
+    let info = move || {
+        let node = node.clone();
+        let dir = dir.clone();
+        let (id, rpc_url, ingress_url, host) = (
+            node_id.clone(),
+            rpc_url.clone(),
+            ingress_url.clone(),
+            host.clone(),
+        );
+        async move {
+            let now = vmon_cluster::registry::host_facts(&dir);
+            let running = u32::try_from(node.list_running().await.len()).unwrap_or(u32::MAX);
+            vmon_proto::cluster::NodeInfo {
+                id,
+                rpc_url,
+                ingress_url,
+                host,
+                accel: node.accel().accel.as_str().to_string(),
+                qemu_version: node.qemu_version().to_string(),
+                cpu_baseline: now.cpu_model,
+                vcpus: now.vcpus,
+                memory_mb: now.memory_mb,
+                free_memory_mb: now.free_memory_mb,
+                free_disk_mb: now.free_disk_mb,
+                free_slots: vmon_node::slots::MAX_SLOTS.saturating_sub(running),
+                running,
+                updated_unix: std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_secs())
+                    .unwrap_or(0),
+            }
+        }
+    };
+    println!("vmon node {id} joins the cluster at {}", c.etcd.join(","));
+    tokio::spawn(vmon_cluster::registry::register(kv, id, info, cancel));
+    Ok(())
+}
+
+/// An id kept in `path`, made on first use.
+fn persistent_id(path: &Path) -> anyhow::Result<String> {
+    if let Ok(id) = std::fs::read_to_string(path) {
+        if !id.trim().is_empty() {
+            return Ok(id.trim().to_string());
+        }
+    }
+    let id = format!("node-{}", &random_hex(4)?);
+    std::fs::write(path, &id).with_context(|| format!("writing {}", path.display()))?;
+    Ok(id)
+}
+
+fn random_hex(n: usize) -> anyhow::Result<String> {
+    let mut b = vec![0u8; n];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut b))
+        .context("reading /dev/urandom")?;
+    Ok(b.iter().map(|x| format!("{x:02x}")).collect())
+}
+
+fn file_token(token_path: &Path) -> anyhow::Result<String> {
+    Ok(match std::fs::read_to_string(token_path) {
         Ok(t) if !t.trim().is_empty() => t.trim().to_string(),
         _ => {
             let mut b = [0u8; 24];
@@ -47,23 +189,5 @@ pub async fn run(data_dir: &Path, args: Args) -> anyhow::Result<()> {
                 Err(e) => return Err(e).context("writing the node token"),
             }
         }
-    };
-    let listener = tokio::net::TcpListener::bind(args.listen)
-        .await
-        .with_context(|| format!("binding node RPC to {}", args.listen))?;
-    let cancel = tokio_util::sync::CancellationToken::new();
-    let c = cancel.clone();
-    tokio::spawn(async move {
-        let _ = tokio::signal::ctrl_c().await;
-        c.cancel();
-    });
-    println!(
-        "vmon node listening on http://{} (token in {})",
-        args.listen,
-        token_path.display()
-    );
-    let served: Arc<dyn vmon_proto::node::NodeControl> = node.clone();
-    vmon_node::rpc::serve(listener, served, token, cancel).await?;
-    node.drain_pool().await;
-    Ok(())
+    })
 }

@@ -49,6 +49,7 @@ pub async fn run(data_dir: &Path, args: Args) -> anyhow::Result<()> {
         Parts {
             proxy: true,
             remote_node: None,
+            cluster: None,
         },
     )
     .await
@@ -59,6 +60,14 @@ pub struct Parts {
     pub proxy: bool,
     /// A node reached over RPC (`vmon api --node`); `None` runs the node in-process.
     pub remote_node: Option<Arc<dyn vmon_proto::node::NodeControl>>,
+    /// A replica of a cluster: its KV (etcd) and the members' view behind `remote_node`.
+    pub cluster: Option<ClusterParts>,
+}
+
+/// What a cluster replica runs on instead of the embedded KV and one node.
+pub struct ClusterParts {
+    pub kv: vmon_kv::Kv,
+    pub view: Arc<dyn vmon_proto::cluster::Cluster>,
 }
 
 pub async fn serve(data_dir: &Path, config: Config, parts: Parts) -> anyhow::Result<()> {
@@ -67,9 +76,15 @@ pub async fn serve(data_dir: &Path, config: Config, parts: Parts) -> anyhow::Res
     let cancel = CancellationToken::new();
     shutdown_on_signal(cancel.clone());
 
-    let kv = vmon_kv::Kv::open_embedded(&vmon_kv::EmbeddedConfig::new(data_dir.join("kv")))
-        .await
-        .context("opening the embedded KV")?;
+    let (kv, cluster) = match parts.cluster {
+        Some(c) => (c.kv, Some(c.view)),
+        None => (
+            vmon_kv::Kv::open_embedded(&vmon_kv::EmbeddedConfig::new(data_dir.join("kv")))
+                .await
+                .context("opening the embedded KV")?,
+            None,
+        ),
+    };
     let records: Arc<dyn Records> = Arc::new(
         StoreRecords::open(&config, data_dir)
             .await
@@ -103,7 +118,12 @@ pub async fn serve(data_dir: &Path, config: Config, parts: Parts) -> anyhow::Res
             n
         }
     };
-    let control = Control::open_with(config.clone(), node, records, kv, startup.clone()).await?;
+    let control = match cluster {
+        Some(view) => {
+            Control::open_cluster(config.clone(), node, view, records, kv, startup.clone()).await?
+        }
+        None => Control::open_with(config.clone(), node, records, kv, startup.clone()).await?,
+    };
     tokio::spawn(build_in_background(control.clone(), cancel.clone()));
 
     let api_listener = tokio::net::TcpListener::bind(config.api_listen)
@@ -179,6 +199,9 @@ async fn build_in_background(control: Arc<Control>, cancel: CancellationToken) {
             _ = cancel.cancelled() => return,
             _ = tokio::time::sleep(BASE_RETRY) => {}
         }
+    }
+    if !control.config().prebuild_code_interpreter {
+        return;
     }
     // Not needed to take creates: a create that names it meanwhile waits for this build.
     let alias = vmon_api::control::CODE_INTERPRETER;

@@ -1,0 +1,152 @@
+//! The leader's reconciliation in a cluster: records and VMs are compared node by node.
+//!
+//! * A running sandbox whose node left the registry (its lease expired: killed, crashed,
+//!   partitioned) is reported killed with `kill_reason: orphaned`, event and webhook, within a
+//!   node TTL plus one round; so is one whose node answers but no longer runs it.
+//! * A VM a node runs that no record names (an api replica died between the node's start and
+//!   the record, or a node came back after the cluster reported its sandboxes killed) is
+//!   killed: nothing the cluster reported gone comes back.
+//!
+//! Every decision is taken again under the sandbox's lock, with a short wait: a sandbox in a
+//! transition is left for the next round, so a create, resume or fork in flight (they hold the
+//! lock from the node's start to the record) is never mistaken for a stray VM or an orphan.
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use vmon_proto::cluster::Cluster;
+use vmon_proto::node::Running;
+
+use super::{Control, KillReason};
+use crate::records::{SandboxRecord, SandboxState};
+
+/// How often the leader compares records with the nodes.
+pub(crate) const RECONCILE_EVERY: Duration = Duration::from_secs(3);
+/// How long a round waits for one sandbox's lock before leaving it for the next round.
+const LOCK_WAIT: Duration = Duration::from_millis(300);
+
+impl Control {
+    /// One round (leader only).
+    pub(crate) async fn reconcile_cluster(&self, cluster: &dyn Cluster) {
+        let members = cluster.members().await;
+        let live: HashSet<String> = members.iter().map(|n| n.id.clone()).collect();
+        let mut running: HashMap<String, Vec<Running>> = HashMap::new();
+        for n in &members {
+            match cluster.running_on(&n.id).await {
+                Ok(list) => {
+                    running.insert(n.id.clone(), list);
+                }
+                Err(e) => {
+                    tracing::debug!(node_id = %n.id, error = %e, "node did not answer; its sandboxes wait")
+                }
+            }
+        }
+        let records = match self.records.sandboxes(None).await {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!(error = %e, "cluster reconciliation could not list sandboxes");
+                return;
+            }
+        };
+        let all_answered = running.len() == members.len();
+        for rec in records.iter().filter(|r| r.state == SandboxState::Running) {
+            let placed = cluster.placement(&rec.id).await;
+            if vm_gone(rec, placed.as_deref(), &live, &running, all_answered) {
+                self.orphan(cluster, &rec.id, &rec.execution_id).await;
+            }
+        }
+        for (node_id, vms) in &running {
+            for vm in vms {
+                // Template build VMs (`b…`) have no record while they build.
+                if !vm.sandbox_id.starts_with('i') {
+                    continue;
+                }
+                let recorded = records.iter().any(|r| {
+                    r.id == vm.sandbox_id
+                        && r.execution_id == vm.execution_id
+                        && r.state == SandboxState::Running
+                });
+                if !recorded {
+                    self.kill_stray(cluster, node_id, vm).await;
+                }
+            }
+        }
+    }
+
+    /// Reports a running sandbox killed (`orphaned`) once the lock shows it is still the
+    /// same execution and its VM is still nowhere.
+    async fn orphan(&self, cluster: &dyn Cluster, id: &str, execution_id: &str) {
+        let Ok(guard) = self.kv.lock(&format!("sandbox/{id}"), LOCK_WAIT).await else {
+            return;
+        };
+        let current = self.records.sandbox(id).await.ok().flatten();
+        if let Some(rec) =
+            current.filter(|r| r.execution_id == execution_id && r.state == SandboxState::Running)
+        {
+            let members: HashSet<String> =
+                cluster.members().await.into_iter().map(|n| n.id).collect();
+            let still_there = match cluster.placement(id).await {
+                Some(n) if members.contains(&n) => match cluster.running_on(&n).await {
+                    Ok(list) => list
+                        .iter()
+                        .any(|r| r.sandbox_id == id && r.execution_id == execution_id),
+                    // It does not answer now: decide next round.
+                    Err(_) => true,
+                },
+                _ => false,
+            };
+            if !still_there {
+                tracing::warn!(
+                    sandbox_id = id,
+                    "the sandbox's node is gone: reporting it killed (orphaned)"
+                );
+                if let Err(e) = self
+                    .kill_locked(rec, KillReason::Orphaned, guard.fence().token())
+                    .await
+                {
+                    tracing::warn!(sandbox_id = id, error = %e.message, "reporting an orphan failed");
+                }
+                cluster.forget(id).await;
+            }
+        }
+        let _ = guard.unlock().await;
+    }
+
+    /// Kills a VM no record names, once the lock shows no transition is making it one.
+    async fn kill_stray(&self, cluster: &dyn Cluster, node_id: &str, vm: &Running) {
+        let id = &vm.sandbox_id;
+        let Ok(guard) = self.kv.lock(&format!("sandbox/{id}"), LOCK_WAIT).await else {
+            return;
+        };
+        let current = self.records.sandbox(id).await.ok().flatten();
+        let recorded = current
+            .is_some_and(|r| r.execution_id == vm.execution_id && r.state == SandboxState::Running);
+        if !recorded {
+            tracing::warn!(sandbox_id = %id, node_id, "VM without a record: killing it");
+            if let Err(e) = cluster.kill_on(node_id, id, &vm.execution_id).await {
+                tracing::warn!(sandbox_id = %id, node_id, error = %e, "killing a stray VM failed");
+            }
+        }
+        let _ = guard.unlock().await;
+    }
+}
+
+/// Whether a running record's VM is gone, from one survey: its node left, or its node
+/// answered without it (a sandbox placed nowhere: no answering node runs it and all answered).
+fn vm_gone(
+    rec: &SandboxRecord,
+    placed: Option<&str>,
+    live: &HashSet<String>,
+    running: &HashMap<String, Vec<Running>>,
+    all_answered: bool,
+) -> bool {
+    let runs = |list: &Vec<Running>| {
+        list.iter()
+            .any(|r| r.sandbox_id == rec.id && r.execution_id == rec.execution_id)
+    };
+    match placed {
+        Some(n) if !live.contains(n) => true,
+        Some(n) => running.get(n).is_some_and(|l| !runs(l)),
+        None => all_answered && !running.values().any(runs),
+    }
+}

@@ -1,0 +1,556 @@
+//! [`ClusterNodes`]: the node contract over every registered node. Each call goes to the node
+//! it concerns: a start to the node placement picks, a sandbox's calls to the node it runs on
+//! (`placement/<sandbox>` in the KV, shared by every api replica), a build's calls to the
+//! nodes that hold it (`build-at/<build>/<node>`, written when a node makes or fetches it).
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use vmon_kv::Kv;
+use vmon_node::rpc::RemoteNode;
+use vmon_proto::cluster::{BuildOrigin, Cluster, NodeInfo};
+use vmon_proto::node::{
+    BuildId, BuildInfo, ExecOutput, ExecSpec, LogEntry, LogQuery, MetricSample, NetworkPolicy,
+    NodeControl, NodeError, OciImage, Running, StartSpec, TemplateSpec,
+};
+
+use crate::placement::{self, Need};
+use crate::registry;
+
+/// How long a members list read from the KV is reused.
+const MEMBERS_FRESH: Duration = Duration::from_millis(500);
+/// How long a call that only asks (build_info, list_running) waits for one node.
+const ASK_TIMEOUT: Duration = Duration::from_secs(10);
+
+const PLACEMENT: &str = "placement/";
+const BUILD_AT: &str = "build-at/";
+const BUILD_ORIGIN: &str = "build-origin/";
+
+/// What the cluster remembers of a build: where it was made and its guest RAM.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct BuildPlace {
+    origin: BuildOrigin,
+    memory_mb: u32,
+}
+
+/// Every registered node behind one [`NodeControl`].
+pub struct ClusterNodes {
+    kv: Kv,
+    /// The node RPC token every node of the cluster accepts.
+    token: String,
+    members: Mutex<Option<(Instant, Vec<NodeInfo>)>>,
+    /// Starts this process placed lately, which the nodes' heartbeats may not show yet.
+    placed: Mutex<Vec<(Instant, String)>>,
+    clients: Mutex<HashMap<String, (String, Arc<RemoteNode>)>>,
+}
+
+impl ClusterNodes {
+    pub fn new(kv: Kv, token: String) -> Arc<ClusterNodes> {
+        Arc::new(ClusterNodes {
+            kv,
+            token,
+            members: Mutex::new(None),
+            placed: Mutex::new(Vec::new()),
+            clients: Mutex::new(HashMap::new()),
+        })
+    }
+
+    async fn live(&self) -> Vec<NodeInfo> {
+        if let Some((at, ms)) = self
+            .members
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+        {
+            if at.elapsed() < MEMBERS_FRESH {
+                return ms.clone();
+            }
+        }
+        match registry::members(&self.kv).await {
+            Ok(ms) => {
+                *self.members.lock().unwrap_or_else(|p| p.into_inner()) =
+                    Some((Instant::now(), ms.clone()));
+                ms
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "reading the node registry failed");
+                Vec::new()
+            }
+        }
+    }
+
+    fn client(&self, node: &NodeInfo) -> Result<Arc<RemoteNode>, NodeError> {
+        let mut clients = self.clients.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((url, c)) = clients.get(&node.id) {
+            if *url == node.rpc_url {
+                return Ok(c.clone());
+            }
+        }
+        let c = Arc::new(
+            RemoteNode::new(&node.rpc_url, self.token.clone())
+                .map_err(|e| NodeError::Failed(format!("node {}: {e:#}", node.id)))?,
+        );
+        clients.insert(node.id.clone(), (node.rpc_url.clone(), c.clone()));
+        Ok(c)
+    }
+
+    async fn member(&self, node_id: &str) -> Option<NodeInfo> {
+        self.live().await.into_iter().find(|n| n.id == node_id)
+    }
+
+    /// The live node a sandbox runs on.
+    async fn node_of(&self, sandbox_id: &str) -> Result<(NodeInfo, Arc<RemoteNode>), NodeError> {
+        let id = self
+            .placement(sandbox_id)
+            .await
+            .ok_or_else(|| NodeError::NotFound(sandbox_id.to_string()))?;
+        let node = self.member(&id).await.ok_or_else(|| {
+            NodeError::Exhausted(format!(
+                "node {id}, which runs sandbox {sandbox_id}, is not in the cluster"
+            ))
+        })?;
+        let c = self.client(&node)?;
+        Ok((node, c))
+    }
+
+    async fn place(&self, sandbox_id: &str, node_id: &str) {
+        if let Err(e) = self
+            .kv
+            .put(&format!("{PLACEMENT}{sandbox_id}"), node_id.as_bytes())
+            .await
+        {
+            tracing::warn!(sandbox_id, error = %e, "recording the sandbox's node failed");
+        }
+    }
+
+    /// Remembers that `node` holds `build` (made there, or fetched).
+    async fn holds(&self, node: &NodeInfo, build: &BuildInfo) {
+        let at = format!("{BUILD_AT}{}/{}", build.build_id, node.id);
+        if let Err(e) = self.kv.put(&at, b"".to_vec()).await {
+            tracing::warn!(build_id = %build.build_id, error = %e, "recording a build's node failed");
+        }
+        let origin_key = format!("{BUILD_ORIGIN}{}", build.build_id);
+        if matches!(self.kv.get(&origin_key).await, Ok(None)) {
+            let place = BuildPlace {
+                origin: BuildOrigin::of(node),
+                memory_mb: build.memory_mb,
+            };
+            if let Ok(v) = serde_json::to_vec(&place) {
+                let _ = self
+                    .kv
+                    .write(vmon_kv::Write::put(&origin_key, v).expect(vmon_kv::Expect::Absent))
+                    .await;
+            }
+        }
+    }
+
+    async fn build_place(&self, build_id: &str) -> Option<BuildPlace> {
+        let e = self
+            .kv
+            .get(&format!("{BUILD_ORIGIN}{build_id}"))
+            .await
+            .ok()??;
+        serde_json::from_slice(&e.value).ok()
+    }
+
+    async fn holders(&self, build_id: &str) -> HashSet<String> {
+        let prefix = format!("{BUILD_AT}{build_id}/");
+        match self.kv.list(&prefix).await {
+            Ok(es) => es
+                .into_iter()
+                .filter_map(|e| e.key.strip_prefix(&prefix).map(str::to_string))
+                .collect(),
+            Err(_) => HashSet::new(),
+        }
+    }
+
+    async fn forget_build(&self, build_id: &str) {
+        for e in self
+            .kv
+            .list(&format!("{BUILD_AT}{build_id}/"))
+            .await
+            .unwrap_or_default()
+        {
+            let _ = self.kv.delete(&e.key).await;
+        }
+        let _ = self.kv.delete(&format!("{BUILD_ORIGIN}{build_id}")).await;
+    }
+
+    /// Live nodes ranked for a start of `build_id`.
+    async fn candidates(
+        &self,
+        build_id: &str,
+        memory_restore: bool,
+    ) -> Result<Vec<NodeInfo>, NodeError> {
+        let place = self.build_place(build_id).await;
+        let holders = self.holders(build_id).await;
+        let need = Need {
+            memory_mb: place.as_ref().map(|p| u64::from(p.memory_mb)).unwrap_or(0),
+            origin: place.map(|p| p.origin),
+            memory_restore,
+        };
+        let recent = {
+            let mut placed = self.placed.lock().unwrap_or_else(|p| p.into_inner());
+            placed.retain(|(at, _)| at.elapsed() < registry::HEARTBEAT * 2);
+            placed.iter().map(|(_, n)| n.clone()).collect::<Vec<_>>()
+        };
+        let extra =
+            |id: &str| u32::try_from(recent.iter().filter(|n| *n == id).count()).unwrap_or(0);
+        placement::rank_with(&self.live().await, &holders, &need, extra)
+            .map_err(NodeError::Exhausted)
+    }
+
+    /// Calls `f` on each live node at once (bounded by [`ASK_TIMEOUT`]), keeping the answers.
+    async fn ask_all<T, F, Fut>(&self, f: F) -> Vec<(NodeInfo, Result<T, NodeError>)>
+    where
+        F: Fn(Arc<RemoteNode>) -> Fut,
+        Fut: std::future::Future<Output = Result<T, NodeError>>,
+    {
+        let members = self.live().await;
+        let calls = members.into_iter().map(|n| {
+            let c = self.client(&n);
+            let fut = c.map(&f);
+            async move {
+                let r = match fut {
+                    Ok(fut) => tokio::time::timeout(ASK_TIMEOUT, fut)
+                        .await
+                        .unwrap_or_else(|_| {
+                            Err(NodeError::Failed(format!("node {} did not answer", n.id)))
+                        }),
+                    Err(e) => Err(e),
+                };
+                (n, r)
+            }
+        });
+        futures::future::join_all(calls).await
+    }
+
+    /// Tries `f` on each node ranked for a start until one is not out of capacity.
+    async fn on_first_fit<T, F, Fut>(
+        &self,
+        ranked: Vec<NodeInfo>,
+        holders: &HashSet<String>,
+        f: F,
+    ) -> Result<(NodeInfo, T), NodeError>
+    where
+        F: Fn(Arc<RemoteNode>) -> Fut,
+        Fut: std::future::Future<Output = Result<T, NodeError>>,
+    {
+        let mut last = NodeError::Exhausted("no node is registered".into());
+        for n in ranked {
+            let c = self.client(&n)?;
+            match f(c).await {
+                Ok(v) => return Ok((n, v)),
+                Err(NodeError::Exhausted(m)) => {
+                    tracing::info!(node_id = %n.id, reason = %m, "node out of capacity; trying the next");
+                    last = NodeError::Exhausted(format!("{}: {m}", n.id));
+                }
+                // It lacks the build and could not fetch it: a holder may have it.
+                Err(e @ NodeError::BuildNotFound(_)) if !holders.contains(&n.id) => last = e,
+                Err(e) => return Err(e),
+            }
+        }
+        Err(last)
+    }
+}
+
+#[async_trait::async_trait]
+impl Cluster for ClusterNodes {
+    async fn members(&self) -> Vec<NodeInfo> {
+        self.live().await
+    }
+
+    async fn placement(&self, sandbox_id: &str) -> Option<String> {
+        let e = self
+            .kv
+            .get(&format!("{PLACEMENT}{sandbox_id}"))
+            .await
+            .ok()??;
+        String::from_utf8(e.value).ok()
+    }
+
+    async fn running_on(&self, node_id: &str) -> Result<Vec<Running>, NodeError> {
+        let node = self
+            .member(node_id)
+            .await
+            .ok_or_else(|| NodeError::NotFound(format!("node {node_id}")))?;
+        let c = self.client(&node)?;
+        tokio::time::timeout(ASK_TIMEOUT, c.list_running_checked())
+            .await
+            .unwrap_or_else(|_| Err(NodeError::Failed(format!("node {node_id} did not answer"))))
+    }
+
+    async fn forget(&self, sandbox_id: &str) {
+        let _ = self.kv.delete(&format!("{PLACEMENT}{sandbox_id}")).await;
+    }
+
+    async fn kill_on(
+        &self,
+        node_id: &str,
+        sandbox_id: &str,
+        execution_id: &str,
+    ) -> Result<(), NodeError> {
+        let node = self
+            .member(node_id)
+            .await
+            .ok_or_else(|| NodeError::NotFound(format!("node {node_id}")))?;
+        self.client(&node)?.kill(sandbox_id, execution_id).await
+    }
+}
+
+#[async_trait::async_trait]
+impl NodeControl for ClusterNodes {
+    async fn build_template(&self, spec: TemplateSpec) -> Result<BuildInfo, NodeError> {
+        let ranked = placement::rank(
+            &self.live().await,
+            &HashSet::new(),
+            &Need {
+                memory_mb: u64::from(spec.memory_mb),
+                ..Need::default()
+            },
+        )
+        .map_err(NodeError::Exhausted)?;
+        let (node, info) = self
+            .on_first_fit(ranked, &HashSet::new(), |c| {
+                let spec = spec.clone();
+                async move { c.build_template(spec).await }
+            })
+            .await?;
+        self.holds(&node, &info).await;
+        Ok(info)
+    }
+
+    async fn resolve_image(&self, image: OciImage) -> Result<String, NodeError> {
+        let members = self.live().await;
+        let node = members
+            .first()
+            .ok_or_else(|| NodeError::Exhausted("no node is registered".into()))?;
+        self.client(node)?.resolve_image(image).await
+    }
+
+    async fn build_info(&self, build_id: &str) -> Result<BuildInfo, NodeError> {
+        let holders = self.holders(build_id).await;
+        let mut members = self.live().await;
+        members.sort_by_key(|n| !holders.contains(&n.id));
+        let mut last = NodeError::BuildNotFound(build_id.to_string());
+        for n in members {
+            match self.client(&n)?.build_info(build_id).await {
+                Ok(info) => return Ok(info),
+                Err(e @ NodeError::BuildNotFound(_)) => last = e,
+                Err(e) => {
+                    tracing::warn!(node_id = %n.id, build_id, error = %e, "build_info failed on a node");
+                    last = e;
+                }
+            }
+        }
+        Err(last)
+    }
+
+    async fn delete_build(&self, build_id: &str) -> Result<(), NodeError> {
+        let id = build_id.to_string();
+        let answers = self
+            .ask_all(|c| {
+                let id = id.clone();
+                async move { c.delete_build(&id).await }
+            })
+            .await;
+        let mut deleted = false;
+        for (n, r) in answers {
+            match r {
+                Ok(()) => deleted = true,
+                Err(NodeError::BuildNotFound(_)) => {}
+                Err(e) => {
+                    tracing::warn!(node_id = %n.id, build_id, error = %e, "deleting a build failed on a node");
+                    return Err(e);
+                }
+            }
+        }
+        self.forget_build(build_id).await;
+        if deleted {
+            Ok(())
+        } else {
+            Err(NodeError::BuildNotFound(build_id.to_string()))
+        }
+    }
+
+    async fn start(&self, spec: StartSpec) -> Result<Running, NodeError> {
+        let memory_restore = !spec.cold_boot && spec.volumes.is_empty();
+        let ranked = self.candidates(&spec.build_id, memory_restore).await?;
+        let holders = self.holders(&spec.build_id).await;
+        let had_holder = ranked.iter().any(|n| holders.contains(&n.id));
+        let (node, running) = self
+            .on_first_fit(ranked, &holders, |c| {
+                let spec = spec.clone();
+                async move { c.start(spec).await }
+            })
+            .await
+            .map_err(|e| match e {
+                // Only dead nodes held it, and the others could not fetch it.
+                NodeError::BuildNotFound(b) if !holders.is_empty() && !had_holder => {
+                    NodeError::Exhausted(format!(
+                        "build {b} is only on nodes that are down (and not in the object store)"
+                    ))
+                }
+                e => e,
+            })?;
+        self.placed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push((Instant::now(), node.id.clone()));
+        self.place(&spec.sandbox_id, &node.id).await;
+        if !holders.contains(&node.id) {
+            if let Ok(info) = self.client(&node)?.build_info(&spec.build_id).await {
+                self.holds(&node, &info).await;
+            }
+        }
+        Ok(running)
+    }
+
+    async fn kill(&self, sandbox_id: &str, execution_id: &str) -> Result<(), NodeError> {
+        match self.node_of(sandbox_id).await {
+            Ok((_, c)) => {
+                c.kill(sandbox_id, execution_id).await?;
+                self.forget(sandbox_id).await;
+                Ok(())
+            }
+            // Its node is gone, and the VM with it.
+            Err(NodeError::Exhausted(_)) => {
+                self.forget(sandbox_id).await;
+                Ok(())
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn pause(
+        &self,
+        sandbox_id: &str,
+        execution_id: &str,
+        memory: bool,
+    ) -> Result<BuildInfo, NodeError> {
+        let (node, c) = self.node_of(sandbox_id).await?;
+        let info = c.pause(sandbox_id, execution_id, memory).await?;
+        self.holds(&node, &info).await;
+        Ok(info)
+    }
+
+    async fn checkpoint(
+        &self,
+        sandbox_id: &str,
+        execution_id: &str,
+        memory: bool,
+    ) -> Result<BuildInfo, NodeError> {
+        let (node, c) = self.node_of(sandbox_id).await?;
+        let info = c.checkpoint(sandbox_id, execution_id, memory).await?;
+        self.holds(&node, &info).await;
+        Ok(info)
+    }
+
+    async fn list_running(&self) -> Vec<Running> {
+        self.ask_all(|c| async move { c.list_running_checked().await })
+            .await
+            .into_iter()
+            .filter_map(|(_, r)| r.ok())
+            .flatten()
+            .collect()
+    }
+
+    async fn update_network(
+        &self,
+        sandbox_id: &str,
+        execution_id: &str,
+        policy: NetworkPolicy,
+    ) -> Result<(), NodeError> {
+        let (_, c) = self.node_of(sandbox_id).await?;
+        c.update_network(sandbox_id, execution_id, policy).await
+    }
+
+    async fn metrics(
+        &self,
+        sandbox_id: &str,
+        start_unix: i64,
+        end_unix: i64,
+    ) -> Result<Vec<MetricSample>, NodeError> {
+        if let Ok((_, c)) = self.node_of(sandbox_id).await {
+            return c.metrics(sandbox_id, start_unix, end_unix).await;
+        }
+        // Killed (no placement any more): whichever node kept its samples.
+        let id = sandbox_id.to_string();
+        let answers = self
+            .ask_all(|c| {
+                let id = id.clone();
+                async move { c.metrics(&id, start_unix, end_unix).await }
+            })
+            .await;
+        Ok(answers
+            .into_iter()
+            .filter_map(|(_, r)| r.ok())
+            .flatten()
+            .collect())
+    }
+
+    async fn latest_metrics(&self, sandbox_ids: &[String]) -> Vec<(String, MetricSample)> {
+        let ids = sandbox_ids.to_vec();
+        self.ask_all(|c| {
+            let ids = ids.clone();
+            async move { Ok(c.latest_metrics(&ids).await) }
+        })
+        .await
+        .into_iter()
+        .filter_map(|(_, r)| r.ok())
+        .flatten()
+        .collect()
+    }
+
+    async fn logs(&self, sandbox_id: &str, query: LogQuery) -> Result<Vec<LogEntry>, NodeError> {
+        if let Ok((_, c)) = self.node_of(sandbox_id).await {
+            return c.logs(sandbox_id, query).await;
+        }
+        let id = sandbox_id.to_string();
+        let answers = self
+            .ask_all(|c| {
+                let id = id.clone();
+                let q = query.clone();
+                async move { c.logs(&id, q).await }
+            })
+            .await;
+        Ok(answers
+            .into_iter()
+            .filter_map(|(_, r)| r.ok())
+            .max_by_key(Vec::len)
+            .unwrap_or_default())
+    }
+
+    async fn pool_depths(&self) -> Vec<(BuildId, usize)> {
+        self.ask_all(|c| async move { Ok(c.pool_depths().await) })
+            .await
+            .into_iter()
+            .filter_map(|(_, r)| r.ok())
+            .flatten()
+            .collect()
+    }
+
+    async fn exec(
+        &self,
+        sandbox_id: &str,
+        execution_id: &str,
+        spec: ExecSpec,
+    ) -> Result<ExecOutput, NodeError> {
+        let (_, c) = self.node_of(sandbox_id).await?;
+        c.exec(sandbox_id, execution_id, spec).await
+    }
+
+    async fn put_file(
+        &self,
+        sandbox_id: &str,
+        execution_id: &str,
+        host_path: &str,
+        guest_path: &str,
+    ) -> Result<(), NodeError> {
+        let (_, c) = self.node_of(sandbox_id).await?;
+        c.put_file(sandbox_id, execution_id, host_path, guest_path)
+            .await
+    }
+}

@@ -1,0 +1,256 @@
+#!/usr/bin/env bash
+# A vmon cluster on this one machine, for trying the cluster and for its tests: a 3-member etcd,
+# PostgreSQL, an S3 store (garage, when scripts/install-garage.sh has installed it), 2 nodes
+# (own data dirs and slot blocks), 2 api replicas and a proxy. Every part is its own process,
+# as it would be on separate hosts.
+#
+#   scripts/cluster.sh up            # installs what is missing, builds, starts, prints E2B_* exports
+#   scripts/cluster.sh up --detach   # the same, then returns and leaves the cluster running
+#   scripts/cluster.sh down          # stops every part (and the nodes' VMs)
+#   scripts/cluster.sh start NAME    # (re)starts one part: etcd1..3 pg garage node1 node2 api1 api2 proxy
+#   scripts/cluster.sh kill NAME     # kill -9 of one part (chaos tests)
+#
+# VMON_CLUSTER_DIR (default /var/tmp/vmon-cluster) keeps every part's state and log
+# (logs/NAME.log) and pid (pids/NAME.pid); VMON_CLUSTER_PORT (default 3300) is the first of the
+# ports it uses (api1 = PORT, proxy = PORT+1, api2 = PORT+10, nodes PORT+21/22, etcd PORT+31..36,
+# PostgreSQL PORT+40, garage PORT+50..52); VMON_IMAGES_DIR shares a guest image cache
+# (default DIR/images); VMON_BIN uses a vmon binary already built.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+DIR=${VMON_CLUSTER_DIR:-/var/tmp/vmon-cluster}
+P=${VMON_CLUSTER_PORT:-3300}
+IMAGES=${VMON_IMAGES_DIR:-$DIR/images}
+PG_BIN=/usr/lib/postgresql/15/bin
+
+api_port() { if [ "$1" = 1 ]; then echo "$P"; else echo $((P + 10)); fi; }
+PROXY_PORT=$((P + 1))
+PG_PORT=$((P + 40))
+ETCD_ENDPOINTS="http://127.0.0.1:$((P + 31)),http://127.0.0.1:$((P + 33)),http://127.0.0.1:$((P + 35))"
+STORE_URL="postgres://postgres@127.0.0.1:$PG_PORT/postgres"
+
+vmon_bin() {
+  if [ -n "${VMON_BIN:-}" ]; then echo "$VMON_BIN"; else echo "$ROOT/target/release/vmon"; fi
+}
+
+install_parts() {
+  scripts/install-deps.sh
+  local missing=()
+  command -v etcd >/dev/null 2>&1 || missing+=(etcd-server)
+  [ -x "$PG_BIN/postgres" ] || missing+=(postgresql)
+  if [ ${#missing[@]} -gt 0 ]; then
+    echo "installing (cluster): ${missing[*]}" >&2
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  fi
+  # Debian starts its own etcd and PostgreSQL on their default ports; the cluster runs its own.
+  if [ -z "${VMON_BIN:-}" ]; then
+    cargo build --release -p vmon -p vmon-envd --bins
+  fi
+}
+
+# run NAME CMD...: starts CMD in its own session, logs and pid under DIR.
+run() {
+  local name=$1
+  shift
+  mkdir -p "$DIR/logs" "$DIR/pids"
+  setsid "$@" >>"$DIR/logs/$name.log" 2>&1 </dev/null &
+  echo $! >"$DIR/pids/$name.pid"
+}
+
+alive() {
+  local f="$DIR/pids/$1.pid"
+  [ -f "$f" ] && kill -0 "$(cat "$f")" 2>/dev/null
+}
+
+# health PORT: the HTTP status of GET /health (no curl on a minimal machine).
+health() {
+  local line=""
+  exec 3<>"/dev/tcp/127.0.0.1/$1" || return 0
+  printf 'GET /health HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n' >&3
+  read -r -t 5 line <&3 || true
+  exec 3>&-
+  echo "$line" | cut -d' ' -f2
+}
+
+wait_port() {
+  local port=$1 what=$2 tries=${3:-300}
+  for _ in $(seq "$tries"); do
+    if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then return 0; fi
+    sleep 0.2
+  done
+  echo "error: $what did not listen on port $port (see $DIR/logs)" >&2
+  return 1
+}
+
+node_token() {
+  if [ ! -s "$DIR/node-token" ]; then
+    mkdir -p "$DIR"
+    (umask 077 && head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$DIR/node-token")
+  fi
+  cat "$DIR/node-token"
+}
+
+start_etcd() {
+  local i=$1 initial="" n
+  for n in 1 2 3; do
+    initial+="etcd$n=http://127.0.0.1:$((P + 30 + 2 * n)),"
+  done
+  run "etcd$i" etcd --name "etcd$i" --data-dir "$DIR/etcd$i" \
+    --listen-client-urls "http://127.0.0.1:$((P + 29 + 2 * i))" \
+    --advertise-client-urls "http://127.0.0.1:$((P + 29 + 2 * i))" \
+    --listen-peer-urls "http://127.0.0.1:$((P + 30 + 2 * i))" \
+    --initial-advertise-peer-urls "http://127.0.0.1:$((P + 30 + 2 * i))" \
+    --initial-cluster "${initial%,}" --initial-cluster-state new \
+    --initial-cluster-token vmon-local
+}
+
+start_pg() {
+  if [ ! -d "$DIR/pg/data" ]; then
+    mkdir -p "$DIR/pg"
+    chown postgres:postgres "$DIR/pg"
+    runuser -u postgres -- "$PG_BIN/initdb" --auth=trust --username=postgres -D "$DIR/pg/data" >/dev/null
+  fi
+  mkdir -p "$DIR/logs"
+  touch "$DIR/logs/pg.log"
+  chown postgres:postgres "$DIR/logs/pg.log"
+  run pg runuser -u postgres -- "$PG_BIN/postgres" -D "$DIR/pg/data" -p "$PG_PORT" \
+    -k "$DIR/pg" -c listen_addresses=127.0.0.1 -c max_connections=100
+}
+
+start_garage() {
+  if [ -x scripts/garage-dev.sh ] && scripts/garage-dev.sh --available; then
+    GARAGE_PORT=$((P + 50)) scripts/garage-dev.sh start "$DIR/garage" >"$DIR/s3.env"
+    # shellcheck disable=SC1091
+    . "$DIR/s3.env"
+  fi
+}
+
+start_node() {
+  local i=$1
+  local d="$DIR/node$i"
+  mkdir -p "$d"
+  [ -e "$d/images" ] || ln -s "$IMAGES" "$d/images"
+  if [ -f "$DIR/s3.env" ]; then
+    # shellcheck disable=SC1091
+    . "$DIR/s3.env"
+  fi
+  VMON_NODE_TOKEN=$(node_token) run "node$i" "$(vmon_bin)" --data-dir "$d" node \
+    --listen "127.0.0.1:$((P + 20 + i))" --etcd "$ETCD_ENDPOINTS" --node-id "node$i" \
+    --ingress "http://127.0.0.1:$PROXY_PORT"
+}
+
+start_api() {
+  local i=$1 port
+  port=$(api_port "$i")
+  mkdir -p "$DIR/api"
+  VMON_API_LISTEN="127.0.0.1:$port" VMON_API_URL="http://127.0.0.1:$port" \
+    VMON_PROXY_LISTEN="127.0.0.1:$PROXY_PORT" VMON_CLIENT_ID="api$i" \
+    VMON_STORE_URL="$STORE_URL" VMON_NODE_TOKEN=$(node_token) \
+    run "api$i" "$(vmon_bin)" --data-dir "$DIR/api" api --etcd "$ETCD_ENDPOINTS"
+}
+
+start_proxy() {
+  VMON_PROXY_LISTEN="127.0.0.1:$PROXY_PORT" VMON_API_URL="http://127.0.0.1:$(api_port 1)" \
+    run proxy "$(vmon_bin)" --data-dir "$DIR/api" proxy
+}
+
+start() {
+  case "$1" in
+    etcd[123]) start_etcd "${1#etcd}" ;;
+    pg) start_pg ;;
+    garage) start_garage ;;
+    node[12]) start_node "${1#node}" ;;
+    api[12]) start_api "${1#api}" ;;
+    proxy) start_proxy ;;
+    *) echo "unknown part $1" >&2; return 2 ;;
+  esac
+}
+
+stop_all() {
+  local f pid
+  for f in "$DIR"/pids/*.pid; do
+    [ -f "$f" ] || continue
+    pid=$(cat "$f")
+    kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
+  done
+  sleep 1
+  for f in "$DIR"/pids/*.pid; do
+    [ -f "$f" ] || continue
+    pid=$(cat "$f")
+    kill -KILL -- "-$pid" 2>/dev/null || true
+    rm -f "$f"
+  done
+  if [ -x scripts/garage-dev.sh ]; then
+    scripts/garage-dev.sh stop "$DIR/garage" 2>/dev/null || true
+  fi
+  # The nodes' VMs outlive a node by design (a restarted node re-adopts them): not here.
+  pkill -KILL -f -- "$DIR/node[12]/" 2>/dev/null || true
+}
+
+exports() {
+  cat <<EOF
+export E2B_API_URL=http://127.0.0.1:$(api_port 1)
+export E2B_SANDBOX_URL=http://127.0.0.1:$PROXY_PORT
+export E2B_API_KEY=$(cat "$DIR/api/api-key")
+export E2B_VOLUME_API_URL=http://127.0.0.1:$(api_port 1)
+# the second api replica (any replica answers any request):
+export VMON_API_URL_B=http://127.0.0.1:$(api_port 2)
+EOF
+}
+
+up() {
+  local detach=$1
+  install_parts
+  mkdir -p "$DIR" "$IMAGES"
+  if [ ! -e "$DIR/build/images" ]; then
+    mkdir -p "$DIR/build"
+    ln -s "$IMAGES" "$DIR/build/images"
+  fi
+  echo "vmon cluster: guest image (cached in $IMAGES)" >&2
+  "$(vmon_bin)" --data-dir "$DIR/build" image build >&2
+  for i in 1 2 3; do alive "etcd$i" || start_etcd "$i"; done
+  alive pg || start_pg
+  start_garage
+  wait_port $((P + 31)) etcd1
+  wait_port "$PG_PORT" PostgreSQL
+  for i in 1 2; do alive "node$i" || start_node "$i"; done
+  wait_port $((P + 21)) node1 900
+  wait_port $((P + 22)) node2 900
+  # api1 first: it makes the default team and its key; api2 then finds them.
+  alive api1 || start_api 1
+  wait_port "$(api_port 1)" api1 900
+  alive api2 || start_api 2
+  alive proxy || start_proxy
+  wait_port "$(api_port 2)" api2 900
+  wait_port "$PROXY_PORT" proxy
+  echo "vmon cluster: waiting for the base template (built on one node; logs in $DIR/logs)" >&2
+  local code=""
+  for _ in $(seq 3600); do
+    code=$(health "$(api_port 1)" 2>/dev/null || true)
+    [ "$code" = 200 ] && break
+    sleep 1
+  done
+  if [ "$code" != 200 ]; then
+    echo "error: the cluster did not become ready (see $DIR/logs)" >&2
+    return 1
+  fi
+  exports
+  if [ "$detach" = 0 ]; then
+    trap 'stop_all; exit 0' INT TERM
+    echo "vmon cluster: running; Ctrl-C stops it" >&2
+    while true; do sleep 3600; done
+  fi
+}
+
+case "${1:-up}" in
+  up) up "$([ "${2:-}" = --detach ] && echo 1 || echo 0)" ;;
+  down) stop_all ;;
+  start) start "$2" ;;
+  kill)
+    if alive "$2"; then kill -KILL -- "-$(cat "$DIR/pids/$2.pid")" 2>/dev/null || true; fi
+    ;;
+  env) exports ;;
+  *) echo "usage: $0 up [--detach] | down | start NAME | kill NAME | env" >&2; exit 2 ;;
+esac
