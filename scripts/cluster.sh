@@ -175,10 +175,13 @@ stop_all() {
     pid=$(cat "$f")
     kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
   done
-  sleep 1
   for f in "$DIR"/pids/*.pid; do
     [ -f "$f" ] || continue
     pid=$(cat "$f")
+    for _ in $(seq 50); do
+      kill -0 "$pid" 2>/dev/null || break
+      sleep 0.2
+    done
     kill -KILL -- "-$pid" 2>/dev/null || true
     rm -f "$f"
   done

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite: unit and integration tests of every crate (real VMs under QEMU, real
 # etcd and PostgreSQL started by the tests), envd driven by the official Python SDK, and the
-# end-to-end SDK tests against `vmon up`. Run as root (network namespaces, QEMU).
+# end-to-end SDK tests against `vmon up`, and the cluster tests against `scripts/cluster.sh`. Run as root (network namespaces, QEMU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-test-deps.sh
@@ -32,3 +32,5 @@ cargo test --workspace --no-fail-fast -- --test-threads 2
 if [ -d tests/e2e ] && ls tests/e2e/test_*.py >/dev/null 2>&1; then
   .venv/bin/python -m pytest -q tests/e2e
 fi
+# A local cluster (scripts/cluster.sh): 3 etcd members, PostgreSQL, 2 nodes, 2 api replicas.
+.venv/bin/python -m pytest -q tests/cluster

@@ -85,8 +85,26 @@ impl Qmp {
     /// Connects, retrying until `deadline` (QEMU creates the socket shortly after exec).
     pub async fn connect(path: &Path, deadline: Duration) -> Result<Qmp, QmpError> {
         let start = tokio::time::Instant::now();
+        // A socket path is limited to 107 bytes; a long data dir (a pooled process's socket
+        // moved into `sandboxes/<id>/<execution>/`) passes it. Reach it through the
+        // directory's descriptor instead, whose `/proc/self/fd/N/` path is short.
+        let dir = (path.as_os_str().len() > 100)
+            .then(|| path.parent().and_then(|d| std::fs::File::open(d).ok()))
+            .flatten();
+        let short = match (&dir, path.file_name()) {
+            (Some(d), Some(name)) => {
+                use std::os::fd::AsRawFd;
+                Some(
+                    Path::new("/proc/self/fd")
+                        .join(d.as_raw_fd().to_string())
+                        .join(name),
+                )
+            }
+            _ => None,
+        };
+        let target = short.as_deref().unwrap_or(path);
         let stream = loop {
-            match UnixStream::connect(path).await {
+            match UnixStream::connect(target).await {
                 Ok(s) => break s,
                 Err(e) if start.elapsed() >= deadline => {
                     return Err(QmpError::Connect {

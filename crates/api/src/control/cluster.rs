@@ -24,6 +24,15 @@ use crate::records::{SandboxRecord, SandboxState};
 pub(crate) const RECONCILE_EVERY: Duration = Duration::from_secs(3);
 /// How long a round waits for one sandbox's lock before leaving it for the next round.
 const LOCK_WAIT: Duration = Duration::from_millis(300);
+/// How long a team's admission counter must stay above its running sandboxes before the
+/// difference is released: longer than any start takes, so only units whose holder died
+/// (an api replica killed between admission and record) are given back.
+const LEAK_AFTER: Duration = Duration::from_secs(60);
+
+/// Per team: since when its counter has exceeded its running records, and the smallest
+/// excess seen since.
+#[derive(Default)]
+pub(crate) struct Leaks(std::sync::Mutex<HashMap<String, (std::time::Instant, u64)>>);
 
 impl Control {
     /// One round (leader only).
@@ -55,6 +64,9 @@ impl Control {
                 self.orphan(cluster, &rec.id, &rec.execution_id).await;
             }
         }
+        if all_answered {
+            self.release_leaked_units(&records).await;
+        }
         for (node_id, vms) in &running {
             for vm in vms {
                 // Template build VMs (`b…`) have no record while they build.
@@ -68,6 +80,50 @@ impl Control {
                 });
                 if !recorded {
                     self.kill_stray(cluster, node_id, vm).await;
+                }
+            }
+        }
+    }
+
+    /// Gives back admission units nobody holds any more (see [`LEAK_AFTER`]).
+    async fn release_leaked_units(&self, records: &[SandboxRecord]) {
+        let teams = match self.records.teams().await {
+            Ok(t) => t,
+            Err(_) => return,
+        };
+        for team in teams {
+            let key = super::admission_key(&team.id);
+            let Ok(count) = self.kv.counter(&key).await else {
+                continue;
+            };
+            let running = records
+                .iter()
+                .filter(|r| r.team_id == team.id && r.state == SandboxState::Running)
+                .count() as u64;
+            let excess = count.saturating_sub(running);
+            let due = {
+                let mut leaks = self.leaks.0.lock().unwrap_or_else(|p| p.into_inner());
+                if excess == 0 {
+                    leaks.remove(&team.id);
+                    0
+                } else {
+                    let seen = leaks
+                        .entry(team.id.clone())
+                        .or_insert((std::time::Instant::now(), excess));
+                    seen.1 = seen.1.min(excess);
+                    if seen.0.elapsed() >= LEAK_AFTER {
+                        let n = seen.1;
+                        leaks.remove(&team.id);
+                        n
+                    } else {
+                        0
+                    }
+                }
+            };
+            if due > 0 {
+                tracing::warn!(team_id = %team.id, units = due, "releasing admission units whose holder died");
+                for _ in 0..due {
+                    self.release(&key).await;
                 }
             }
         }

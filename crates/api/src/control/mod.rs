@@ -64,6 +64,8 @@ pub struct Control {
     /// The members' view when `node` is a cluster of nodes: routes are then read from the
     /// store (every replica's commits land there) and the leader reconciles node by node.
     pub(crate) cluster: Option<Arc<dyn vmon_proto::cluster::Cluster>>,
+    /// Admission units that may have lost their holder (`cluster.rs`).
+    leaks: cluster::Leaks,
     pub(crate) records: Arc<dyn Records>,
     pub(crate) kv: Kv,
     /// What the proxy needs per sandbox, kept in step with every commit.
@@ -154,6 +156,7 @@ impl Control {
             webhook_targets,
             node,
             cluster,
+            leaks: cluster::Leaks::default(),
             records,
             kv,
             routes: RwLock::new(HashMap::new()),
