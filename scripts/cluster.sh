@@ -7,7 +7,7 @@
 #   scripts/cluster.sh up            # installs what is missing, builds, starts, prints E2B_* exports
 #   scripts/cluster.sh up --detach   # the same, then returns and leaves the cluster running
 #   scripts/cluster.sh down          # stops every part (and the nodes' VMs)
-#   scripts/cluster.sh start NAME    # (re)starts one part: etcd1..3 pg garage node1 node2 api1 api2 proxy
+#   scripts/cluster.sh start NAME    # (re)starts one part: etcd1..3 pg garage node1 node2 api1 api2 proxy proxy2
 #   scripts/cluster.sh kill NAME     # kill -9 of one part (chaos tests)
 #
 # VMON_CLUSTER_DIR (default /var/tmp/vmon-cluster) keeps every part's state and log
@@ -15,6 +15,10 @@
 # ports it uses (api1 = PORT, proxy = PORT+1, api2 = PORT+10, nodes PORT+21/22, etcd PORT+31..36,
 # PostgreSQL PORT+40, garage PORT+50..52); VMON_IMAGES_DIR shares a guest image cache
 # (default DIR/images); VMON_BIN uses a vmon binary already built.
+#
+# The two nodes pose as two hosts (host-1, host-2), each with its own ingress proxy (proxy on
+# PORT+1 for host-1, proxy2 on PORT+2 for host-2): E2B_SANDBOX_URL is host-1's proxy, which
+# hands traffic for sandboxes on host-2 to proxy2, as proxies on separate machines would.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -25,6 +29,7 @@ PG_BIN=/usr/lib/postgresql/15/bin
 
 api_port() { if [ "$1" = 1 ]; then echo "$P"; else echo $((P + 10)); fi; }
 PROXY_PORT=$((P + 1))
+proxy_port() { echo $((P + $1)); }
 PG_PORT=$((P + 40))
 ETCD_ENDPOINTS="http://127.0.0.1:$((P + 31)),http://127.0.0.1:$((P + 33)),http://127.0.0.1:$((P + 35))"
 STORE_URL="postgres://postgres@127.0.0.1:$PG_PORT/postgres"
@@ -138,7 +143,7 @@ start_node() {
   fi
   VMON_NODE_TOKEN=$(node_token) run "node$i" "$(vmon_bin)" --data-dir "$d" node \
     --listen "127.0.0.1:$((P + 20 + i))" --etcd "$ETCD_ENDPOINTS" --node-id "node$i" \
-    --ingress "http://127.0.0.1:$PROXY_PORT"
+    --host "host-$i" --ingress "http://127.0.0.1:$(proxy_port "$i")"
 }
 
 start_api() {
@@ -152,8 +157,10 @@ start_api() {
 }
 
 start_proxy() {
-  VMON_PROXY_LISTEN="127.0.0.1:$PROXY_PORT" VMON_API_URL="http://127.0.0.1:$(api_port 1)" \
-    run proxy "$(vmon_bin)" --data-dir "$DIR/api" proxy
+  local i=$1 name=proxy
+  [ "$i" = 1 ] || name="proxy$i"
+  VMON_PROXY_LISTEN="127.0.0.1:$(proxy_port "$i")" VMON_API_URL="http://127.0.0.1:$(api_port "$i")" \
+    VMON_PROXY_HOST="host-$i" run "$name" "$(vmon_bin)" --data-dir "$DIR/api" proxy
 }
 
 start() {
@@ -163,7 +170,8 @@ start() {
     garage) start_garage ;;
     node[12]) start_node "${1#node}" ;;
     api[12]) start_api "${1#api}" ;;
-    proxy) start_proxy ;;
+    proxy) start_proxy 1 ;;
+    proxy2) start_proxy 2 ;;
     *) echo "unknown part $1" >&2; return 2 ;;
   esac
 }
@@ -225,9 +233,11 @@ up() {
   alive api1 || start_api 1
   wait_port "$(api_port 1)" api1 900
   alive api2 || start_api 2
-  alive proxy || start_proxy
+  alive proxy || start_proxy 1
+  alive proxy2 || start_proxy 2
   wait_port "$(api_port 2)" api2 900
   wait_port "$PROXY_PORT" proxy
+  wait_port "$(proxy_port 2)" proxy2
   echo "vmon cluster: waiting for the base template (built on one node; logs in $DIR/logs)" >&2
   local code=""
   for _ in $(seq 3600); do

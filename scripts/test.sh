@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite: unit and integration tests of every crate (real VMs under QEMU, real
-# etcd and PostgreSQL started by the tests), envd driven by the official Python SDK, and the
-# end-to-end SDK tests against `vmon up`, and the cluster tests against `scripts/cluster.sh`. Run as root (network namespaces, QEMU).
+# etcd and PostgreSQL started by the tests), envd driven by the official Python SDK, the
+# end-to-end SDK tests against `vmon up`, and the cluster tests against a local cluster
+# (`scripts/cluster.sh`). Run as root (network namespaces, QEMU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-test-deps.sh

@@ -36,6 +36,16 @@ pub struct RouteInfo {
     pub auto_resume: bool,
     #[serde(rename = "trafficAccessToken")]
     pub traffic_access_token: Option<String>,
+    /// In a cluster: the host of the node that runs it (a proxy on another host forwards).
+    #[serde(rename = "nodeHost", default, skip_serializing_if = "Option::is_none")]
+    pub node_host: Option<String>,
+    /// In a cluster: the ingress on that host.
+    #[serde(
+        rename = "ingressUrl",
+        default,
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub ingress_url: Option<String>,
 }
 
 #[utoipa::path(
@@ -60,10 +70,16 @@ async fn route(
         .lookup(&id)
         .await
         .ok_or_else(|| ApiError::sandbox_not_found(&id))?;
+    let (node_host, ingress_url) = match s.control.node_location(&id).await {
+        Some((h, i)) => (Some(h), i),
+        None => (None, None),
+    };
     Ok(Json(RouteInfo {
         guest_ip: r.guest_ip,
         auto_resume: r.auto_resume,
         traffic_access_token: r.traffic_access_token,
+        node_host,
+        ingress_url,
     }))
 }
 
@@ -93,6 +109,8 @@ async fn resume_route(
             guest_ip: Some(ip),
             auto_resume: true,
             traffic_access_token: None,
+            node_host: None,
+            ingress_url: None,
         })),
         Err(ResumeError::NotFound(_)) => Err(ApiError::sandbox_not_found(&id)),
         Err(ResumeError::Refused(m)) => Err(ApiError::conflict(m)),

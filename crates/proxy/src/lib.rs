@@ -44,7 +44,14 @@ pub struct SandboxRoute {
     pub auto_resume: bool,
     /// Required in `e2b-traffic-access-token` on ports other than envd's when set.
     pub traffic_access_token: Option<String>,
+    /// The ingress (a proxy on the node's host) to hand the request to when this proxy runs
+    /// on another host and cannot reach the guest's address itself.
+    pub via: Option<SocketAddr>,
 }
+
+/// Marks a request one proxy handed to another: the receiver routes it to its guest and
+/// never hands it on again.
+pub const FORWARDED_HEADER: &str = "x-vmon-forwarded";
 
 #[derive(Debug, thiserror::Error)]
 pub enum ResumeError {
@@ -221,6 +228,8 @@ impl Proxy {
                 }
             }
         }
+        let forwarded = req.headers().contains_key(FORWARDED_HEADER);
+        let mut route = route;
         let guest_ip = match route.guest_ip {
             Some(ip) => ip,
             None if !route.auto_resume => {
@@ -246,11 +255,38 @@ impl Proxy {
                 }
             },
         };
-        let addr = SocketAddr::new(guest_ip, target.port);
+        if route.guest_ip.is_none() {
+            // Just resumed: it may run on another host now.
+            match self.routes.lookup(id).await {
+                Some(r) => route = r,
+                None => return not_found(&target),
+            }
+        }
+        let mut req = req;
+        let addr = match route.via {
+            Some(_) if forwarded => {
+                return error(
+                    StatusCode::BAD_GATEWAY,
+                    &format!("The sandbox {id} is not on this proxy's host (a forwarding loop)"),
+                    Some(&target),
+                )
+            }
+            // The node's host routes it by these headers whatever the Host says.
+            Some(ingress) => {
+                let h = req.headers_mut();
+                h.insert(FORWARDED_HEADER, HeaderValue::from_static("1"));
+                if let Ok(v) = HeaderValue::from_str(id) {
+                    h.insert(target::SANDBOX_ID_HEADER, v);
+                }
+                h.insert(target::SANDBOX_PORT_HEADER, HeaderValue::from(target.port));
+                ingress
+            }
+            None => SocketAddr::new(guest_ip, target.port),
+        };
         if is_upgrade(&req) {
             self.forward_upgrade(req, addr, &target).await
         } else {
-            self.forward(req, addr, &target).await
+            self.forward(req, addr, guest_ip, &target).await
         }
     }
 
@@ -269,6 +305,7 @@ impl Proxy {
         &self,
         req: Request<Incoming>,
         addr: SocketAddr,
+        guest_ip: IpAddr,
         target: &Target,
     ) -> Response<ProxyBody> {
         let (mut parts, body) = req.into_parts();
@@ -286,7 +323,7 @@ impl Proxy {
         strip_hop_by_hop(&mut parts.headers);
         // Watched from the start: a guest paused or killed while this request waits for its
         // answer (a stopped VM answers nothing) gets an answer within a second, not a timeout.
-        let mut gone = self.watch(&target.sandbox_id, addr.ip());
+        let mut gone = self.watch(&target.sandbox_id, guest_ip);
         let upstream = tokio::select! {
             r = self.client.request(Request::from_parts(parts, body)) => r,
             why = &mut gone => {

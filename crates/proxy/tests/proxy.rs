@@ -151,6 +151,7 @@ fn route(ip: Option<&str>, auto_resume: bool, token: Option<&str>) -> SandboxRou
         guest_ip: ip.map(|i| i.parse().unwrap()),
         auto_resume,
         traffic_access_token: token.map(str::to_string),
+        via: None,
     }
 }
 

@@ -32,6 +32,7 @@ impl Routes for Two {
             guest_ip: Some("127.0.0.1".parse().unwrap()),
             auto_resume: false,
             traffic_access_token: None,
+            via: None,
         })
     }
     async fn resume_for_traffic(&self, id: &str) -> Result<IpAddr, ResumeError> {

@@ -45,6 +45,7 @@ fn route_of(rec: &SandboxRecord) -> SandboxRoute {
         },
         auto_resume: rec.auto_resume,
         traffic_access_token: rec.traffic_access_token.clone(),
+        via: None,
     }
 }
 
@@ -328,6 +329,15 @@ impl Control {
             .unwrap_or_else(|p| p.into_inner())
             .get(id)
             .cloned()
+    }
+
+    /// In a cluster: the host of the node a sandbox runs on and the ingress there (the proxy
+    /// a proxy on another host hands its traffic to).
+    pub async fn node_location(&self, id: &str) -> Option<(String, Option<String>)> {
+        let cluster = self.cluster.as_ref()?;
+        let node = cluster.placement(id).await?;
+        let info = cluster.members().await.into_iter().find(|n| n.id == node)?;
+        Some((info.host, info.ingress_url))
     }
 
     /// Takes the sandbox's transition lock.

@@ -16,11 +16,16 @@ pub struct Args {
     /// TOML config file (default: `<data dir>/config.toml` when it exists).
     #[arg(long, env = "VMON_CONFIG")]
     pub config: Option<std::path::PathBuf>,
+    /// The host this proxy runs on, as nodes register theirs (default: the hostname). In a
+    /// cluster, traffic for a sandbox on another host goes to that host's ingress.
+    #[arg(long, env = "VMON_PROXY_HOST")]
+    pub host: Option<String>,
 }
 
 struct ApiRoutes {
     base: String,
     token: String,
+    host: String,
 }
 
 impl ApiRoutes {
@@ -48,10 +53,15 @@ impl Routes for ApiRoutes {
             .get("GET", &format!("/admin/routes/{sandbox_id}"))
             .await
             .ok()?;
+        let via = match (&r.node_host, &r.ingress_url) {
+            (Some(h), Some(ingress)) if *h != self.host => ingress_addr(ingress).await,
+            _ => None,
+        };
         Some(SandboxRoute {
             guest_ip: r.guest_ip,
             auto_resume: r.auto_resume,
             traffic_access_token: r.traffic_access_token,
+            via,
         })
     }
 
@@ -71,6 +81,21 @@ impl Routes for ApiRoutes {
     }
 }
 
+/// `http://host:port` (a node's registered ingress) as an address to connect to.
+async fn ingress_addr(url: &str) -> Option<std::net::SocketAddr> {
+    let hostport = url
+        .strip_prefix("http://")
+        .unwrap_or(url)
+        .trim_end_matches('/');
+    match tokio::net::lookup_host(hostport).await {
+        Ok(mut addrs) => addrs.next(),
+        Err(e) => {
+            tracing::warn!(ingress = url, error = %e, "a node's ingress does not resolve");
+            None
+        }
+    }
+}
+
 pub async fn run(data_dir: &Path, args: Args) -> anyhow::Result<()> {
     let config = vmon_api::Config::load(args.config.as_deref(), data_dir)?;
     let token_file = data_dir.join(super::up::ADMIN_TOKEN_FILE);
@@ -80,9 +105,15 @@ pub async fn run(data_dir: &Path, args: Args) -> anyhow::Result<()> {
             token_file.display()
         )
     })?;
+    let host = args.host.clone().unwrap_or_else(|| {
+        std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|h| h.trim().to_string())
+            .unwrap_or_default()
+    });
     let routes = ApiRoutes {
         base: config.api_url().trim_end_matches('/').to_string(),
         token: token.trim().to_string(),
+        host,
     };
     let listener = tokio::net::TcpListener::bind(config.proxy_listen)
         .await
