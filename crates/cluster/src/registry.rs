@@ -125,19 +125,10 @@ pub fn host_facts(data_dir: &Path) -> HostFacts {
 }
 
 fn free_disk_mb(dir: &Path) -> u64 {
-    use std::os::unix::ffi::OsStrExt;
-    let Ok(c) = std::ffi::CString::new(dir.as_os_str().as_bytes()) else {
-        return 0;
-    };
-    let mut st = std::mem::MaybeUninit::<libc::statvfs>::zeroed();
-    // SAFETY: `c` is a NUL-terminated path and `st` is a writable statvfs the call fills.
-    let rc = unsafe { libc::statvfs(c.as_ptr(), st.as_mut_ptr()) };
-    if rc != 0 {
-        return 0;
+    match rustix::fs::statvfs(dir) {
+        Ok(st) => st.f_bavail.saturating_mul(st.f_frsize) >> 20,
+        Err(_) => 0,
     }
-    // SAFETY: statvfs returned 0, so it initialized `st`.
-    let st = unsafe { st.assume_init() };
-    (st.f_bavail as u64).saturating_mul(st.f_frsize as u64) >> 20
 }
 
 #[cfg(test)]

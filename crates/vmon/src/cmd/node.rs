@@ -180,11 +180,11 @@ fn file_token(token_path: &Path) -> anyhow::Result<String> {
                 .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut b))
                 .context("reading /dev/urandom")?;
             let t: String = b.iter().map(|x| format!("{x:02x}")).collect();
-            match vmon_vm::private::create(&token_path, t.as_bytes()) {
+            match vmon_vm::private::create(token_path, t.as_bytes()) {
                 Ok(()) => t,
                 // Another node process made it first: use its token.
                 Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                    std::fs::read_to_string(&token_path)?.trim().to_string()
+                    std::fs::read_to_string(token_path)?.trim().to_string()
                 }
                 Err(e) => return Err(e).context("writing the node token"),
             }
