@@ -83,6 +83,31 @@ def test_the_sdk_works_through_either_replica(cluster):
             pass
 
 
+def test_snapshots_and_templates_are_the_same_from_every_replica(cluster):
+    a, b = cluster.api_a, cluster.api_b
+    src = Sandbox.create("base", timeout=300, api_url=a)
+    try:
+        src.files.write("/home/user/snap.txt", "snapshot through A")
+        info = src.create_snapshot("cluster-snap", api_url=a)
+        listed = [s.snapshot_id for s in Sandbox.list_snapshots(sandbox_id=src.sandbox_id, api_url=b).next_items()]
+        assert info.snapshot_id in listed
+        # A sandbox from the snapshot, made through B, has the file.
+        clone = Sandbox.create(info.snapshot_id, timeout=300, api_url=b)
+        assert clone.files.read("/home/user/snap.txt") == "snapshot through A"
+        clone.kill()
+        names = lambda api: sorted(  # noqa: E731
+            (t["templateID"], tuple(sorted(t.get("aliases") or [])))
+            for t in httpx.get(f"{api}/templates", headers={"X-API-Key": cluster.api_key}, timeout=30).json()
+        )
+        assert names(a) == names(b)
+        assert Sandbox.delete_snapshot(info.snapshot_id, api_url=b) is True
+        assert info.snapshot_id not in [
+            s.snapshot_id for s in Sandbox.list_snapshots(sandbox_id=src.sandbox_id, api_url=a).next_items()
+        ]
+    finally:
+        src.kill()
+
+
 @pytest.mark.parametrize("delay", [0.05, 0.4, 1.0])
 def test_an_api_replica_killed_mid_create_leaves_a_sandbox_or_nothing(cluster, delay):
     before = _running_records(cluster)
