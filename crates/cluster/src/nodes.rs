@@ -377,7 +377,25 @@ impl NodeControl for ClusterNodes {
 
     async fn start(&self, spec: StartSpec) -> Result<Running, NodeError> {
         let memory_restore = !spec.cold_boot && spec.volumes.is_empty();
-        let ranked = self.candidates(&spec.build_id, memory_restore).await?;
+        let (ranked, spec) = match self.candidates(&spec.build_id, memory_restore).await {
+            Ok(r) => (r, spec),
+            // No node can restore its memory (another accelerator, QEMU or CPU model than
+            // the build's): boot its disk on one that has room, as seed 003 says.
+            Err(e) if memory_restore => match self.candidates(&spec.build_id, false).await {
+                Ok(r) => {
+                    tracing::warn!(sandbox_id = %spec.sandbox_id, build_id = %spec.build_id, reason = %e, "no node can restore this build's memory: cold-booting its disk");
+                    (
+                        r,
+                        StartSpec {
+                            cold_boot: true,
+                            ..spec
+                        },
+                    )
+                }
+                Err(_) => return Err(e),
+            },
+            Err(e) => return Err(e),
+        };
         let holders = self.holders(&spec.build_id).await;
         let had_holder = ranked.iter().any(|n| holders.contains(&n.id));
         let (node, running) = self
