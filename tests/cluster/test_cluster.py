@@ -293,3 +293,31 @@ def _holds(cluster, i: int, build_id: str) -> bool:
         return True
     except Exception:
         return False
+
+
+def test_node_list_shows_every_node_with_its_load(cluster):
+    import subprocess
+
+    from conftest import DIR
+
+    sbx = Sandbox.create("base", timeout=120)
+    try:
+        here = cluster.node_of(sbx.sandbox_id)
+        out = subprocess.run(
+            [cluster.env["VMON_BIN"], "--data-dir", str(DIR / "api"), "node", "list", "--url", cluster.api_b],
+            capture_output=True, text=True, check=True, timeout=60,
+        ).stdout
+        rows = {r.split("\t")[0]: r.split("\t") for r in out.splitlines()[1:]}
+        assert sorted(rows) == ["node1", "node2"], out
+        assert rows["node1"][1] == "host-1" and rows["node2"][1] == "host-2"
+        # The heartbeat (every 2 s) carries the sandbox.
+        def counted():
+            out = subprocess.run(
+                [cluster.env["VMON_BIN"], "--data-dir", str(DIR / "api"), "node", "list", "--url", cluster.api_a],
+                capture_output=True, text=True, check=True, timeout=60,
+            ).stdout
+            rows = {r.split("\t")[0]: r.split("\t") for r in out.splitlines()[1:]}
+            return int(rows[f"node{here}"][3]) >= 1
+        wait_for(counted, 15, what="the node's heartbeat to count the sandbox")
+    finally:
+        sbx.kill()

@@ -21,6 +21,7 @@ pub(crate) fn routes() -> Router<AppState> {
         .route("/admin/keys", get(list_keys))
         .route("/admin/keys/:id", delete(revoke_key))
         .route("/admin/sandboxes", get(list_sandboxes))
+        .route("/admin/nodes", get(list_nodes))
         .route("/admin/sandboxes/:id", delete(kill_sandbox))
         .route("/admin/routes/:id", get(route))
         .route("/admin/routes/:id/resume", post(resume_route))
@@ -146,6 +147,9 @@ pub struct AdminSandbox {
     pub started_at: String,
     #[serde(rename = "endAt")]
     pub end_at: String,
+    /// In a cluster: the node it runs on (or last ran on, while paused).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<String>,
 }
 
 /// Slugs are the namespace of snapshot names: `[a-z0-9-]`.
@@ -345,18 +349,35 @@ async fn revoke_key(
 async fn list_sandboxes(State(s): State<AppState>, _: Admin) -> ApiResult<Json<Vec<AdminSandbox>>> {
     let mut recs = s.control.sandboxes(None).await?;
     recs.sort_by_key(|r| r.started_at);
-    Ok(Json(
-        recs.into_iter()
-            .map(|r| AdminSandbox {
-                sandbox_id: r.id,
-                team_id: r.team_id,
-                template_id: r.template_id,
-                state: r.state.as_str().to_string(),
-                started_at: crate::control::rfc3339(r.started_at),
-                end_at: crate::control::rfc3339(r.end_at),
-            })
-            .collect(),
-    ))
+    let mut out = Vec::with_capacity(recs.len());
+    for r in recs {
+        out.push(AdminSandbox {
+            node: s.control.placement(&r.id).await,
+            sandbox_id: r.id,
+            team_id: r.team_id,
+            template_id: r.template_id,
+            state: r.state.as_str().to_string(),
+            started_at: crate::control::rfc3339(r.started_at),
+            end_at: crate::control::rfc3339(r.end_at),
+        });
+    }
+    Ok(Json(out))
+}
+
+#[utoipa::path(
+    get, path = "/admin/nodes", tag = "admin",
+    summary = "The cluster's nodes: capacity and load (empty on one machine)",
+    responses(
+        (status = 200, description = "The registered nodes", body = Vec<vmon_proto::cluster::NodeInfo>),
+        (status = 404, description = "Admin routes disabled (no admin token)", body = crate::wire::ErrorBody),
+    ),
+    security(("AdminToken" = []))
+)]
+async fn list_nodes(
+    State(s): State<AppState>,
+    _: Admin,
+) -> Json<Vec<vmon_proto::cluster::NodeInfo>> {
+    Json(s.control.members().await)
 }
 
 #[utoipa::path(

@@ -74,6 +74,7 @@ use crate::{admin, events, http, secrets, telemetry, templates, volumes};
         admin::list_keys,
         admin::revoke_key,
         admin::list_sandboxes,
+        admin::list_nodes,
         admin::kill_sandbox,
         admin::route,
         admin::resume_route,

@@ -14,7 +14,7 @@ use crate::node::{NodeError, Running};
 pub const NODES_PREFIX: &str = "nodes/";
 
 /// One node as it registers itself (refreshed with its heartbeat).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct NodeInfo {
     /// Stable across restarts with the same data dir.
     pub id: String,

@@ -340,6 +340,19 @@ impl Control {
         Some((info.host, info.ingress_url))
     }
 
+    /// The cluster's registered nodes (empty on one machine).
+    pub async fn members(&self) -> Vec<vmon_proto::cluster::NodeInfo> {
+        match &self.cluster {
+            Some(c) => c.members().await,
+            None => Vec::new(),
+        }
+    }
+
+    /// In a cluster: the node a sandbox was last started on.
+    pub async fn placement(&self, id: &str) -> Option<String> {
+        self.cluster.as_ref()?.placement(id).await
+    }
+
     /// Takes the sandbox's transition lock.
     pub(crate) async fn lock(&self, sandbox_id: &str) -> ApiResult<LockGuard> {
         match self

@@ -239,6 +239,31 @@ pub async fn key(data_dir: &Path, a: KeyArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `vmon node list`: one line per registered node.
+pub async fn nodes(data_dir: &Path, conn: &Conn) -> anyhow::Result<()> {
+    let c = Client::new(data_dir, conn)?;
+    let v = c.call("GET", "/admin/nodes", None).await?;
+    let nodes = v.as_array().cloned().unwrap_or_default();
+    if nodes.is_empty() {
+        eprintln!("no cluster nodes (one machine, or none registered)");
+    }
+    println!("NODE\tHOST\tACCEL\tRUNNING\tFREE SLOTS\tFREE MEM MiB\tCPUS\tRPC");
+    for n in nodes {
+        println!(
+            "{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}",
+            n["id"].as_str().unwrap_or(""),
+            n["host"].as_str().unwrap_or(""),
+            n["accel"].as_str().unwrap_or(""),
+            n["running"],
+            n["free_slots"],
+            n["free_memory_mb"],
+            n["vcpus"],
+            n["rpc_url"].as_str().unwrap_or("")
+        );
+    }
+    Ok(())
+}
+
 pub async fn sandbox(data_dir: &Path, a: SandboxArgs) -> anyhow::Result<()> {
     let c = Client::new(data_dir, &a.conn)?;
     match a.cmd {

@@ -6,7 +6,26 @@ use std::sync::Arc;
 use anyhow::Context;
 
 #[derive(clap::Args)]
+#[command(args_conflicts_with_subcommands = true)]
 pub struct Args {
+    #[command(subcommand)]
+    action: Option<Action>,
+    #[command(flatten)]
+    run: RunArgs,
+}
+
+#[derive(clap::Subcommand)]
+enum Action {
+    /// The cluster's nodes: id, host, capacity and load (asks the api with the admin token).
+    List {
+        #[command(flatten)]
+        conn: super::admin::Conn,
+    },
+}
+
+/// Running a node (the default action).
+#[derive(clap::Args)]
+struct RunArgs {
     /// Where the node RPC listens.
     #[arg(long, env = "VMON_NODE_LISTEN", default_value = "127.0.0.1:3002")]
     listen: std::net::SocketAddr,
@@ -46,6 +65,13 @@ struct ClusterArgs {
 }
 
 pub async fn run(data_dir: &Path, args: Args) -> anyhow::Result<()> {
+    match args.action {
+        Some(Action::List { conn }) => super::admin::nodes(data_dir, &conn).await,
+        None => serve(data_dir, args.run).await,
+    }
+}
+
+async fn serve(data_dir: &Path, args: RunArgs) -> anyhow::Result<()> {
     std::fs::create_dir_all(data_dir)?;
     let mut cfg = vmon_node::NodeConfig::new(data_dir.to_path_buf());
     cfg.pool_size = args.pool_size;
@@ -91,7 +117,7 @@ pub async fn run(data_dir: &Path, args: Args) -> anyhow::Result<()> {
 /// Registers the node in etcd and keeps its entry fresh until `cancel`.
 async fn join_cluster(
     data_dir: &Path,
-    args: &Args,
+    args: &RunArgs,
     node: Arc<vmon_node::Node>,
     cancel: tokio_util::sync::CancellationToken,
 ) -> anyhow::Result<()> {
