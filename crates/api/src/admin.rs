@@ -150,6 +150,9 @@ pub struct AdminSandbox {
     /// In a cluster: the node it runs on (or last ran on, while paused).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub node: Option<String>,
+    /// The build it runs from, or (paused) the build its pause made.
+    #[serde(rename = "buildID")]
+    pub build_id: String,
 }
 
 /// Slugs are the namespace of snapshot names: `[a-z0-9-]`.
@@ -353,6 +356,7 @@ async fn list_sandboxes(State(s): State<AppState>, _: Admin) -> ApiResult<Json<V
     for r in recs {
         out.push(AdminSandbox {
             node: s.control.placement(&r.id).await,
+            build_id: r.build.build_id.clone(),
             sandbox_id: r.id,
             team_id: r.team_id,
             template_id: r.template_id,

@@ -28,6 +28,10 @@ enum What {
     /// last-step rebuild, and creates from the result against creates from `base` (runs
     /// `tests/bench/template_bench.py` like `api`).
     Template,
+    /// A local cluster (`scripts/cluster.sh`): create, pause, resume on the same node and on
+    /// another node from the object store for 16/64/256 MiB dirtied, upload times
+    /// (`tests/bench/cluster_bench.py`).
+    Cluster,
     /// Pause/resume cycles that must keep a process's memory and a file byte for byte,
     /// rotating kept-QEMU, from-files and after-restart resumes (`tests/bench/soak.py`).
     Soak(SoakArgs),
@@ -250,6 +254,7 @@ pub async fn run(data_dir: &Path, args: Args) -> anyhow::Result<()> {
         What::Boot(a) => boot(data_dir, a).await,
         What::Api => python_bench("api_bench.py", &[]).await,
         What::Template => python_bench("template_bench.py", &[]).await,
+        What::Cluster => python_bench("cluster_bench.py", &[]).await,
         What::Soak(a) => {
             python_bench("soak.py", &[("VMON_SOAK_CYCLES", a.cycles.to_string())]).await
         }
