@@ -411,7 +411,7 @@ impl ObjectStore {
             .headers()
             .get(http::header::LAST_MODIFIED)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| httpdate_unix(v));
+            .and_then(httpdate_unix);
         Ok(Some(ObjectInfo {
             key: key.to_string(),
             size,

@@ -2,7 +2,7 @@
 //! multipart and error documents are flat and regular; this reads nothing else.
 
 /// The text of every `<tag>…</tag>` in `doc` at any depth, entity-decoded, in order.
-pub fn all<'a>(doc: &'a str, tag: &str) -> Vec<String> {
+pub fn all(doc: &str, tag: &str) -> Vec<String> {
     sections(doc, tag).into_iter().map(decode).collect()
 }
 
