@@ -199,6 +199,7 @@ impl Node {
             // and the build's overlay no longer change; a crash before it quits is finished by
             // the next start (see `adopt`).
             self.builds.put(&rec)?;
+            self.upload_later(&rec);
             anyhow::Ok(rec)
         }
         .await;
@@ -292,6 +293,7 @@ impl Node {
                 .capture(&l, &build_id, memory, false, frozen, chain)
                 .await?;
             self.builds.put(&rec)?;
+            self.upload_later(&rec);
             if let RamSource::Private { mem_base, .. } = &l.state.ram {
                 // Later captures of this sandbox compare with the checkpoint.
                 l.state.ram = RamSource::Private {
