@@ -51,7 +51,11 @@ pub struct Manifest {
 
 /// The disk chain of `rec`, top first.
 pub fn disk_chain(rec: &BuildRecord) -> Vec<String> {
-    rec.disk.iter().chain(rec.disk_chain.iter()).cloned().collect()
+    rec.disk
+        .iter()
+        .chain(rec.disk_chain.iter())
+        .cloned()
+        .collect()
 }
 
 /// Whether the bottom of `rec`'s disk chain is the image's rootfs (not an artifact).
@@ -299,7 +303,12 @@ impl Store {
     }
 
     /// Downloads artifact `name` to `dest`, checked against `sum`.
-    pub async fn download_artifact(&self, name: &str, sum: &Sum, dest: &Path) -> anyhow::Result<()> {
+    pub async fn download_artifact(
+        &self,
+        name: &str,
+        sum: &Sum,
+        dest: &Path,
+    ) -> anyhow::Result<()> {
         self.download(&artifact_key(name), sum, dest).await
     }
 

@@ -6,6 +6,7 @@
 //! bodies stream to and from files.
 
 mod bench;
+mod body;
 mod client;
 pub mod dev;
 pub mod sign;

@@ -279,7 +279,10 @@ impl Node {
             vmon_objstore::ObjectStoreConfig::from_env()?;
         }
         let store = match &cfg.object_store {
-            Some(c) => Some(Arc::new(crate::store::Store::open(c.clone(), &cfg.data_dir)?)),
+            Some(c) => Some(Arc::new(crate::store::Store::open(
+                c.clone(),
+                &cfg.data_dir,
+            )?)),
             None => None,
         };
         Slots::prepare_host().await?;

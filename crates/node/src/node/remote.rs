@@ -139,7 +139,8 @@ impl Node {
             rec.machine.kernel = img.vmlinuz.clone();
             rec.machine.initrd = img.initrd.clone();
         }
-        let artifacts_dir = std::fs::canonicalize(&self.builds.artifacts).map_err(|e| err(e.into()))?;
+        let artifacts_dir =
+            std::fs::canonicalize(&self.builds.artifacts).map_err(|e| err(e.into()))?;
         let incoming = store.incoming();
         let mut staged: Vec<(String, PathBuf)> = Vec::new();
         let mut bytes = 0u64;
@@ -173,7 +174,8 @@ impl Node {
                 match &local_image {
                     Some(img) if same => Some(img.rootfs.clone()),
                     _ => {
-                        let name = format!("rootfs-{}.img", &sum.sha256[..32.min(sum.sha256.len())]);
+                        let name =
+                            format!("rootfs-{}.img", &sum.sha256[..32.min(sum.sha256.len())]);
                         if !self.builds.artifact(&name).exists() {
                             let tmp = incoming.join(&name);
                             store.download_rootfs(sum, &tmp).await?;
@@ -195,7 +197,9 @@ impl Node {
                     continue;
                 }
                 let (backing, fmt) = match chain.get(i + 1) {
-                    Some(below) if below.ends_with(".qcow2") => (artifacts_dir.join(below), "qcow2"),
+                    Some(below) if below.ends_with(".qcow2") => {
+                        (artifacts_dir.join(below), "qcow2")
+                    }
                     Some(below) => (artifacts_dir.join(below), "raw"),
                     None => (
                         bottom.clone().context("no rootfs under the disk chain")?,
