@@ -6,15 +6,13 @@ use std::time::Duration;
 
 use anyhow::{anyhow, Context};
 use bytes::Bytes;
-use futures::StreamExt;
 use http::{Method, Request, Response, StatusCode};
-use http_body_util::{BodyExt, Full, StreamBody};
-use hyper::body::{Frame, Incoming};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use sha2::{Digest, Sha256};
-use tokio::io::{AsyncReadExt, AsyncSeekExt};
 
 use crate::body::{file_body, full, read_bounded, write_sparse};
 use crate::sign::{self, Signer, ToSign, UNSIGNED_PAYLOAD};

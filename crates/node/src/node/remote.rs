@@ -214,14 +214,14 @@ impl Node {
         let committed = match fetched {
             Ok(()) => {
                 let _guard = self.artifacts_guard.read().await;
-                let r = (|| {
+                let moved = || -> anyhow::Result<()> {
                     for (name, tmp) in &staged {
                         std::fs::rename(tmp, self.builds.artifact(name))?;
                     }
                     fsync_dir(&self.builds.artifacts)?;
                     self.builds.put(&rec)
-                })();
-                r
+                };
+                moved()
             }
             Err(e) => Err(e),
         };
