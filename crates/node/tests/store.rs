@@ -27,6 +27,10 @@ fn data_dir(root: &Path, name: &str) -> PathBuf {
 }
 
 async fn open(dir: PathBuf, store: &ObjectStoreConfig) -> Arc<Node> {
+    open_with(dir, store, 20 << 10).await
+}
+
+async fn open_with(dir: PathBuf, store: &ObjectStoreConfig, cache_mb: u64) -> Arc<Node> {
     let mut cfg = NodeConfig::new(dir);
     cfg.envd_binary = Some(envd_binary());
     cfg.spare_slots = 0;
@@ -34,6 +38,7 @@ async fn open(dir: PathBuf, store: &ObjectStoreConfig) -> Arc<Node> {
     cfg.blank_pool_size = 0;
     cfg.park_max = 0;
     cfg.object_store = Some(store.clone());
+    cfg.store_cache_mb = cache_mb;
     Node::open(cfg).await.expect("node opens")
 }
 
@@ -71,8 +76,10 @@ fn a_paused_sandbox_resumes_on_another_node_from_the_object_store() {
     let garage = DevGarage::start(&root.path().join("garage")).unwrap_or_else(|e| panic!("{e:#}"));
     runtime().block_on(async {
         let a = open(data_dir(root.path(), "a"), &garage.config).await;
-        let b = open(data_dir(root.path(), "b"), &garage.config).await;
+        // B's cache of fetched builds holds one at most (a bound of 0: only the one in hand).
+        let b = open_with(data_dir(root.path(), "b"), &garage.config, 0).await;
         assert_ne!(a.slot_block(), b.slot_block());
+        eprintln!("accelerator: {}", a.accel().accel.as_str());
 
         // Node A: a template, a sandbox with a process holding a secret in memory and a file on
         // disk, paused with its memory.
@@ -136,6 +143,55 @@ fn a_paused_sandbox_resumes_on_another_node_from_the_object_store() {
         let r = start(&b, &id, &paused.build_id, false).await;
         eprintln!("local resume on B: {:.1}s", t0.elapsed().as_secs_f64());
         b.kill(&id, &r.execution_id).await.expect("kill");
+        // Fetching the template on B evicts the paused build (no sandbox runs from it now);
+        // a later start fetches it again.
+        let tpl_info = b.build_info(&tpl).await.expect("template on B");
+        assert!(tpl_info.stored);
+        let local = |n: &Node, build: &str| {
+            n.data_dir().join("builds").join(format!("{build}.json")).exists()
+        };
+        assert!(!local(&b, &paused.build_id), "evicted from B's cache");
+        assert!(local(&b, &tpl));
+        let r = start(&b, &id, &paused.build_id, false).await;
+        assert_eq!(sh(&b, &id, READ_TOKEN).await, token, "fetched again");
+        b.kill(&id, &r.execution_id).await.expect("kill");
+
+        // Node D has an image of the same recipe whose bytes differ (as on another host; here
+        // its cached sha256 says so): it fetches the store's rootfs as well and rebases the
+        // chain onto that copy.
+        let hash = a.image().await.expect("image").manifest.hash.clone();
+        let d_dir = root.path().join("d");
+        let d_image = d_dir.join("images").join(&hash);
+        std::fs::create_dir_all(&d_image).expect("d image dir");
+        let shared = common::data_dir().join("images").join(&hash);
+        for f in ["manifest.json", "vmlinuz", "initrd", "rootfs.img"] {
+            std::fs::hard_link(shared.join(f), d_image.join(f)).expect("link image file");
+        }
+        let size = std::fs::metadata(d_image.join("rootfs.img")).expect("rootfs").len();
+        std::fs::write(
+            d_image.join("rootfs.img.sha256"),
+            format!("{{\"sha256\":\"{}\",\"size\":{size}}}", "0".repeat(64)),
+        )
+        .expect("sum");
+        let d = open(d_dir.clone(), &garage.config).await;
+        let t0 = Instant::now();
+        let r = start(&d, &id, &paused.build_id, false).await;
+        eprintln!(
+            "cross-node resume on D, rootfs fetched too: {:.1}s",
+            t0.elapsed().as_secs_f64()
+        );
+        assert_eq!(sh(&d, &id, READ_TOKEN).await, token, "the process survived on D");
+        assert_eq!(
+            sh(&d, &id, "sha256sum /home/user/f.bin | cut -d' ' -f1").await,
+            sum,
+            "the file survived on D"
+        );
+        let rootfs_copies: Vec<String> = files_in(&d_dir.join("artifacts"))
+            .into_iter()
+            .filter(|f| f.starts_with("rootfs-"))
+            .collect();
+        assert_eq!(rootfs_copies.len(), 1, "{rootfs_copies:?}");
+        d.kill(&id, &r.execution_id).await.expect("kill");
 
         // A corrupt object in the store: a third node's start fails and keeps nothing.
         let c_dir = data_dir(root.path(), "c");

@@ -315,6 +315,7 @@ impl Node {
             _data_lock: data_lock,
         });
         node.recover().await?;
+        node.upload_unstored();
         node.slots.set_spares(node.cfg.spare_slots);
         node.slots.refill();
         crate::telemetry::spawn(Arc::downgrade(&node));

@@ -69,6 +69,22 @@ impl Node {
         });
     }
 
+    /// Queues the upload of every local build whose manifest is not in the store (at start:
+    /// builds made before the store was configured, or whose upload a restart interrupted).
+    pub(super) fn upload_unstored(&self) {
+        let Some(store) = &self.store else {
+            return;
+        };
+        match self.builds.list() {
+            Ok(recs) => {
+                for rec in recs.iter().filter(|r| !store.is_stored(&r.id)) {
+                    self.upload_later(rec);
+                }
+            }
+            Err(e) => tracing::warn!("listing builds to upload: {e:#}"),
+        }
+    }
+
     /// Whether `id`'s manifest is known to be in the store.
     pub(super) fn is_stored(&self, id: &str) -> bool {
         self.store.as_ref().is_some_and(|s| s.is_stored(id))
