@@ -193,6 +193,16 @@ fn a_paused_sandbox_resumes_on_another_node_from_the_object_store() {
         assert_eq!(rootfs_copies.len(), 1, "{rootfs_copies:?}");
         d.kill(&id, &r.execution_id).await.expect("kill");
 
+        // Two concurrent first asks on a fresh node share one fetch (two would collide on the
+        // staged files' names).
+        let e = open(data_dir(root.path(), "e"), &garage.config).await;
+        let (x, y) = tokio::join!(
+            e.build_info(&paused.build_id),
+            e.build_info(&paused.build_id)
+        );
+        assert!(x.expect("first").stored && y.expect("second").stored);
+        assert_eq!(files_in(&e.data_dir().join("store/fetched")).len(), 1);
+
         // A corrupt object in the store: a third node's start fails and keeps nothing.
         let c_dir = data_dir(root.path(), "c");
         let c = open(c_dir.clone(), &garage.config).await;
