@@ -23,7 +23,7 @@ use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use vmon_objstore::{ObjectStore, ObjectStoreConfig};
 
-use crate::builds::{fsync_dir, now_unix, BuildRecord, Builds};
+use crate::builds::{fsync_dir, now_unix, valid_name, BuildRecord, Builds};
 
 /// Largest manifest read from the store.
 const MAX_MANIFEST: usize = 1 << 20;
@@ -63,6 +63,13 @@ pub fn on_image_rootfs(rec: &BuildRecord) -> bool {
     disk_chain(rec)
         .last()
         .is_none_or(|bottom| bottom.ends_with(".qcow2"))
+}
+
+/// 64 lower-case hex digits.
+fn valid_sha256(s: &str) -> bool {
+    s.len() == 64
+        && s.bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
 }
 
 fn artifact_key(name: &str) -> String {
@@ -294,9 +301,26 @@ impl Store {
         if m.format != MANIFEST_FORMAT || m.record.id != id {
             bail!("the store's manifest of build {id} is not one this node reads");
         }
+        if !valid_name(&m.record.image_hash) {
+            bail!("the store's manifest of build {id} names a malformed image hash");
+        }
         for a in m.record.artifacts() {
             if !m.artifacts.contains_key(a) {
                 bail!("the store's manifest of build {id} has no sum for {a}");
+            }
+        }
+        // Names become file names here, sums parts of names and keys: check both.
+        for (name, sum) in m
+            .artifacts
+            .iter()
+            .map(|(n, s)| (Some(n), s))
+            .chain(m.rootfs.iter().map(|s| (None, s)))
+        {
+            if name.is_some_and(|n| !valid_name(n)) {
+                bail!("the store's manifest of build {id} names an artifact {name:?}");
+            }
+            if !valid_sha256(&sum.sha256) {
+                bail!("the store's manifest of build {id} has a malformed sha256");
             }
         }
         Ok(Some(m))
@@ -450,6 +474,15 @@ mod tests {
             bytes,
             last_used_unix: t,
         }
+    }
+
+    #[test]
+    fn manifest_sums_must_be_sha256_hex() {
+        assert!(valid_sha256(&"ab".repeat(32)));
+        assert!(!valid_sha256(&"AB".repeat(32)));
+        assert!(!valid_sha256(&"a".repeat(63)));
+        assert!(!valid_sha256(&format!("{}é", "a".repeat(62))));
+        assert!(!valid_name("../../etc/passwd"));
     }
 
     #[test]
