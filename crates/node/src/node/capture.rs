@@ -199,7 +199,6 @@ impl Node {
             // and the build's overlay no longer change; a crash before it quits is finished by
             // the next start (see `adopt`).
             self.builds.put(&rec)?;
-            self.upload_later(&rec);
             anyhow::Ok(rec)
         }
         .await;
@@ -242,6 +241,8 @@ impl Node {
                     );
                 }
                 drop(l);
+                // The kept QEMU writes to a fresh overlay: the build's files are frozen.
+                self.upload_later(&rec);
                 self.evict_parked(false).await;
                 return Ok(Self::info(&rec));
             }
@@ -249,6 +250,8 @@ impl Node {
         if let Some(vm) = l.vm.take() {
             vm.quit().await;
         }
+        // Uploaded once QEMU has closed the build's overlay and RAM file for good.
+        self.upload_later(&rec);
         // Artifacts now belong to the build.
         let _ = self.slots.release(&l.slot).await;
         let _ = std::fs::remove_file(SandboxState::path(&l.dir));
