@@ -213,7 +213,12 @@ async fn the_benchmark_reports_both_directions() {
     let tmp = tempfile::tempdir().expect("tmp");
     let g = garage(tmp.path());
     let store = ObjectStore::new(g.config.clone()).expect("store");
-    let r = vmon_objstore::bench(&store, tmp.path(), 160)
+    // VMON_BENCH_MIB: a larger file for a measurement (160 MiB: three parts of 64 MiB).
+    let mib = std::env::var("VMON_BENCH_MIB")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(160);
+    let r = vmon_objstore::bench(&store, tmp.path(), mib)
         .await
         .expect("bench");
     eprintln!(
