@@ -16,6 +16,9 @@ use super::{err, valid_id, Node};
 use crate::builds::{fsync_dir, BuildRecord};
 use crate::store::{disk_chain, on_image_rootfs, to_evict, Manifest, Store};
 
+/// Tries of one build's upload (30 s, 1 min, 2 min apart).
+const UPLOAD_ATTEMPTS: u32 = 4;
+
 /// `qemu-img rebase -u`: points the qcow2 `path` at `backing` (format `fmt`) without reading
 /// either (the bytes are the same; only the name differs on this host).
 async fn rebase(path: &Path, backing: &Path, fmt: &str) -> anyhow::Result<()> {
@@ -53,17 +56,28 @@ impl Node {
                 .then(|| vmon_image::find(&data_dir, &rec.image_hash).ok())
                 .flatten()
                 .map(|i| i.rootfs);
-            match store.upload(&builds, &rec, rootfs.as_deref()).await {
-                Ok(()) => {
-                    // Deleted while it was uploading: its manifest must not outlive it.
-                    if matches!(builds.get(&rec.id), Ok(None)) {
-                        let _ = store.delete_manifest(&rec.id).await;
+            // A store that is down for a while gets a few more tries (and the next start
+            // queues whatever is still not stored).
+            for attempt in 0..UPLOAD_ATTEMPTS {
+                if attempt > 0 {
+                    tokio::time::sleep(Duration::from_secs(15 << attempt)).await;
+                }
+                if !matches!(builds.get(&rec.id), Ok(Some(_))) {
+                    return;
+                }
+                match store.upload(&builds, &rec, rootfs.as_deref()).await {
+                    Ok(()) => {
+                        // Deleted while it was uploading: its manifest must not outlive it.
+                        if matches!(builds.get(&rec.id), Ok(None)) {
+                            let _ = store.delete_manifest(&rec.id).await;
+                            return;
+                        }
+                        tracing::info!(build = %rec.id, secs = t0.elapsed().as_secs_f64(), "build uploaded to the object store");
                         return;
                     }
-                    tracing::info!(build = %rec.id, secs = t0.elapsed().as_secs_f64(), "build uploaded to the object store");
-                }
-                Err(e) => {
-                    tracing::warn!(build = %rec.id, "uploading the build to the object store failed: {e:#}")
+                    Err(e) => {
+                        tracing::warn!(build = %rec.id, attempt, "uploading the build to the object store failed: {e:#}")
+                    }
                 }
             }
         });
