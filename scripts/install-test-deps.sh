@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs what the test suite needs beyond `vmon up`'s own packages: the servers the backends'
-# tests start (etcd, PostgreSQL), tools the tests run (shellcheck, headless Chromium and its
+# tests start (etcd, PostgreSQL, garage), tools the tests run (shellcheck, headless Chromium and its
 # driver for the dashboard's browser tests), the Python venv with the pinned E2B SDKs and
 # selenium, and the unprivileged user envd's tests run commands as. Safe to run again.
 set -euo pipefail
@@ -60,6 +60,9 @@ for entry in "${BINS[@]}"; do
   fi
 done
 [ "$failed" = 0 ] || exit 1
+# The S3 server the object-store tests start (built from source once, cached outside the clone).
+scripts/install-garage.sh >/dev/null
+
 # Debian starts a default etcd on install; tests run their own.
 systemctl disable --now etcd >/dev/null 2>&1 || true
 # The same for the registry (the OCI tests start their own on a free port).

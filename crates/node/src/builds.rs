@@ -85,7 +85,7 @@ pub fn new_id(prefix: &str) -> String {
     format!("{prefix}{}", hex::encode(b))
 }
 
-fn valid_name(s: &str) -> bool {
+pub(crate) fn valid_name(s: &str) -> bool {
     !s.is_empty()
         && s.len() <= 128
         && s.chars()

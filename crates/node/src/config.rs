@@ -46,6 +46,13 @@ pub struct NodeConfig {
     pub volumes_dir: PathBuf,
     /// The virtio-fs daemon (`VMON_VIRTIOFSD`; QEMU 7.2's on Debian 12).
     pub virtiofsd: PathBuf,
+    /// The S3-compatible store builds are uploaded to and fetched from (`VMON_S3_ENDPOINT`,
+    /// `VMON_S3_BUCKET`, `VMON_S3_REGION`, `VMON_S3_ACCESS_KEY_ID`,
+    /// `VMON_S3_SECRET_ACCESS_KEY`, `VMON_S3_PREFIX`); `None`: builds stay on this node.
+    pub object_store: Option<vmon_objstore::ObjectStoreConfig>,
+    /// How much of the data dir builds fetched from the store may take (`VMON_STORE_CACHE_MB`,
+    /// default 20 GiB): beyond it the least recently used ones no sandbox runs from go.
+    pub store_cache_mb: u64,
 }
 
 impl NodeConfig {
@@ -74,6 +81,9 @@ impl NodeConfig {
                 .filter(|v| !v.is_empty())
                 .map(PathBuf::from)
                 .unwrap_or_else(|| PathBuf::from("/usr/lib/qemu/virtiofsd")),
+            // A partial setting is reported by `Node::open`.
+            object_store: vmon_objstore::ObjectStoreConfig::from_env().ok().flatten(),
+            store_cache_mb: env_or("VMON_STORE_CACHE_MB", 20 << 10),
         }
     }
 }

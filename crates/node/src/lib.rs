@@ -13,6 +13,7 @@ mod pool;
 pub mod rpc;
 pub mod sandbox;
 pub mod slots;
+pub mod store;
 pub mod telemetry;
 
 pub use config::{free_mb, NodeConfig};

@@ -105,6 +105,11 @@ pub struct BuildInfo {
     /// has now (a newer envd, new packages): a built-in template is then built again.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub older_image: bool,
+    /// The build's manifest is in the cluster's object store (uploaded by this node, or
+    /// fetched from there): another node can restore it. Uploads run in the background after
+    /// the call that made the build returned, so `build_info` turns this on later.
+    #[serde(default)]
+    pub stored: bool,
 }
 
 /// How to make a template build from the base image.

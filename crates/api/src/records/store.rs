@@ -176,6 +176,7 @@ fn from_store(s: vmon_store::SandboxRecord) -> SandboxRecord {
         envd_version: s.envd_version.clone(),
         parent: None,
         older_image: false,
+        stored: false,
     });
     SandboxRecord {
         id: s.sandbox_id,
@@ -256,6 +257,7 @@ fn build_info(b: vmon_store::Build) -> BuildInfo {
         envd_version: b.envd_version,
         parent: b.parent_build_id,
         older_image: false,
+        stored: false,
     }
 }
 

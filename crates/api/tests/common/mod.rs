@@ -71,6 +71,7 @@ impl FakeNode {
             envd_version: "0.6.4".into(),
             parent,
             older_image: false,
+            stored: false,
         };
         self.builds
             .lock()
@@ -102,6 +103,7 @@ impl NodeControl for FakeNode {
             envd_version: "0.6.4".into(),
             parent: None,
             older_image: false,
+            stored: false,
         };
         self.builds
             .lock()

@@ -241,6 +241,8 @@ impl Node {
                     );
                 }
                 drop(l);
+                // The kept QEMU writes to a fresh overlay: the build's files are frozen.
+                self.upload_later(&rec);
                 self.evict_parked(false).await;
                 return Ok(Self::info(&rec));
             }
@@ -248,6 +250,8 @@ impl Node {
         if let Some(vm) = l.vm.take() {
             vm.quit().await;
         }
+        // Uploaded once QEMU has closed the build's overlay and RAM file for good.
+        self.upload_later(&rec);
         // Artifacts now belong to the build.
         let _ = self.slots.release(&l.slot).await;
         let _ = std::fs::remove_file(SandboxState::path(&l.dir));
@@ -292,6 +296,7 @@ impl Node {
                 .capture(&l, &build_id, memory, false, frozen, chain)
                 .await?;
             self.builds.put(&rec)?;
+            self.upload_later(&rec);
             if let RamSource::Private { mem_base, .. } = &l.state.ram {
                 // Later captures of this sandbox compare with the checkpoint.
                 l.state.ram = RamSource::Private {

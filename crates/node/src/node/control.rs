@@ -23,8 +23,10 @@ impl NodeControl for Node {
     }
 
     async fn build_info(&self, build_id: &str) -> Result<BuildInfo, NodeError> {
+        self.ensure_local(build_id).await?;
         let r = self.record(build_id)?;
         let mut info = Self::info(&r);
+        info.stored = self.is_stored(build_id);
         // A template build (no parent) is compared with the node's image, waiting for it when
         // it is being built; builds made from sandboxes are what they are.
         if r.parent.is_none() {
@@ -42,6 +44,7 @@ impl NodeControl for Node {
             .me
             .upgrade()
             .ok_or_else(|| NodeError::Failed("node is shutting down".into()))?;
+        me.ensure_local(&spec.build_id).await?;
         me.start_sandbox(spec).await
     }
 

@@ -15,6 +15,7 @@ mod control;
 mod parking;
 mod pools;
 mod recovery;
+mod remote;
 mod restore;
 mod template;
 mod volumes;
@@ -82,6 +83,10 @@ pub struct Node {
     host_memory_mb: u64,
     telemetry: crate::telemetry::Telemetry,
     me: std::sync::Weak<Node>,
+    /// The cluster's object store, when configured (see [`crate::store`]).
+    store: Option<Arc<crate::store::Store>>,
+    /// Fetches from the store in progress, by build: concurrent starts of one build share one.
+    fetches: std::sync::Mutex<HashMap<String, Arc<Mutex<()>>>>,
     /// Held for the node's life: no other node on this host may use the same slot block.
     _block_lock: std::fs::File,
     /// Held for the node's life: one node per data dir (another would sweep our artifacts).
@@ -269,6 +274,17 @@ impl Node {
         // Fails here, not in the background, when envd is missing.
         recipe.hash()?;
         let builds = Builds::open(&cfg.data_dir)?;
+        if cfg.object_store.is_none() {
+            // Set but incomplete: say so rather than run without the store.
+            vmon_objstore::ObjectStoreConfig::from_env()?;
+        }
+        let store = match &cfg.object_store {
+            Some(c) => Some(Arc::new(crate::store::Store::open(
+                c.clone(),
+                &cfg.data_dir,
+            )?)),
+            None => None,
+        };
         Slots::prepare_host().await?;
         let (slot_block, block_lock) = claim_slot_block(&cfg)?;
         tracing::info!(slot_block, "network slot block");
@@ -293,10 +309,13 @@ impl Node {
             blank_machines: Default::default(),
             host_memory_mb: host_memory_mb(),
             telemetry: Default::default(),
+            store,
+            fetches: Default::default(),
             _block_lock: block_lock,
             _data_lock: data_lock,
         });
         node.recover().await?;
+        node.upload_unstored();
         node.slots.set_spares(node.cfg.spare_slots);
         node.slots.refill();
         crate::telemetry::spawn(Arc::downgrade(&node));
@@ -406,6 +425,7 @@ impl Node {
             envd_version: rec.envd_version.clone(),
             parent: rec.parent.clone(),
             older_image: false,
+            stored: false,
         }
     }
 

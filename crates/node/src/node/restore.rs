@@ -23,7 +23,7 @@ use crate::slots::TAP;
 
 impl Node {
     /// A restore only loads into the machine a build was made on.
-    fn check_compatible(&self, rec: &BuildRecord) -> Result<(), NodeError> {
+    pub(super) fn check_compatible(&self, rec: &BuildRecord) -> Result<(), NodeError> {
         let m = &rec.machine;
         if m.accel != self.accel.accel || m.qemu_version != self.qemu_version {
             return Err(NodeError::InvalidArgument(format!(

@@ -163,6 +163,7 @@ impl Node {
                 vm.quit().await;
             }
             self.builds.put(&rec)?;
+            self.upload_later(&rec);
             anyhow::Ok(rec)
         }
         .await;
@@ -233,8 +234,9 @@ impl Node {
         .map_err(|e| NodeError::InvalidArgument(e.0))
     }
 
-    /// Deletes a build no running sandbox restores from, with its pooled and parked processes.
-    pub(super) async fn remove_build(&self, build_id: &str) -> Result<(), NodeError> {
+    /// Deletes a build here (not in the object store) that no running sandbox restores from,
+    /// with its pooled and parked processes.
+    pub(super) async fn remove_local_build(&self, build_id: &str) -> Result<(), NodeError> {
         let rec = self.record(build_id)?;
         let lives: Vec<Arc<Mutex<Live>>> = self
             .sandboxes
