@@ -14,6 +14,7 @@ pub mod rpc;
 pub mod sandbox;
 pub mod slots;
 pub mod telemetry;
+pub mod tls;
 
 pub use config::{free_mb, NodeConfig};
 pub use node::{probe_qmp, Node, ENVD_VERSION};
