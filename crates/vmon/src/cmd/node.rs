@@ -80,6 +80,15 @@ pub async fn run(data_dir: &Path, args: Args) -> anyhow::Result<()> {
 }
 
 async fn serve(data_dir: &Path, args: RunArgs) -> anyhow::Result<()> {
+    // A bad certificate is reported before the node starts.
+    let tls = match (&args.tls_cert, &args.tls_key) {
+        (Some(cert), Some(key)) => Some(
+            vmon_node::tls::server_config(cert, key, &[b"http/1.1"])
+                .context("node RPC's TLS certificate (--tls-cert, --tls-key)")?,
+        ),
+        _ => None,
+    };
+    let scheme = if tls.is_some() { "https" } else { "http" };
     std::fs::create_dir_all(data_dir)?;
     let mut cfg = vmon_node::NodeConfig::new(data_dir.to_path_buf());
     cfg.pool_size = args.pool_size;
@@ -95,14 +104,6 @@ async fn serve(data_dir: &Path, args: RunArgs) -> anyhow::Result<()> {
         Some(t) => t.trim().to_string(),
         None => file_token(&token_path)?,
     };
-    let tls = match (&args.tls_cert, &args.tls_key) {
-        (Some(cert), Some(key)) => Some(
-            vmon_node::tls::server_config(cert, key, &[b"http/1.1"])
-                .context("node RPC's TLS certificate (--tls-cert, --tls-key)")?,
-        ),
-        _ => None,
-    };
-    let scheme = if tls.is_some() { "https" } else { "http" };
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("binding node RPC to {}", args.listen))?;

@@ -73,6 +73,14 @@ pub struct ClusterParts {
 pub async fn serve(data_dir: &Path, config: Config, parts: Parts) -> anyhow::Result<()> {
     std::fs::create_dir_all(data_dir)
         .with_context(|| format!("creating the data dir {}", data_dir.display()))?;
+    // A bad certificate is reported before anything starts.
+    let api_tls = match (&config.api_tls_cert, &config.api_tls_key) {
+        (Some(cert), Some(key)) => Some(
+            vmon_node::tls::server_config(cert, key, &[b"h2", b"http/1.1"])
+                .context("the api's TLS certificate (api_tls_cert, api_tls_key)")?,
+        ),
+        _ => None,
+    };
     let cancel = CancellationToken::new();
     shutdown_on_signal(cancel.clone());
 
@@ -152,13 +160,6 @@ pub async fn serve(data_dir: &Path, config: Config, parts: Parts) -> anyhow::Res
     let c = cancel.clone();
     let api_control = control.clone();
     let token = Some(admin_token);
-    let api_tls = match (&config.api_tls_cert, &config.api_tls_key) {
-        (Some(cert), Some(key)) => Some(
-            vmon_node::tls::server_config(cert, key, &[b"h2", b"http/1.1"])
-                .context("the api's TLS certificate (api_tls_cert, api_tls_key)")?,
-        ),
-        _ => None,
-    };
     let tls_on = api_tls.is_some();
     tasks.spawn(
         async move { vmon_api::serve_with(api_listener, api_control, token, api_tls, c).await },
