@@ -192,15 +192,15 @@ start_api() {
   local i=$1 port
   port=$(api_port "$i")
   mkdir -p "$DIR/api"
-  local cert="" key="" ca=""
+  local cert="" key="" node_ca=()
   if [ "$TLS" = 1 ]; then
-    cert="$TLS_DIR/api$i.pem" key="$TLS_DIR/api$i.key" ca="$TLS_DIR/ca.pem"
+    cert="$TLS_DIR/api$i.pem" key="$TLS_DIR/api$i.key" node_ca=(--node-ca "$TLS_DIR/ca.pem")
   fi
   VMON_API_LISTEN="127.0.0.1:$port" VMON_API_URL="$SCHEME://127.0.0.1:$port" \
-    VMON_API_TLS_CERT="$cert" VMON_API_TLS_KEY="$key" VMON_NODE_CA_FILE="$ca" \
+    VMON_API_TLS_CERT="$cert" VMON_API_TLS_KEY="$key" \
     VMON_PROXY_LISTEN="127.0.0.1:$PROXY_PORT" VMON_CLIENT_ID="api$i" \
     VMON_STORE_URL="$STORE_URL" VMON_NODE_TOKEN=$(node_token) \
-    run "api$i" "$(vmon_bin)" --data-dir "$DIR/api" api --etcd "$ETCD_ENDPOINTS"
+    run "api$i" "$(vmon_bin)" --data-dir "$DIR/api" api --etcd "$ETCD_ENDPOINTS" "${node_ca[@]}"
 }
 
 start_proxy() {

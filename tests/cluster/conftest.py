@@ -159,9 +159,14 @@ def cluster():
     subprocess.run([str(SCRIPT), "down"], env=env, check=False, timeout=300)
     shutil.rmtree(DIR, ignore_errors=True)
     IMAGE_CACHE.mkdir(parents=True, exist_ok=True)
-    out = subprocess.run(
-        [str(SCRIPT), "up", "--detach"], env=env, check=True, timeout=3600, stdout=subprocess.PIPE, text=True
-    ).stdout
+    try:
+        out = subprocess.run(
+            [str(SCRIPT), "up", "--detach"], env=env, check=True, timeout=3600, stdout=subprocess.PIPE, text=True
+        ).stdout
+    except BaseException:
+        # What did start stops with it (its logs stay in DIR/logs).
+        subprocess.run([str(SCRIPT), "down"], env=env, check=False, timeout=300)
+        raise
     exports = {}
     for line in out.splitlines():
         if line.startswith("export "):

@@ -27,8 +27,7 @@ pub struct Args {
 
 pub async fn run(data_dir: &Path, args: Args) -> anyhow::Result<()> {
     let config = vmon_api::Config::load(args.config.as_deref(), data_dir)?;
-    // (An empty VMON_NODE_CA_FILE is no CA.)
-    let node_tls = match args.node_ca.as_ref().filter(|p| !p.as_os_str().is_empty()) {
+    let node_tls = match &args.node_ca {
         Some(ca) => Some(
             vmon_node::tls::ClientTls::from_ca_file(ca)
                 .map_err(|e| anyhow::anyhow!("the nodes' CA (--node-ca): {e:#}"))?,
