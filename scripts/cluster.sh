@@ -19,6 +19,14 @@
 # The two nodes pose as two hosts (host-1, host-2), each with its own ingress proxy (proxy on
 # PORT+1 for host-1, proxy2 on PORT+2 for host-2): E2B_SANDBOX_URL is host-1's proxy, which
 # hands traffic for sandboxes on host-2 to proxy2, as proxies on separate machines would.
+#
+# VMON_CLUSTER_TLS=1 (given to `up`, remembered for later commands; `up` with 0 turns it off)
+# runs node RPC, the api replicas (and with them the admin token the proxy presents) and
+# PostgreSQL over TLS: `vmon cert` makes a CA in DIR/tls and a certificate per process, the
+# nodes serve https (TLS only), the api replicas serve https and verify nodes and PostgreSQL
+# (sslmode=verify-full) against the CA, PostgreSQL takes only TLS connections over TCP, the
+# proxy verifies its api. The printed exports then say https and trust the CA
+# (SSL_CERT_FILE, REQUESTS_CA_BUNDLE: the system's CAs plus the cluster's).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -31,8 +39,14 @@ api_port() { if [ "$1" = 1 ]; then echo "$P"; else echo $((P + 10)); fi; }
 PROXY_PORT=$((P + 1))
 proxy_port() { echo $((P + $1)); }
 PG_PORT=$((P + 40))
+TLS_DIR=$DIR/tls
+if [ -n "${VMON_CLUSTER_TLS:-}" ]; then TLS=$VMON_CLUSTER_TLS; elif [ -f "$TLS_DIR/on" ]; then TLS=1; else TLS=0; fi
+[ "$TLS" = 1 ] && SCHEME=https || SCHEME=http
 ETCD_ENDPOINTS="http://127.0.0.1:$((P + 31)),http://127.0.0.1:$((P + 33)),http://127.0.0.1:$((P + 35))"
 STORE_URL="postgres://postgres@127.0.0.1:$PG_PORT/postgres"
+if [ "$TLS" = 1 ]; then
+  STORE_URL+="?sslmode=verify-full&sslrootcert=$TLS_DIR/ca.pem"
+fi
 
 vmon_bin() {
   if [ -n "${VMON_BIN:-}" ]; then echo "$VMON_BIN"; else echo "$ROOT/target/release/vmon"; fi
@@ -69,14 +83,27 @@ alive() {
   [ -f "$f" ] && kill -0 "$(cat "$f")" 2>/dev/null
 }
 
-# health PORT: the HTTP status of GET /health (no curl on a minimal machine).
-health() {
-  local line=""
-  exec 3<>"/dev/tcp/127.0.0.1/$1" || return 0
-  printf 'GET /health HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n' >&3
-  read -r -t 5 line <&3 || true
-  exec 3>&-
-  echo "$line" | cut -d' ' -f2
+# wait_ready PORT SECS: waits until the api there answers GET /health 200 (the base template
+# is built), over http or https as the cluster runs: `vmon up --print-env` does the waiting.
+wait_ready() {
+  VMON_API_URL="$SCHEME://127.0.0.1:$1" VMON_API_CA_FILE=$(api_ca) \
+    "$(vmon_bin)" --data-dir "$DIR/api" up --print-env --wait-secs "$2" >/dev/null
+}
+
+# The CA file clients verify the cluster's https with (empty without TLS).
+api_ca() { if [ "$TLS" = 1 ]; then echo "$TLS_DIR/ca.pem"; fi; }
+
+# make_certs: the cluster's CA and a certificate (127.0.0.1, localhost) per TLS server.
+make_certs() {
+  local part
+  "$(vmon_bin)" cert ca --dir "$TLS_DIR" >/dev/null
+  for part in node1 node2 api1 api2 pg; do
+    [ -s "$TLS_DIR/$part.pem" ] && [ -s "$TLS_DIR/$part.key" ] && continue
+    "$(vmon_bin)" cert issue --dir "$TLS_DIR" --out "$TLS_DIR/$part" 127.0.0.1 localhost >/dev/null
+  done
+  # PostgreSQL reads its key as its own user and wants it owner-only.
+  chown postgres:postgres "$TLS_DIR/pg.key"
+  touch "$TLS_DIR/on"
 }
 
 wait_port() {
@@ -120,8 +147,18 @@ start_pg() {
   mkdir -p "$DIR/logs"
   touch "$DIR/logs/pg.log"
   chown postgres:postgres "$DIR/logs/pg.log"
+  # Local socket connections as before; TCP ones only over TLS when the cluster runs TLS.
+  local hba="$DIR/pg/hba.conf" ssl=()
+  if [ "$TLS" = 1 ]; then
+    printf 'local all all trust\nhostssl all all 127.0.0.1/32 trust\n' >"$hba"
+    ssl=(-c ssl=on -c "ssl_cert_file=$TLS_DIR/pg.pem" -c "ssl_key_file=$TLS_DIR/pg.key")
+  else
+    printf 'local all all trust\nhost all all 127.0.0.1/32 trust\n' >"$hba"
+  fi
+  chmod 644 "$hba"
   run pg runuser -u postgres -- "$PG_BIN/postgres" -D "$DIR/pg/data" -p "$PG_PORT" \
-    -k "$DIR/pg" -c listen_addresses=127.0.0.1 -c max_connections=100
+    -k "$DIR/pg" -c listen_addresses=127.0.0.1 -c max_connections=100 -c "hba_file=$hba" \
+    "${ssl[@]}"
 }
 
 start_garage() {
@@ -141,26 +178,36 @@ start_node() {
     # shellcheck disable=SC1091
     . "$DIR/s3.env"
   fi
+  local tls=()
+  if [ "$TLS" = 1 ]; then
+    # TLS only; it advertises https://<listen> in the registry.
+    tls=(--tls-cert "$TLS_DIR/node$i.pem" --tls-key "$TLS_DIR/node$i.key")
+  fi
   VMON_NODE_TOKEN=$(node_token) run "node$i" "$(vmon_bin)" --data-dir "$d" node \
     --listen "127.0.0.1:$((P + 20 + i))" --etcd "$ETCD_ENDPOINTS" --node-id "node$i" \
-    --host "host-$i" --ingress "http://127.0.0.1:$(proxy_port "$i")"
+    --host "host-$i" --ingress "http://127.0.0.1:$(proxy_port "$i")" "${tls[@]}"
 }
 
 start_api() {
   local i=$1 port
   port=$(api_port "$i")
   mkdir -p "$DIR/api"
-  VMON_API_LISTEN="127.0.0.1:$port" VMON_API_URL="http://127.0.0.1:$port" \
+  local cert="" key="" node_ca=()
+  if [ "$TLS" = 1 ]; then
+    cert="$TLS_DIR/api$i.pem" key="$TLS_DIR/api$i.key" node_ca=(--node-ca "$TLS_DIR/ca.pem")
+  fi
+  VMON_API_LISTEN="127.0.0.1:$port" VMON_API_URL="$SCHEME://127.0.0.1:$port" \
+    VMON_API_TLS_CERT="$cert" VMON_API_TLS_KEY="$key" \
     VMON_PROXY_LISTEN="127.0.0.1:$PROXY_PORT" VMON_CLIENT_ID="api$i" \
     VMON_STORE_URL="$STORE_URL" VMON_NODE_TOKEN=$(node_token) \
-    run "api$i" "$(vmon_bin)" --data-dir "$DIR/api" api --etcd "$ETCD_ENDPOINTS"
+    run "api$i" "$(vmon_bin)" --data-dir "$DIR/api" api --etcd "$ETCD_ENDPOINTS" "${node_ca[@]}"
 }
 
 start_proxy() {
   local i=$1 name=proxy
   [ "$i" = 1 ] || name="proxy$i"
-  VMON_PROXY_LISTEN="127.0.0.1:$(proxy_port "$i")" VMON_API_URL="http://127.0.0.1:$(api_port "$i")" \
-    VMON_PROXY_HOST="host-$i" run "$name" "$(vmon_bin)" --data-dir "$DIR/api" proxy
+  VMON_PROXY_LISTEN="127.0.0.1:$(proxy_port "$i")" VMON_API_URL="$SCHEME://127.0.0.1:$(api_port "$i")" \
+    VMON_API_CA_FILE=$(api_ca) VMON_PROXY_HOST="host-$i" run "$name" "$(vmon_bin)" --data-dir "$DIR/api" proxy
 }
 
 start() {
@@ -202,13 +249,22 @@ stop_all() {
 
 exports() {
   cat <<EOF
-export E2B_API_URL=http://127.0.0.1:$(api_port 1)
+export E2B_API_URL=$SCHEME://127.0.0.1:$(api_port 1)
 export E2B_SANDBOX_URL=http://127.0.0.1:$PROXY_PORT
 export E2B_API_KEY=$(cat "$DIR/api/api-key")
-export E2B_VOLUME_API_URL=http://127.0.0.1:$(api_port 1)
+export E2B_VOLUME_API_URL=$SCHEME://127.0.0.1:$(api_port 1)
 # the second api replica (any replica answers any request):
-export VMON_API_URL_B=http://127.0.0.1:$(api_port 2)
+export VMON_API_URL_B=$SCHEME://127.0.0.1:$(api_port 2)
 EOF
+  if [ "$TLS" = 1 ]; then
+    cat <<EOF
+# the cluster's CA (https of the api replicas and nodes): the system's CAs plus it
+export SSL_CERT_FILE=$TLS_DIR/bundle.pem
+export REQUESTS_CA_BUNDLE=$TLS_DIR/bundle.pem
+export NODE_EXTRA_CA_CERTS=$TLS_DIR/ca.pem
+export VMON_API_CA_FILE=$TLS_DIR/ca.pem
+EOF
+  fi
 }
 
 up() {
@@ -218,6 +274,11 @@ up() {
   if [ ! -e "$DIR/build/images" ]; then
     mkdir -p "$DIR/build"
     ln -s "$IMAGES" "$DIR/build/images"
+  fi
+  if [ "$TLS" = 1 ]; then
+    make_certs
+  else
+    rm -f "$TLS_DIR/on"
   fi
   echo "vmon cluster: guest image (cached in $IMAGES)" >&2
   "$(vmon_bin)" --data-dir "$DIR/build" image build >&2
@@ -239,13 +300,7 @@ up() {
   wait_port "$PROXY_PORT" proxy
   wait_port "$(proxy_port 2)" proxy2
   echo "vmon cluster: waiting for the base template (built on one node; logs in $DIR/logs)" >&2
-  local code=""
-  for _ in $(seq 3600); do
-    code=$(health "$(api_port 1)" 2>/dev/null || true)
-    [ "$code" = 200 ] && break
-    sleep 1
-  done
-  if [ "$code" != 200 ]; then
+  if ! wait_ready "$(api_port 1)" 3600; then
     echo "error: the cluster did not become ready (see $DIR/logs)" >&2
     return 1
   fi

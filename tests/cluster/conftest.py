@@ -5,6 +5,11 @@ each part its own process, and the official SDK pointed at it by E2B_* variables
 VMON_CLUSTER_TEST_DIR (default /var/tmp/vmon-cluster-test) holds the parts' state and logs;
 its guest images link to the shared cache (VMON_IMAGE_CACHE, default
 $VMON_TEST_DATA_DIR/images). VMON_CLUSTER_TEST_PORT (default 3300) is the first port.
+
+The cluster runs with TLS (`VMON_CLUSTER_TLS=1`: node RPC, the api replicas and PostgreSQL
+over TLS with a CA of its own) unless VMON_CLUSTER_TEST_TLS=0; the exports it prints
+(`SSL_CERT_FILE`, ...) go into this process's environment before the SDK makes its
+(cached) TLS transport.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import json
 import os
 import shutil
 import signal
+import ssl
 import subprocess
 import time
 import urllib.request
@@ -30,6 +36,7 @@ IMAGE_CACHE = Path(
     )
 )
 SCRIPT = REPO / "scripts" / "cluster.sh"
+TLS = os.environ.get("VMON_CLUSTER_TEST_TLS", "1") != "0"
 
 
 def wait_for(predicate, timeout: float = 60.0, interval: float = 0.5, what: str = "condition"):
@@ -51,6 +58,13 @@ class Cluster:
         self.sandbox_url = exports["E2B_SANDBOX_URL"]
         self.api_key = exports["E2B_API_KEY"]
         self.token = (DIR / "node-token").read_text().strip()
+        self.tls = TLS
+        self.ca = DIR / "tls" / "ca.pem"
+        self.scheme = "https" if TLS else "http"
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """Verifies the cluster's https against its CA (None without TLS)."""
+        return ssl.create_default_context(cafile=str(self.ca)) if self.tls else None
 
     def script(self, *args: str) -> None:
         subprocess.run([str(SCRIPT), *args], env=self.env, check=True, timeout=600)
@@ -79,12 +93,12 @@ class Cluster:
 
     def node_rpc(self, i: int, call: str, arg: dict | None = None):
         req = urllib.request.Request(
-            f"http://127.0.0.1:{self.node_port(i)}/v1/{call}",
+            f"{self.scheme}://127.0.0.1:{self.node_port(i)}/v1/{call}",
             data=json.dumps(arg or {}).encode(),
             headers={"authorization": f"Bearer {self.token}", "content-type": "application/json"},
             method="POST",
         )
-        with urllib.request.urlopen(req, timeout=30) as r:
+        with urllib.request.urlopen(req, timeout=30, context=self.ssl_context()) as r:
             return json.loads(r.read())["ok"]
 
     def running_on(self, i: int) -> set[str]:
@@ -140,13 +154,19 @@ def cluster():
         VMON_IMAGES_DIR=str(IMAGE_CACHE),
         VMON_PREBUILD_CODE_INTERPRETER="0",
         VMON_WEBHOOK_ALLOW="127.0.0.1/32",
+        VMON_CLUSTER_TLS="1" if TLS else "0",
     )
     subprocess.run([str(SCRIPT), "down"], env=env, check=False, timeout=300)
     shutil.rmtree(DIR, ignore_errors=True)
     IMAGE_CACHE.mkdir(parents=True, exist_ok=True)
-    out = subprocess.run(
-        [str(SCRIPT), "up", "--detach"], env=env, check=True, timeout=3600, stdout=subprocess.PIPE, text=True
-    ).stdout
+    try:
+        out = subprocess.run(
+            [str(SCRIPT), "up", "--detach"], env=env, check=True, timeout=3600, stdout=subprocess.PIPE, text=True
+        ).stdout
+    except BaseException:
+        # What did start stops with it (its logs stay in DIR/logs).
+        subprocess.run([str(SCRIPT), "down"], env=env, check=False, timeout=300)
+        raise
     exports = {}
     for line in out.splitlines():
         if line.startswith("export "):
@@ -154,6 +174,9 @@ def cluster():
             exports[k] = v
     for k in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY", "E2B_VOLUME_API_URL"):
         os.environ[k] = exports[k]
+    if TLS:
+        for k in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "NODE_EXTRA_CA_CERTS", "VMON_API_CA_FILE"):
+            os.environ[k] = exports[k]
     c = Cluster(env, exports)
     try:
         yield c

@@ -59,6 +59,16 @@ pub struct Config {
     pub proxy_tls_cert: Option<std::path::PathBuf>,
     /// PEM private key of `proxy_tls_cert` (`VMON_PROXY_TLS_KEY`).
     pub proxy_tls_key: Option<std::path::PathBuf>,
+    /// PEM certificate chain (leaf first) the api serves its listener with, TLS only
+    /// (`VMON_API_TLS_CERT`); `api_url` then defaults to `https://<api_listen>`. Without it
+    /// the api speaks plain HTTP.
+    pub api_tls_cert: Option<std::path::PathBuf>,
+    /// PEM private key of `api_tls_cert` (`VMON_API_TLS_KEY`).
+    pub api_tls_key: Option<std::path::PathBuf>,
+    /// A PEM file of the CA certificates an `https://` `api_url` is verified against by the
+    /// api's own clients (`vmon proxy`, the admin verbs) (`VMON_API_CA_FILE`); default: the
+    /// system's CAs.
+    pub api_ca_file: Option<std::path::PathBuf>,
     /// Where volumes keep their files, `<dir>/<volumeID>` (`VMON_VOLUMES_DIR`); default
     /// `<data dir>/volumes`. In a cluster, a filesystem every node and api mounts at this
     /// same path. Unset (only when the config is built in code): no volume routes.
@@ -149,6 +159,9 @@ impl Default for Config {
                 .collect(),
             proxy_tls_cert: None,
             proxy_tls_key: None,
+            api_tls_cert: None,
+            api_tls_key: None,
+            api_ca_file: None,
             volumes_dir: None,
             volume_key_file: None,
             volume_token_ttl_secs: 3600,
@@ -288,6 +301,18 @@ impl Config {
         if self.proxy_tls_cert.is_some() != self.proxy_tls_key.is_some() {
             anyhow::bail!("proxy_tls_cert and proxy_tls_key (VMON_PROXY_TLS_CERT, VMON_PROXY_TLS_KEY) go together: set both or neither");
         }
+        if let Some(v) = var("VMON_API_TLS_CERT") {
+            self.api_tls_cert = (!v.is_empty()).then(|| v.into());
+        }
+        if let Some(v) = var("VMON_API_TLS_KEY") {
+            self.api_tls_key = (!v.is_empty()).then(|| v.into());
+        }
+        if self.api_tls_cert.is_some() != self.api_tls_key.is_some() {
+            anyhow::bail!("api_tls_cert and api_tls_key (VMON_API_TLS_CERT, VMON_API_TLS_KEY) go together: set both or neither");
+        }
+        if let Some(v) = var("VMON_API_CA_FILE") {
+            self.api_ca_file = (!v.is_empty()).then(|| v.into());
+        }
         if let Some(v) = var("VMON_BASE_VCPUS") {
             self.base_template.vcpus = parse("VMON_BASE_VCPUS", v)?;
         }
@@ -305,9 +330,14 @@ impl Config {
     }
 
     pub fn api_url(&self) -> String {
+        let scheme = if self.api_tls_cert.is_some() {
+            "https"
+        } else {
+            "http"
+        };
         self.api_url
             .clone()
-            .unwrap_or_else(|| format!("http://{}", self.api_listen))
+            .unwrap_or_else(|| format!("{scheme}://{}", self.api_listen))
     }
 
     /// The domain the SDK builds `{port}-{sandboxID}.{domain}` hosts from (`get_host`): the
@@ -355,6 +385,33 @@ mod tests {
             .apply_env(|k| (k == "VMON_API_LISTEN").then(|| "nope".to_string()))
             .is_err());
         assert_eq!(c.api_url(), "http://127.0.0.1:4000");
+    }
+
+    #[test]
+    fn an_api_with_a_certificate_is_https() {
+        let mut c = Config::default();
+        let env = |pairs: &'static [(&'static str, &'static str)]| {
+            move |k: &str| {
+                pairs
+                    .iter()
+                    .find(|(n, _)| *n == k)
+                    .map(|(_, v)| v.to_string())
+            }
+        };
+        assert!(c
+            .apply_env(env(&[("VMON_API_TLS_CERT", "/etc/vmon/api.pem")]))
+            .is_err());
+        c.apply_env(env(&[
+            ("VMON_API_TLS_CERT", "/etc/vmon/api.pem"),
+            ("VMON_API_TLS_KEY", "/etc/vmon/api.key"),
+            ("VMON_API_CA_FILE", "/etc/vmon/ca.pem"),
+        ]))
+        .expect("env");
+        assert_eq!(c.api_url(), "https://127.0.0.1:3000");
+        assert_eq!(
+            c.api_ca_file.as_deref(),
+            Some(Path::new("/etc/vmon/ca.pem"))
+        );
     }
 
     #[test]

@@ -37,19 +37,29 @@ pub async fn serve(
     admin_token: Option<String>,
     cancel: tokio_util::sync::CancellationToken,
 ) -> anyhow::Result<()> {
+    serve_with(listener, control, admin_token, None, cancel).await
+}
+
+/// [`serve`], over TLS only when `tls` is given (`api_tls_cert`).
+pub async fn serve_with(
+    listener: tokio::net::TcpListener,
+    control: Arc<Control>,
+    admin_token: Option<String>,
+    tls: Option<Arc<rustls::ServerConfig>>,
+    cancel: tokio_util::sync::CancellationToken,
+) -> anyhow::Result<()> {
     let app = http::router(state::AppState {
         control,
         admin_token,
     });
     // The same accept loop as the proxy's: a connection cap and a header-read timeout.
     let service = hyper_util::service::TowerToHyperService::new(app);
-    vmon_proxy::listen::serve(
-        listener,
-        vmon_proxy::listen::Limits::default(),
-        cancel,
-        "api",
-        service,
-    )
-    .await;
+    let limits = vmon_proxy::listen::Limits::default();
+    match tls {
+        None => vmon_proxy::listen::serve(listener, limits, cancel, "api", service).await,
+        Some(tls) => {
+            vmon_proxy::listen::serve_tls_only(listener, limits, tls, cancel, "api", service).await
+        }
+    }
     Ok(())
 }

@@ -40,6 +40,8 @@ pub struct ClusterNodes {
     kv: Kv,
     /// The node RPC token every node of the cluster accepts.
     token: String,
+    /// The CA the nodes' certificates are verified against (then node RPC is TLS-only).
+    tls: Option<vmon_node::tls::ClientTls>,
     members: Mutex<Option<(Instant, Vec<NodeInfo>)>>,
     /// Starts this process placed lately, which the nodes' heartbeats may not show yet.
     placed: Mutex<Vec<(Instant, String)>>,
@@ -47,10 +49,13 @@ pub struct ClusterNodes {
 }
 
 impl ClusterNodes {
-    pub fn new(kv: Kv, token: String) -> Arc<ClusterNodes> {
+    /// `tls`: the CA file's client configuration when node RPC runs over TLS
+    /// ([`RemoteNode::with_tls`]).
+    pub fn new(kv: Kv, token: String, tls: Option<vmon_node::tls::ClientTls>) -> Arc<ClusterNodes> {
         Arc::new(ClusterNodes {
             kv,
             token,
+            tls,
             members: Mutex::new(None),
             placed: Mutex::new(Vec::new()),
             clients: Mutex::new(HashMap::new()),
@@ -89,7 +94,7 @@ impl ClusterNodes {
             }
         }
         let c = Arc::new(
-            RemoteNode::new(&node.rpc_url, self.token.clone())
+            RemoteNode::with_tls(&node.rpc_url, self.token.clone(), self.tls.as_ref())
                 .map_err(|e| NodeError::Failed(format!("node {}: {e:#}", node.id)))?,
         );
         clients.insert(node.id.clone(), (node.rpc_url.clone(), c.clone()));

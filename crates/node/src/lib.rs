@@ -15,6 +15,7 @@ pub mod sandbox;
 pub mod slots;
 pub mod store;
 pub mod telemetry;
+pub mod tls;
 
 pub use config::{free_mb, NodeConfig};
 pub use node::{probe_qmp, Node, ENVD_VERSION};

@@ -2,10 +2,15 @@
 //! processes (or hosts). One route per call, `POST /v1/<call>` with a JSON body, answered with
 //! `{"ok": value}` or `{"err": NodeError}`. Every request carries the node's bearer token; the
 //! node never accepts calls without it.
+//!
+//! With a certificate (`vmon node --tls-cert/--tls-key`) the node serves TLS only
+//! ([`serve_with`]); clients reach it at `https://host:port` and verify it against a CA file
+//! ([`RemoteNode::with_tls`]).
 
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::tls::ClientTls;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -189,11 +194,23 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-/// Serves `node` on `listener` until `cancel` fires.
+/// Serves `node` on `listener` until `cancel` fires, over plain HTTP.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     node: Arc<dyn NodeControl>,
     token: String,
+    cancel: tokio_util::sync::CancellationToken,
+) -> anyhow::Result<()> {
+    serve_with(listener, node, token, None, cancel).await
+}
+
+/// [`serve`], over TLS only when `tls` is given (a client speaking plain HTTP fails the
+/// handshake; see [`crate::tls::server_config`]). Calls in flight finish after `cancel`.
+pub async fn serve_with(
+    listener: tokio::net::TcpListener,
+    node: Arc<dyn NodeControl>,
+    token: String,
+    tls: Option<Arc<rustls::ServerConfig>>,
     cancel: tokio_util::sync::CancellationToken,
 ) -> anyhow::Result<()> {
     let app = axum::Router::new()
@@ -203,30 +220,125 @@ pub async fn serve(
             node,
             token: Arc::new(token),
         });
-    axum::serve(listener, app)
-        .with_graceful_shutdown(async move { cancel.cancelled().await })
-        .await?;
+    match tls {
+        None => {
+            axum::serve(listener, app)
+                .with_graceful_shutdown(async move { cancel.cancelled().await })
+                .await?
+        }
+        Some(config) => serve_tls(listener, app, config, cancel).await,
+    }
     Ok(())
+}
+
+/// A TLS handshake, and then each request's headers, must arrive within this.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
+
+async fn serve_tls(
+    listener: tokio::net::TcpListener,
+    app: axum::Router,
+    config: Arc<rustls::ServerConfig>,
+    cancel: tokio_util::sync::CancellationToken,
+) {
+    let acceptor = tokio_rustls::TlsAcceptor::from(config);
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    loop {
+        let (stream, peer) = tokio::select! {
+            _ = cancel.cancelled() => break,
+            accepted = listener.accept() => match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    tracing::warn!(error = %e, "node RPC: accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let _ = stream.set_nodelay(true);
+        let acceptor = acceptor.clone();
+        let service = hyper_util::service::TowerToHyperService::new(app.clone());
+        let watcher = graceful.watcher();
+        tokio::spawn(async move {
+            let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
+                Ok(Ok(tls)) => tls,
+                Ok(Err(e)) => {
+                    tracing::debug!(%peer, error = %e, "node RPC: TLS handshake failed");
+                    return;
+                }
+                Err(_) => return,
+            };
+            let conn = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(HANDSHAKE_TIMEOUT)
+                .serve_connection(hyper_util::rt::TokioIo::new(tls), service);
+            if let Err(e) = watcher.watch(conn).await {
+                tracing::debug!(%peer, error = %e, "node RPC connection ended");
+            }
+        });
+    }
+    drop(listener);
+    graceful.shutdown().await;
 }
 
 /// A node reached over RPC.
 pub struct RemoteNode {
     addr: String,
     token: String,
+    /// Set for `https://` URLs: the client configuration and the name the node's
+    /// certificate must carry.
+    tls: Option<(
+        tokio_rustls::TlsConnector,
+        rustls::pki_types::ServerName<'static>,
+    )>,
 }
 
 impl RemoteNode {
-    /// `url` is `http://host:port` (as printed by `vmon node`).
+    /// `url` is `http://host:port` (as printed by `vmon node`), or `https://host:port`,
+    /// verified against the system's CAs.
     pub fn new(url: &str, token: String) -> anyhow::Result<RemoteNode> {
-        let addr = url
-            .strip_prefix("http://")
-            .unwrap_or(url)
-            .trim_end_matches('/')
-            .to_string();
+        RemoteNode::with_tls(url, token, None)
+    }
+
+    /// [`RemoteNode::new`] verifying `https://` nodes with `tls`. With a configured CA
+    /// ([`ClientTls::pinned`]) the node RPC is TLS-only: a plain `http://` URL is refused,
+    /// so that neither the bearer token nor the calls ever travel in the clear (and a
+    /// registry entry cannot downgrade the link).
+    pub fn with_tls(
+        url: &str,
+        token: String,
+        tls: Option<&ClientTls>,
+    ) -> anyhow::Result<RemoteNode> {
+        let (https, rest) = match url.strip_prefix("https://") {
+            Some(rest) => (true, rest),
+            None => (false, url.strip_prefix("http://").unwrap_or(url)),
+        };
+        let addr = rest.trim_end_matches('/').to_string();
         if addr.is_empty() || addr.contains('/') {
-            anyhow::bail!("node URL {url:?} must look like http://host:port");
+            anyhow::bail!("node URL {url:?} must look like http://host:port or https://host:port");
         }
-        Ok(RemoteNode { addr, token })
+        if !https {
+            if tls.is_some_and(ClientTls::pinned) {
+                anyhow::bail!(
+                    "node URL {url:?} is plain http, but node RPC is TLS-only once a CA is \
+                     configured (VMON_NODE_CA_FILE): the node must serve TLS and advertise https://"
+                );
+            }
+            return Ok(RemoteNode {
+                addr,
+                token,
+                tls: None,
+            });
+        }
+        let client = match tls {
+            Some(t) => t.clone(),
+            None => ClientTls::system()?,
+        };
+        let name = crate::tls::server_name(&addr)?;
+        Ok(RemoteNode {
+            addr,
+            token,
+            tls: Some((tokio_rustls::TlsConnector::from(client.config()), name)),
+        })
     }
 
     /// [`NodeControl::list_running`] that says when the node did not answer (an empty list
@@ -250,11 +362,6 @@ impl RemoteNode {
         let fut = async {
             let stream = tokio::net::TcpStream::connect(&self.addr).await?;
             stream.set_nodelay(true)?;
-            let (mut send, conn) =
-                hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await?;
-            tokio::spawn(async move {
-                let _ = conn.await;
-            });
             let req = hyper::Request::builder()
                 .method("POST")
                 .uri(format!("/v1/{name}"))
@@ -262,14 +369,16 @@ impl RemoteNode {
                 .header("content-type", "application/json")
                 .header("authorization", format!("Bearer {}", self.token))
                 .body(Full::new(Bytes::from(body)))?;
-            let resp = send.send_request(req).await?;
-            let status = resp.status();
-            let bytes = Limited::new(resp.into_body(), MAX_BODY)
-                .collect()
-                .await
-                .map_err(|e| anyhow::anyhow!("reading the node's answer: {e}"))?
-                .to_bytes();
-            anyhow::Ok((status, bytes))
+            match &self.tls {
+                None => exchange(stream, req).await,
+                Some((connector, server_name)) => {
+                    let tls = connector
+                        .connect(server_name.clone(), stream)
+                        .await
+                        .map_err(|e| anyhow::anyhow!("TLS with the node: {e}"))?;
+                    exchange(tls, req).await
+                }
+            }
         };
         let (status, bytes) = tokio::time::timeout(timeout, fut)
             .await
@@ -291,6 +400,29 @@ impl RemoteNode {
         serde_json::from_value(v.get("ok").cloned().unwrap_or(Value::Null))
             .map_err(|e| NodeError::Failed(format!("node answer: {e}")))
     }
+}
+
+/// One request on a fresh connection `io`: the status and the body (bounded).
+async fn exchange<S>(
+    io: S,
+    req: hyper::Request<Full<Bytes>>,
+) -> anyhow::Result<(hyper::StatusCode, Bytes)>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let (mut send, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(io)).await?;
+    tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    let resp = send.send_request(req).await?;
+    let status = resp.status();
+    let bytes = Limited::new(resp.into_body(), MAX_BODY)
+        .collect()
+        .await
+        .map_err(|e| anyhow::anyhow!("reading the node's answer: {e}"))?
+        .to_bytes();
+    Ok((status, bytes))
 }
 
 #[async_trait::async_trait]

@@ -4,7 +4,8 @@
 //!
 //! With a TLS configuration ([`serve_tls`], the proxy's), TLS and plain HTTP share the port:
 //! a connection whose first byte is a TLS handshake record (0x16) is served over TLS, any
-//! other in the clear (no plain HTTP request starts with that byte).
+//! other in the clear (no plain HTTP request starts with that byte). [`serve_tls_only`] (the
+//! api's, when it has a certificate) serves TLS alone: a plain request fails the handshake.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -83,7 +84,52 @@ pub async fn serve_tls<S, B>(
     B::Data: Send,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    let acceptor = tls.map(tokio_rustls::TlsAcceptor::from);
+    let tls = tls.map(|c| (c, false));
+    accept_loop(listener, limits, tls, cancel, what, service).await
+}
+
+/// [`serve`] over TLS only: every connection must start with a TLS handshake.
+pub async fn serve_tls_only<S, B>(
+    listener: TcpListener,
+    limits: Limits,
+    tls: Arc<rustls::ServerConfig>,
+    cancel: CancellationToken,
+    what: &'static str,
+    service: S,
+) where
+    S: hyper::service::Service<http::Request<hyper::body::Incoming>, Response = http::Response<B>>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+    S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    B: http_body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    accept_loop(listener, limits, Some((tls, true)), cancel, what, service).await
+}
+
+/// `tls`: the configuration, and whether it is the only protocol (else sniffed).
+async fn accept_loop<S, B>(
+    listener: TcpListener,
+    limits: Limits,
+    tls: Option<(Arc<rustls::ServerConfig>, bool)>,
+    cancel: CancellationToken,
+    what: &'static str,
+    service: S,
+) where
+    S: hyper::service::Service<http::Request<hyper::body::Incoming>, Response = http::Response<B>>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+    S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    B: http_body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let acceptor = tls.map(|(c, only)| (tokio_rustls::TlsAcceptor::from(c), only));
     let permits = Arc::new(Semaphore::new(limits.max_connections.max(1)));
     loop {
         let (stream, peer) = tokio::select! {
@@ -111,19 +157,27 @@ pub async fn serve_tls<S, B>(
             let conn = async {
                 match acceptor {
                     None => serve_io(stream, limits, service).await,
-                    Some(acceptor) => match sniff_tls(&stream, limits.header_read_timeout).await {
-                        Some(false) => serve_io(stream, limits, service).await,
-                        Some(true) => {
-                            let accept = acceptor.accept(stream);
-                            match tokio::time::timeout(limits.header_read_timeout, accept).await {
-                                Ok(Ok(tls)) => serve_io(tls, limits, service).await,
-                                Ok(Err(e)) => Err(format!("TLS handshake failed: {e}").into()),
-                                Err(_) => Err("TLS handshake timed out".into()),
+                    Some((acceptor, only)) => {
+                        let tls_first = if only {
+                            Some(true)
+                        } else {
+                            sniff_tls(&stream, limits.header_read_timeout).await
+                        };
+                        match tls_first {
+                            Some(false) => serve_io(stream, limits, service).await,
+                            Some(true) => {
+                                let accept = acceptor.accept(stream);
+                                match tokio::time::timeout(limits.header_read_timeout, accept).await
+                                {
+                                    Ok(Ok(tls)) => serve_io(tls, limits, service).await,
+                                    Ok(Err(e)) => Err(format!("TLS handshake failed: {e}").into()),
+                                    Err(_) => Err("TLS handshake timed out".into()),
+                                }
                             }
+                            // Closed, or silent for too long, before its first byte.
+                            None => Ok(()),
                         }
-                        // Closed, or silent for too long, before its first byte.
-                        None => Ok(()),
-                    },
+                    }
                 }
             };
             tokio::select! {

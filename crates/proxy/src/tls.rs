@@ -111,6 +111,44 @@ pub fn generate_ca() -> Result<(String, String), TlsError> {
     Ok((cert.pem(), key.serialize_pem()))
 }
 
+/// A server certificate for `names` (DNS names or IP addresses) signed by the CA of
+/// `ca_pem`/`ca_key_pem` (as [`generate_ca`] made them), valid for `days`: its chain (leaf,
+/// then the CA) and its new private key, both PEM. For the fixed certificates of a cluster's
+/// processes (`vmon cert issue`).
+pub fn issue_server_cert(
+    ca_pem: &str,
+    ca_key_pem: &str,
+    names: &[String],
+    days: i64,
+) -> Result<(String, String), TlsError> {
+    let issuer = Issuer::new(ca_params(), KeyPair::from_pem(ca_key_pem)?);
+    let mut params = CertificateParams::new(names.to_vec())?;
+    let mut dn = DistinguishedName::new();
+    dn.push(
+        DnType::CommonName,
+        names.first().map(String::as_str).unwrap_or("vmon"),
+    );
+    params.distinguished_name = dn;
+    params.is_ca = IsCa::ExplicitNoCa;
+    params.key_usages = vec![
+        KeyUsagePurpose::DigitalSignature,
+        KeyUsagePurpose::KeyEncipherment,
+    ];
+    params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+    params.use_authority_key_identifier_extension = true;
+    let now = time::OffsetDateTime::now_utc();
+    params.not_before = now - time::Duration::hours(1);
+    params.not_after = now + time::Duration::days(days);
+    let key = KeyPair::generate()?;
+    let cert = params.signed_by(&key, &issuer)?;
+    let mut chain = cert.pem();
+    if !chain.ends_with('\n') {
+        chain.push('\n');
+    }
+    chain.push_str(ca_pem);
+    Ok((chain, key.serialize_pem()))
+}
+
 /// A CA that signs a certificate for each name clients ask for, when it is an allowed one:
 /// `localhost`, any name under it, an IP literal of this machine's loopback, or a configured
 /// domain and the names under it.
@@ -265,6 +303,39 @@ mod tests {
         }
         assert!(local.issue(Some("49983-iabc.localhost")).is_ok());
         assert!(local.issue(None).is_ok());
+    }
+
+    #[test]
+    fn issued_certificates_verify_against_the_ca() {
+        use rustls::client::danger::ServerCertVerifier;
+        let (ca, key) = generate_ca().expect("ca");
+        let names = vec!["127.0.0.1".to_string(), "node1.local".to_string()];
+        let (chain, leaf_key) = issue_server_cert(&ca, &key, &names, 30).expect("issue");
+        assert!(from_pem(chain.as_bytes(), leaf_key.as_bytes()).is_ok());
+        let certs = CertificateDer::pem_slice_iter(chain.as_bytes())
+            .collect::<Result<Vec<_>, _>>()
+            .expect("pem");
+        assert_eq!(certs.len(), 2, "leaf, then the CA");
+        let mut roots = rustls::RootCertStore::empty();
+        roots
+            .add(CertificateDer::from_pem_slice(ca.as_bytes()).expect("ca der"))
+            .expect("root");
+        let verifier = rustls::client::WebPkiServerVerifier::builder_with_provider(
+            Arc::new(roots),
+            provider(),
+        )
+        .build()
+        .expect("verifier");
+        let now = rustls::pki_types::UnixTime::now();
+        for (name, ok) in [
+            ("127.0.0.1", true),
+            ("node1.local", true),
+            ("other.local", false),
+        ] {
+            let server = rustls::pki_types::ServerName::try_from(name).expect("name");
+            let r = verifier.verify_server_cert(&certs[0], &certs[1..], &server, &[], now);
+            assert_eq!(r.is_ok(), ok, "{name}: {r:?}");
+        }
     }
 
     #[test]

@@ -313,3 +313,41 @@ async fn a_silent_or_stalled_handshake_is_dropped() {
         .expect("closed within the timeout");
     assert!(matches!(n, Ok(0) | Err(_)), "{n:?}");
 }
+
+#[tokio::test]
+async fn a_tls_only_listener_refuses_plain_http() {
+    // What the api serves with `api_tls_cert`: an issued certificate, TLS alone on the port.
+    let (ca, ca_key) = tls::generate_ca().unwrap();
+    let (chain, key) = tls::issue_server_cert(&ca, &ca_key, &["127.0.0.1".into()], 1).unwrap();
+    let config = tls::from_pem(chain.as_bytes(), key.as_bytes()).unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let service = hyper::service::service_fn(|req: Request<Incoming>| async move {
+        Ok::<_, Infallible>(Response::new(Full::new(Bytes::from(format!(
+            "api saw {}",
+            req.uri().path()
+        )))))
+    });
+    tokio::spawn(vmon_proxy::listen::serve_tls_only(
+        listener,
+        vmon_proxy::listen::Limits::default(),
+        config,
+        CancellationToken::new(),
+        "api",
+        service,
+    ));
+
+    let s = tls_connect(addr, &ca, "127.0.0.1", &[b"http/1.1"])
+        .await
+        .unwrap();
+    let r = raw(s, &get("/admin/teams", "127.0.0.1")).await;
+    assert!(r.starts_with("HTTP/1.1 200"), "{r}");
+    assert!(r.ends_with("api saw /admin/teams"), "{r}");
+    // Plain HTTP on the same port: no HTTP answer, the connection just ends.
+    let plain = TcpStream::connect(addr).await.unwrap();
+    let r = raw(plain, &get("/admin/teams", "127.0.0.1")).await;
+    assert!(!r.contains("HTTP/1.1"), "{r}");
+    // A client that trusts another CA fails the handshake.
+    let (other, _) = tls::generate_ca().unwrap();
+    assert!(tls_connect(addr, &other, "127.0.0.1", &[]).await.is_err());
+}

@@ -46,6 +46,8 @@ enum Command {
     Key(cmd::admin::KeyArgs),
     /// Every team's sandboxes (admin).
     Sandbox(cmd::admin::SandboxArgs),
+    /// A local CA and server certificates it signs (TLS inside a cluster).
+    Cert(cmd::cert::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -70,6 +72,7 @@ fn main() -> anyhow::Result<()> {
             Command::Team(a) => cmd::admin::team(&cli.data_dir, a).await,
             Command::Key(a) => cmd::admin::key(&cli.data_dir, a).await,
             Command::Sandbox(a) => cmd::admin::sandbox(&cli.data_dir, a).await,
+            Command::Cert(a) => cmd::cert::run(a),
         }
     })
 }

@@ -27,7 +27,7 @@ pub fn free_port() -> u16 {
     listener.local_addr().expect("local addr").port()
 }
 
-fn id_of(flag: &str) -> u32 {
+pub fn id_of(flag: &str) -> u32 {
     let out = Command::new("id")
         .args([flag, "postgres"])
         .output()
@@ -61,12 +61,19 @@ pub struct Postgres {
     uid: u32,
     gid: u32,
     fsync: bool,
+    /// More `postgres` arguments (`-c ssl=on`, ...).
+    extra: Vec<String>,
     child: Option<Child>,
 }
 
 impl Postgres {
     /// A fresh cluster. `fsync` off is fine for tests that crash only the server, not the OS.
     pub async fn start(fsync: bool) -> Postgres {
+        Postgres::start_with(fsync, Vec::new()).await
+    }
+
+    /// [`Postgres::start`] with more server arguments.
+    pub async fn start_with(fsync: bool, extra: Vec<String>) -> Postgres {
         for tool in ["initdb", "postgres"] {
             let path = Path::new(PG_BIN).join(tool);
             assert!(
@@ -108,6 +115,7 @@ impl Postgres {
             uid,
             gid,
             fsync,
+            extra,
             child: None,
         };
         pg.spawn();
@@ -138,6 +146,7 @@ impl Postgres {
                 &format!("fsync={}", if self.fsync { "on" } else { "off" }),
             ])
             .args(["-c", "max_connections=50", "-c", "shared_buffers=32MB"])
+            .args(&self.extra)
             .uid(self.uid)
             .gid(self.gid)
             .stdin(Stdio::null())
@@ -166,6 +175,10 @@ impl Postgres {
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
     }
 
     pub fn url(&self) -> String {

@@ -94,6 +94,7 @@ struct Client {
     base: String,
     token: String,
     config: Config,
+    http: ApiClient,
 }
 
 impl Client {
@@ -114,6 +115,7 @@ impl Client {
                 .trim_end_matches('/')
                 .to_string(),
             token: token.trim().to_string(),
+            http: ApiClient::for_config(&config)?,
             config,
         })
     }
@@ -124,13 +126,15 @@ impl Client {
         path: &str,
         body: Option<serde_json::Value>,
     ) -> anyhow::Result<serde_json::Value> {
-        let (status, bytes) = request(
-            method,
-            &format!("{}{path}", self.base),
-            &[("x-admin-token", &self.token)],
-            body.map(|b| b.to_string()),
-        )
-        .await?;
+        let (status, bytes) = self
+            .http
+            .request(
+                method,
+                &format!("{}{path}", self.base),
+                &[("x-admin-token", &self.token)],
+                body.map(|b| b.to_string()),
+            )
+            .await?;
         let json: serde_json::Value = if bytes.is_empty() {
             serde_json::Value::Null
         } else {
@@ -148,34 +152,68 @@ impl Client {
     }
 }
 
-/// One HTTP/1.1 request (plain http only); returns status and body.
-pub async fn request(
-    method: &str,
-    url: &str,
-    headers: &[(&str, &str)],
-    body: Option<String>,
-) -> anyhow::Result<(u16, Bytes)> {
-    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-        .build_http::<Full<Bytes>>();
-    let mut b = http::Request::builder().method(method).uri(url);
-    for (k, v) in headers {
-        b = b.header(*k, *v);
-    }
-    if body.is_some() {
-        b = b.header("content-type", "application/json");
-    }
-    let req = b.body(Full::new(Bytes::from(body.unwrap_or_default())))?;
-    let resp = client
-        .request(req)
-        .await
-        .with_context(|| format!("{method} {url}"))?;
-    let status = resp.status().as_u16();
-    let bytes = resp.into_body().collect().await?.to_bytes();
-    Ok((status, bytes))
+/// A client of the api: `https://` verified against `api_ca_file` (`VMON_API_CA_FILE`), and
+/// then nothing else (the admin token never travels in the clear once a CA is configured);
+/// without a CA file, `http://` and `https://` verified against the system's CAs.
+/// Connections are kept for reuse.
+#[derive(Clone)]
+pub struct ApiClient {
+    client: hyper_util::client::legacy::Client<
+        hyper_rustls::HttpsConnector<hyper_util::client::legacy::connect::HttpConnector>,
+        Full<Bytes>,
+    >,
 }
 
-pub async fn http_status(url: &str) -> anyhow::Result<u16> {
-    Ok(request("GET", url, &[], None).await?.0)
+impl ApiClient {
+    pub fn new(ca_file: Option<&Path>) -> anyhow::Result<ApiClient> {
+        let tls = vmon_node::tls::ClientTls::from_optional_ca(ca_file)?;
+        // hyper-rustls sets the ALPN itself.
+        let mut config = (*tls.config()).clone();
+        config.alpn_protocols.clear();
+        let builder = hyper_rustls::HttpsConnectorBuilder::new().with_tls_config(config);
+        let https = if tls.pinned() {
+            builder.https_only()
+        } else {
+            builder.https_or_http()
+        }
+        .enable_http1()
+        .build();
+        let client =
+            hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+                .build(https);
+        Ok(ApiClient { client })
+    }
+
+    /// The client the config asks for (`api_ca_file`).
+    pub fn for_config(config: &Config) -> anyhow::Result<ApiClient> {
+        ApiClient::new(config.api_ca_file.as_deref())
+    }
+
+    /// One HTTP/1.1 request; returns status and body.
+    pub async fn request(
+        &self,
+        method: &str,
+        url: &str,
+        headers: &[(&str, &str)],
+        body: Option<String>,
+    ) -> anyhow::Result<(u16, Bytes)> {
+        let mut b = http::Request::builder().method(method).uri(url);
+        for (k, v) in headers {
+            b = b.header(*k, *v);
+        }
+        if body.is_some() {
+            b = b.header("content-type", "application/json");
+        }
+        let req = b.body(Full::new(Bytes::from(body.unwrap_or_default())))?;
+        let resp = self
+            .client
+            .request(req)
+            .await
+            .with_context(|| format!("{method} {url}"))?;
+        let status = resp.status().as_u16();
+        let bytes = resp.into_body().collect().await?.to_bytes();
+        Ok((status, bytes))
+    }
 }
 
 fn print(v: &serde_json::Value) {

@@ -15,6 +15,10 @@ pub struct Args {
     /// The node's RPC token (`<node data dir>/node-token`); in a cluster, every node's.
     #[arg(long, env = "VMON_NODE_TOKEN", hide_env_values = true)]
     pub node_token: Option<String>,
+    /// A PEM file of the CA the nodes' TLS certificates are verified against. With it node RPC
+    /// is TLS-only: every node must serve TLS and be reached at an `https://` URL.
+    #[arg(long, env = "VMON_NODE_CA_FILE")]
+    pub node_ca: Option<std::path::PathBuf>,
     /// etcd client URLs (comma-separated): be a replica of this cluster. The KV is then etcd,
     /// the nodes are those registered there, and records must be in PostgreSQL (`store_url`).
     #[arg(long, env = "VMON_ETCD_ENDPOINTS", value_delimiter = ',')]
@@ -23,16 +27,24 @@ pub struct Args {
 
 pub async fn run(data_dir: &Path, args: Args) -> anyhow::Result<()> {
     let config = vmon_api::Config::load(args.config.as_deref(), data_dir)?;
+    let node_tls = match &args.node_ca {
+        Some(ca) => Some(
+            vmon_node::tls::ClientTls::from_ca_file(ca)
+                .map_err(|e| anyhow::anyhow!("the nodes' CA (--node-ca): {e:#}"))?,
+        ),
+        None => None,
+    };
     if !args.etcd.is_empty() {
-        return replica(data_dir, config, args).await;
+        return replica(data_dir, config, args, node_tls).await;
     }
     let remote_node = match args.node {
         Some(url) => {
             let token = args
                 .node_token
                 .ok_or_else(|| anyhow::anyhow!("--node needs --node-token (or VMON_NODE_TOKEN)"))?;
-            let n: std::sync::Arc<dyn vmon_proto::node::NodeControl> =
-                std::sync::Arc::new(vmon_node::rpc::RemoteNode::new(&url, token)?);
+            let n: std::sync::Arc<dyn vmon_proto::node::NodeControl> = std::sync::Arc::new(
+                vmon_node::rpc::RemoteNode::with_tls(&url, token, node_tls.as_ref())?,
+            );
             Some(n)
         }
         None => None,
@@ -51,7 +63,12 @@ pub async fn run(data_dir: &Path, args: Args) -> anyhow::Result<()> {
 
 /// One api replica of a cluster: etcd for the KV, the registered nodes behind one
 /// `ClusterNodes`, PostgreSQL for records.
-async fn replica(data_dir: &Path, config: vmon_api::Config, args: Args) -> anyhow::Result<()> {
+async fn replica(
+    data_dir: &Path,
+    config: vmon_api::Config,
+    args: Args,
+    node_tls: Option<vmon_node::tls::ClientTls>,
+) -> anyhow::Result<()> {
     use anyhow::Context;
     if config.store_url.is_none() {
         anyhow::bail!(
@@ -65,7 +82,7 @@ async fn replica(data_dir: &Path, config: vmon_api::Config, args: Args) -> anyho
     let kv = vmon_kv::Kv::connect_etcd(&vmon_kv::EtcdConfig::new(args.etcd.clone()))
         .await
         .context("connecting to etcd")?;
-    let nodes = vmon_cluster::ClusterNodes::new(kv.clone(), token.trim().to_string());
+    let nodes = vmon_cluster::ClusterNodes::new(kv.clone(), token.trim().to_string(), node_tls);
     super::up::serve(
         data_dir,
         config,

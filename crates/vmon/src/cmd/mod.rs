@@ -1,6 +1,7 @@
 pub mod admin;
 pub mod api;
 pub mod bench;
+pub mod cert;
 pub mod doctor;
 pub mod image;
 pub mod node;

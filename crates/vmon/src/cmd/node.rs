@@ -39,6 +39,13 @@ struct RunArgs {
     /// a cluster takes the one token its api replicas present.
     #[arg(long, env = "VMON_NODE_TOKEN", hide_env_values = true)]
     token: Option<String>,
+    /// PEM certificate chain (leaf first) to serve node RPC over TLS with; TLS only, plain
+    /// HTTP is then refused. Clients verify it with `vmon api --node-ca`.
+    #[arg(long, env = "VMON_NODE_TLS_CERT", requires = "tls_key")]
+    tls_cert: Option<std::path::PathBuf>,
+    /// PEM private key of `--tls-cert`.
+    #[arg(long, env = "VMON_NODE_TLS_KEY", requires = "tls_cert")]
+    tls_key: Option<std::path::PathBuf>,
     #[command(flatten)]
     cluster: ClusterArgs,
 }
@@ -52,7 +59,8 @@ struct ClusterArgs {
     /// This node's id in the cluster (default: `<data dir>/node-id`, made on first start).
     #[arg(long, env = "VMON_NODE_ID")]
     node_id: Option<String>,
-    /// The RPC URL the api replicas reach this node at (default `http://<listen>`).
+    /// The RPC URL the api replicas reach this node at (default `http://<listen>`, or
+    /// `https://<listen>` with `--tls-cert`).
     #[arg(long, env = "VMON_NODE_ADVERTISE")]
     advertise: Option<String>,
     /// The sandbox ingress (`vmon proxy`) on this node's host, for proxies elsewhere.
@@ -72,6 +80,15 @@ pub async fn run(data_dir: &Path, args: Args) -> anyhow::Result<()> {
 }
 
 async fn serve(data_dir: &Path, args: RunArgs) -> anyhow::Result<()> {
+    // A bad certificate is reported before the node starts.
+    let tls = match (&args.tls_cert, &args.tls_key) {
+        (Some(cert), Some(key)) => Some(
+            vmon_node::tls::server_config(cert, key, &[b"http/1.1"])
+                .context("node RPC's TLS certificate (--tls-cert, --tls-key)")?,
+        ),
+        _ => None,
+    };
+    let scheme = if tls.is_some() { "https" } else { "http" };
     std::fs::create_dir_all(data_dir)?;
     let mut cfg = vmon_node::NodeConfig::new(data_dir.to_path_buf());
     cfg.pool_size = args.pool_size;
@@ -97,10 +114,10 @@ async fn serve(data_dir: &Path, args: RunArgs) -> anyhow::Result<()> {
         c.cancel();
     });
     if !args.cluster.etcd.is_empty() {
-        join_cluster(data_dir, &args, node.clone(), cancel.clone()).await?;
+        join_cluster(data_dir, &args, scheme, node.clone(), cancel.clone()).await?;
     }
     println!(
-        "vmon node listening on http://{} (token in {})",
+        "vmon node listening on {scheme}://{} (token in {})",
         args.listen,
         if args.token.is_some() {
             "VMON_NODE_TOKEN".to_string()
@@ -109,7 +126,7 @@ async fn serve(data_dir: &Path, args: RunArgs) -> anyhow::Result<()> {
         }
     );
     let served: Arc<dyn vmon_proto::node::NodeControl> = node.clone();
-    vmon_node::rpc::serve(listener, served, token, cancel).await?;
+    vmon_node::rpc::serve_with(listener, served, token, tls, cancel).await?;
     node.drain_pool().await;
     Ok(())
 }
@@ -118,6 +135,7 @@ async fn serve(data_dir: &Path, args: RunArgs) -> anyhow::Result<()> {
 async fn join_cluster(
     data_dir: &Path,
     args: &RunArgs,
+    scheme: &str,
     node: Arc<vmon_node::Node>,
     cancel: tokio_util::sync::CancellationToken,
 ) -> anyhow::Result<()> {
@@ -134,7 +152,12 @@ async fn join_cluster(
     let rpc_url = c
         .advertise
         .clone()
-        .unwrap_or_else(|| format!("http://{}", args.listen));
+        .unwrap_or_else(|| format!("{scheme}://{}", args.listen));
+    if scheme == "https" && rpc_url.starts_with("http://") {
+        anyhow::bail!(
+            "--advertise {rpc_url} is plain http, but this node serves TLS: advertise https://"
+        );
+    }
     let ingress_url = c.ingress.clone();
     let host = c.host.clone().unwrap_or_else(|| facts.hostname.clone());
     let dir = data_dir.to_path_buf();

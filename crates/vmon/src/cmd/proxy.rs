@@ -26,15 +26,17 @@ struct ApiRoutes {
     base: String,
     token: String,
     host: String,
+    http: super::admin::ApiClient,
 }
 
 impl ApiRoutes {
     async fn get(&self, method: &str, path: &str) -> Result<RouteInfo, (u16, String)> {
         let url = format!("{}{path}", self.base);
-        let (status, body) =
-            super::admin::request(method, &url, &[("x-admin-token", &self.token)], None)
-                .await
-                .map_err(|e| (502u16, e.to_string()))?;
+        let (status, body) = self
+            .http
+            .request(method, &url, &[("x-admin-token", &self.token)], None)
+            .await
+            .map_err(|e| (502u16, e.to_string()))?;
         if status != 200 {
             let msg = serde_json::from_slice::<serde_json::Value>(&body)
                 .ok()
@@ -114,6 +116,8 @@ pub async fn run(data_dir: &Path, args: Args) -> anyhow::Result<()> {
         base: config.api_url().trim_end_matches('/').to_string(),
         token: token.trim().to_string(),
         host,
+        http: super::admin::ApiClient::for_config(&config)
+            .context("the proxy's client of the api (api_ca_file, VMON_API_CA_FILE)")?,
     };
     let listener = tokio::net::TcpListener::bind(config.proxy_listen)
         .await

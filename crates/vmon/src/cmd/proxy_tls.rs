@@ -99,7 +99,7 @@ impl LocalCaFiles {
 
 /// The CA's certificate and key, made once. The key is created exclusively (of two starts at
 /// once one makes it) and owner-only; the certificate is written after it.
-fn ca_files(dir: &Path) -> anyhow::Result<(String, String)> {
+pub(crate) fn ca_files(dir: &Path) -> anyhow::Result<(String, String)> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let (cert_path, key_path) = (dir.join(CA_CERT), dir.join(CA_KEY));
     let (cert, key) = tls::generate_ca().context("generating vmon's local CA")?;
@@ -139,7 +139,7 @@ fn ca_files(dir: &Path) -> anyhow::Result<(String, String)> {
     }
 }
 
-fn write_bundle(path: &Path, ca_pem: &str) -> anyhow::Result<()> {
+pub(crate) fn write_bundle(path: &Path, ca_pem: &str) -> anyhow::Result<()> {
     let mut bundle = match std::fs::read_to_string(SYSTEM_BUNDLE) {
         Ok(s) => s,
         Err(e) => {

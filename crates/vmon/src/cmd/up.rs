@@ -73,6 +73,14 @@ pub struct ClusterParts {
 pub async fn serve(data_dir: &Path, config: Config, parts: Parts) -> anyhow::Result<()> {
     std::fs::create_dir_all(data_dir)
         .with_context(|| format!("creating the data dir {}", data_dir.display()))?;
+    // A bad certificate is reported before anything starts.
+    let api_tls = match (&config.api_tls_cert, &config.api_tls_key) {
+        (Some(cert), Some(key)) => Some(
+            vmon_node::tls::server_config(cert, key, &[b"h2", b"http/1.1"])
+                .context("the api's TLS certificate (api_tls_cert, api_tls_key)")?,
+        ),
+        _ => None,
+    };
     let cancel = CancellationToken::new();
     shutdown_on_signal(cancel.clone());
 
@@ -152,8 +160,11 @@ pub async fn serve(data_dir: &Path, config: Config, parts: Parts) -> anyhow::Res
     let c = cancel.clone();
     let api_control = control.clone();
     let token = Some(admin_token);
-    tasks.spawn(async move { vmon_api::serve(api_listener, api_control, token, c).await });
-    tracing::info!(listen = %config.api_listen, "api ready");
+    let tls_on = api_tls.is_some();
+    tasks.spawn(
+        async move { vmon_api::serve_with(api_listener, api_control, token, api_tls, c).await },
+    );
+    tracing::info!(listen = %config.api_listen, tls = tls_on, "api ready");
 
     println!("{}", exports(&config, &api_key));
     if let Some(trust) = trust_exports(&config, data_dir, parts.proxy) {
@@ -295,10 +306,14 @@ async fn print_env_when_ready(
 ) -> anyhow::Result<()> {
     let deadline = tokio::time::Instant::now() + wait;
     let health = format!("{}/health", config.api_url().trim_end_matches('/'));
+    let client = crate::cmd::admin::ApiClient::for_config(config)?;
     loop {
         let key = std::fs::read_to_string(data_dir.join(API_KEY_FILE)).ok();
         if let Some(key) = key.filter(|k| !k.trim().is_empty()) {
-            if matches!(crate::cmd::admin::http_status(&health).await, Ok(200)) {
+            if matches!(
+                client.request("GET", &health, &[], None).await,
+                Ok((200, _))
+            ) {
                 println!("{}", exports(config, key.trim()));
                 if let Some(trust) = trust_exports(config, data_dir, true) {
                     println!("{trust}");
