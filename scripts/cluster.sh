@@ -34,6 +34,7 @@ DIR=${VMON_CLUSTER_DIR:-/var/tmp/vmon-cluster}
 P=${VMON_CLUSTER_PORT:-3300}
 IMAGES=${VMON_IMAGES_DIR:-$DIR/images}
 PG_BIN=/usr/lib/postgresql/15/bin
+GARAGE=${VMON_GARAGE:-${VMON_TOOLS_DIR:-/var/tmp/vmon-tools}/garage-2.5.0/bin/garage}
 
 api_port() { if [ "$1" = 1 ]; then echo "$P"; else echo $((P + 10)); fi; }
 PROXY_PORT=$((P + 1))
@@ -62,6 +63,10 @@ install_parts() {
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq
     apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  fi
+  # The S3 store: built once with cargo and cached outside the clone (a while on a fresh machine).
+  if [ ! -x "$GARAGE" ]; then
+    VMON_TOOLS_DIR=${VMON_TOOLS_DIR:-/var/tmp/vmon-tools} scripts/install-garage.sh >&2
   fi
   # Debian starts its own etcd and PostgreSQL on their default ports; the cluster runs its own.
   if [ -z "${VMON_BIN:-}" ]; then
@@ -162,10 +167,12 @@ start_pg() {
 }
 
 start_garage() {
-  if [ -x scripts/garage-dev.sh ] && scripts/garage-dev.sh --available; then
-    GARAGE_PORT=$((P + 50)) scripts/garage-dev.sh start "$DIR/garage" >"$DIR/s3.env"
-    # shellcheck disable=SC1091
-    . "$DIR/s3.env"
+  if [ -x "$GARAGE" ]; then
+    VMON_GARAGE=$GARAGE scripts/garage-dev.sh start "$DIR/garage" $((P + 50)) $((P + 51)) $((P + 52)) >"$DIR/s3.env.tmp"
+    mv "$DIR/s3.env.tmp" "$DIR/s3.env"
+  else
+    echo "vmon cluster: no garage at $GARAGE, so no object store (scripts/install-garage.sh builds it)" >&2
+    rm -f "$DIR/s3.env"
   fi
 }
 
@@ -206,7 +213,10 @@ start_api() {
 start_proxy() {
   local i=$1 name=proxy
   [ "$i" = 1 ] || name="proxy$i"
+  local other=2
+  [ "$i" = 1 ] || other=1
   VMON_PROXY_LISTEN="127.0.0.1:$(proxy_port "$i")" VMON_API_URL="$SCHEME://127.0.0.1:$(api_port "$i")" \
+    VMON_PROXY_API_URLS="$SCHEME://127.0.0.1:$(api_port "$i"),$SCHEME://127.0.0.1:$(api_port "$other")" \
     VMON_API_CA_FILE=$(api_ca) VMON_PROXY_HOST="host-$i" run "$name" "$(vmon_bin)" --data-dir "$DIR/api" proxy
 }
 

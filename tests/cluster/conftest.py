@@ -121,6 +121,26 @@ class Cluster:
         except OSError:
             return False
 
+    def admin(self, path: str, api: str | None = None):
+        """GET an admin route with the cluster's admin token."""
+        token = (DIR / "api" / "admin-token").read_text().strip()
+        req = urllib.request.Request(f"{api or self.api_a}{path}", headers={"x-admin-token": token})
+        with urllib.request.urlopen(req, timeout=30, context=self.ssl_context()) as r:
+            return json.loads(r.read())
+
+    def admin_sandbox(self, sandbox_id: str) -> dict:
+        return next(s for s in self.admin("/admin/sandboxes") if s["sandboxID"] == sandbox_id)
+
+    def stored(self, build_id: str) -> bool:
+        """Whether some live node says the build is in the object store."""
+        for i in (1, 2):
+            try:
+                if self.node_rpc(i, "build_info", {"build_id": build_id}).get("stored"):
+                    return True
+            except (OSError, KeyError, AttributeError):
+                continue
+        return False
+
     def etcd_status(self, i: int) -> dict:
         port = PORT + 29 + 2 * i
         req = urllib.request.Request(

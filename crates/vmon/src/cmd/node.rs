@@ -125,10 +125,36 @@ async fn serve(data_dir: &Path, args: RunArgs) -> anyhow::Result<()> {
             token_path.display().to_string()
         }
     );
+    if node.object_store().is_some() {
+        tokio::spawn(collect_store_hourly(node.clone(), cancel.clone()));
+    }
     let served: Arc<dyn vmon_proto::node::NodeControl> = node.clone();
     vmon_node::rpc::serve_with(listener, served, token, tls, cancel).await?;
     node.drain_pool().await;
     Ok(())
+}
+
+/// Objects in the store that no build manifest names (a build deleted while uploading, an
+/// upload cut by a crash) go once they are an hour old: younger ones may be an upload in
+/// flight. Every node may run it; it deletes only what no manifest names.
+async fn collect_store_hourly(
+    node: Arc<vmon_node::Node>,
+    cancel: tokio_util::sync::CancellationToken,
+) {
+    const EVERY: std::time::Duration = std::time::Duration::from_secs(3600);
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tokio::time::sleep(EVERY) => {}
+        }
+        match node.collect_store(EVERY).await {
+            Ok(gone) if !gone.is_empty() => {
+                tracing::info!(objects = gone.len(), "deleted objects no build names")
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "collecting the object store failed"),
+        }
+    }
 }
 
 /// Registers the node in etcd and keeps its entry fresh until `cancel`.

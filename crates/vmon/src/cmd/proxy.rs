@@ -20,10 +20,16 @@ pub struct Args {
     /// cluster, traffic for a sandbox on another host goes to that host's ingress.
     #[arg(long, env = "VMON_PROXY_HOST")]
     pub host: Option<String>,
+    /// Api replicas to ask (comma-separated), tried in turn when one does not answer
+    /// (default: the config's `api_url`).
+    #[arg(long, env = "VMON_PROXY_API_URLS", value_delimiter = ',')]
+    pub api: Vec<String>,
 }
 
 struct ApiRoutes {
-    base: String,
+    /// The api replicas; the one that answered last is asked first.
+    bases: Vec<String>,
+    first: std::sync::atomic::AtomicUsize,
     token: String,
     host: String,
     http: super::admin::ApiClient,
@@ -31,12 +37,31 @@ struct ApiRoutes {
 
 impl ApiRoutes {
     async fn get(&self, method: &str, path: &str) -> Result<RouteInfo, (u16, String)> {
-        let url = format!("{}{path}", self.base);
-        let (status, body) = self
-            .http
-            .request(method, &url, &[("x-admin-token", &self.token)], None)
-            .await
-            .map_err(|e| (502u16, e.to_string()))?;
+        use std::sync::atomic::Ordering;
+        let n = self.bases.len().max(1);
+        let start = self.first.load(Ordering::Relaxed);
+        let mut answer = Err((502u16, "no api replica is configured".to_string()));
+        for k in 0..n {
+            let i = (start + k) % n;
+            let Some(base) = self.bases.get(i) else {
+                break;
+            };
+            let url = format!("{base}{path}");
+            match self
+                .http
+                .request(method, &url, &[("x-admin-token", &self.token)], None)
+                .await
+            {
+                Ok(a) => {
+                    self.first.store(i, Ordering::Relaxed);
+                    answer = Ok(a);
+                    break;
+                }
+                // This replica is down: the next one answers for the same sandboxes.
+                Err(e) => answer = Err((502u16, format!("{url}: {e:#}"))),
+            }
+        }
+        let (status, body) = answer?;
         if status != 200 {
             let msg = serde_json::from_slice::<serde_json::Value>(&body)
                 .ok()
@@ -112,8 +137,18 @@ pub async fn run(data_dir: &Path, args: Args) -> anyhow::Result<()> {
             .map(|h| h.trim().to_string())
             .unwrap_or_default()
     });
+    let bases: Vec<String> = if args.api.is_empty() {
+        vec![config.api_url().trim_end_matches('/').to_string()]
+    } else {
+        args.api
+            .iter()
+            .map(|u| u.trim().trim_end_matches('/').to_string())
+            .filter(|u| !u.is_empty())
+            .collect()
+    };
     let routes = ApiRoutes {
-        base: config.api_url().trim_end_matches('/').to_string(),
+        bases,
+        first: std::sync::atomic::AtomicUsize::new(0),
         token: token.trim().to_string(),
         host,
         http: super::admin::ApiClient::for_config(&config)
@@ -122,7 +157,7 @@ pub async fn run(data_dir: &Path, args: Args) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(config.proxy_listen)
         .await
         .with_context(|| format!("binding the proxy to {}", config.proxy_listen))?;
-    tracing::info!(listen = %config.proxy_listen, api = %routes.base, "proxy ready");
+    tracing::info!(listen = %config.proxy_listen, api = %routes.bases.join(","), "proxy ready");
     let cancel = CancellationToken::new();
     let c = cancel.clone();
     tokio::spawn(async move {
