@@ -116,6 +116,7 @@ def main() -> None:
 
     results: dict[str, list[float]] = {}
     handles = []
+    raw = ""
 
     def add(name: str, v: float) -> None:
         results.setdefault(name, []).append(v)
@@ -175,6 +176,17 @@ def main() -> None:
                     subprocess.run([str(SCRIPT), "start", origin], env=env, check=True)
                     time.sleep(3)
                 sbx.kill()
+        if s3:
+            # The store's and the disk's own limits, in the same run.
+            s3env = dict(env)
+            for line in (DIR / "s3.env").read_text().splitlines():
+                if line.startswith("export "):
+                    k, _, v = line.removeprefix("export ").partition("=")
+                    s3env[k] = v
+            raw = subprocess.run(
+                [str(binary), "--data-dir", str(DIR / "node1"), "bench", "s3", "--mib", "256"],
+                env=s3env, check=True, stdout=subprocess.PIPE, text=True,
+            ).stdout
     finally:
         subprocess.run([str(SCRIPT), "down"], env=env, check=False)
 
@@ -182,7 +194,9 @@ def main() -> None:
     print("  local cluster: 3 etcd, PostgreSQL, 2 nodes, 2 api replicas" + (", garage" if s3 else ", no object store"))
     for name, vs in results.items():
         print(f"  {name:32s} median {statistics.median(vs) * 1000:8.0f} ms  (n={len(vs)})")
-    if not s3:
+    if s3:
+        print("  " + raw.strip().replace("\n", "\n  "))
+    else:
         print("  resume on another node: not measured (no object store: scripts/install-garage.sh)")
 
 

@@ -32,6 +32,9 @@ enum What {
     /// another node from the object store for 16/64/256 MiB dirtied, upload times
     /// (`tests/bench/cluster_bench.py`).
     Cluster,
+    /// The object store's own upload and download MiB/s (the store in `VMON_S3_*`) beside the
+    /// data dir's disk, for a file of `--mib` MiB.
+    S3(S3Args),
     /// Pause/resume cycles that must keep a process's memory and a file byte for byte,
     /// rotating kept-QEMU, from-files and after-restart resumes (`tests/bench/soak.py`).
     Soak(SoakArgs),
@@ -255,10 +258,57 @@ pub async fn run(data_dir: &Path, args: Args) -> anyhow::Result<()> {
         What::Api => python_bench("api_bench.py", &[]).await,
         What::Template => python_bench("template_bench.py", &[]).await,
         What::Cluster => python_bench("cluster_bench.py", &[]).await,
+        What::S3(a) => s3(data_dir, a).await,
         What::Soak(a) => {
             python_bench("soak.py", &[("VMON_SOAK_CYCLES", a.cycles.to_string())]).await
         }
     }
+}
+
+#[derive(clap::Args)]
+pub struct S3Args {
+    /// Size of the file sent and fetched.
+    #[arg(long, default_value_t = 256)]
+    mib: u64,
+}
+
+/// `vmon bench s3`: the disk (write + fsync, then read of a file as large) and the store.
+async fn s3(data_dir: &Path, a: S3Args) -> anyhow::Result<()> {
+    let cfg = vmon_objstore::ObjectStoreConfig::from_env()?
+        .ok_or_else(|| anyhow::anyhow!("set VMON_S3_ENDPOINT and the other VMON_S3_* variables"))?;
+    let store = vmon_objstore::ObjectStore::new(cfg)?;
+    std::fs::create_dir_all(data_dir)?;
+    let path = data_dir.join(format!("bench-disk-{}", std::process::id()));
+    let mib = a.mib;
+    let p = path.clone();
+    let (write_s, read_s) = tokio::task::spawn_blocking(move || -> std::io::Result<(f64, f64)> {
+        use std::io::{Read, Write};
+        let block = vec![0x5au8; 1 << 20];
+        let t = std::time::Instant::now();
+        let mut f = std::fs::File::create(&p)?;
+        for _ in 0..mib {
+            f.write_all(&block)?;
+        }
+        f.sync_all()?;
+        let w = t.elapsed().as_secs_f64();
+        // Read back what the page cache holds: the disk's best case, as a fetch writes and
+        // a restore reads it.
+        let t = std::time::Instant::now();
+        let mut f = std::fs::File::open(&p)?;
+        let mut buf = vec![0u8; 1 << 20];
+        while f.read(&mut buf)? > 0 {}
+        Ok((w, t.elapsed().as_secs_f64()))
+    })
+    .await??;
+    let _ = std::fs::remove_file(&path);
+    let r = vmon_objstore::bench(&store, data_dir, mib).await?;
+    let m = mib as f64;
+    println!("vmon bench s3  ({mib} MiB)");
+    println!("  disk write+fsync {:8.0} MiB/s", m / write_s.max(1e-9));
+    println!("  disk read        {:8.0} MiB/s", m / read_s.max(1e-9));
+    println!("  store upload     {:8.0} MiB/s", r.upload_mib_s);
+    println!("  store download   {:8.0} MiB/s", r.download_mib_s);
+    Ok(())
 }
 
 /// The repository this binary was built in (target/<profile>/vmon → ../..), or the cwd.
