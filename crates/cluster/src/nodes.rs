@@ -46,20 +46,69 @@ pub struct ClusterNodes {
     /// Starts this process placed lately, which the nodes' heartbeats may not show yet.
     placed: Mutex<Vec<(Instant, String)>>,
     clients: Mutex<HashMap<String, (String, Arc<RemoteNode>)>>,
+    /// Itself, for the background work a call leaves (spreading a template build).
+    me: std::sync::Weak<ClusterNodes>,
 }
+
+/// How long a template build is waited for in the object store before it is spread.
+const SPREAD_WAIT: Duration = Duration::from_secs(1800);
 
 impl ClusterNodes {
     /// `tls`: the CA file's client configuration when node RPC runs over TLS
     /// ([`RemoteNode::with_tls`]).
     pub fn new(kv: Kv, token: String, tls: Option<vmon_node::tls::ClientTls>) -> Arc<ClusterNodes> {
-        Arc::new(ClusterNodes {
+        Arc::new_cyclic(|me| ClusterNodes {
             kv,
             token,
             tls,
             members: Mutex::new(None),
             placed: Mutex::new(Vec::new()),
             clients: Mutex::new(HashMap::new()),
+            me: me.clone(),
         })
+    }
+
+    /// Once a template build is in the object store, every other live node fetches it (a
+    /// `build_info` of a build a node lacks fetches it), so that its sandboxes, and sandboxes
+    /// paused from them, start or resume anywhere with only their own layers to fetch.
+    fn spread(&self, origin: String, build_id: String) {
+        let Some(me) = self.me.upgrade() else {
+            return;
+        };
+        tokio::spawn(async move {
+            let deadline = Instant::now() + SPREAD_WAIT;
+            loop {
+                let Some(n) = me.member(&origin).await else {
+                    return;
+                };
+                let Ok(c) = me.client(&n) else {
+                    return;
+                };
+                match c.build_info(&build_id).await {
+                    Ok(info) if info.stored => break,
+                    Ok(_) => {}
+                    Err(_) => return,
+                }
+                if Instant::now() > deadline {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_secs(3)).await;
+            }
+            for n in me.live().await.into_iter().filter(|n| n.id != origin) {
+                let Ok(c) = me.client(&n) else {
+                    continue;
+                };
+                match c.build_info(&build_id).await {
+                    Ok(info) => {
+                        tracing::info!(node_id = %n.id, build_id = %build_id, "template build fetched ahead");
+                        me.holds(&n, &info).await;
+                    }
+                    Err(e) => {
+                        tracing::info!(node_id = %n.id, build_id = %build_id, error = %e, "fetching a template build ahead failed")
+                    }
+                }
+            }
+        });
     }
 
     async fn live(&self) -> Vec<NodeInfo> {
@@ -324,6 +373,7 @@ impl NodeControl for ClusterNodes {
             })
             .await?;
         self.holds(&node, &info).await;
+        self.spread(node.id.clone(), info.build_id.clone());
         Ok(info)
     }
 
