@@ -236,10 +236,10 @@ impl ClusterNodes {
     async fn candidates(
         &self,
         build_id: &str,
+        holders: &HashSet<String>,
         memory_restore: bool,
     ) -> Result<Vec<NodeInfo>, NodeError> {
         let place = self.build_place(build_id).await;
-        let holders = self.holders(build_id).await;
         let need = Need {
             memory_mb: place.as_ref().map(|p| u64::from(p.memory_mb)).unwrap_or(0),
             origin: place.map(|p| p.origin),
@@ -252,7 +252,7 @@ impl ClusterNodes {
         };
         let extra =
             |id: &str| u32::try_from(recent.iter().filter(|n| *n == id).count()).unwrap_or(0);
-        placement::rank_with(&self.live().await, &holders, &need, extra)
+        placement::rank_with(&self.live().await, holders, &need, extra)
             .map_err(NodeError::Exhausted)
     }
 
@@ -279,6 +279,19 @@ impl ClusterNodes {
             }
         });
         futures::future::join_all(calls).await
+    }
+
+    /// [`ClusterNodes::ask_all`], keeping only the answers of the nodes that gave one.
+    async fn ask_all_ok<T, F, Fut>(&self, f: F) -> Vec<T>
+    where
+        F: Fn(Arc<RemoteNode>) -> Fut,
+        Fut: std::future::Future<Output = Result<T, NodeError>>,
+    {
+        self.ask_all(f)
+            .await
+            .into_iter()
+            .filter_map(|(_, r)| r.ok())
+            .collect()
     }
 
     /// Tries `f` on each node ranked for a start until one is not out of capacity.
@@ -432,26 +445,31 @@ impl NodeControl for ClusterNodes {
 
     async fn start(&self, spec: StartSpec) -> Result<Running, NodeError> {
         let memory_restore = !spec.cold_boot && spec.volumes.is_empty();
-        let (ranked, spec) = match self.candidates(&spec.build_id, memory_restore).await {
+        let holders = self.holders(&spec.build_id).await;
+        let (ranked, spec) = match self
+            .candidates(&spec.build_id, &holders, memory_restore)
+            .await
+        {
             Ok(r) => (r, spec),
             // No node can restore its memory (another accelerator, QEMU or CPU model than
             // the build's): boot its disk on one that has room, as seed 003 says.
-            Err(e) if memory_restore => match self.candidates(&spec.build_id, false).await {
-                Ok(r) => {
-                    tracing::warn!(sandbox_id = %spec.sandbox_id, build_id = %spec.build_id, reason = %e, "no node can restore this build's memory: cold-booting its disk");
-                    (
-                        r,
-                        StartSpec {
-                            cold_boot: true,
-                            ..spec
-                        },
-                    )
+            Err(e) if memory_restore => {
+                match self.candidates(&spec.build_id, &holders, false).await {
+                    Ok(r) => {
+                        tracing::warn!(sandbox_id = %spec.sandbox_id, build_id = %spec.build_id, reason = %e, "no node can restore this build's memory: cold-booting its disk");
+                        (
+                            r,
+                            StartSpec {
+                                cold_boot: true,
+                                ..spec
+                            },
+                        )
+                    }
+                    Err(_) => return Err(e),
                 }
-                Err(_) => return Err(e),
-            },
+            }
             Err(e) => return Err(e),
         };
-        let holders = self.holders(&spec.build_id).await;
         let had_holder = ranked.iter().any(|n| holders.contains(&n.id));
         let (node, running) = self
             .on_first_fit(ranked, &holders, |c| {
@@ -522,10 +540,9 @@ impl NodeControl for ClusterNodes {
     }
 
     async fn list_running(&self) -> Vec<Running> {
-        self.ask_all(|c| async move { c.list_running_checked().await })
+        self.ask_all_ok(|c| async move { c.list_running_checked().await })
             .await
             .into_iter()
-            .filter_map(|(_, r)| r.ok())
             .flatten()
             .collect()
     }
@@ -552,27 +569,22 @@ impl NodeControl for ClusterNodes {
         // Killed (no placement any more): whichever node kept its samples.
         let id = sandbox_id.to_string();
         let answers = self
-            .ask_all(|c| {
+            .ask_all_ok(|c| {
                 let id = id.clone();
                 async move { c.metrics(&id, start_unix, end_unix).await }
             })
             .await;
-        Ok(answers
-            .into_iter()
-            .filter_map(|(_, r)| r.ok())
-            .flatten()
-            .collect())
+        Ok(answers.into_iter().flatten().collect())
     }
 
     async fn latest_metrics(&self, sandbox_ids: &[String]) -> Vec<(String, MetricSample)> {
         let ids = sandbox_ids.to_vec();
-        self.ask_all(|c| {
+        self.ask_all_ok(|c| {
             let ids = ids.clone();
             async move { Ok(c.latest_metrics(&ids).await) }
         })
         .await
         .into_iter()
-        .filter_map(|(_, r)| r.ok())
         .flatten()
         .collect()
     }
@@ -583,24 +595,19 @@ impl NodeControl for ClusterNodes {
         }
         let id = sandbox_id.to_string();
         let answers = self
-            .ask_all(|c| {
+            .ask_all_ok(|c| {
                 let id = id.clone();
                 let q = query.clone();
                 async move { c.logs(&id, q).await }
             })
             .await;
-        Ok(answers
-            .into_iter()
-            .filter_map(|(_, r)| r.ok())
-            .max_by_key(Vec::len)
-            .unwrap_or_default())
+        Ok(answers.into_iter().max_by_key(Vec::len).unwrap_or_default())
     }
 
     async fn pool_depths(&self) -> Vec<(BuildId, usize)> {
-        self.ask_all(|c| async move { Ok(c.pool_depths().await) })
+        self.ask_all_ok(|c| async move { Ok(c.pool_depths().await) })
             .await
             .into_iter()
-            .filter_map(|(_, r)| r.ok())
             .flatten()
             .collect()
     }
