@@ -188,7 +188,8 @@ start_node() {
   local tls=()
   if [ "$TLS" = 1 ]; then
     # TLS only; it advertises https://<listen> in the registry.
-    tls=(--tls-cert "$TLS_DIR/node$i.pem" --tls-key "$TLS_DIR/node$i.key")
+    # The CA verifies the other nodes when this one sends them a live migration.
+    tls=(--tls-cert "$TLS_DIR/node$i.pem" --tls-key "$TLS_DIR/node$i.key" --node-ca "$TLS_DIR/ca.pem")
   fi
   VMON_NODE_TOKEN=$(node_token) run "node$i" "$(vmon_bin)" --data-dir "$d" node \
     --listen "127.0.0.1:$((P + 20 + i))" --etcd "$ETCD_ENDPOINTS" --node-id "node$i" \

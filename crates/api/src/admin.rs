@@ -22,6 +22,11 @@ pub(crate) fn routes() -> Router<AppState> {
         .route("/admin/keys/:id", delete(revoke_key))
         .route("/admin/sandboxes", get(list_sandboxes))
         .route("/admin/nodes", get(list_nodes))
+        .route(
+            "/admin/nodes/:id/drain",
+            post(drain_node).get(drain_status).delete(undrain_node),
+        )
+        .route("/admin/sandboxes/:id/migrate", post(migrate_sandbox))
         .route("/admin/sandboxes/:id", delete(kill_sandbox))
         .route("/admin/routes/:id", get(route))
         .route("/admin/routes/:id/resume", post(resume_route))
@@ -71,12 +76,13 @@ async fn route(
         .lookup(&id)
         .await
         .ok_or_else(|| ApiError::sandbox_not_found(&id))?;
-    let (node_host, ingress_url) = match s.control.node_location(&id).await {
-        Some((h, i)) => (Some(h), i),
-        None => (None, None),
+    let (node_host, ingress_url, located) = match s.control.node_location(&id).await {
+        Some((h, i, ip)) => (Some(h), i, ip),
+        None => (None, None, None),
     };
     Ok(Json(RouteInfo {
-        guest_ip: r.guest_ip,
+        // Running: the address on the node the placement names (a migration moves both).
+        guest_ip: r.guest_ip.map(|ip| located.unwrap_or(ip)),
         auto_resume: r.auto_resume,
         traffic_access_token: r.traffic_access_token,
         node_host,
@@ -372,16 +378,177 @@ async fn list_sandboxes(State(s): State<AppState>, _: Admin) -> ApiResult<Json<V
     get, path = "/admin/nodes", tag = "admin",
     summary = "The cluster's nodes: capacity and load (empty on one machine)",
     responses(
-        (status = 200, description = "The registered nodes", body = Vec<vmon_proto::cluster::NodeInfo>),
+        (status = 200, description = "The registered nodes", body = Vec<NodeView>),
         (status = 404, description = "Admin routes disabled (no admin token)", body = crate::wire::ErrorBody),
     ),
     security(("AdminToken" = []))
 )]
-async fn list_nodes(
+async fn list_nodes(State(s): State<AppState>, _: Admin) -> Json<Vec<NodeView>> {
+    let draining = s.control.draining_nodes().await;
+    let mut out = Vec::new();
+    for info in s.control.members().await {
+        let drain = if draining.contains(&info.id) {
+            s.control.drain_status(&info.id).await
+        } else {
+            None
+        };
+        let state = match (&drain, draining.contains(&info.id)) {
+            (Some(d), _) => d.state.clone(),
+            (None, true) => "draining".into(),
+            (None, false) => "active".into(),
+        };
+        out.push(NodeView { info, state, drain });
+    }
+    Json(out)
+}
+
+/// A node as `GET /admin/nodes` lists it: its registration, whether it takes new work, and
+/// its drain's progress.
+#[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct NodeView {
+    #[serde(flatten)]
+    pub info: vmon_proto::cluster::NodeInfo,
+    /// `active`, `draining` or `drained` (or `stopped`: undrained before the end).
+    pub state: String,
+    pub drain: Option<crate::control::DrainStatus>,
+}
+
+#[utoipa::path(
+    post, path = "/admin/nodes/{nodeID}/drain", tag = "admin",
+    summary = "Drain a node: no new work; its sandboxes move to other nodes (live, or paused)",
+    params(("nodeID" = String, Path, description = "The node")),
+    responses(
+        (status = 202, description = "Draining", body = crate::control::DrainStatus),
+        (status = 400, description = "Not a cluster", body = crate::wire::ErrorBody),
+        (status = 404, description = "Unknown node, or admin routes disabled", body = crate::wire::ErrorBody),
+    ),
+    security(("AdminToken" = []))
+)]
+async fn drain_node(
     State(s): State<AppState>,
     _: Admin,
-) -> Json<Vec<vmon_proto::cluster::NodeInfo>> {
-    Json(s.control.members().await)
+    Path(id): Path<String>,
+) -> ApiResult<(StatusCode, Json<crate::control::DrainStatus>)> {
+    let status = s.control.drain(&id).await?;
+    Ok((StatusCode::ACCEPTED, Json(status)))
+}
+
+#[utoipa::path(
+    get, path = "/admin/nodes/{nodeID}/drain", tag = "admin",
+    summary = "A node's drain progress",
+    params(("nodeID" = String, Path, description = "The node")),
+    responses(
+        (status = 200, description = "Its progress", body = crate::control::DrainStatus),
+        (status = 404, description = "No drain of this node, or admin routes disabled", body = crate::wire::ErrorBody),
+    ),
+    security(("AdminToken" = []))
+)]
+async fn drain_status(
+    State(s): State<AppState>,
+    _: Admin,
+    Path(id): Path<String>,
+) -> ApiResult<Json<crate::control::DrainStatus>> {
+    s.control
+        .drain_status(&id)
+        .await
+        .map(Json)
+        .ok_or_else(|| ApiError::not_found(format!("node {id} is not draining")))
+}
+
+#[utoipa::path(
+    delete, path = "/admin/nodes/{nodeID}/drain", tag = "admin",
+    summary = "Undrain a node: it takes new work again",
+    params(("nodeID" = String, Path, description = "The node")),
+    responses(
+        (status = 204, description = "Takes new work"),
+        (status = 400, description = "Not a cluster", body = crate::wire::ErrorBody),
+        (status = 404, description = "Admin routes disabled", body = crate::wire::ErrorBody),
+    ),
+    security(("AdminToken" = []))
+)]
+async fn undrain_node(
+    State(s): State<AppState>,
+    _: Admin,
+    Path(id): Path<String>,
+) -> ApiResult<StatusCode> {
+    s.control.undrain(&id).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Where to move a sandbox.
+#[derive(Debug, Default, Deserialize, utoipa::ToSchema)]
+pub struct MigrateRequest {
+    /// The target node (default: the best other node that can take it).
+    pub node: Option<String>,
+}
+
+/// A finished live migration.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct MigrateReport {
+    pub from: String,
+    pub to: String,
+    /// The whole move (ms).
+    #[serde(rename = "totalMs")]
+    pub total_ms: u64,
+    /// From the source's handover to the guest running on the target (ms).
+    #[serde(rename = "switchMs")]
+    pub switch_ms: u64,
+    /// How long the guest was stopped: on the source before it handed over, then until it
+    /// ran on the target (ms).
+    #[serde(rename = "downtimeMs")]
+    pub downtime_ms: u64,
+    /// QEMU's own estimate of the guest's pause in the last round (ms).
+    #[serde(rename = "qemuDowntimeMs")]
+    pub qemu_downtime_ms: u64,
+    #[serde(rename = "ramBytes")]
+    pub ram_bytes: u64,
+    #[serde(rename = "diskBytes")]
+    pub disk_bytes: u64,
+    pub rounds: u64,
+}
+
+#[utoipa::path(
+    post, path = "/admin/sandboxes/{sandboxID}/migrate", tag = "admin",
+    summary = "Live-migrate a running sandbox to another node",
+    params(("sandboxID" = String, Path, description = "The sandbox")),
+    request_body(content = MigrateRequest, description = "The target node (optional)"),
+    responses(
+        (status = 200, description = "Moved; it runs on the target", body = MigrateReport),
+        (status = 400, description = "Not a cluster, or the sandbox cannot move", body = crate::wire::ErrorBody),
+        (status = 404, description = "Unknown id, or admin routes disabled", body = crate::wire::ErrorBody),
+        (status = 409, description = "Paused, or another transition holds it", body = crate::wire::ErrorBody),
+        (status = 503, description = "No node can take it", body = crate::wire::ErrorBody),
+    ),
+    security(("AdminToken" = []))
+)]
+async fn migrate_sandbox(
+    State(s): State<AppState>,
+    _: Admin,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> ApiResult<Json<MigrateReport>> {
+    let req: MigrateRequest = if body.is_empty() {
+        MigrateRequest::default()
+    } else {
+        serde_json::from_slice(&body)
+            .map_err(|e| ApiError::bad_request(format!("bad migrate request: {e}")))?
+    };
+    let control = s.control.clone();
+    // Detached: a client that gives up does not abandon a half-done move.
+    let m = tokio::spawn(async move { control.migrate(&id, req.node.as_deref()).await })
+        .await
+        .map_err(|e| ApiError::internal(e.to_string()))??;
+    Ok(Json(MigrateReport {
+        from: m.from,
+        to: m.to,
+        total_ms: m.total_ms,
+        switch_ms: m.switch_ms,
+        downtime_ms: m.stats.stopped_ms + m.switch_ms,
+        qemu_downtime_ms: m.stats.qemu_downtime_ms,
+        ram_bytes: m.stats.ram_bytes,
+        disk_bytes: m.stats.disk_bytes,
+        rounds: m.stats.rounds,
+    }))
 }
 
 #[utoipa::path(

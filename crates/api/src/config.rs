@@ -81,6 +81,9 @@ pub struct Config {
     /// Whether `code-interpreter-v1` is built in the background after `base`
     /// (`VMON_PREBUILD_CODE_INTERPRETER`); when `false`, the first create naming it builds it.
     pub prebuild_code_interpreter: bool,
+    /// The longest guest pause a live migration plans its last copy round for, in ms
+    /// (`VMON_MIGRATION_DOWNTIME_MS`).
+    pub migration_downtime_ms: u64,
 }
 
 /// Per-team quotas; past one the request is 429 with the limit's name.
@@ -166,6 +169,7 @@ impl Default for Config {
             volume_key_file: None,
             volume_token_ttl_secs: 3600,
             prebuild_code_interpreter: true,
+            migration_downtime_ms: 300,
         }
     }
 }
@@ -227,6 +231,9 @@ impl Config {
         }
         if let Some(v) = var("VMON_PREBUILD_CODE_INTERPRETER") {
             self.prebuild_code_interpreter = !matches!(v.trim(), "0" | "false" | "no");
+        }
+        if let Some(v) = var("VMON_MIGRATION_DOWNTIME_MS") {
+            self.migration_downtime_ms = parse("VMON_MIGRATION_DOWNTIME_MS", v)?;
         }
         if let Some(v) = var("VMON_CLIENT_ID") {
             self.client_id = v;

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 use vmon_kv::Kv;
 use vmon_node::rpc::RemoteNode;
-use vmon_proto::cluster::{BuildOrigin, Cluster, NodeInfo};
+use vmon_proto::cluster::{BuildOrigin, Cluster, Migrated, NodeInfo};
 use vmon_proto::node::{
     BuildId, BuildInfo, ExecOutput, ExecSpec, LogEntry, LogQuery, MetricSample, NetworkPolicy,
     NodeControl, NodeError, OciImage, Running, StartSpec, TemplateSpec,
@@ -18,6 +18,8 @@ use vmon_proto::node::{
 
 use crate::placement::{self, Need};
 use crate::registry;
+
+mod migrate;
 
 /// How long a members list read from the KV is reused.
 const MEMBERS_FRESH: Duration = Duration::from_millis(500);
@@ -169,10 +171,13 @@ impl ClusterNodes {
         Ok((node, c))
     }
 
-    async fn place(&self, sandbox_id: &str, node_id: &str) {
+    /// Records where a sandbox runs: its node and its guest address there, in one value, so
+    /// that a reader never pairs a node with another node's address.
+    async fn place(&self, sandbox_id: &str, node_id: &str, guest_ip: std::net::IpAddr) {
+        let value = serde_json::json!({"node": node_id, "ip": guest_ip}).to_string();
         if let Err(e) = self
             .kv
-            .put(&format!("{PLACEMENT}{sandbox_id}"), node_id.as_bytes())
+            .put(&format!("{PLACEMENT}{sandbox_id}"), value.into_bytes())
             .await
         {
             tracing::warn!(sandbox_id, error = %e, "recording the sandbox's node failed");
@@ -252,7 +257,7 @@ impl ClusterNodes {
         };
         let extra =
             |id: &str| u32::try_from(recent.iter().filter(|n| *n == id).count()).unwrap_or(0);
-        placement::rank_with(&self.live().await, holders, &need, extra)
+        placement::rank_with(&self.placeable().await, holders, &need, extra)
             .map_err(NodeError::Exhausted)
     }
 
@@ -330,12 +335,39 @@ impl Cluster for ClusterNodes {
     }
 
     async fn placement(&self, sandbox_id: &str) -> Option<String> {
+        self.location(sandbox_id).await.map(|(node, _)| node)
+    }
+
+    async fn location(&self, sandbox_id: &str) -> Option<(String, Option<std::net::IpAddr>)> {
         let e = self
             .kv
             .get(&format!("{PLACEMENT}{sandbox_id}"))
             .await
             .ok()??;
-        String::from_utf8(e.value).ok()
+        parse_placement(&e.value)
+    }
+
+    async fn migrate(
+        &self,
+        sandbox_id: &str,
+        execution_id: &str,
+        target: Option<&str>,
+        downtime_ms: u64,
+    ) -> Result<Migrated, NodeError> {
+        self.migrate_sandbox(sandbox_id, execution_id, target, downtime_ms)
+            .await
+    }
+
+    async fn set_draining(&self, node_id: &str, draining: bool) -> Result<(), NodeError> {
+        self.mark_draining(node_id, draining).await
+    }
+
+    async fn draining(&self) -> Vec<String> {
+        self.draining_nodes().await.into_iter().collect()
+    }
+
+    async fn rehome(&self, build_id: &str, away_from: &str) -> Result<String, NodeError> {
+        self.rehome_build(build_id, away_from).await
     }
 
     async fn running_on(&self, node_id: &str) -> Result<Vec<Running>, NodeError> {
@@ -371,7 +403,7 @@ impl Cluster for ClusterNodes {
 impl NodeControl for ClusterNodes {
     async fn build_template(&self, spec: TemplateSpec) -> Result<BuildInfo, NodeError> {
         let ranked = placement::rank(
-            &self.live().await,
+            &self.placeable().await,
             &HashSet::new(),
             &Need {
                 memory_mb: u64::from(spec.memory_mb),
@@ -490,7 +522,8 @@ impl NodeControl for ClusterNodes {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .push((Instant::now(), node.id.clone()));
-        self.place(&spec.sandbox_id, &node.id).await;
+        self.place(&spec.sandbox_id, &node.id, running.guest_ip)
+            .await;
         if !holders.contains(&node.id) {
             if let Ok(info) = self.client(&node)?.build_info(&spec.build_id).await {
                 self.holds(&node, &info).await;
@@ -632,5 +665,36 @@ impl NodeControl for ClusterNodes {
         let (_, c) = self.node_of(sandbox_id).await?;
         c.put_file(sandbox_id, execution_id, host_path, guest_path)
             .await
+    }
+}
+
+/// A placement value: `{"node", "ip"}`, or a bare node id (as written before addresses were kept).
+fn parse_placement(v: &[u8]) -> Option<(String, Option<std::net::IpAddr>)> {
+    #[derive(Deserialize)]
+    struct P {
+        node: String,
+        ip: Option<std::net::IpAddr>,
+    }
+    if v.first() == Some(&b'{') {
+        let p: P = serde_json::from_slice(v).ok()?;
+        return Some((p.node, p.ip));
+    }
+    String::from_utf8(v.to_vec()).ok().map(|n| (n, None))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn placements_are_read_with_and_without_an_address() {
+        let (n, ip) = super::parse_placement(br#"{"node":"node2","ip":"10.1.2.3"}"#).unwrap();
+        assert_eq!(
+            (n.as_str(), ip),
+            ("node2", Some("10.1.2.3".parse().unwrap()))
+        );
+        assert_eq!(
+            super::parse_placement(b"node1"),
+            Some(("node1".into(), None))
+        );
+        assert_eq!(super::parse_placement(b"{bad"), None);
     }
 }

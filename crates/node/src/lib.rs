@@ -6,6 +6,7 @@
 //! state change that must survive a crash is written (fsynced) before it is acted on.
 
 pub mod builds;
+pub mod channel;
 mod config;
 pub mod envd_client;
 mod node;
@@ -18,5 +19,5 @@ pub mod telemetry;
 pub mod tls;
 
 pub use config::{free_mb, NodeConfig};
-pub use node::{probe_qmp, Node, ENVD_VERSION};
+pub use node::{probe_qmp, Node, Peers, ENVD_VERSION};
 pub use slots::BLOCKS as SLOT_BLOCKS;

@@ -21,8 +21,9 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use vmon_proto::node::{
-    BuildInfo, ExecOutput, ExecSpec, LogEntry, LogQuery, MetricSample, NetworkPolicy, NodeControl,
-    NodeError, OciImage, Running, StartSpec, TemplateSpec,
+    BuildInfo, ExecOutput, ExecSpec, LogEntry, LogQuery, MetricSample, MigrateIn, MigrateOut,
+    MigrateStats, NetworkPolicy, NodeControl, NodeError, OciImage, Running, StartSpec,
+    TemplateSpec,
 };
 
 /// Largest RPC body either side reads (log pages are the big ones).
@@ -86,10 +87,16 @@ struct PutFile {
     guest_path: String,
 }
 
+#[derive(Serialize, Deserialize)]
+struct Migration {
+    migration_id: String,
+}
+
 #[derive(Clone)]
-struct Served {
+pub(crate) struct Served {
     node: Arc<dyn NodeControl>,
-    token: Arc<String>,
+    pub(crate) token: Arc<String>,
+    pub(crate) channels: Option<Arc<dyn crate::channel::Channels>>,
 }
 
 fn parse<T: DeserializeOwned>(body: &Bytes) -> Result<T, NodeError> {
@@ -110,12 +117,7 @@ async fn call(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    let authorized = headers
-        .get("authorization")
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .is_some_and(|t| constant_time_eq(t.as_bytes(), s.token.as_bytes()));
-    if !authorized {
+    if !authorized(&headers, &s.token) {
         return (StatusCode::UNAUTHORIZED, "node RPC needs its bearer token").into_response();
     }
     let n = &s.node;
@@ -186,8 +188,45 @@ async fn call(
             ),
             Err(e) => answer::<()>(Err(e)),
         },
+        "migrate_describe" => match parse::<Target>(&body) {
+            Ok(t) => answer(n.migrate_describe(&t.sandbox_id, &t.execution_id).await),
+            Err(e) => answer::<()>(Err(e)),
+        },
+        "migrate_in" => match parse::<MigrateIn>(&body) {
+            Ok(spec) => answer(n.migrate_in(spec).await),
+            Err(e) => answer::<()>(Err(e)),
+        },
+        "migrate_out" => match parse::<MigrateOut>(&body) {
+            Ok(spec) => answer(n.migrate_out(spec).await),
+            Err(e) => answer::<()>(Err(e)),
+        },
+        "migrate_commit" => match parse::<Migration>(&body) {
+            Ok(m) => answer(n.migrate_commit(&m.migration_id).await),
+            Err(e) => answer::<()>(Err(e)),
+        },
+        "migrate_cancel" => match parse::<Migration>(&body) {
+            Ok(m) => answer(n.migrate_cancel(&m.migration_id).await),
+            Err(e) => answer::<()>(Err(e)),
+        },
+        "migrate_finish" => match parse::<Target>(&body) {
+            Ok(t) => answer(n.migrate_finish(&t.sandbox_id, &t.execution_id).await),
+            Err(e) => answer::<()>(Err(e)),
+        },
+        "migrate_abort" => match parse::<Target>(&body) {
+            Ok(t) => answer(n.migrate_abort(&t.sandbox_id, &t.execution_id).await),
+            Err(e) => answer::<()>(Err(e)),
+        },
         other => (StatusCode::NOT_FOUND, format!("no node call {other:?}")).into_response(),
     }
+}
+
+/// Whether `headers` carry the node's bearer token.
+pub(crate) fn authorized(headers: &HeaderMap, token: &str) -> bool {
+    headers
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .is_some_and(|t| constant_time_eq(t.as_bytes(), token.as_bytes()))
 }
 
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
@@ -213,12 +252,30 @@ pub async fn serve_with(
     tls: Option<Arc<rustls::ServerConfig>>,
     cancel: tokio_util::sync::CancellationToken,
 ) -> anyhow::Result<()> {
+    serve_node(listener, node, None, token, tls, cancel).await
+}
+
+/// [`serve_with`], also taking live-migration channels (`POST /v1/migration/<id>/<channel>`
+/// upgraded to a raw byte stream) for `channels`.
+pub async fn serve_node(
+    listener: tokio::net::TcpListener,
+    node: Arc<dyn NodeControl>,
+    channels: Option<Arc<dyn crate::channel::Channels>>,
+    token: String,
+    tls: Option<Arc<rustls::ServerConfig>>,
+    cancel: tokio_util::sync::CancellationToken,
+) -> anyhow::Result<()> {
     let app = axum::Router::new()
+        .route(
+            "/v1/migration/:id/:channel",
+            axum::routing::post(crate::channel::accept),
+        )
         .route("/v1/:call", axum::routing::post(call))
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
         .with_state(Served {
             node,
             token: Arc::new(token),
+            channels,
         });
     match tls {
         None => {
@@ -241,7 +298,9 @@ async fn serve_tls(
     cancel: tokio_util::sync::CancellationToken,
 ) {
     let acceptor = tokio_rustls::TlsAcceptor::from(config);
-    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    // Connections in flight when `cancel` fires finish their calls (migration channels, which
+    // are upgraded, run to their end).
+    let tracker = tokio_util::task::TaskTracker::new();
     loop {
         let (stream, peer) = tokio::select! {
             _ = cancel.cancelled() => break,
@@ -257,8 +316,8 @@ async fn serve_tls(
         let _ = stream.set_nodelay(true);
         let acceptor = acceptor.clone();
         let service = hyper_util::service::TowerToHyperService::new(app.clone());
-        let watcher = graceful.watcher();
-        tokio::spawn(async move {
+        let cancel = cancel.clone();
+        tracker.spawn(async move {
             let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
                 Ok(Ok(tls)) => tls,
                 Ok(Err(e)) => {
@@ -270,23 +329,33 @@ async fn serve_tls(
             let conn = hyper::server::conn::http1::Builder::new()
                 .timer(hyper_util::rt::TokioTimer::new())
                 .header_read_timeout(HANDSHAKE_TIMEOUT)
-                .serve_connection(hyper_util::rt::TokioIo::new(tls), service);
-            if let Err(e) = watcher.watch(conn).await {
+                .serve_connection(hyper_util::rt::TokioIo::new(tls), service)
+                .with_upgrades();
+            let mut conn = std::pin::pin!(conn);
+            let ended = tokio::select! {
+                r = conn.as_mut() => r,
+                _ = cancel.cancelled() => {
+                    conn.as_mut().graceful_shutdown();
+                    conn.await
+                }
+            };
+            if let Err(e) = ended {
                 tracing::debug!(%peer, error = %e, "node RPC connection ended");
             }
         });
     }
     drop(listener);
-    graceful.shutdown().await;
+    tracker.close();
+    tracker.wait().await;
 }
 
 /// A node reached over RPC.
 pub struct RemoteNode {
-    addr: String,
-    token: String,
+    pub(crate) addr: String,
+    pub(crate) token: String,
     /// Set for `https://` URLs: the client configuration and the name the node's
     /// certificate must carry.
-    tls: Option<(
+    pub(crate) tls: Option<(
         tokio_rustls::TlsConnector,
         rustls::pki_types::ServerName<'static>,
     )>,
@@ -593,6 +662,65 @@ impl NodeControl for RemoteNode {
                 execution_id: execution_id.into(),
                 host_path: host_path.into(),
                 guest_path: guest_path.into(),
+            },
+        )
+        .await
+    }
+
+    async fn migrate_describe(
+        &self,
+        sandbox_id: &str,
+        execution_id: &str,
+    ) -> Result<MigrateIn, NodeError> {
+        self.call(
+            "migrate_describe",
+            &Target {
+                sandbox_id: sandbox_id.into(),
+                execution_id: execution_id.into(),
+            },
+        )
+        .await
+    }
+    async fn migrate_in(&self, spec: MigrateIn) -> Result<String, NodeError> {
+        self.call("migrate_in", &spec).await
+    }
+    async fn migrate_out(&self, spec: MigrateOut) -> Result<MigrateStats, NodeError> {
+        self.call("migrate_out", &spec).await
+    }
+    async fn migrate_commit(&self, migration_id: &str) -> Result<Running, NodeError> {
+        self.call(
+            "migrate_commit",
+            &Migration {
+                migration_id: migration_id.into(),
+            },
+        )
+        .await
+    }
+    async fn migrate_cancel(&self, migration_id: &str) -> Result<(), NodeError> {
+        self.call(
+            "migrate_cancel",
+            &Migration {
+                migration_id: migration_id.into(),
+            },
+        )
+        .await
+    }
+    async fn migrate_finish(&self, sandbox_id: &str, execution_id: &str) -> Result<(), NodeError> {
+        self.call(
+            "migrate_finish",
+            &Target {
+                sandbox_id: sandbox_id.into(),
+                execution_id: execution_id.into(),
+            },
+        )
+        .await
+    }
+    async fn migrate_abort(&self, sandbox_id: &str, execution_id: &str) -> Result<(), NodeError> {
+        self.call(
+            "migrate_abort",
+            &Target {
+                sandbox_id: sandbox_id.into(),
+                execution_id: execution_id.into(),
             },
         )
         .await

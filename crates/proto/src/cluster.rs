@@ -8,7 +8,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::node::{NodeError, Running};
+use crate::node::{MigrateStats, NodeError, Running};
 
 /// The KV prefix of the node registry.
 pub const NODES_PREFIX: &str = "nodes/";
@@ -83,6 +83,23 @@ impl BuildOrigin {
     }
 }
 
+/// The KV prefix of nodes that take no new work (`drain/<id>`).
+pub const DRAIN_PREFIX: &str = "drain/";
+
+/// A live migration that happened.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Migrated {
+    pub from: String,
+    pub to: String,
+    /// The sandbox on its new node (its guest address there).
+    pub running: Running,
+    pub stats: MigrateStats,
+    /// Source stop to target start, as the control plane saw it (ms).
+    pub switch_ms: u64,
+    /// The whole move (ms).
+    pub total_ms: u64,
+}
+
 /// The control plane's view of the members, beside the [`crate::node::NodeControl`] calls
 /// that a cluster routes to the right member.
 #[async_trait::async_trait]
@@ -102,4 +119,23 @@ pub trait Cluster: Send + Sync + 'static {
         sandbox_id: &str,
         execution_id: &str,
     ) -> Result<(), NodeError>;
+    /// The node a sandbox runs on and its guest address there, read at once (the address
+    /// changes with a live migration; `None` for placements written before it was kept).
+    async fn location(&self, sandbox_id: &str) -> Option<(String, Option<std::net::IpAddr>)>;
+    /// Live-migrates a running sandbox to `target` (or the best other node that can take
+    /// it). On error the sandbox runs where it ran, unchanged.
+    async fn migrate(
+        &self,
+        sandbox_id: &str,
+        execution_id: &str,
+        target: Option<&str>,
+        downtime_ms: u64,
+    ) -> Result<Migrated, NodeError>;
+    /// Marks a node as taking no new work (draining), or as taking it again.
+    async fn set_draining(&self, node_id: &str, draining: bool) -> Result<(), NodeError>;
+    /// The nodes marked draining.
+    async fn draining(&self) -> Vec<String>;
+    /// Has a node other than `away_from` hold `build_id` (fetched from the object store), so
+    /// that a paused sandbox resumes elsewhere; returns that node.
+    async fn rehome(&self, build_id: &str, away_from: &str) -> Result<String, NodeError>;
 }

@@ -293,6 +293,59 @@ pub struct LogEntry {
     pub line: String,
 }
 
+/// What a node needs to receive a running sandbox by live migration: the source describes it
+/// ([`NodeControl::migrate_describe`]) and the target prepares a QEMU for it
+/// ([`NodeControl::migrate_in`]) on the same build the sandbox's memory and disk lie over.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct MigrateIn {
+    pub sandbox_id: String,
+    pub execution_id: String,
+    /// The build under the sandbox's memory pages and disk overlay (a template, or the
+    /// checkpoint or pause it last resumed from). The target fetches it when it lacks it.
+    pub basis: BuildId,
+    pub envd_token: Option<String>,
+    pub envd_version: String,
+    pub network: NetworkPolicy,
+    pub resume_generation: u32,
+    pub disk_mb: u32,
+    pub vcpus: u32,
+    pub memory_mb: u32,
+}
+
+/// What the source node of a live migration is asked to do: send the sandbox's memory, device
+/// state and disk writes to the QEMU `migration_id` names on `target_url`'s node.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct MigrateOut {
+    pub sandbox_id: String,
+    pub execution_id: String,
+    /// The target's node RPC URL (`http(s)://host:port`).
+    pub target_url: String,
+    pub migration_id: String,
+    /// The longest pause of the guest QEMU may plan for the last copy round (ms).
+    pub downtime_ms: u64,
+    /// The whole copy ends in failure after this long (the sandbox keeps running).
+    pub timeout_secs: u64,
+}
+
+/// How a live migration's copy went, as the source measured it.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct MigrateStats {
+    /// From the first byte to the source's QEMU handing over (ms).
+    pub copy_ms: u64,
+    /// The guest was stopped on the source from this moment; QEMU's own downtime (ms).
+    pub qemu_downtime_ms: u64,
+    /// Guest memory bytes sent (all rounds).
+    pub ram_bytes: u64,
+    /// Disk bytes the mirror copied (the overlay's writes).
+    pub disk_bytes: u64,
+    /// Memory copy rounds.
+    pub rounds: u64,
+    /// How long the guest was stopped on the source before it handed over (the mirror's
+    /// completion and QEMU's last round), ms.
+    #[serde(default)]
+    pub stopped_ms: u64,
+}
+
 #[derive(Debug, thiserror::Error, Serialize, Deserialize)]
 pub enum NodeError {
     #[error("sandbox {0} is not on this node")]
@@ -389,6 +442,47 @@ pub trait NodeControl: Send + Sync + 'static {
         host_path: &str,
         guest_path: &str,
     ) -> Result<(), NodeError>;
+
+    /// Live migration, source side: whether this sandbox can move, and what the target needs.
+    async fn migrate_describe(
+        &self,
+        sandbox_id: &str,
+        _execution_id: &str,
+    ) -> Result<MigrateIn, NodeError> {
+        Err(NodeError::InvalidArgument(format!(
+            "this node cannot live-migrate sandbox {sandbox_id}"
+        )))
+    }
+    /// Target side: spawns a QEMU waiting for the sandbox (its slot, an overlay on the basis's
+    /// disk chain, the basis's memory written in); returns the migration's id.
+    async fn migrate_in(&self, _spec: MigrateIn) -> Result<String, NodeError> {
+        Err(NodeError::InvalidArgument(
+            "this node cannot receive live migrations".into(),
+        ))
+    }
+    /// Source side: copies the running sandbox to the prepared target until the source's QEMU
+    /// has handed over (stopped, state sent). On error the sandbox is running here unchanged.
+    async fn migrate_out(&self, _spec: MigrateOut) -> Result<MigrateStats, NodeError> {
+        Err(NodeError::InvalidArgument(
+            "this node cannot send live migrations".into(),
+        ))
+    }
+    /// Target side: starts the received guest and takes the sandbox into its table.
+    async fn migrate_commit(&self, migration_id: &str) -> Result<Running, NodeError> {
+        Err(NodeError::NotFound(format!("migration {migration_id}")))
+    }
+    /// Target side: drops a prepared or received migration that will not be committed.
+    async fn migrate_cancel(&self, _migration_id: &str) -> Result<(), NodeError> {
+        Ok(())
+    }
+    /// Source side, after the target committed: ends the handed-over QEMU and frees its slot.
+    async fn migrate_finish(&self, sandbox_id: &str, execution_id: &str) -> Result<(), NodeError> {
+        self.kill(sandbox_id, execution_id).await
+    }
+    /// Source side, when the target did not commit: the sandbox runs on here.
+    async fn migrate_abort(&self, _sandbox_id: &str, _execution_id: &str) -> Result<(), NodeError> {
+        Ok(())
+    }
 }
 
 #[cfg(test)]

@@ -358,6 +358,18 @@ impl Qmp {
         }
     }
 
+    /// Hands QEMU the descriptor `fd` under `name` (`getfd`), for a later `fd:<name>` URI.
+    pub async fn getfd(&self, name: &str, fd: std::os::fd::BorrowedFd<'_>) -> Result<(), QmpError> {
+        self.execute_fd(
+            "getfd",
+            json!({ "fdname": name }),
+            Some(fd),
+            Duration::from_secs(10),
+        )
+        .await
+        .map(|_| ())
+    }
+
     /// Switches the running disk `node` to a new overlay created at `file`; the old image
     /// becomes read-only backing.
     pub async fn blockdev_snapshot_sync(

@@ -78,7 +78,13 @@ impl Control {
                         && r.execution_id == vm.execution_id
                         && r.state == SandboxState::Running
                 });
-                if !recorded {
+                // A live migration's source that outlived the switch (a crash right after it)
+                // runs the same execution as the record, on another node than its placement.
+                let elsewhere = cluster
+                    .placement(&vm.sandbox_id)
+                    .await
+                    .is_some_and(|p| p != *node_id);
+                if !recorded || elsewhere {
                     self.kill_stray(cluster, node_id, vm).await;
                 }
             }
@@ -177,8 +183,9 @@ impl Control {
         let current = self.records.sandbox(id).await.ok().flatten();
         let recorded = current
             .is_some_and(|r| r.execution_id == vm.execution_id && r.state == SandboxState::Running);
-        if !recorded {
-            tracing::warn!(sandbox_id = %id, node_id, "VM without a record: killing it");
+        let elsewhere = cluster.placement(id).await.is_some_and(|p| p != node_id);
+        if !recorded || elsewhere {
+            tracing::warn!(sandbox_id = %id, node_id, elsewhere, "VM without a record here: killing it");
             if let Err(e) = cluster.kill_on(node_id, id, &vm.execution_id).await {
                 tracing::warn!(sandbox_id = %id, node_id, error = %e, "killing a stray VM failed");
             }

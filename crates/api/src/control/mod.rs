@@ -13,6 +13,7 @@ mod checkpoint;
 mod cluster;
 mod delivery;
 mod lifecycle;
+mod migrate;
 mod network;
 mod reaper;
 mod routes;
@@ -55,6 +56,7 @@ pub fn builtin_name(name: &str) -> bool {
 }
 pub use delivery::{signature, DeliveryPolicy, WebhookPayload};
 pub use lifecycle::{CreateParams, KillReason};
+pub use migrate::DrainStatus;
 pub use routes::ProxyRoutes;
 pub use targets::WebhookTargets;
 
@@ -322,7 +324,15 @@ impl Control {
         if self.cluster.is_some() {
             // Another replica may have made the last change: the store has it.
             let rec = self.records.sandbox(id).await.ok()??;
-            return Some(route_of(&rec));
+            let mut route = route_of(&rec);
+            // A live migration moves the guest before the record says so: the placement
+            // carries its address on the node it runs on now.
+            if route.guest_ip.is_some() {
+                if let Some(ip) = self.located_ip(id).await {
+                    route.guest_ip = Some(ip);
+                }
+            }
+            return Some(route);
         }
         self.routes
             .read()
@@ -333,11 +343,20 @@ impl Control {
 
     /// In a cluster: the host of the node a sandbox runs on and the ingress there (the proxy
     /// a proxy on another host hands its traffic to).
-    pub async fn node_location(&self, id: &str) -> Option<(String, Option<String>)> {
+    /// Also the guest's address there when the placement carries it (read with the node, in
+    /// one read, so the two always belong together).
+    pub async fn node_location(
+        &self,
+        id: &str,
+    ) -> Option<(String, Option<String>, Option<std::net::IpAddr>)> {
         let cluster = self.cluster.as_ref()?;
-        let node = cluster.placement(id).await?;
+        let (node, ip) = cluster.location(id).await?;
         let info = cluster.members().await.into_iter().find(|n| n.id == node)?;
-        Some((info.host, info.ingress_url))
+        Some((info.host, info.ingress_url, ip))
+    }
+
+    async fn located_ip(&self, id: &str) -> Option<std::net::IpAddr> {
+        self.cluster.as_ref()?.location(id).await?.1
     }
 
     /// The cluster's registered nodes (empty on one machine).

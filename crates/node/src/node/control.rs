@@ -5,8 +5,9 @@ use std::sync::Arc;
 
 use tokio::sync::Mutex;
 use vmon_proto::node::{
-    BuildInfo, ExecOutput, ExecSpec, LogEntry, LogQuery, MetricSample, NetworkPolicy, NodeControl,
-    NodeError, OciImage, Running, StartSpec, TemplateSpec,
+    BuildInfo, ExecOutput, ExecSpec, LogEntry, LogQuery, MetricSample, MigrateIn, MigrateOut,
+    MigrateStats, NetworkPolicy, NodeControl, NodeError, OciImage, Running, StartSpec,
+    TemplateSpec,
 };
 
 use super::{err, Node};
@@ -158,5 +159,37 @@ impl NodeControl for Node {
     ) -> Result<(), NodeError> {
         self.put_step_file(sandbox_id, execution_id, host_path, guest_path)
             .await
+    }
+
+    async fn migrate_describe(
+        &self,
+        sandbox_id: &str,
+        execution_id: &str,
+    ) -> Result<MigrateIn, NodeError> {
+        self.describe_outgoing(sandbox_id, execution_id).await
+    }
+
+    async fn migrate_in(&self, spec: MigrateIn) -> Result<String, NodeError> {
+        self.prepare_incoming(spec).await
+    }
+
+    async fn migrate_out(&self, spec: MigrateOut) -> Result<MigrateStats, NodeError> {
+        self.send_outgoing(spec).await
+    }
+
+    async fn migrate_commit(&self, migration_id: &str) -> Result<Running, NodeError> {
+        self.commit_incoming(migration_id).await
+    }
+
+    async fn migrate_cancel(&self, migration_id: &str) -> Result<(), NodeError> {
+        self.cancel_incoming(migration_id).await
+    }
+
+    async fn migrate_finish(&self, sandbox_id: &str, execution_id: &str) -> Result<(), NodeError> {
+        self.finish_outgoing(sandbox_id, execution_id).await
+    }
+
+    async fn migrate_abort(&self, sandbox_id: &str, execution_id: &str) -> Result<(), NodeError> {
+        self.abort_outgoing(sandbox_id, execution_id).await
     }
 }

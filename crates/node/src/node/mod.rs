@@ -12,6 +12,7 @@
 mod boot;
 mod capture;
 mod control;
+mod migrate;
 mod parking;
 mod pools;
 mod recovery;
@@ -39,6 +40,7 @@ use crate::pool::Pool;
 use crate::sandbox::{Live, RamSource, SandboxState};
 use crate::slots::Slots;
 
+pub use migrate::Peers;
 use parking::Parked;
 
 /// The envd feature level our guest agent implements (the SDK gates features on it).
@@ -87,6 +89,12 @@ pub struct Node {
     store: Option<Arc<crate::store::Store>>,
     /// Fetches from the store in progress, by build: concurrent starts of one build share one.
     fetches: std::sync::Mutex<HashMap<String, Arc<Mutex<()>>>>,
+    /// Targets of live migrations waiting for their guest, by migration id.
+    incoming: std::sync::Mutex<HashMap<String, Arc<migrate::Incoming>>>,
+    /// Sources whose QEMU handed over and waits for the control plane's finish or abort.
+    handed_over: std::sync::Mutex<migrate::HandedOver>,
+    /// How this node reaches other nodes (set in a cluster).
+    peers: std::sync::OnceLock<Peers>,
     /// Held for the node's life: no other node on this host may use the same slot block.
     _block_lock: std::fs::File,
     /// Held for the node's life: one node per data dir (another would sweep our artifacts).
@@ -311,6 +319,9 @@ impl Node {
             telemetry: Default::default(),
             store,
             fetches: Default::default(),
+            incoming: Default::default(),
+            handed_over: Default::default(),
+            peers: Default::default(),
             _block_lock: block_lock,
             _data_lock: data_lock,
         });

@@ -88,7 +88,11 @@ impl Node {
                         return Ok(None);
                     }
                 }
-                if !status.running {
+                if status.status == "postmigrate" {
+                    // It handed over to a live migration's target before the restart: it stays
+                    // stopped until the control plane's word (or the handed-over timeout).
+                    self.watch_handed_over(&live.state.id, &live.state.execution_id);
+                } else if !status.running {
                     if let Some(vm) = &live.vm {
                         vm.qmp.cont().await?;
                     }
@@ -132,6 +136,7 @@ impl Node {
             live.extend(l.state.live_artifacts());
         }
         live.extend(self.pool.artifacts());
+        live.extend(self.incoming_artifacts());
         if let Ok(m) = self.parked.lock() {
             for p in m.values() {
                 live.extend(p.live.state.live_artifacts());

@@ -285,11 +285,12 @@ pub async fn nodes(data_dir: &Path, conn: &Conn) -> anyhow::Result<()> {
     if nodes.is_empty() {
         eprintln!("no cluster nodes (one machine, or none registered)");
     }
-    println!("NODE\tHOST\tACCEL\tRUNNING\tFREE SLOTS\tFREE MEM MiB\tCPUS\tRPC");
+    println!("NODE\tSTATE\tHOST\tACCEL\tRUNNING\tFREE SLOTS\tFREE MEM MiB\tCPUS\tRPC");
     for n in nodes {
         println!(
-            "{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}",
+            "{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}",
             n["id"].as_str().unwrap_or(""),
+            n["state"].as_str().unwrap_or("active"),
             n["host"].as_str().unwrap_or(""),
             n["accel"].as_str().unwrap_or(""),
             n["running"],
@@ -299,6 +300,83 @@ pub async fn nodes(data_dir: &Path, conn: &Conn) -> anyhow::Result<()> {
             n["rpc_url"].as_str().unwrap_or("")
         );
     }
+    Ok(())
+}
+
+/// `vmon node drain`: marks the node draining and, unless `no_wait`, prints its progress until
+/// it is drained (or the drain stops).
+pub async fn drain(data_dir: &Path, conn: &Conn, node: &str, no_wait: bool) -> anyhow::Result<()> {
+    let c = Client::new(data_dir, conn)?;
+    let path = format!("/admin/nodes/{node}/drain");
+    c.call("POST", &path, None).await?;
+    println!("node {node}: draining (no new work)");
+    if no_wait {
+        return Ok(());
+    }
+    let mut last = String::new();
+    loop {
+        let s = c.call("GET", &path, None).await?;
+        let line = format!(
+            "{}: migrated {}, paused {}, re-homed {}, remaining {}",
+            s["state"].as_str().unwrap_or("?"),
+            s["migrated"],
+            s["paused"],
+            s["rehomed"],
+            s["remaining"]
+        );
+        if line != last {
+            println!("node {node}: {line}");
+            last = line;
+        }
+        match s["state"].as_str() {
+            Some("drained") => break,
+            Some("stopped") => anyhow::bail!("the drain of {node} was stopped (undrained)"),
+            _ => tokio::time::sleep(std::time::Duration::from_secs(1)).await,
+        }
+    }
+    let s = c.call("GET", &path, None).await?;
+    for e in s["errors"].as_array().into_iter().flatten() {
+        eprintln!("  {}", e.as_str().unwrap_or(""));
+    }
+    println!("node {node}: drained");
+    Ok(())
+}
+
+/// `vmon node undrain`.
+pub async fn undrain(data_dir: &Path, conn: &Conn, node: &str) -> anyhow::Result<()> {
+    let c = Client::new(data_dir, conn)?;
+    c.call("DELETE", &format!("/admin/nodes/{node}/drain"), None)
+        .await?;
+    println!("node {node}: takes new work");
+    Ok(())
+}
+
+/// `vmon node migrate`: live-migrates one running sandbox.
+pub async fn migrate(
+    data_dir: &Path,
+    conn: &Conn,
+    sandbox_id: &str,
+    to: Option<&str>,
+) -> anyhow::Result<()> {
+    let c = Client::new(data_dir, conn)?;
+    let body = serde_json::json!({ "node": to });
+    let r = c
+        .call(
+            "POST",
+            &format!("/admin/sandboxes/{sandbox_id}/migrate"),
+            Some(body),
+        )
+        .await?;
+    println!(
+        "{sandbox_id}: {} -> {} in {} ms (switch {} ms, {} MiB memory in {} rounds, {} MiB disk)",
+        r["from"].as_str().unwrap_or("?"),
+        r["to"].as_str().unwrap_or("?"),
+        r["totalMs"],
+        r["switchMs"],
+        r["ramBytes"].as_u64().unwrap_or(0) >> 20,
+        r["rounds"],
+        r["diskBytes"].as_u64().unwrap_or(0) >> 20
+    );
     Ok(())
 }
 

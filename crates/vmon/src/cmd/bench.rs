@@ -32,6 +32,10 @@ enum What {
     /// another node from the object store for 16/64/256 MiB dirtied, upload times
     /// (`tests/bench/cluster_bench.py`).
     Cluster,
+    /// Live migration on a local cluster: total time, switch, QEMU's downtime, the gap a
+    /// client sees, memory sent, for idle and 64 MiB/s-writing guests of 512 MiB and 1 GiB;
+    /// a drain of 10 idle sandboxes (`tests/bench/migrate_bench.py`).
+    Migrate,
     /// The object store's own upload and download MiB/s (the store in `VMON_S3_*`) beside the
     /// data dir's disk, for a file of `--mib` MiB.
     S3(S3Args),
@@ -258,6 +262,7 @@ pub async fn run(data_dir: &Path, args: Args) -> anyhow::Result<()> {
         What::Api => python_bench("api_bench.py", &[]).await,
         What::Template => python_bench("template_bench.py", &[]).await,
         What::Cluster => python_bench("cluster_bench.py", &[]).await,
+        What::Migrate => python_bench("migrate_bench.py", &[]).await,
         What::S3(a) => s3(data_dir, a).await,
         What::Soak(a) => {
             python_bench("soak.py", &[("VMON_SOAK_CYCLES", a.cycles.to_string())]).await

@@ -21,6 +21,33 @@ enum Action {
         #[command(flatten)]
         conn: super::admin::Conn,
     },
+    /// Stop placing work on a node and move its sandboxes away: running ones live-migrate,
+    /// those that cannot move are paused (never killed), paused ones are re-homed. Prints
+    /// progress until the node is drained.
+    Drain {
+        /// The node's id (`vmon node list`).
+        node: String,
+        /// Return once the drain has started.
+        #[arg(long)]
+        no_wait: bool,
+        #[command(flatten)]
+        conn: super::admin::Conn,
+    },
+    /// Let a drained (or draining) node take new work again.
+    Undrain {
+        node: String,
+        #[command(flatten)]
+        conn: super::admin::Conn,
+    },
+    /// Live-migrate one running sandbox to another node.
+    Migrate {
+        sandbox_id: String,
+        /// The target node (default: the best other node).
+        #[arg(long)]
+        to: Option<String>,
+        #[command(flatten)]
+        conn: super::admin::Conn,
+    },
 }
 
 /// Running a node (the default action).
@@ -46,6 +73,10 @@ struct RunArgs {
     /// PEM private key of `--tls-cert`.
     #[arg(long, env = "VMON_NODE_TLS_KEY", requires = "tls_cert")]
     tls_key: Option<std::path::PathBuf>,
+    /// The CA other nodes' certificates are verified against when this node sends them a live
+    /// migration (the api's `--node-ca`); without it, the system's CAs.
+    #[arg(long, env = "VMON_NODE_CA_FILE")]
+    node_ca: Option<std::path::PathBuf>,
     #[command(flatten)]
     cluster: ClusterArgs,
 }
@@ -75,6 +106,17 @@ struct ClusterArgs {
 pub async fn run(data_dir: &Path, args: Args) -> anyhow::Result<()> {
     match args.action {
         Some(Action::List { conn }) => super::admin::nodes(data_dir, &conn).await,
+        Some(Action::Drain {
+            node,
+            no_wait,
+            conn,
+        }) => super::admin::drain(data_dir, &conn, &node, no_wait).await,
+        Some(Action::Undrain { node, conn }) => super::admin::undrain(data_dir, &conn, &node).await,
+        Some(Action::Migrate {
+            sandbox_id,
+            to,
+            conn,
+        }) => super::admin::migrate(data_dir, &conn, &sandbox_id, to.as_deref()).await,
         None => serve(data_dir, args.run).await,
     }
 }
@@ -104,6 +146,18 @@ async fn serve(data_dir: &Path, args: RunArgs) -> anyhow::Result<()> {
         Some(t) => t.trim().to_string(),
         None => file_token(&token_path)?,
     };
+    // Live migrations go to other nodes' RPC with the cluster's one token.
+    let peer_tls = match &args.node_ca {
+        Some(ca) => Some(
+            vmon_node::tls::ClientTls::from_ca_file(ca)
+                .map_err(|e| anyhow::anyhow!("the nodes' CA (--node-ca): {e:#}"))?,
+        ),
+        None => None,
+    };
+    node.set_peers(vmon_node::Peers {
+        token: token.clone(),
+        tls: peer_tls,
+    });
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("binding node RPC to {}", args.listen))?;
@@ -129,7 +183,8 @@ async fn serve(data_dir: &Path, args: RunArgs) -> anyhow::Result<()> {
         tokio::spawn(collect_store_hourly(node.clone(), cancel.clone()));
     }
     let served: Arc<dyn vmon_proto::node::NodeControl> = node.clone();
-    vmon_node::rpc::serve_with(listener, served, token, tls, cancel).await?;
+    let channels: Arc<dyn vmon_node::channel::Channels> = node.clone();
+    vmon_node::rpc::serve_node(listener, served, Some(channels), token, tls, cancel).await?;
     node.drain_pool().await;
     Ok(())
 }

@@ -1,0 +1,143 @@
+//! Live-migration channels between nodes: `POST /v1/migration/<id>/<channel>` on the target's
+//! node RPC port, upgraded (HTTP/1.1 `101 Switching Protocols`) to a raw byte stream. The
+//! channel rides the node RPC's own listener, so it has its TLS and its bearer token; QEMU on
+//! either side sees only a local socket the node relays.
+//!
+//! Channels: `ram` (QEMU's migration stream) and `nbd` (the disk mirror's NBD connection).
+
+use axum::extract::{Path, Request, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use http_body_util::Empty;
+use hyper_util::rt::TokioIo;
+
+use crate::rpc::{RemoteNode, Served};
+
+/// The byte stream of one channel.
+pub type ChannelIo = TokioIo<hyper::upgrade::Upgraded>;
+
+/// The protocol name in `Upgrade:`.
+const PROTOCOL: &str = "vmon-migration";
+
+/// What the target does with an accepted channel.
+#[async_trait::async_trait]
+pub trait Channels: Send + Sync + 'static {
+    /// Whether `migration_id` is a migration this node waits for (checked before the upgrade).
+    fn expects(&self, migration_id: &str) -> bool;
+    /// Serves one channel of a migration until either end closes it.
+    async fn serve(&self, migration_id: String, channel: String, io: ChannelIo);
+}
+
+/// Whether `s` can be a migration id or channel name.
+fn plain(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 64
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+}
+
+pub(crate) async fn accept(
+    State(s): State<Served>,
+    Path((id, channel)): Path<(String, String)>,
+    headers: HeaderMap,
+    mut req: Request,
+) -> Response {
+    if !crate::rpc::authorized(&headers, &s.token) {
+        return (StatusCode::UNAUTHORIZED, "node RPC needs its bearer token").into_response();
+    }
+    let Some(sink) = s.channels.clone() else {
+        return (StatusCode::NOT_FOUND, "this node takes no migrations").into_response();
+    };
+    if !plain(&id) || !matches!(channel.as_str(), "ram" | "nbd") {
+        return (StatusCode::BAD_REQUEST, "bad migration channel").into_response();
+    }
+    if !sink.expects(&id) {
+        return (StatusCode::NOT_FOUND, format!("no migration {id} here")).into_response();
+    }
+    let upgrade = headers
+        .get("upgrade")
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.eq_ignore_ascii_case(PROTOCOL));
+    if !upgrade {
+        return (StatusCode::BAD_REQUEST, "a migration channel is an upgrade").into_response();
+    }
+    let on = hyper::upgrade::on(&mut req);
+    tokio::spawn(async move {
+        match on.await {
+            Ok(up) => sink.serve(id, channel, TokioIo::new(up)).await,
+            Err(e) => {
+                tracing::warn!(migration = %id, error = %e, "migration channel upgrade failed")
+            }
+        }
+    });
+    Response::builder()
+        .status(StatusCode::SWITCHING_PROTOCOLS)
+        .header("connection", "upgrade")
+        .header("upgrade", PROTOCOL)
+        .body(axum::body::Body::empty())
+        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
+}
+
+impl RemoteNode {
+    /// Opens channel `channel` of migration `migration_id` on this (target) node.
+    pub async fn open_channel(
+        &self,
+        migration_id: &str,
+        channel: &str,
+    ) -> anyhow::Result<ChannelIo> {
+        let stream = tokio::net::TcpStream::connect(&self.addr).await?;
+        stream.set_nodelay(true)?;
+        let req = hyper::Request::builder()
+            .method("POST")
+            .uri(format!("/v1/migration/{migration_id}/{channel}"))
+            .header("host", &self.addr)
+            .header("authorization", format!("Bearer {}", self.token))
+            .header("connection", "upgrade")
+            .header("upgrade", PROTOCOL)
+            .body(Empty::<Bytes>::new())?;
+        match &self.tls {
+            None => upgrade(stream, req).await,
+            Some((connector, name)) => {
+                let tls = connector
+                    .connect(name.clone(), stream)
+                    .await
+                    .map_err(|e| anyhow::anyhow!("TLS with the target node: {e}"))?;
+                upgrade(tls, req).await
+            }
+        }
+    }
+}
+
+async fn upgrade<S>(io: S, req: hyper::Request<Empty<Bytes>>) -> anyhow::Result<ChannelIo>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(io)).await?;
+    tokio::spawn(async move {
+        let _ = conn.with_upgrades().await;
+    });
+    let resp = send.send_request(req).await?;
+    if resp.status() != StatusCode::SWITCHING_PROTOCOLS {
+        use http_body_util::BodyExt;
+        let status = resp.status();
+        let body = http_body_util::Limited::new(resp.into_body(), 4096)
+            .collect()
+            .await
+            .map(|b| b.to_bytes())
+            .unwrap_or_default();
+        anyhow::bail!(
+            "the target node answered {status}: {}",
+            String::from_utf8_lossy(&body)
+        );
+    }
+    Ok(TokioIo::new(hyper::upgrade::on(resp).await?))
+}
+
+/// Relays bytes both ways between a channel and a local socket until both ends are done.
+pub async fn relay<L>(mut channel: ChannelIo, mut local: L) -> std::io::Result<(u64, u64)>
+where
+    L: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    tokio::io::copy_bidirectional(&mut channel, &mut local).await
+}
