@@ -37,7 +37,7 @@ enum Command {
     /// Run the REST api (with its node in-process), without the proxy.
     Api(cmd::api::Args),
     /// One host's sandboxes, served over node RPC (pair with `vmon api --node`).
-    Node(cmd::node::Args),
+    Node(Box<cmd::node::Args>),
     /// Run the sandbox traffic proxy against a running api.
     Proxy(cmd::proxy::Args),
     /// Teams (admin).
@@ -67,7 +67,7 @@ fn main() -> anyhow::Result<()> {
             Command::Bench(a) => cmd::bench::run(&cli.data_dir, a).await,
             Command::Up(a) => cmd::up::run(&cli.data_dir, a).await,
             Command::Api(a) => cmd::api::run(&cli.data_dir, a).await,
-            Command::Node(a) => cmd::node::run(&cli.data_dir, a).await,
+            Command::Node(a) => cmd::node::run(&cli.data_dir, *a).await,
             Command::Proxy(a) => cmd::proxy::run(&cli.data_dir, a).await,
             Command::Team(a) => cmd::admin::team(&cli.data_dir, a).await,
             Command::Key(a) => cmd::admin::key(&cli.data_dir, a).await,
