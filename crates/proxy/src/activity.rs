@@ -30,11 +30,11 @@ pub struct Stamp {
 }
 
 impl Stamp {
-    /// Last active at the table's epoch until touched.
+    /// Never active until touched (idle for as long as a `Duration` holds).
     fn new(epoch: Instant) -> Stamp {
         Stamp {
             epoch,
-            last_ms: AtomicI64::new(0),
+            last_ms: AtomicI64::new(i64::MIN),
             in_flight: AtomicU32::new(0),
             suspending: AtomicBool::new(false),
         }
@@ -129,8 +129,7 @@ impl Activity {
         Arc::new(Activity::default())
     }
 
-    /// The sandbox's stamp, made on first use (last active at the table's start until
-    /// touched).
+    /// The sandbox's stamp, made on first use (never active until touched).
     pub fn stamp(&self, sandbox_id: &str) -> Arc<Stamp> {
         if let Some(s) = self
             .stamps
