@@ -197,6 +197,9 @@ def vmon():
         # made here signs the https receiver's certificate).
         VMON_WEBHOOK_ALLOW="127.0.0.1/32",
         VMON_WEBHOOK_CA_FILE=str(_test_ca(DATA_DIR / "webhook-tls")),
+        # Idle auto-suspend (test_idle.py): look for idle sandboxes every second, so a
+        # 60 s window is acted on soon after it passes.
+        VMON_IDLE_SCAN_MS=os.environ.get("VMON_IDLE_SCAN_MS", "1000"),
     )
     log_path = DATA_DIR / "vmon-up.log"
     log = open(log_path, "w")

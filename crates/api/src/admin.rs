@@ -30,6 +30,43 @@ pub(crate) fn routes() -> Router<AppState> {
         .route("/admin/sandboxes/:id", delete(kill_sandbox))
         .route("/admin/routes/:id", get(route))
         .route("/admin/routes/:id/resume", post(resume_route))
+        .route("/admin/activity", post(report_activity))
+}
+
+/// What a standalone `vmon proxy` reports every few seconds: the sandboxes that had traffic.
+#[derive(Debug, Default, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct ActivityReport {
+    #[schema(value_type = Vec<Object>)]
+    pub sandboxes: Vec<vmon_proxy::activity::Idle>,
+}
+
+/// Reports at most this many sandboxes per call.
+const MAX_ACTIVITY_REPORT: usize = 10_000;
+
+#[utoipa::path(
+    post, path = "/admin/activity", tag = "admin",
+    summary = "A standalone proxy's traffic report: how long each sandbox has been idle (idle auto-suspend)",
+    request_body = ActivityReport,
+    responses(
+        (status = 204, description = "Noted"),
+        (status = 400, description = "Invalid request", body = crate::wire::ErrorBody),
+        (status = 404, description = "Admin routes disabled (no admin token)", body = crate::wire::ErrorBody),
+    ),
+    security(("AdminToken" = []))
+)]
+async fn report_activity(
+    State(s): State<AppState>,
+    _: Admin,
+    bytes: Bytes,
+) -> ApiResult<StatusCode> {
+    let report: ActivityReport = crate::state::body(&bytes)?;
+    if report.sandboxes.len() > MAX_ACTIVITY_REPORT {
+        return Err(ApiError::bad_request(format!(
+            "at most {MAX_ACTIVITY_REPORT} sandboxes per report"
+        )));
+    }
+    s.control.note_activity(&report.sandboxes).await;
+    Ok(StatusCode::NO_CONTENT)
 }
 
 /// A sandbox's route as a standalone `vmon proxy` reads it.

@@ -84,6 +84,55 @@ pub struct Config {
     /// The longest guest pause a live migration plans its last copy round for, in ms
     /// (`VMON_MIGRATION_DOWNTIME_MS`).
     pub migration_downtime_ms: u64,
+    /// Idle auto-suspend: the teams' defaults and how often the leader looks.
+    pub idle: IdleConfig,
+}
+
+/// Idle auto-suspend (seed 004's IdlePolicy) for sandboxes whose create names none (no
+/// `vmonIdle` field, no `vmon.idle.*` metadata). Off unless configured: E2B's SDK users expect
+/// a sandbox to run until its timeout.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(default, deny_unknown_fields)]
+pub struct IdleConfig {
+    /// Every team's default (`VMON_IDLE_MAX_IDLE_SECS` sets its `max_idle_seconds`; 0 = off).
+    pub default: Option<IdleDefault>,
+    /// Per team slug, instead of `default` (`max_idle_seconds = 0` turns it off for the team).
+    pub teams: std::collections::BTreeMap<String, IdleDefault>,
+    /// How often the leader looks for idle sandboxes, in milliseconds (`VMON_IDLE_SCAN_MS`).
+    pub scan_interval_ms: u64,
+}
+
+impl Default for IdleConfig {
+    fn default() -> Self {
+        Self {
+            default: None,
+            teams: Default::default(),
+            scan_interval_ms: 5000,
+        }
+    }
+}
+
+/// A team's default idle policy. Unlike one a create names, it is adapted to each sandbox:
+/// off when its window does not fit before the timeout (60 s for an auto-pausing sandbox
+/// when that fits), as seed 004 says.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(default, deny_unknown_fields)]
+pub struct IdleDefault {
+    /// Seconds without traffic before the suspend (at least 60; 0 = off).
+    pub max_idle_seconds: u64,
+    pub auto_resume: bool,
+    /// Default: the sandbox's timeout minus `max_idle_seconds`.
+    pub suspended_duration_seconds: Option<u64>,
+}
+
+impl Default for IdleDefault {
+    fn default() -> Self {
+        Self {
+            max_idle_seconds: 300,
+            auto_resume: true,
+            suspended_duration_seconds: None,
+        }
+    }
 }
 
 /// Per-team quotas; past one the request is 429 with the limit's name.
@@ -170,6 +219,7 @@ impl Default for Config {
             volume_token_ttl_secs: 3600,
             prebuild_code_interpreter: true,
             migration_downtime_ms: 300,
+            idle: IdleConfig::default(),
         }
     }
 }
@@ -319,6 +369,26 @@ impl Config {
         }
         if let Some(v) = var("VMON_API_CA_FILE") {
             self.api_ca_file = (!v.is_empty()).then(|| v.into());
+        }
+        if let Some(v) = var("VMON_IDLE_MAX_IDLE_SECS") {
+            let secs: u64 = parse("VMON_IDLE_MAX_IDLE_SECS", v)?;
+            self.idle.default = (secs > 0).then(|| IdleDefault {
+                max_idle_seconds: secs,
+                ..self.idle.default.clone().unwrap_or_default()
+            });
+        }
+        if let Some(v) = var("VMON_IDLE_SCAN_MS") {
+            self.idle.scan_interval_ms = parse("VMON_IDLE_SCAN_MS", v)?;
+        }
+        let defaults = self.idle.default.iter().chain(self.idle.teams.values());
+        for d in defaults {
+            if d.max_idle_seconds != 0 && d.max_idle_seconds < crate::control::MIN_IDLE_SECS {
+                anyhow::bail!(
+                    "idle: max_idle_seconds is at least {} (0 turns it off), not {}",
+                    crate::control::MIN_IDLE_SECS,
+                    d.max_idle_seconds
+                );
+            }
         }
         if let Some(v) = var("VMON_BASE_VCPUS") {
             self.base_template.vcpus = parse("VMON_BASE_VCPUS", v)?;

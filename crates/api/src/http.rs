@@ -23,6 +23,7 @@ pub fn router(state: AppState) -> Router {
         .route("/sandboxes", post(create_legacy).get(list_legacy))
         .route("/v2/sandboxes", post(create_v2).get(list_v2))
         .route("/sandboxes/:id", get(get_sandbox).delete(kill))
+        .route("/sandboxes/:id/health", get(sandbox_health))
         .route("/sandboxes/:id/timeout", post(set_timeout))
         .route("/sandboxes/:id/refreshes", post(refresh))
         .route("/sandboxes/:id/pause", post(pause))
@@ -165,6 +166,24 @@ async fn get_sandbox(
     Path(id): Path<String>,
 ) -> ApiResult<Json<wire::SandboxDetail>> {
     Ok(Json(s.control.detail(&team, &id).await?))
+}
+
+#[utoipa::path(
+    get, path = "/sandboxes/{sandboxID}/health", tag = "sandboxes",
+    summary = "vmon: a sandbox's resumes (generation, whether the last one lost its processes, its kind and duration), where its state is, and its idle policy",
+    params(("sandboxID" = String, Path, description = "The sandbox")),
+    responses(
+        (status = 200, description = "The sandbox's health", body = wire::SandboxHealth),
+        (status = 404, description = "No such sandbox", body = wire::ErrorBody),
+    ),
+    security(("ApiKeyAuth" = []))
+)]
+async fn sandbox_health(
+    State(s): State<AppState>,
+    Auth(team): Auth,
+    Path(id): Path<String>,
+) -> ApiResult<Json<wire::SandboxHealth>> {
+    Ok(Json(s.control.health(&team, &id).await?))
 }
 
 #[utoipa::path(

@@ -144,6 +144,42 @@ pub struct SandboxRecord {
     /// A build made for this sandbox alone (its pauses, or the fork point it started from):
     /// deleted when superseded or when the sandbox dies. Never a template's build.
     pub owned_build: Option<String>,
+    /// Idle auto-suspend, resolved at create (`None`: off).
+    pub idle: Option<IdlePolicy>,
+    /// Set while paused by its idle policy: when the suspended sandbox ends.
+    pub idle_suspended_until: Option<OffsetDateTime>,
+    /// How its resumes went (`GET /sandboxes/{id}/health`).
+    pub resumes: ResumeHealth,
+}
+
+/// Seed 004's IdlePolicy as a sandbox keeps it: suspended (a memory pause) after
+/// `max_idle_secs` without traffic through the proxy, resumed by traffic when `auto_resume`,
+/// ended `suspended_secs` after the suspend (0: ended instead of suspended).
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+pub struct IdlePolicy {
+    pub max_idle_secs: u64,
+    pub auto_resume: bool,
+    pub suspended_secs: u64,
+}
+
+/// A sandbox's resumes: how many restored its memory, and how the last one went.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(default)]
+pub struct ResumeHealth {
+    /// Resumes that kept memory (restored or parked).
+    pub generation: u32,
+    pub last: Option<LastResume>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct LastResume {
+    /// `restore`, `parked` or `cold_boot` ([`vmon_proto::node::StartKind`]).
+    pub kind: String,
+    /// From the node call to its answer (envd `/init` done).
+    pub duration_ms: u64,
+    pub at: OffsetDateTime,
+    /// What resumed it: `connect`, `traffic`.
+    pub trigger: String,
 }
 
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]

@@ -31,6 +31,95 @@ pub struct NewSandbox {
     pub env_vars: StringMap,
     #[serde(rename = "volumeMounts", default)]
     pub volume_mounts: Option<Vec<VolumeMount>>,
+    /// vmon's idle auto-suspend (not E2B's): an object, or `null` for none. Absent: the
+    /// `vmon.idle.*` metadata keys, else the team's default from the config.
+    #[serde(rename = "vmonIdle", default, deserialize_with = "present")]
+    #[schema(nullable, value_type = Option<IdleSettings>)]
+    pub vmon_idle: Option<Option<IdleSettings>>,
+}
+
+/// Tells a `null` (`Some(None)`) from an absent key (`None`, by `#[serde(default)]`).
+fn present<'de, D: serde::Deserializer<'de>, T: Deserialize<'de>>(
+    d: D,
+) -> Result<Option<Option<T>>, D::Error> {
+    Ok(Some(Option::<T>::deserialize(d)?))
+}
+
+/// Seed 004's IdlePolicy as a create names it (`vmonIdle`); every field is optional.
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq, Eq, ToSchema)]
+pub struct IdleSettings {
+    /// Seconds without traffic through the proxy before the sandbox is suspended (at least
+    /// 60; default 300; less than the timeout).
+    #[serde(rename = "maxIdleSeconds", default)]
+    pub max_idle_seconds: Option<i64>,
+    /// Whether traffic resumes a suspended sandbox (default true).
+    #[serde(rename = "autoResume", default)]
+    pub auto_resume: Option<bool>,
+    /// How long a suspended sandbox is kept before it ends; 0 ends it instead of suspending
+    /// (default: the timeout minus `maxIdleSeconds`).
+    #[serde(rename = "suspendedDurationSeconds", default)]
+    pub suspended_duration_seconds: Option<i64>,
+}
+
+/// A sandbox's idle policy as the api resolved it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, ToSchema)]
+pub struct IdleView {
+    #[serde(rename = "maxIdleSeconds")]
+    pub max_idle_seconds: u64,
+    #[serde(rename = "autoResume")]
+    pub auto_resume: bool,
+    #[serde(rename = "suspendedDurationSeconds")]
+    pub suspended_duration_seconds: u64,
+}
+
+/// The last resume of a sandbox.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, ToSchema)]
+pub struct LastResumeView {
+    /// `restore` (memory from the paused build), `parked` (the kept QEMU continued) or
+    /// `cold_boot` (booted from the disk: processes were lost).
+    pub kind: String,
+    /// The node's start, from the call to envd's `/init` answered.
+    #[serde(rename = "durationMs")]
+    pub duration_ms: u64,
+    pub at: String,
+    /// `connect` (a connect or resume call) or `traffic` (the proxy's auto-resume).
+    pub trigger: String,
+}
+
+/// `GET /sandboxes/{id}/health` (vmon's, not E2B's).
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct SandboxHealth {
+    #[serde(rename = "sandboxID")]
+    pub sandbox_id: String,
+    /// `"running"` or `"paused"`.
+    pub state: String,
+    /// Resumes that kept the sandbox's memory (processes alive).
+    #[serde(rename = "resumeGeneration")]
+    pub resume_generation: u32,
+    /// The last resume was a cold boot: processes and memory were lost.
+    #[serde(rename = "kernelStateLost")]
+    pub kernel_state_lost: bool,
+    #[serde(rename = "lastResume")]
+    pub last_resume: Option<LastResumeView>,
+    /// Where the sandbox's state is: `running`, `parked` (paused, its stopped QEMU kept),
+    /// `disk` (paused, the build on its node's disk), `object_store` (only in the store),
+    /// `unknown` (no node answered).
+    #[serde(rename = "stateLocation")]
+    pub state_location: String,
+    /// Paused and the paused build is in the object store (another node can resume it).
+    #[serde(rename = "inObjectStore")]
+    pub in_object_store: bool,
+    #[serde(rename = "vmonIdle")]
+    pub idle: Option<IdleView>,
+    /// Paused by its idle policy.
+    #[serde(rename = "idleSuspended")]
+    pub idle_suspended: bool,
+    /// While idle-suspended: when it ends.
+    #[serde(rename = "suspendedUntil", skip_serializing_if = "Option::is_none")]
+    pub suspended_until: Option<String>,
+    /// Running: seconds since its last traffic as this api knows it.
+    #[serde(rename = "idleSeconds", skip_serializing_if = "Option::is_none")]
+    pub idle_seconds: Option<u64>,
 }
 
 fn nullable_map<'de, D: serde::Deserializer<'de>>(d: D) -> Result<StringMap, D::Error> {
@@ -152,6 +241,17 @@ pub struct SandboxDetail {
     pub envd_unresponsive_at_pause: Option<bool>,
     #[serde(rename = "volumeMounts")]
     pub volume_mounts: Vec<VolumeMount>,
+    /// vmon's (the SDKs ignore unknown keys): see [`SandboxHealth`].
+    #[serde(rename = "resumeGeneration")]
+    pub resume_generation: u32,
+    #[serde(rename = "kernelStateLost")]
+    pub kernel_state_lost: bool,
+    #[serde(rename = "lastResume", skip_serializing_if = "Option::is_none")]
+    pub last_resume: Option<LastResumeView>,
+    #[serde(rename = "stateLocation")]
+    pub state_location: String,
+    #[serde(rename = "vmonIdle", skip_serializing_if = "Option::is_none")]
+    pub idle: Option<IdleView>,
 }
 
 /// `ListedSandbox` (GET /sandboxes, GET /v2/sandboxes).

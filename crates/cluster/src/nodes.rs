@@ -13,7 +13,7 @@ use vmon_node::rpc::RemoteNode;
 use vmon_proto::cluster::{BuildOrigin, Cluster, Migrated, NodeInfo};
 use vmon_proto::node::{
     BuildId, BuildInfo, ExecOutput, ExecSpec, LogEntry, LogQuery, MetricSample, NetworkPolicy,
-    NodeControl, NodeError, OciImage, Running, StartSpec, TemplateSpec,
+    NodeControl, NodeError, OciImage, PausedState, Running, StartSpec, TemplateSpec,
 };
 
 use crate::placement::{self, Need};
@@ -446,6 +446,35 @@ impl NodeControl for ClusterNodes {
             }
         }
         Err(last)
+    }
+
+    async fn paused_state(&self, build_id: &str) -> Result<PausedState, NodeError> {
+        // The nodes that hold it, each asked without fetching: a node's own disk (and its
+        // parked QEMU) beats the store.
+        let holders = self.holders(build_id).await;
+        let mut found = PausedState::default();
+        let mut answered = false;
+        for n in self.live().await {
+            if !holders.contains(&n.id) {
+                continue;
+            }
+            match self.client(&n)?.paused_state(build_id).await {
+                Ok(s) => {
+                    answered = true;
+                    found.parked |= s.parked;
+                    found.local |= s.local;
+                    found.stored |= s.stored;
+                }
+                Err(e) => {
+                    tracing::debug!(node_id = %n.id, build_id, error = %e, "paused_state failed on a node")
+                }
+            }
+        }
+        if answered {
+            Ok(found)
+        } else {
+            Err(NodeError::BuildNotFound(build_id.to_string()))
+        }
     }
 
     async fn delete_build(&self, build_id: &str) -> Result<(), NodeError> {

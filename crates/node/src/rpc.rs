@@ -22,7 +22,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use vmon_proto::node::{
     BuildInfo, ExecOutput, ExecSpec, LogEntry, LogQuery, MetricSample, MigrateIn, MigrateOut,
-    MigrateStats, NetworkPolicy, NodeControl, NodeError, OciImage, Running, StartSpec,
+    MigrateStats, NetworkPolicy, NodeControl, NodeError, OciImage, PausedState, Running, StartSpec,
     TemplateSpec,
 };
 
@@ -136,6 +136,10 @@ async fn call(
         },
         "delete_build" => match parse::<Build>(&body) {
             Ok(b) => answer(n.delete_build(&b.build_id).await),
+            Err(e) => answer::<()>(Err(e)),
+        },
+        "paused_state" => match parse::<Build>(&body) {
+            Ok(b) => answer(n.paused_state(&b.build_id).await),
             Err(e) => answer::<()>(Err(e)),
         },
         "start" => match parse::<StartSpec>(&body) {
@@ -505,6 +509,15 @@ impl NodeControl for RemoteNode {
     async fn build_info(&self, build_id: &str) -> Result<BuildInfo, NodeError> {
         self.call(
             "build_info",
+            &Build {
+                build_id: build_id.into(),
+            },
+        )
+        .await
+    }
+    async fn paused_state(&self, build_id: &str) -> Result<PausedState, NodeError> {
+        self.call(
+            "paused_state",
             &Build {
                 build_id: build_id.into(),
             },

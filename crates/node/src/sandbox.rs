@@ -55,6 +55,9 @@ pub struct SandboxState {
     /// Volumes it mounts (virtio-fs): its memory is never captured.
     #[serde(default)]
     pub volumes: Vec<vmon_proto::node::VolumeShare>,
+    /// How its current execution started (reported to the api with the start).
+    #[serde(default)]
+    pub start_kind: Option<vmon_proto::node::StartKind>,
 }
 
 impl SandboxState {

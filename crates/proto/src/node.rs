@@ -81,6 +81,42 @@ pub struct Running {
     pub disk_mb: u32,
     /// How many memory restores this sandbox's state has been through (0 = fresh boot).
     pub resume_generation: u32,
+    /// How this start came about; `None` from a node that does not say.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_kind: Option<StartKind>,
+}
+
+/// How a node started a sandbox.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StartKind {
+    /// Booted from the build's disk: no process survived.
+    ColdBoot,
+    /// The build's memory restored into a new (or pooled) QEMU.
+    Restore,
+    /// The paused sandbox's stopped QEMU, kept since its pause, continued.
+    Parked,
+}
+
+impl StartKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StartKind::ColdBoot => "cold_boot",
+            StartKind::Restore => "restore",
+            StartKind::Parked => "parked",
+        }
+    }
+}
+
+/// Where a paused sandbox's state is, as the nodes know it (asked without fetching anything).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PausedState {
+    /// Its stopped QEMU is kept (a resume is `cont`).
+    pub parked: bool,
+    /// The build is on a node's disk.
+    pub local: bool,
+    /// The build's manifest is in the object store.
+    pub stored: bool,
 }
 
 impl Running {
@@ -310,6 +346,9 @@ pub struct MigrateIn {
     pub disk_mb: u32,
     pub vcpus: u32,
     pub memory_mb: u32,
+    /// How the sandbox's execution started (a move does not change it).
+    #[serde(default)]
+    pub start_kind: Option<StartKind>,
 }
 
 /// What the source node of a live migration is asked to do: send the sandbox's memory, device
@@ -380,6 +419,14 @@ pub trait NodeControl: Send + Sync + 'static {
     async fn build_info(&self, build_id: &str) -> Result<BuildInfo, NodeError>;
     /// Delete a build; refused with `BuildInUse` while anything depends on it.
     async fn delete_build(&self, build_id: &str) -> Result<(), NodeError>;
+    /// Where the paused state `build_id` is (parked, on disk, in the object store), without
+    /// fetching it. The default does not know.
+    async fn paused_state(&self, build_id: &str) -> Result<PausedState, NodeError> {
+        let _ = build_id;
+        Err(NodeError::Failed(
+            "this node does not report where paused state is".into(),
+        ))
+    }
 
     /// Start a sandbox from a build (memory restore, or cold boot when asked or when the build
     /// has no memory); returns once envd has answered `/init`.

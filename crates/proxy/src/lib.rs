@@ -23,11 +23,14 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
+pub mod activity;
 pub mod listen;
 pub mod signed;
 pub mod target;
 pub mod tls;
 
+pub use activity::Activity;
+use activity::{InFlight, Stamp, Stamped, StampedIo};
 pub use target::Target;
 
 /// The port envd listens on inside every guest.
@@ -91,6 +94,7 @@ const WATCH_EVERY: Duration = Duration::from_secs(1);
 struct Watched {
     inner: ProxyBody,
     gone: Option<tokio::sync::oneshot::Receiver<String>>,
+    stamp: Arc<Stamp>,
 }
 
 impl http_body::Body for Watched {
@@ -113,7 +117,11 @@ impl http_body::Body for Watched {
                 std::task::Poll::Pending => {}
             }
         }
-        std::pin::Pin::new(&mut this.inner).poll_frame(cx)
+        let r = std::pin::Pin::new(&mut this.inner).poll_frame(cx);
+        if let std::task::Poll::Ready(Some(Ok(_))) = &r {
+            this.stamp.touch();
+        }
+        r
     }
 
     fn is_end_stream(&self) -> bool {
@@ -129,8 +137,9 @@ impl http_body::Body for Watched {
 #[derive(Clone)]
 pub struct Proxy {
     routes: Arc<dyn Routes>,
-    client: Client<HttpConnector, Incoming>,
+    client: Client<HttpConnector, Stamped<Incoming>>,
     tls: Option<Arc<rustls::ServerConfig>>,
+    activity: Arc<Activity>,
 }
 
 impl Proxy {
@@ -148,7 +157,19 @@ impl Proxy {
             routes,
             client,
             tls: None,
+            activity: Activity::new(),
         }
+    }
+
+    /// Stamp traffic into `activity` (shared with the control plane in one process).
+    pub fn with_activity(mut self, activity: Arc<Activity>) -> Self {
+        self.activity = activity;
+        self
+    }
+
+    /// When each sandbox last had traffic through this proxy.
+    pub fn activity(&self) -> &Arc<Activity> {
+        &self.activity
     }
 
     /// Also accept TLS (on the same port as plain HTTP) with `config`, e.g. from
@@ -229,7 +250,23 @@ impl Proxy {
             }
         }
         let forwarded = req.headers().contains_key(FORWARDED_HEADER);
+        let stamp = self.activity.stamp(id);
+        stamp.touch();
+        let mut in_flight = stamp.enter();
         let mut route = route;
+        if stamp.suspending() {
+            // An idle suspend is deciding or under way and holds the sandbox's lock: the
+            // resume waits for it, then resumes (or finds it still running).
+            drop(in_flight);
+            if let Err(resp) = self.resume(id, &target).await {
+                return resp;
+            }
+            route = match self.routes.lookup(id).await {
+                Some(r) => r,
+                None => return not_found(&target),
+            };
+            in_flight = stamp.enter();
+        }
         let guest_ip = match route.guest_ip {
             Some(ip) => ip,
             None if !route.auto_resume => {
@@ -239,20 +276,9 @@ impl Proxy {
                     Some(&target),
                 )
             }
-            None => match self.routes.resume_for_traffic(id).await {
+            None => match self.resume(id, &target).await {
                 Ok(ip) => ip,
-                Err(ResumeError::NotFound(_)) => return not_found(&target),
-                Err(ResumeError::Refused(m)) => {
-                    return error(StatusCode::BAD_GATEWAY, &m, Some(&target))
-                }
-                Err(ResumeError::Failed(m)) => {
-                    tracing::warn!(sandbox_id = id, error = %m, "auto-resume failed");
-                    return error(
-                        StatusCode::BAD_GATEWAY,
-                        &format!("The sandbox {id} could not be resumed: {m}"),
-                        Some(&target),
-                    );
-                }
+                Err(resp) => return resp,
             },
         };
         if route.guest_ip.is_none() {
@@ -283,10 +309,30 @@ impl Proxy {
             }
             None => SocketAddr::new(guest_ip, target.port),
         };
+        let req = req.map(|b| Stamped::new(b, stamp.clone()));
         if is_upgrade(&req) {
-            self.forward_upgrade(req, addr, &target).await
+            self.forward_upgrade(req, addr, &target, in_flight, stamp)
+                .await
         } else {
-            self.forward(req, addr, guest_ip, &target).await
+            self.forward(req, addr, guest_ip, &target, in_flight, stamp)
+                .await
+        }
+    }
+
+    /// Resumes a paused sandbox for this request; the answer to send when that fails.
+    async fn resume(&self, id: &str, target: &Target) -> Result<IpAddr, Response<ProxyBody>> {
+        match self.routes.resume_for_traffic(id).await {
+            Ok(ip) => Ok(ip),
+            Err(ResumeError::NotFound(_)) => Err(not_found(target)),
+            Err(ResumeError::Refused(m)) => Err(error(StatusCode::BAD_GATEWAY, &m, Some(target))),
+            Err(ResumeError::Failed(m)) => {
+                tracing::warn!(sandbox_id = id, error = %m, "auto-resume failed");
+                Err(error(
+                    StatusCode::BAD_GATEWAY,
+                    &format!("The sandbox {id} could not be resumed: {m}"),
+                    Some(target),
+                ))
+            }
         }
     }
 
@@ -303,10 +349,12 @@ impl Proxy {
 
     async fn forward(
         &self,
-        req: Request<Incoming>,
+        req: Request<Stamped<Incoming>>,
         addr: SocketAddr,
         guest_ip: IpAddr,
         target: &Target,
+        in_flight: InFlight,
+        stamp: Arc<Stamp>,
     ) -> Response<ProxyBody> {
         let (mut parts, body) = req.into_parts();
         let Ok(uri) = upstream_uri(addr, &parts.uri) else {
@@ -331,6 +379,7 @@ impl Proxy {
                 return error(StatusCode::BAD_GATEWAY, &why, Some(target));
             }
         };
+        drop(in_flight);
         match upstream {
             Ok(resp) => {
                 let (mut parts, body) = resp.into_parts();
@@ -338,6 +387,7 @@ impl Proxy {
                 let body = Watched {
                     inner: body.map_err(BoxError::from).boxed(),
                     gone: Some(gone),
+                    stamp,
                 };
                 Response::from_parts(parts, body.boxed())
             }
@@ -357,9 +407,11 @@ impl Proxy {
     /// the guest, then bytes copied both ways once both sides have switched protocols.
     async fn forward_upgrade(
         &self,
-        mut req: Request<Incoming>,
+        mut req: Request<Stamped<Incoming>>,
         addr: SocketAddr,
         target: &Target,
+        in_flight: InFlight,
+        stamp: Arc<Stamp>,
     ) -> Response<ProxyBody> {
         let stream = match tokio::time::timeout(
             Duration::from_secs(10),
@@ -405,6 +457,7 @@ impl Proxy {
                 )
             }
         };
+        drop(in_flight);
         if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
             let upstream_upgrade = hyper::upgrade::on(&mut resp);
             tokio::spawn(async move {
@@ -412,7 +465,7 @@ impl Proxy {
                 else {
                     return;
                 };
-                let mut client = TokioIo::new(client);
+                let mut client = StampedIo::new(TokioIo::new(client), stamp);
                 let mut upstream = TokioIo::new(upstream);
                 let _ = tokio::io::copy_bidirectional(&mut client, &mut upstream).await;
             });

@@ -22,6 +22,8 @@ pub enum KillReason {
     Timeout,
     Admin,
     Orphaned,
+    /// Its idle policy ends it on suspend (`suspended_duration_seconds` 0).
+    Idle,
 }
 
 impl KillReason {
@@ -31,6 +33,7 @@ impl KillReason {
             KillReason::Timeout => "timeout",
             KillReason::Admin => "admin",
             KillReason::Orphaned => "orphaned",
+            KillReason::Idle => "idle",
         }
     }
     pub(crate) fn data(self) -> serde_json::Value {
@@ -69,6 +72,7 @@ pub(crate) struct Inherited {
     pub network: wire::NetworkConfig,
     pub public_traffic: bool,
     pub volume_mounts: Vec<wire::VolumeMount>,
+    pub idle: Option<crate::records::IdlePolicy>,
 }
 
 impl Inherited {
@@ -83,6 +87,7 @@ impl Inherited {
             network: rec.network.clone(),
             public_traffic: rec.traffic_access_token.is_none(),
             volume_mounts: rec.volume_mounts.clone(),
+            idle: rec.idle,
         }
     }
 }
@@ -147,6 +152,17 @@ impl Control {
         if auto_resume && !auto_pause {
             return Err(ApiError::bad_request("autoResume requires autoPause"));
         }
+        let idle = super::idle::resolve(
+            &self.config.idle,
+            team,
+            &super::idle::Asked {
+                field: req.vmon_idle.as_ref(),
+                metadata: &req.metadata,
+                timeout,
+                auto_pause,
+                has_volumes: !volume_mounts.is_empty(),
+            },
+        )?;
         self.admit_while_starting()?;
         let (template, tag, build) = self.resolve_template(team, &req.template_id).await?;
         check_limits(team, &build)?;
@@ -168,6 +184,7 @@ impl Control {
                 public_traffic: network.allow_public_traffic.unwrap_or(true),
                 network,
                 volume_mounts,
+                idle,
             },
         };
         match params.idempotency_key {
@@ -302,6 +319,9 @@ impl Control {
             traffic_access_token: (!base.public_traffic).then(ids::token),
             volume_mounts: base.volume_mounts.clone(),
             owned_build: launch.owned_build.clone(),
+            idle: base.idle,
+            idle_suspended_until: None,
+            resumes: Default::default(),
         };
         let span = tracing::info_span!("create", sandbox_id = id, execution_id = %execution_id);
         let _enter = span.enter();
@@ -410,222 +430,6 @@ impl Control {
         Ok(())
     }
 
-    pub async fn pause(&self, team: &Team, id: &str, memory: bool) -> ApiResult<()> {
-        self.owned(team, id).await?;
-        let guard = self.lock(id).await?;
-        let result = async {
-            let rec = self.owned(team, id).await?;
-            if rec.state == SandboxState::Paused {
-                return Err(ApiError::conflict(format!(
-                    "sandbox {id} is already paused"
-                )));
-            }
-            let max = self.config.quotas.max_paused;
-            let paused = self
-                .records
-                .sandboxes(Some(&team.id))
-                .await
-                .map_err(super::record_error)?
-                .iter()
-                .filter(|r| r.state == SandboxState::Paused)
-                .count();
-            if paused >= max {
-                return Err(ApiError::too_many(format!(
-                    "the team already keeps {paused} paused sandboxes, its most (quotas.max_paused); kill or resume one first"
-                )));
-            }
-            self.pause_locked(rec, memory, guard.fence().token()).await
-        }
-        .await;
-        let _ = guard.unlock().await;
-        result
-    }
-
-    pub(crate) async fn pause_locked(
-        &self,
-        mut rec: SandboxRecord,
-        memory: bool,
-        fence: i64,
-    ) -> ApiResult<()> {
-        // A mount's state is outside the guest's memory: pause the disk only.
-        let memory = memory && rec.volume_mounts.is_empty();
-        let build = self.node.pause(&rec.id, &rec.execution_id, memory).await?;
-        let superseded = rec.owned_build.take();
-        rec.state = SandboxState::Paused;
-        rec.guest_ip = None;
-        rec.build = build.clone();
-        rec.owned_build = Some(build.build_id.clone());
-        let paused = event(
-            &rec,
-            EventKind::Paused,
-            serde_json::json!({ "memory": build.has_memory }),
-        );
-        self.commit(Change::update(&rec, &rec.execution_id), paused, fence)
-            .await?;
-        self.release(&admission_key(&rec.team_id)).await;
-        if let Some(old) = superseded {
-            self.drop_build(&old).await;
-        }
-        tracing::info!(sandbox_id = %rec.id, build_id = %build.build_id, memory = build.has_memory, "sandbox paused");
-        Ok(())
-    }
-
-    /// Connect: a running sandbox keeps running (200, end time extended, never shortened); a
-    /// paused one resumes (201). Returns whether it resumed.
-    pub async fn connect(
-        &self,
-        team: &Team,
-        id: &str,
-        timeout: u64,
-        memory: Option<bool>,
-    ) -> ApiResult<(wire::Sandbox, bool)> {
-        self.owned(team, id).await?;
-        let guard = self.lock(id).await?;
-        let result = async {
-            let mut rec = self.owned(team, id).await?;
-            match rec.state {
-                SandboxState::Running => {
-                    let now = OffsetDateTime::now_utc();
-                    let wanted = (now + Duration::from_secs(timeout))
-                        .min(Self::lifetime_cap(team, rec.started_at));
-                    if wanted > rec.end_at {
-                        rec.end_at = wanted;
-                        let updated = event(
-                            &rec,
-                            EventKind::Updated,
-                            serde_json::json!({ "set_timeout": super::rfc3339(wanted) }),
-                        );
-                        self.commit(
-                            Change::update(&rec, &rec.execution_id),
-                            updated,
-                            guard.fence().token(),
-                        )
-                        .await?;
-                    }
-                    Ok((self.sandbox_view(&rec), false))
-                }
-                SandboxState::Paused => {
-                    let cold = memory == Some(false);
-                    let rec = self
-                        .resume_locked(team, rec, timeout, cold, guard.fence().token())
-                        .await?;
-                    Ok((self.sandbox_view(&rec), true))
-                }
-            }
-        }
-        .await;
-        let _ = guard.unlock().await;
-        result
-    }
-
-    /// Deprecated `POST /sandboxes/{id}/resume`: 409 when running.
-    pub async fn resume(
-        &self,
-        team: &Team,
-        id: &str,
-        timeout: u64,
-        memory: Option<bool>,
-        auto_pause: Option<bool>,
-    ) -> ApiResult<wire::Sandbox> {
-        self.owned(team, id).await?;
-        let guard = self.lock(id).await?;
-        let result = async {
-            let mut rec = self.owned(team, id).await?;
-            if rec.state == SandboxState::Running {
-                return Err(ApiError::conflict(format!(
-                    "sandbox {id} is already running"
-                )));
-            }
-            if let Some(p) = auto_pause {
-                rec.auto_pause = p;
-            }
-            let rec = self
-                .resume_locked(
-                    team,
-                    rec,
-                    timeout,
-                    memory == Some(false),
-                    guard.fence().token(),
-                )
-                .await?;
-            Ok(self.sandbox_view(&rec))
-        }
-        .await;
-        let _ = guard.unlock().await;
-        result
-    }
-
-    /// Starts a new execution from the paused build. Counts against the team's limit.
-    pub(crate) async fn resume_locked(
-        &self,
-        team: &Team,
-        mut rec: SandboxRecord,
-        timeout: u64,
-        cold_boot: bool,
-        fence: i64,
-    ) -> ApiResult<SandboxRecord> {
-        let counter = admission_key(&team.id);
-        if !self
-            .kv
-            .acquire(&counter, u64::from(team.limits.max_concurrent))
-            .await
-            .map_err(kv_error)?
-        {
-            return Err(concurrency_error(team));
-        }
-        let execution_id = ids::execution_id();
-        let volumes = match self.volume_shares(&team.id, &rec.volume_mounts).await {
-            Ok(v) => v,
-            Err(e) => {
-                self.release(&counter).await;
-                return Err(e);
-            }
-        };
-        let cold_boot = cold_boot || !rec.build.has_memory || !volumes.is_empty();
-        let spec = StartSpec {
-            volumes,
-            sandbox_id: rec.id.clone(),
-            execution_id: execution_id.clone(),
-            build_id: rec.build.build_id.clone(),
-            cold_boot,
-            env_vars: rec.env_vars.clone(),
-            envd_access_token: Some(rec.envd_access_token.clone()),
-            network: network_policy(&rec),
-        };
-        let running = match self.node.start(spec).await {
-            Ok(r) => r,
-            Err(e) => {
-                self.release(&counter).await;
-                tracing::warn!(sandbox_id = %rec.id, error = %e, "resume failed");
-                return Err(e.into());
-            }
-        };
-        let now = OffsetDateTime::now_utc();
-        let timeout = timeout.min(team.limits.max_lifetime_secs);
-        let paused_execution = std::mem::replace(&mut rec.execution_id, execution_id);
-        rec.state = SandboxState::Running;
-        rec.guest_ip = Some(running.guest_ip);
-        rec.envd_version = running.envd_version;
-        rec.started_at = now;
-        rec.end_at = rec.end_at.max(now + Duration::from_secs(timeout));
-        rec.end_at = rec.end_at.min(Self::lifetime_cap(team, now));
-        let resumed = event(
-            &rec,
-            EventKind::Resumed,
-            serde_json::json!({ "cold_boot": cold_boot }),
-        );
-        if let Err(e) = self
-            .commit(Change::update(&rec, &paused_execution), resumed, fence)
-            .await
-        {
-            let _ = self.node.kill(&rec.id, &rec.execution_id).await;
-            self.release(&counter).await;
-            return Err(e);
-        }
-        tracing::info!(sandbox_id = %rec.id, execution_id = %rec.execution_id, cold_boot, "sandbox resumed");
-        Ok(rec)
-    }
-
     /// `POST /sandboxes/{id}/timeout`: end = now + timeout (may shorten).
     pub async fn set_timeout(&self, team: &Team, id: &str, timeout: u64) -> ApiResult<()> {
         over_lifetime(team, timeout, "timeout")?;
@@ -701,7 +505,11 @@ impl Control {
             build: build.clone(),
             owned_build: owns_build.then(|| build.build_id.clone()),
             timeout,
-            base: Inherited::of(source),
+            base: Inherited {
+                // A child's window must fit its own timeout, else it has none.
+                idle: source.idle.filter(|p| p.max_idle_secs < timeout),
+                ..Inherited::of(source)
+            },
         };
         let result = self
             .launch_locked(&id, &launch, guard.fence().token())
@@ -711,7 +519,7 @@ impl Control {
     }
 }
 
-fn concurrency_error(team: &Team) -> ApiError {
+pub(crate) fn concurrency_error(team: &Team) -> ApiError {
     ApiError::too_many(format!(
         "you have reached the maximum number of concurrent sandboxes ({}); kill or pause one first",
         team.limits.max_concurrent

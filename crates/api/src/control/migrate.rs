@@ -278,7 +278,13 @@ impl Control {
             if rec.state != SandboxState::Running {
                 return Ok(None);
             }
-            self.pause_locked(rec, true, guard.fence().token()).await?;
+            self.pause_locked(
+                rec,
+                true,
+                guard.fence().token(),
+                super::resume::PauseWhy::Request,
+            )
+            .await?;
             let rec = self.records.sandbox(id).await.map_err(record_error)?;
             Ok(rec.map(|r| r.build.build_id))
         }

@@ -12,10 +12,13 @@ pub use builtin::CODE_INTERPRETER;
 mod checkpoint;
 mod cluster;
 mod delivery;
+mod health;
+mod idle;
 mod lifecycle;
 mod migrate;
 mod network;
 mod reaper;
+mod resume;
 mod routes;
 mod targets;
 pub mod volumes;
@@ -37,6 +40,7 @@ use crate::records::{
 use crate::wire;
 
 pub use checkpoint::{parse_template_ref, TemplateRef};
+pub use idle::{DEFAULT_IDLE_SECS, METADATA_PREFIX as IDLE_METADATA_PREFIX, MIN_IDLE_SECS};
 
 fn route_of(rec: &SandboxRecord) -> SandboxRoute {
     SandboxRoute {
@@ -44,7 +48,7 @@ fn route_of(rec: &SandboxRecord) -> SandboxRoute {
             SandboxState::Running => rec.guest_ip,
             SandboxState::Paused => None,
         },
-        auto_resume: rec.auto_resume,
+        auto_resume: idle::resumes_on_traffic(rec),
         traffic_access_token: rec.traffic_access_token.clone(),
         via: None,
     }
@@ -88,6 +92,8 @@ pub struct Control {
     uploads: crate::templates::Uploads,
     /// Volumes (`crate::volumes`); `None` when the config names no volumes directory.
     volumes: Option<Arc<volumes::Volumes>>,
+    /// When each sandbox last had traffic (`idle.rs`); the in-process proxy's own table.
+    activity: Arc<vmon_proxy::Activity>,
 }
 
 impl Control {
@@ -169,6 +175,7 @@ impl Control {
             startup,
             template_builds: tokio::sync::Semaphore::new(config_builds),
             uploads: crate::templates::Uploads::new(template_files),
+            activity: vmon_proxy::Activity::new(),
         });
         control.reconcile().await?;
         control.end_interrupted_builds().await?;
@@ -306,6 +313,10 @@ impl Control {
             Some(Ok(rec)) => self.set_route(&rec),
             Some(Err(id)) => {
                 self.routes_mut().remove(&id);
+                self.activity.forget(&id);
+                if self.cluster.is_some() {
+                    let _ = self.kv.delete(&format!("activity/{id}")).await;
+                }
             }
             None => {}
         }
@@ -405,7 +416,9 @@ impl Control {
 
     pub async fn detail(&self, team: &Team, id: &str) -> ApiResult<wire::SandboxDetail> {
         let rec = self.owned(team, id).await?;
-        Ok(self.detail_view(&rec))
+        let mut detail = self.detail_view(&rec);
+        detail.state_location = self.state_location(&rec).await.0.to_string();
+        Ok(detail)
     }
 
     pub(crate) fn sandbox_view(&self, rec: &SandboxRecord) -> wire::Sandbox {
@@ -455,6 +468,11 @@ impl Control {
             }),
             envd_unresponsive_at_pause: (rec.state == SandboxState::Paused).then_some(false),
             volume_mounts: rec.volume_mounts.clone(),
+            resume_generation: rec.resumes.generation,
+            kernel_state_lost: health::kernel_state_lost(rec),
+            last_resume: health::last_resume_view(rec),
+            state_location: rec.state.as_str().to_string(),
+            idle: health::idle_view(rec),
         }
     }
 

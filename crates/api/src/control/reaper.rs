@@ -1,5 +1,6 @@
 //! The KV leader's duties: the timeout reaper (every second, expired running sandboxes pause
-//! when autoPause, otherwise die; a failed auto-pause kills), the event retention job (hourly),
+//! when autoPause, otherwise die; a failed auto-pause kills), the idle scan (`idle.rs`, every
+//! `idle.scan_interval_ms`), the event retention job (hourly),
 //! and the webhook dispatcher (`delivery.rs`), fenced by the leader epoch.
 
 use std::collections::HashSet;
@@ -19,6 +20,7 @@ impl Control {
     /// Campaigns for leadership and reaps while leader, until `cancel` fires.
     pub async fn run_reaper(self: Arc<Self>, cancel: CancellationToken) {
         let in_flight = Arc::new(Mutex::new(HashSet::new()));
+        let idle_in_flight = Arc::new(Mutex::new(HashSet::new()));
         while !cancel.is_cancelled() {
             let leadership = match self
                 .kv
@@ -45,6 +47,10 @@ impl Control {
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             let mut members = tokio::time::interval(super::cluster::RECONCILE_EVERY);
             members.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut idle = tokio::time::interval(Duration::from_millis(
+                self.config.idle.scan_interval_ms.max(100),
+            ));
+            idle.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             let mut retention = tokio::time::interval(RETENTION_EVERY);
             retention.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
@@ -58,6 +64,7 @@ impl Control {
                         break;
                     }
                     _ = tick.tick() => self.reap_once(&in_flight).await,
+                    _ = idle.tick() => self.idle_once(&idle_in_flight).await,
                     _ = members.tick(), if self.cluster.is_some() => {
                         if let Some(c) = &self.cluster {
                             self.reconcile_cluster(c.as_ref()).await;
@@ -136,7 +143,12 @@ impl Control {
             if rec.auto_pause {
                 let fence = guard.fence().token();
                 let paused = self
-                    .pause_locked(rec.clone(), rec.auto_pause_memory, fence)
+                    .pause_locked(
+                        rec.clone(),
+                        rec.auto_pause_memory,
+                        fence,
+                        super::resume::PauseWhy::Timeout,
+                    )
                     .await;
                 report("timeout_pause", paused.is_ok());
                 match paused {

@@ -66,7 +66,7 @@ impl Control {
             if rec.state == SandboxState::Running {
                 return rec.guest_ip.ok_or_else(not_found);
             }
-            if !rec.auto_resume {
+            if !super::idle::resumes_on_traffic(&rec) {
                 return Err(ResumeError::Refused(format!(
                     "The sandbox {id} is paused and does not resume on traffic; connect to it to resume it"
                 )));
@@ -87,7 +87,14 @@ impl Control {
                 .max(TRAFFIC_RESUME_MIN_SECS)
                 .min(team.limits.max_lifetime_secs);
             let rec = self
-                .resume_locked(&team, rec, timeout, false, guard.fence().token())
+                .resume_locked(
+                    &team,
+                    rec,
+                    timeout,
+                    false,
+                    guard.fence().token(),
+                    super::resume::ResumeTrigger::Traffic,
+                )
                 .await
                 .map_err(|e| ResumeError::Failed(e.message))?;
             rec.guest_ip.ok_or_else(not_found)

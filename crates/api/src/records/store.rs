@@ -103,6 +103,12 @@ struct Extra {
     #[serde(default)]
     volume_mounts: Vec<VolumeMount>,
     owned_build: Option<String>,
+    #[serde(default)]
+    idle: Option<IdlePolicy>,
+    #[serde(default)]
+    idle_suspended_until: Option<OffsetDateTime>,
+    #[serde(default)]
+    resumes: ResumeHealth,
 }
 
 fn to_i64<T: TryInto<i64>>(v: T) -> i64 {
@@ -121,6 +127,9 @@ fn to_store(rec: &SandboxRecord, fence: i64) -> RecordResult<vmon_store::Sandbox
         allow_internet_access: rec.allow_internet_access,
         volume_mounts: rec.volume_mounts.clone(),
         owned_build: rec.owned_build.clone(),
+        idle: rec.idle,
+        idle_suspended_until: rec.idle_suspended_until,
+        resumes: rec.resumes.clone(),
     };
     Ok(vmon_store::SandboxRecord {
         sandbox_id: rec.id.clone(),
@@ -208,6 +217,9 @@ fn from_store(s: vmon_store::SandboxRecord) -> SandboxRecord {
         traffic_access_token: s.traffic_access_token,
         volume_mounts: extra.volume_mounts,
         owned_build: extra.owned_build,
+        idle: extra.idle,
+        idle_suspended_until: extra.idle_suspended_until,
+        resumes: extra.resumes,
     }
 }
 

@@ -123,6 +123,23 @@ impl NodeControl for FakeNode {
         self.builds.lock().unwrap().remove(build_id);
         Ok(())
     }
+    async fn paused_state(
+        &self,
+        build_id: &str,
+    ) -> Result<vmon_proto::node::PausedState, NodeError> {
+        let b = self
+            .builds
+            .lock()
+            .unwrap()
+            .get(build_id)
+            .cloned()
+            .ok_or_else(|| NodeError::BuildNotFound(build_id.into()))?;
+        Ok(vmon_proto::node::PausedState {
+            parked: false,
+            local: true,
+            stored: b.stored,
+        })
+    }
     async fn start(&self, spec: StartSpec) -> Result<Running, NodeError> {
         if self
             .fail_starts
@@ -142,6 +159,11 @@ impl NodeControl for FakeNode {
             memory_mb: build.memory_mb,
             disk_mb: build.disk_mb,
             resume_generation: 0,
+            start_kind: Some(if spec.cold_boot || !build.has_memory {
+                vmon_proto::node::StartKind::ColdBoot
+            } else {
+                vmon_proto::node::StartKind::Restore
+            }),
         };
         self.running
             .lock()

@@ -173,6 +173,7 @@ impl Node {
                     pausing_build: None,
                     network: Some(policy.clone()),
                     volumes: volumes.to_vec(),
+                    start_kind: Some(vmon_proto::node::StartKind::ColdBoot),
                 },
                 vm: Some(vm),
                 slot: slot.clone(),

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use tokio::sync::Mutex;
 use vmon_proto::node::{
     BuildInfo, ExecOutput, ExecSpec, LogEntry, LogQuery, MetricSample, MigrateIn, MigrateOut,
-    MigrateStats, NetworkPolicy, NodeControl, NodeError, OciImage, Running, StartSpec,
+    MigrateStats, NetworkPolicy, NodeControl, NodeError, OciImage, PausedState, Running, StartSpec,
     TemplateSpec,
 };
 
@@ -38,6 +38,14 @@ impl NodeControl for Node {
 
     async fn delete_build(&self, build_id: &str) -> Result<(), NodeError> {
         self.remove_build(build_id).await
+    }
+
+    async fn paused_state(&self, build_id: &str) -> Result<PausedState, NodeError> {
+        Ok(PausedState {
+            parked: self.is_parked(build_id),
+            local: self.record(build_id).is_ok(),
+            stored: self.is_stored(build_id),
+        })
     }
 
     async fn start(&self, spec: StartSpec) -> Result<Running, NodeError> {

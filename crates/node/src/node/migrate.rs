@@ -146,6 +146,7 @@ impl Node {
             disk_mb: l.state.disk_mb,
             vcpus: l.state.machine.vcpus,
             memory_mb: l.state.machine.memory_mb,
+            start_kind: l.state.start_kind,
         })
     }
 
@@ -405,6 +406,7 @@ impl Node {
                 pausing_build: None,
                 network: Some(spec.network.clone()),
                 volumes: Vec::new(),
+                start_kind: spec.start_kind,
             };
             state.save(&run_dir)?;
             anyhow::Ok(state)

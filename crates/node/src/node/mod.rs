@@ -474,6 +474,7 @@ impl Node {
             memory_mb: l.state.machine.memory_mb,
             disk_mb: l.state.disk_mb,
             resume_generation: l.state.resume_generation,
+            start_kind: l.state.start_kind,
         }
     }
 

@@ -117,6 +117,7 @@ impl Node {
             live.state.envd_token = spec.envd_access_token.clone();
             live.state.resume_generation = rec.resume_generation + 1;
             live.state.pausing_build = None;
+            live.state.start_kind = Some(vmon_proto::node::StartKind::Parked);
             live.state.save(&live.dir)?;
             anyhow::Ok(())
         }

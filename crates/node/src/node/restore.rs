@@ -340,6 +340,7 @@ impl Node {
                 pausing_build: None,
                 network: Some(spec.network.clone()),
                 volumes: Vec::new(),
+                start_kind: Some(vmon_proto::node::StartKind::Restore),
             };
             state.save(&run_dir)?;
             anyhow::Ok(state)

@@ -24,7 +24,14 @@ pub struct Args {
     /// (default: the config's `api_url`).
     #[arg(long, env = "VMON_PROXY_API_URLS", value_delimiter = ',')]
     pub api: Vec<String>,
+    /// How often the proxy reports its sandboxes' traffic to the api (idle auto-suspend), in
+    /// seconds. A sandbox is suspended at most this much later than its window.
+    #[arg(long, env = "VMON_PROXY_ACTIVITY_SECS", default_value_t = 5)]
+    pub activity_secs: u64,
 }
+
+/// Stamps idle longer than this are dropped from the proxy's table.
+const FORGET_ACTIVITY: std::time::Duration = std::time::Duration::from_secs(24 * 3600);
 
 struct ApiRoutes {
     /// The api replicas; the one that answered last is asked first.
@@ -70,6 +77,50 @@ impl ApiRoutes {
             return Err((status, msg));
         }
         serde_json::from_slice(&body).map_err(|e| (502, e.to_string()))
+    }
+}
+
+impl ApiRoutes {
+    /// Sends the sandboxes with traffic in the last `within` to `POST /admin/activity` (the
+    /// first replica that takes it).
+    async fn report(&self, activity: &vmon_proxy::Activity, within: std::time::Duration) {
+        use std::sync::atomic::Ordering;
+        let sandboxes = activity.report(within, FORGET_ACTIVITY);
+        if sandboxes.is_empty() {
+            return;
+        }
+        let body = match serde_json::to_string(&vmon_api::admin::ActivityReport { sandboxes }) {
+            Ok(b) => b,
+            Err(e) => {
+                tracing::warn!(error = %e, "encoding the activity report failed");
+                return;
+            }
+        };
+        let n = self.bases.len().max(1);
+        let start = self.first.load(Ordering::Relaxed);
+        for k in 0..n {
+            let Some(base) = self.bases.get((start + k) % n) else {
+                break;
+            };
+            let url = format!("{base}/admin/activity");
+            match self
+                .http
+                .request(
+                    "POST",
+                    &url,
+                    &[("x-admin-token", &self.token)],
+                    Some(body.clone()),
+                )
+                .await
+            {
+                Ok((204, _)) => return,
+                Ok((status, _)) => {
+                    tracing::warn!(%url, status, "the api refused the activity report");
+                    return;
+                }
+                Err(e) => tracing::debug!(%url, error = %e, "activity report failed; next replica"),
+            }
+        }
     }
 }
 
@@ -164,7 +215,25 @@ pub async fn run(data_dir: &Path, args: Args) -> anyhow::Result<()> {
         let _ = tokio::signal::ctrl_c().await;
         c.cancel();
     });
-    let mut proxy = vmon_proxy::Proxy::new(Arc::new(routes));
+    let routes = Arc::new(routes);
+    let mut proxy = vmon_proxy::Proxy::new(routes.clone());
+    {
+        // Traffic reports for the api's idle scan: what had traffic since the last one (and a
+        // little more, so a report lost on the way is covered by the next).
+        let activity = proxy.activity().clone();
+        let every = std::time::Duration::from_secs(args.activity_secs.max(1));
+        let cancel = cancel.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    _ = cancel.cancelled() => return,
+                    _ = tick.tick() => routes.report(&activity, every * 3).await,
+                }
+            }
+        });
+    }
     if let Some(tls) = super::proxy_tls::load(&config, data_dir, false)? {
         proxy = proxy.with_tls(tls.config);
     }

@@ -142,7 +142,9 @@ pub async fn serve(data_dir: &Path, config: Config, parts: Parts) -> anyhow::Res
         let proxy_listener = tokio::net::TcpListener::bind(config.proxy_listen)
             .await
             .with_context(|| format!("binding the proxy to {}", config.proxy_listen))?;
-        let mut proxy = vmon_proxy::Proxy::new(Arc::new(ProxyRoutes(control.clone())));
+        // One traffic table for the proxy and the idle scan: no reports needed.
+        let mut proxy = vmon_proxy::Proxy::new(Arc::new(ProxyRoutes(control.clone())))
+            .with_activity(control.activity().clone());
         if let Some(tls) = super::proxy_tls::load(&config, data_dir, true)? {
             if let Some(files) = &tls.local_ca {
                 eprintln!("{}", files.hint());
