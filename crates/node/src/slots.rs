@@ -29,6 +29,9 @@ pub const TAP: &str = "tap0";
 pub const MAX_SLOTS: u32 = 512;
 /// Blocks in 169.254.128.0/17.
 pub const BLOCKS: u32 = 16;
+/// The port of a slot's egress proxy listener, on the slot's host address (`host_ip`): the
+/// slot namespace DNATs the guest's TCP/443 to its rule hosts' addresses there.
+pub const EGRESS_PORT: u16 = 15443;
 
 /// One allocated slot.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -286,6 +289,49 @@ fn egress_rules(p: &NetworkPolicy) -> String {
     r
 }
 
+/// The slot namespace's interception table: TCP/443 from the guest to `addrs` is DNATed to
+/// the egress proxy at `host_ip`:[`EGRESS_PORT`] (before the `vmon` table's filter sees it;
+/// its forward chain accepts exactly that DNATed flow).
+fn intercept_ruleset(addrs: &[Ipv4Addr], host_ip: Ipv4Addr) -> String {
+    let set: Vec<String> = addrs.iter().map(|a| a.to_string()).collect();
+    format!(
+        "table ip vmon_egress {{ }}
+flush table ip vmon_egress
+table ip vmon_egress {{
+  chain prerouting {{
+    type nat hook prerouting priority dstnat - 1; policy accept;
+    iifname \"{TAP}\" ip saddr {GUEST_IP} ip daddr {{ {} }} tcp dport 443 dnat to {host_ip}:{EGRESS_PORT}
+  }}
+}}",
+        set.join(", ")
+    )
+}
+
+/// Whether a guest whose (resolved) policy is `p` reaches `addr` directly: never one of
+/// [`NEVER`]; a private one only when an `allowOut` entry inside a private range holds it; a
+/// public one when an `allowOut` entry holds it. The egress proxy connects to a rule host's
+/// address only when this holds, so it opens nothing the slot's own rules would not.
+pub fn allow_out_reaches(p: &NetworkPolicy, addr: Ipv4Addr) -> bool {
+    let a = addr.to_string();
+    if within(&a, &NEVER) {
+        return false;
+    }
+    let holds = |e: &String| {
+        parse_cidr(e).is_some_and(|(ip, len)| {
+            let mask = if len == 0 {
+                0
+            } else {
+                u32::MAX << (32 - u32::from(len))
+            };
+            (u32::from(ip) & mask) == (u32::from(addr) & mask)
+        })
+    };
+    if within(&a, &PRIVATE) {
+        return private_allows(p).iter().any(holds);
+    }
+    p.allow_out.iter().any(holds)
+}
+
 /// The host's own table: the masquerade for slot egress, and the host-side copy of the
 /// isolation rules (a slot veth reaches no host socket, no other slot, and no private range
 /// its slot's `allowOut` did not open: private destinations jump, by the incoming veth, to the
@@ -294,6 +340,7 @@ pub fn host_ruleset() -> String {
     format!(
         "table ip vmon {{
   map slot_chain {{ type ifname : verdict; }}
+  set egress_in {{ type ifname . ipv4_addr; }}
   chain postrouting {{ type nat hook postrouting priority srcnat; policy accept; }}
   chain input {{ type filter hook input priority filter; policy accept; }}
   chain forward {{ type filter hook forward priority filter; policy accept; }}
@@ -307,6 +354,7 @@ table ip vmon {{
   }}
   chain input {{
     iifname \"vmh*\" ct state established,related accept
+    iifname . ip daddr @egress_in tcp dport {EGRESS_PORT} accept
     iifname \"vmh*\" drop
   }}
   chain forward {{
@@ -620,6 +668,7 @@ add element ip vmon slot_chain {{ \"{hif}\" : jump {chain} }}
     type filter hook forward priority filter; policy drop;
     ct state established,related accept
     iifname \"veth0\" oifname \"{TAP}\" ip saddr {host_ip} ip daddr {GUEST_IP} accept
+    iifname \"{TAP}\" oifname \"veth0\" ip saddr {GUEST_IP} ip daddr {host_ip} tcp dport {EGRESS_PORT} ct status dnat accept
 {}  }}
 }}",
             egress_rules(policy)
@@ -645,9 +694,35 @@ EOF",
         sh(&script, "updating egress policy").await
     }
 
+    /// Sends the guest's TCP/443 to `addrs` to this slot's egress proxy listener
+    /// ([`EGRESS_PORT`] on [`Slot::host_ip`]) and opens that port on the host to this slot's
+    /// veth only; empty `addrs` removes both. A table of its own (`vmon_egress`), so policy
+    /// writes leave it alone.
+    pub async fn set_intercept(&self, addrs: &[Ipv4Addr]) -> anyhow::Result<()> {
+        let ns = self.netns();
+        let hif = self.host_if();
+        let host_ip = self.host_ip();
+        let script = if addrs.is_empty() {
+            format!(
+                "ip netns exec {ns} nft delete table ip vmon_egress 2>/dev/null || true
+nft delete element ip vmon egress_in '{{ \"{hif}\" . {host_ip} }}' 2>/dev/null || true"
+            )
+        } else {
+            format!(
+                "ip netns exec {ns} nft -f - <<'EOF'
+{}
+EOF
+nft add element ip vmon egress_in '{{ \"{hif}\" . {host_ip} }}'",
+                intercept_ruleset(addrs, host_ip)
+            )
+        };
+        sh(&script, "setting the egress interception").await
+    }
+
     async fn destroy(&self) -> anyhow::Result<()> {
         let ns = self.netns();
         let hif = self.host_if();
+        let host_ip = self.host_ip();
         let chain = self.host_chain();
         // Deleting the namespace takes tap0, veth0 (and so its host peer) and the nft table;
         // the host's chain and map entry for the slot go here too.
@@ -656,6 +731,7 @@ EOF",
                 "ip netns del {ns} 2>/dev/null || true
 ip link del {hif} 2>/dev/null || true
 nft delete element ip vmon slot_chain '{{ \"{hif}\" }}' 2>/dev/null || true
+nft delete element ip vmon egress_in '{{ \"{hif}\" . {host_ip} }}' 2>/dev/null || true
 nft delete chain ip vmon {chain} 2>/dev/null || true"
             ),
             "removing network slot",
