@@ -12,6 +12,7 @@
 mod boot;
 mod capture;
 mod control;
+mod egress;
 mod parking;
 mod pools;
 mod recovery;
@@ -87,6 +88,8 @@ pub struct Node {
     store: Option<Arc<crate::store::Store>>,
     /// Fetches from the store in progress, by build: concurrent starts of one build share one.
     fetches: std::sync::Mutex<HashMap<String, Arc<Mutex<()>>>>,
+    /// The egress proxy of secret injection, and the listener of each sandbox with rules.
+    egress: egress::EgressRoom,
     /// Held for the node's life: no other node on this host may use the same slot block.
     _block_lock: std::fs::File,
     /// Held for the node's life: one node per data dir (another would sweep our artifacts).
@@ -285,6 +288,7 @@ impl Node {
             )?)),
             None => None,
         };
+        let egress_room = egress::EgressRoom::open(&cfg)?;
         Slots::prepare_host().await?;
         let (slot_block, block_lock) = claim_slot_block(&cfg)?;
         tracing::info!(slot_block, "network slot block");
@@ -311,6 +315,7 @@ impl Node {
             telemetry: Default::default(),
             store,
             fetches: Default::default(),
+            egress: egress_room,
             _block_lock: block_lock,
             _data_lock: data_lock,
         });
@@ -483,6 +488,7 @@ impl Node {
 
     /// Stops and forgets a live sandbox: QEMU, slot, its own artifacts.
     async fn destroy(&self, live: &mut Live, keep_artifacts: bool) {
+        self.egress.stop(&live.state.id);
         if let Some(vm) = live.vm.take() {
             vm.quit().await;
         }
