@@ -97,7 +97,7 @@ async fn serve(stream: TcpStream, shared: &Arc<Shared>) -> anyhow::Result<()> {
     hyper::server::conn::http1::Builder::new()
         .timer(TokioTimer::new())
         .header_read_timeout(HEADER_TIMEOUT)
-        .max_buf_size(MAX_HEADER_BYTES)
+        .max_header_size(MAX_HEADER_BYTES)
         .max_headers(MAX_HEADERS)
         .serve_connection(TokioIo::new(tls), service)
         .await?;
@@ -150,6 +150,10 @@ async fn forward(
     shared: &Shared,
     upstream: &tokio::sync::Mutex<Option<SendRequest<Incoming>>>,
 ) -> Response<Body> {
+    let hosts = req.headers().get_all(HOST).iter().count();
+    if hosts > 1 {
+        return answer(StatusCode::BAD_REQUEST, "more than one Host header");
+    }
     if let Some(h) = req.headers().get(HOST) {
         if host_of(h).as_deref() != Some(host) {
             return answer(
@@ -187,7 +191,7 @@ async fn forward(
     let mut up = upstream.lock().await;
     if up.as_ref().is_none_or(|s| s.is_closed()) {
         let addrs = rules.upstream.get(host).cloned().unwrap_or_default();
-        match connect(host, &addrs, &shared.client).await {
+        match connect(host, &addrs, rules.upstream_port, &shared.client).await {
             Ok(s) => *up = Some(s),
             Err(e) => {
                 tracing::info!(host, error = %e, "egress: the host cannot be reached");
@@ -214,16 +218,18 @@ async fn forward(
     }
 }
 
-/// TLS to `host` at the first of `addrs` that answers on 443, verified for `host`.
+/// TLS to `host` at the first of `addrs` that answers on `port`, verified for `host`.
 async fn connect(
     host: &str,
     addrs: &[Ipv4Addr],
+    port: u16,
     client: &Arc<rustls::ClientConfig>,
 ) -> anyhow::Result<SendRequest<Incoming>> {
     let name = rustls::pki_types::ServerName::try_from(host.to_string())?;
     let mut last = anyhow::anyhow!("no address its policy reaches");
     for a in addrs {
-        let tcp = match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect((*a, 443))).await {
+        let tcp = match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect((*a, port))).await
+        {
             Ok(Ok(t)) => t,
             Ok(Err(e)) => {
                 last = e.into();
@@ -267,6 +273,7 @@ mod tests {
                 secrets: SecretValues([("k".to_string(), value.to_string())].into()),
             },
             upstream: Default::default(),
+            upstream_port: 443,
         }
     }
 

@@ -34,6 +34,8 @@ pub use conn::{MAX_CONNECTIONS, MAX_HEADERS, MAX_HEADER_BYTES};
 pub struct SlotRules {
     pub spec: EgressSpec,
     pub upstream: BTreeMap<String, Vec<Ipv4Addr>>,
+    /// The port real hosts are reached at: 443 (what the slot intercepts); tests use others.
+    pub upstream_port: u16,
 }
 
 /// The node's egress proxy: its CA and the TLS settings towards real hosts.
@@ -130,8 +132,9 @@ impl Egress {
             client: self.client.clone(),
             slots: tokio::sync::Semaphore::new(MAX_CONNECTIONS),
         });
+        let local = listener.local_addr()?;
         let task = tokio::spawn(conn::accept_loop(listener, shared));
-        Ok(Listener { task, state })
+        Ok(Listener { task, state, local })
     }
 }
 
@@ -139,6 +142,7 @@ impl Egress {
 pub struct Listener {
     task: tokio::task::JoinHandle<()>,
     state: Arc<RwLock<Arc<SlotRules>>>,
+    local: SocketAddr,
 }
 
 impl std::fmt::Debug for Listener {
@@ -148,6 +152,11 @@ impl std::fmt::Debug for Listener {
 }
 
 impl Listener {
+    /// Where it listens.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local
+    }
+
     /// Replaces the rules and secrets; the next request uses them.
     pub fn update(&self, spec: EgressSpec) {
         let mut st = self.state.write().unwrap_or_else(|p| p.into_inner());

@@ -118,6 +118,7 @@ impl Node {
                 vmon_egress::SlotRules {
                     spec: spec.egress.clone(),
                     upstream,
+                    upstream_port: 443,
                 },
             )
             .await
