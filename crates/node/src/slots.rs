@@ -909,6 +909,37 @@ mod tests {
     }
 
     #[test]
+    fn the_egress_proxy_reaches_only_what_the_policy_reaches() {
+        let p = policy(&["10.250.0.2", "8.8.8.0/24", "198.51.100.42"], &[], true);
+        for (addr, ok) in [
+            ("8.8.8.8", true),
+            ("198.51.100.42", true),
+            ("10.250.0.2", true),
+            ("1.1.1.1", false),
+            ("10.250.0.3", false),
+            ("127.0.0.1", false),
+            ("169.254.169.254", false),
+            ("169.254.128.1", false),
+        ] {
+            let a: Ipv4Addr = addr.parse().expect("addr");
+            assert_eq!(allow_out_reaches(&p, a), ok, "{addr}");
+        }
+        // `0.0.0.0/0` is the internet, not the host's networks.
+        let open = policy(&["0.0.0.0/0"], &[], true);
+        assert!(allow_out_reaches(&open, Ipv4Addr::new(8, 8, 4, 4)));
+        assert!(!allow_out_reaches(&open, Ipv4Addr::new(192, 168, 1, 1)));
+        let rules = intercept_ruleset(
+            &[Ipv4Addr::new(8, 8, 8, 8)],
+            Ipv4Addr::new(169, 254, 128, 1),
+        );
+        assert!(
+            rules.contains("tcp dport 443 dnat to 169.254.128.1:15443"),
+            "{rules}"
+        );
+        assert!(rules.contains("ip saddr 169.254.0.21"), "{rules}");
+    }
+
+    #[test]
     fn rulesets_are_valid_nft() {
         // `nft -c` parses and checks without changing anything; it needs nft and root, which
         // every machine that runs slots has.
@@ -929,6 +960,10 @@ mod tests {
             host_ruleset(),
             slot.ruleset(&p),
             slot.ruleset(&open_policy()),
+            intercept_ruleset(
+                &[Ipv4Addr::new(198, 51, 100, 42), Ipv4Addr::new(8, 8, 8, 8)],
+                slot.host_ip(),
+            ),
         ] {
             let mut child = std::process::Command::new("nft")
                 .args(["-c", "-f", "-"])
