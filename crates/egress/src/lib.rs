@@ -133,14 +133,14 @@ impl Egress {
             slots: tokio::sync::Semaphore::new(MAX_CONNECTIONS),
         });
         let local = listener.local_addr()?;
-        let task = tokio::spawn(conn::accept_loop(listener, shared));
+        let task = Some(tokio::spawn(conn::accept_loop(listener, shared)));
         Ok(Listener { task, state, local })
     }
 }
 
 /// One sandbox's listener; dropping it stops accepting (connections in flight end with it).
 pub struct Listener {
-    task: tokio::task::JoinHandle<()>,
+    task: Option<tokio::task::JoinHandle<()>>,
     state: Arc<RwLock<Arc<SlotRules>>>,
     local: SocketAddr,
 }
@@ -166,8 +166,21 @@ impl Listener {
     }
 }
 
+impl Listener {
+    /// Stops it and returns once its socket and connections are closed (so the address can be
+    /// bound again at once).
+    pub async fn close(mut self) {
+        if let Some(t) = self.task.take() {
+            t.abort();
+            let _ = t.await;
+        }
+    }
+}
+
 impl Drop for Listener {
     fn drop(&mut self) {
-        self.task.abort();
+        if let Some(t) = &self.task {
+            t.abort();
+        }
     }
 }

@@ -55,15 +55,23 @@ impl EgressRoom {
         })
     }
 
-    /// Stops a sandbox's listener, if it has one.
-    pub(super) fn stop(&self, sandbox_id: &str) {
-        let gone = self
-            .listeners
-            .lock()
-            .map(|mut m| m.remove(sandbox_id))
-            .ok()
-            .flatten();
-        drop(gone);
+    /// Stops a sandbox's listener, if it has one, and any other listening on `addr` (a slot
+    /// whose sandbox went without a kill, e.g. a discarded parked process).
+    pub(super) async fn stop(&self, sandbox_id: &str, addr: Option<SocketAddr>) {
+        let gone: Vec<vmon_egress::Listener> = match self.listeners.lock() {
+            Ok(mut m) => {
+                let ids: Vec<String> = m
+                    .iter()
+                    .filter(|(id, l)| *id == sandbox_id || Some(l.local_addr()) == addr)
+                    .map(|(id, _)| id.clone())
+                    .collect();
+                ids.iter().filter_map(|id| m.remove(id)).collect()
+            }
+            Err(_) => Vec::new(),
+        };
+        for l in gone {
+            l.close().await;
+        }
     }
 }
 
@@ -85,15 +93,17 @@ impl Node {
     /// in its guest. Without rules: nothing (a listener left from an earlier start goes).
     pub(super) async fn start_egress(&self, spec: &StartSpec) -> Result<(), NodeError> {
         let id = &spec.sandbox_id;
-        self.egress.stop(id);
+        if spec.egress.is_empty() {
+            // Slots are made fresh (or kept by this sandbox's own pause): nothing to undo.
+            return Ok(());
+        }
         let live = self.live(id)?;
         let (slot, token) = {
             let l = live.lock().await;
             (l.slot.clone(), l.state.envd_token.clone())
         };
-        if spec.egress.is_empty() {
-            return slot.set_intercept(&[]).await.map_err(err);
-        }
+        let bind = SocketAddr::new(IpAddr::V4(slot.host_ip()), EGRESS_PORT);
+        self.egress.stop(id, Some(bind)).await;
         let resolved = slots::resolve_names(&spec.network, slots::system_resolve).await;
         let mut upstream: BTreeMap<String, Vec<Ipv4Addr>> = BTreeMap::new();
         for rule in &spec.egress.rules {
@@ -114,7 +124,7 @@ impl Node {
             .egress
             .proxy
             .listen(
-                SocketAddr::new(IpAddr::V4(slot.host_ip()), EGRESS_PORT),
+                bind,
                 vmon_egress::SlotRules {
                     spec: spec.egress.clone(),
                     upstream,

@@ -488,7 +488,7 @@ impl Node {
 
     /// Stops and forgets a live sandbox: QEMU, slot, its own artifacts.
     async fn destroy(&self, live: &mut Live, keep_artifacts: bool) {
-        self.egress.stop(&live.state.id);
+        self.egress.stop(&live.state.id, None).await;
         if let Some(vm) = live.vm.take() {
             vm.quit().await;
         }
