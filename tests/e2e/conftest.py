@@ -197,6 +197,8 @@ def vmon():
         # made here signs the https receiver's certificate).
         VMON_WEBHOOK_ALLOW="127.0.0.1/32",
         VMON_WEBHOOK_CA_FILE=str(_test_ca(DATA_DIR / "webhook-tls")),
+        # The secret-injection tests' HTTPS receiver has a certificate the same CA signs.
+        VMON_EGRESS_CA_FILE=str(DATA_DIR / "webhook-tls" / "ca.pem"),
     )
     log_path = DATA_DIR / "vmon-up.log"
     log = open(log_path, "w")

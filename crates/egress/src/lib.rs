@@ -111,6 +111,21 @@ impl Egress {
 
     /// Listens on `bind` for one sandbox's intercepted connections.
     pub async fn listen(&self, bind: SocketAddr, rules: SlotRules) -> anyhow::Result<Listener> {
+        let socket = tokio::net::TcpSocket::new_v4()?;
+        socket.set_reuseaddr(true)?;
+        socket
+            .bind(bind)
+            .with_context(|| format!("binding the egress listener on {bind}"))?;
+        self.serve(socket.listen(128)?, rules)
+    }
+
+    /// Serves one sandbox's intercepted connections on `listener` (the node binds it inside
+    /// the sandbox's slot namespace). Needs a Tokio runtime.
+    pub fn serve(
+        &self,
+        listener: tokio::net::TcpListener,
+        rules: SlotRules,
+    ) -> anyhow::Result<Listener> {
         let hosts: Vec<String> = rules.spec.rules.iter().map(|r| r.host.clone()).collect();
         let ca = vmon_proxy::tls::LocalCa::new(&self.ca_pem, &self.ca_key_pem, &hosts)
             .map_err(|e| anyhow::anyhow!("the egress CA: {e}"))?;
@@ -119,12 +134,6 @@ impl Egress {
             .with_no_client_auth()
             .with_cert_resolver(Arc::new(ca));
         server.alpn_protocols = vec![b"http/1.1".to_vec()];
-        let socket = tokio::net::TcpSocket::new_v4()?;
-        socket.set_reuseaddr(true)?;
-        socket
-            .bind(bind)
-            .with_context(|| format!("binding the egress listener on {bind}"))?;
-        let listener = socket.listen(128)?;
         let state = Arc::new(RwLock::new(Arc::new(rules)));
         let shared = Arc::new(conn::Shared {
             state: state.clone(),

@@ -29,8 +29,8 @@ pub const TAP: &str = "tap0";
 pub const MAX_SLOTS: u32 = 512;
 /// Blocks in 169.254.128.0/17.
 pub const BLOCKS: u32 = 16;
-/// The port of a slot's egress proxy listener, on the slot's host address (`host_ip`): the
-/// slot namespace DNATs the guest's TCP/443 to its rule hosts' addresses there.
+/// The port of a slot's egress proxy listener, a socket in the slot's namespace on its address
+/// (`addr`): the namespace DNATs the guest's TCP/443 to its rule hosts' addresses there.
 pub const EGRESS_PORT: u16 = 15443;
 
 /// One allocated slot.
@@ -290,9 +290,9 @@ fn egress_rules(p: &NetworkPolicy) -> String {
 }
 
 /// The slot namespace's interception table: TCP/443 from the guest to `addrs` is DNATed to
-/// the egress proxy at `host_ip`:[`EGRESS_PORT`] (before the `vmon` table's filter sees it;
-/// its forward chain accepts exactly that DNATed flow).
-fn intercept_ruleset(addrs: &[Ipv4Addr], host_ip: Ipv4Addr) -> String {
+/// the egress listener at `local` ([`Slot::addr`], the namespace's own address):[`EGRESS_PORT`]
+/// (the `vmon` table's input chain accepts exactly that DNATed flow).
+fn intercept_ruleset(addrs: &[Ipv4Addr], local: Ipv4Addr) -> String {
     let set: Vec<String> = addrs.iter().map(|a| a.to_string()).collect();
     format!(
         "table ip vmon_egress {{ }}
@@ -300,7 +300,7 @@ flush table ip vmon_egress
 table ip vmon_egress {{
   chain prerouting {{
     type nat hook prerouting priority dstnat - 1; policy accept;
-    iifname \"{TAP}\" ip saddr {GUEST_IP} ip daddr {{ {} }} tcp dport 443 dnat to {host_ip}:{EGRESS_PORT}
+    iifname \"{TAP}\" ip saddr {GUEST_IP} ip daddr {{ {} }} tcp dport 443 dnat to {local}:{EGRESS_PORT}
   }}
 }}",
         set.join(", ")
@@ -340,7 +340,6 @@ pub fn host_ruleset() -> String {
     format!(
         "table ip vmon {{
   map slot_chain {{ type ifname : verdict; }}
-  set egress_in {{ type ifname . ipv4_addr; }}
   chain postrouting {{ type nat hook postrouting priority srcnat; policy accept; }}
   chain input {{ type filter hook input priority filter; policy accept; }}
   chain forward {{ type filter hook forward priority filter; policy accept; }}
@@ -354,7 +353,6 @@ table ip vmon {{
   }}
   chain input {{
     iifname \"vmh*\" ct state established,related accept
-    iifname . ip daddr @egress_in tcp dport {EGRESS_PORT} accept
     iifname \"vmh*\" drop
   }}
   chain forward {{
@@ -662,13 +660,13 @@ add element ip vmon slot_chain {{ \"{hif}\" : jump {chain} }}
   }}
   chain input {{
     type filter hook input priority filter; policy accept;
+    iifname \"{TAP}\" ip saddr {GUEST_IP} ip daddr {addr} tcp dport {EGRESS_PORT} ct status dnat accept
     iifname \"{TAP}\" drop
   }}
   chain forward {{
     type filter hook forward priority filter; policy drop;
     ct state established,related accept
     iifname \"veth0\" oifname \"{TAP}\" ip saddr {host_ip} ip daddr {GUEST_IP} accept
-    iifname \"{TAP}\" oifname \"veth0\" ip saddr {GUEST_IP} ip daddr {host_ip} tcp dport {EGRESS_PORT} ct status dnat accept
 {}  }}
 }}",
             egress_rules(policy)
@@ -694,26 +692,20 @@ EOF",
         sh(&script, "updating egress policy").await
     }
 
-    /// Sends the guest's TCP/443 to `addrs` to this slot's egress proxy listener
-    /// ([`EGRESS_PORT`] on [`Slot::host_ip`]) and opens that port on the host to this slot's
-    /// veth only; empty `addrs` removes both. A table of its own (`vmon_egress`), so policy
-    /// writes leave it alone.
+    /// Sends the guest's TCP/443 to `addrs` to this slot's egress proxy listener, a socket in
+    /// the slot's own namespace on [`Slot::addr`]:[`EGRESS_PORT`] (the namespace's input chain
+    /// accepts exactly that DNATed flow); empty `addrs` removes it. A table of its own
+    /// (`vmon_egress`), so policy writes leave it alone; nothing changes on the host.
     pub async fn set_intercept(&self, addrs: &[Ipv4Addr]) -> anyhow::Result<()> {
         let ns = self.netns();
-        let hif = self.host_if();
-        let host_ip = self.host_ip();
         let script = if addrs.is_empty() {
-            format!(
-                "ip netns exec {ns} nft delete table ip vmon_egress 2>/dev/null || true
-nft delete element ip vmon egress_in '{{ \"{hif}\" . {host_ip} }}' 2>/dev/null || true"
-            )
+            format!("ip netns exec {ns} nft delete table ip vmon_egress 2>/dev/null || true")
         } else {
             format!(
                 "ip netns exec {ns} nft -f - <<'EOF'
 {}
-EOF
-nft add element ip vmon egress_in '{{ \"{hif}\" . {host_ip} }}'",
-                intercept_ruleset(addrs, host_ip)
+EOF",
+                intercept_ruleset(addrs, self.addr())
             )
         };
         sh(&script, "setting the egress interception").await
@@ -722,7 +714,6 @@ nft add element ip vmon egress_in '{{ \"{hif}\" . {host_ip} }}'",
     async fn destroy(&self) -> anyhow::Result<()> {
         let ns = self.netns();
         let hif = self.host_if();
-        let host_ip = self.host_ip();
         let chain = self.host_chain();
         // Deleting the namespace takes tap0, veth0 (and so its host peer) and the nft table;
         // the host's chain and map entry for the slot go here too.
@@ -731,7 +722,6 @@ nft add element ip vmon egress_in '{{ \"{hif}\" . {host_ip} }}'",
                 "ip netns del {ns} 2>/dev/null || true
 ip link del {hif} 2>/dev/null || true
 nft delete element ip vmon slot_chain '{{ \"{hif}\" }}' 2>/dev/null || true
-nft delete element ip vmon egress_in '{{ \"{hif}\" . {host_ip} }}' 2>/dev/null || true
 nft delete chain ip vmon {chain} 2>/dev/null || true"
             ),
             "removing network slot",
@@ -930,10 +920,10 @@ mod tests {
         assert!(!allow_out_reaches(&open, Ipv4Addr::new(192, 168, 1, 1)));
         let rules = intercept_ruleset(
             &[Ipv4Addr::new(8, 8, 8, 8)],
-            Ipv4Addr::new(169, 254, 128, 1),
+            Ipv4Addr::new(169, 254, 128, 2),
         );
         assert!(
-            rules.contains("tcp dport 443 dnat to 169.254.128.1:15443"),
+            rules.contains("tcp dport 443 dnat to 169.254.128.2:15443"),
             "{rules}"
         );
         assert!(rules.contains("ip saddr 169.254.0.21"), "{rules}");
@@ -962,7 +952,7 @@ mod tests {
             slot.ruleset(&open_policy()),
             intercept_ruleset(
                 &[Ipv4Addr::new(198, 51, 100, 42), Ipv4Addr::new(8, 8, 8, 8)],
-                slot.host_ip(),
+                slot.addr(),
             ),
         ] {
             let mut child = std::process::Command::new("nft")

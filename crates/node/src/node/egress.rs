@@ -1,6 +1,6 @@
 //! Secret injection at egress, the node's side (`docs/networking.md`, "Secrets at egress"):
 //! the node's egress CA (`<data dir>/egress/ca.pem`, its key `ca.key` 0600), one
-//! [`vmon_egress::Listener`] per running sandbox with rules (on its slot's host address), the
+//! [`vmon_egress::Listener`] per running sandbox with rules (a socket in its slot namespace), the
 //! slot's interception rules, and the CA put into the guest's trust store at every start.
 //!
 //! Secret values arrive in the start call (or `update_egress`) and stay in the listener's
@@ -75,6 +75,33 @@ impl EgressRoom {
     }
 }
 
+/// A listening socket on `addr` inside the network namespace `ns` (`ip netns` names it), so
+/// only that slot's traffic can reach it. A thread of its own enters the namespace, makes the
+/// socket (which stays in the namespace it was made in) and ends: no other thread of the node
+/// ever changes namespace.
+fn listen_in_netns(ns: &str, addr: SocketAddr) -> anyhow::Result<std::net::TcpListener> {
+    let path = format!("/run/netns/{ns}");
+    let target = std::fs::File::open(&path).with_context(|| format!("opening {path}"))?;
+    std::thread::spawn(move || -> anyhow::Result<std::net::TcpListener> {
+        use std::os::fd::AsRawFd;
+        // SAFETY: `target` is an open file of a network namespace for the whole call; setns
+        // changes only this thread's network namespace, and this thread ends below.
+        let rc = unsafe { libc::setns(target.as_raw_fd(), libc::CLONE_NEWNET) };
+        if rc != 0 {
+            anyhow::bail!(
+                "entering the slot namespace: {}",
+                std::io::Error::last_os_error()
+            );
+        }
+        let l = std::net::TcpListener::bind(addr)
+            .with_context(|| format!("binding the egress listener on {addr}"))?;
+        l.set_nonblocking(true)?;
+        Ok(l)
+    })
+    .join()
+    .map_err(|_| anyhow::anyhow!("the namespace thread panicked"))?
+}
+
 /// The script that puts the CA (uploaded next to its place) into the guest's trust store once.
 fn install_script() -> String {
     format!(
@@ -102,7 +129,7 @@ impl Node {
             let l = live.lock().await;
             (l.slot.clone(), l.state.envd_token.clone())
         };
-        let bind = SocketAddr::new(IpAddr::V4(slot.host_ip()), EGRESS_PORT);
+        let bind = SocketAddr::new(IpAddr::V4(slot.addr()), EGRESS_PORT);
         self.egress.stop(id, Some(bind)).await;
         let resolved = slots::resolve_names(&spec.network, slots::system_resolve).await;
         let mut upstream: BTreeMap<String, Vec<Ipv4Addr>> = BTreeMap::new();
@@ -120,18 +147,23 @@ impl Node {
         let mut all: Vec<Ipv4Addr> = upstream.values().flatten().copied().collect();
         all.sort();
         all.dedup();
+        let ns = slot.netns();
+        let socket = tokio::task::spawn_blocking(move || listen_in_netns(&ns, bind))
+            .await
+            .map_err(|e| NodeError::Failed(format!("egress listener task: {e}")))?
+            .and_then(|l| Ok(tokio::net::TcpListener::from_std(l)?))
+            .map_err(err)?;
         let listener = self
             .egress
             .proxy
-            .listen(
-                bind,
+            .serve(
+                socket,
                 vmon_egress::SlotRules {
                     spec: spec.egress.clone(),
                     upstream,
                     upstream_port: 443,
                 },
             )
-            .await
             .map_err(err)?;
         if let Ok(mut m) = self.egress.listeners.lock() {
             m.insert(id.clone(), listener);
