@@ -174,3 +174,19 @@ def test_unknown_secrets_and_hosts_outside_allow_out_are_400(vmon, echo):
             Sandbox.create(network=network)
     finally:
         Secret.destroy(name)
+
+
+def test_injection_survives_pause_and_resume(vmon, echo):
+    """A resume (a memory restore) starts the listener again and puts the CA back if needed."""
+    name = f"egress-{uuid.uuid4().hex[:8]}"
+    Secret.create(name, VALUE)
+    sbx = Sandbox.create(timeout=300, network=rules(f"Token {Secret.fill(name)}"))
+    try:
+        assert fetch(sbx)["authorization"] == f"Token {VALUE}"
+        sbx.pause()
+        Secret.update(name, VALUE + "-after-resume")
+        sbx = Sandbox.connect(sbx.sandbox_id)
+        assert fetch(sbx)["authorization"] == f"Token {VALUE}-after-resume"
+    finally:
+        sbx.kill()
+        Secret.destroy(name)
