@@ -78,6 +78,13 @@ impl Control {
                     "sandbox {id} is paused; resume it before changing its network"
                 )));
             }
+            // Secret rules stay pointed at hosts the sandbox may reach: a rule host cannot
+            // leave allowOut while the rules name it.
+            super::egress::checked_rules(&crate::wire::NetworkConfig {
+                allow_out: trimmed(update.allow_out.clone()),
+                rules: rec.network.rules.clone(),
+                ..Default::default()
+            })?;
             rec.network.allow_out = trimmed(update.allow_out);
             rec.network.deny_out = trimmed(update.deny_out);
             rec.network.dns_servers = trimmed(update.dns_servers);
