@@ -200,6 +200,8 @@ def vmon():
         # Idle auto-suspend (test_idle.py): look for idle sandboxes every second, so a
         # 60 s window is acted on soon after it passes.
         VMON_IDLE_SCAN_MS=os.environ.get("VMON_IDLE_SCAN_MS", "1000"),
+        # The secret-injection tests' HTTPS receiver has a certificate the same CA signs.
+        VMON_EGRESS_CA_FILE=str(DATA_DIR / "webhook-tls" / "ca.pem"),
     )
     log_path = DATA_DIR / "vmon-up.log"
     log = open(log_path, "w")

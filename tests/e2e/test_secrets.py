@@ -1,6 +1,5 @@
 """Secrets with the official SDK against `vmon up`: CRUD by id and name, values never returned,
-paging, team scoping, and a create whose network rules name a secret (vmon has no egress proxy
-to inject it, so that create is refused rather than started without the header).
+paging, team scoping. Injection at egress is `test_secrets_egress.py`.
 """
 
 from __future__ import annotations
@@ -10,8 +9,8 @@ import urllib.request
 import uuid
 
 import pytest
-from e2b import Sandbox, Secret
-from e2b.exceptions import SandboxException, SecretException, SecretNotFoundException
+from e2b import Secret
+from e2b.exceptions import SecretException, SecretNotFoundException
 
 VALUE = "e2e-secret-value-never-returned"
 
@@ -69,20 +68,3 @@ def test_secret_list_pages(vmon):
     finally:
         for s in made:
             Secret.destroy(s.secret_id)
-
-
-def test_network_rules_naming_a_secret_are_refused(vmon):
-    name = _name()
-    Secret.create(name, VALUE)
-    try:
-        network = {
-            "allow_out": ["api.example.com"],
-            "rules": {"api.example.com": [{"transform": {"headers": {"Authorization": f"Bearer {Secret.fill(name)}"}}}]},
-        }
-        with pytest.raises(SandboxException, match="egress proxy"):
-            Sandbox.create(network=network)
-        network["rules"]["api.example.com"][0]["transform"]["headers"]["Authorization"] = Secret.fill("no-such-secret")
-        with pytest.raises(SandboxException, match="unknown secret"):
-            Sandbox.create(network=network)
-    finally:
-        Secret.destroy(name)

@@ -364,4 +364,7 @@ pub trait Records: BuildRecords + Send + Sync + 'static {
         metadata: Option<&std::collections::BTreeMap<String, String>>,
     ) -> RecordResult<Option<Secret>>;
     async fn delete_secret(&self, team_id: &str, id_or_name: &str) -> RecordResult<bool>;
+    /// The decrypted value of the secret with id `id`, for the egress path only: it goes to
+    /// the node that runs a sandbox whose rules name it, never to a client.
+    async fn secret_value(&self, team_id: &str, id: &str) -> RecordResult<Option<String>>;
 }

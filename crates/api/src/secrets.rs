@@ -4,8 +4,9 @@
 //! `Cache-Control: no-store`. Lists page with `limit` and `nextToken`; `X-Next-Token` is sent
 //! only when another page exists.
 //!
-//! The egress proxy that would put a value into a sandbox's outbound request is not built:
-//! a create whose network rules name a secret is refused (`control::network`).
+//! Values leave the store only for the egress path: a sandbox whose network rules name a
+//! secret gets it, opened at each start and pushed again on update or delete, on its node's
+//! egress proxy (`control::egress`, `crates/egress`).
 
 use std::collections::BTreeMap;
 
@@ -346,6 +347,7 @@ pub(crate) async fn update_secret(
         .map_err(record_error)?
         .ok_or_else(|| not_found(&id))?;
     tracing::info!(secret_id = %updated.id, version = updated.version, "secret updated");
+    s.control.secret_changed(&team.id, &updated.name).await;
     Ok(no_store(Json(SecretView::from(updated)).into_response()))
 }
 
@@ -364,6 +366,13 @@ pub(crate) async fn delete_secret(
     Auth(team): Auth,
     Path(id): Path<String>,
 ) -> ApiResult<Response> {
+    let name = s
+        .control
+        .records()
+        .secret(&team.id, &id)
+        .await
+        .map_err(record_error)?
+        .map(|x| x.name);
     let gone = s
         .control
         .records()
@@ -372,6 +381,10 @@ pub(crate) async fn delete_secret(
         .map_err(record_error)?;
     if !gone {
         return Err(not_found(&id));
+    }
+    if let Some(name) = name {
+        // Running sandboxes stop injecting it (their requests to its host then fail).
+        s.control.secret_changed(&team.id, &name).await;
     }
     Ok(no_store(StatusCode::NO_CONTENT.into_response()))
 }

@@ -150,8 +150,9 @@ pub struct NetworkConfig {
     pub dns_servers: Option<Vec<String>>,
     #[serde(rename = "maskRequestHost", skip_serializing_if = "Option::is_none")]
     pub mask_request_host: Option<String>,
-    /// Per-host request transforms (`{host: [{transform: {headers: {...}}}]}`). vmon has no
-    /// egress proxy to apply them: kept as sent, and a create naming a secret in them is 400.
+    /// Per-host request transforms (`{host: [{transform: {headers: {...}}}]}`): the node's
+    /// egress proxy sets those headers on the sandbox's HTTPS requests to the host, with
+    /// `${e2b.secrets.<name>}` filled in (`crates/api/src/control/egress.rs`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schema(value_type = Option<Object>)]
     pub rules: Option<serde_json::Value>,

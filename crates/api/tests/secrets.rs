@@ -199,7 +199,7 @@ async fn bad_secrets_are_400_and_never_echo_the_value() {
 }
 
 #[tokio::test]
-async fn network_rules_naming_secrets_are_refused_at_create() {
+async fn network_rules_send_the_secrets_they_name_to_the_node_only() {
     let h = common::harness(TeamLimits::default()).await;
     let rules = |name: &str| {
         format!(
@@ -214,10 +214,34 @@ async fn network_rules_naming_secrets_are_refused_at_create() {
         .as_str()
         .unwrap()
         .contains("unknown secret \"missing\""));
-    h.req("POST", "/secrets", Some(r#"{"name":"known","value":"v"}"#))
-        .await;
-    let r = h.req("POST", "/v2/sandboxes", Some(&rules("known"))).await;
-    assert_eq!(r.status, StatusCode::BAD_REQUEST);
-    assert!(r.json["message"].as_str().unwrap().contains("egress proxy"));
     assert_eq!(h.node.running_count(), 0);
+    h.req(
+        "POST",
+        "/secrets",
+        Some(r#"{"name":"Known","value":"value-for-the-node"}"#),
+    )
+    .await;
+    // A rule host that allowOut does not name is refused.
+    let elsewhere = rules("known").replace(
+        r#""allowOut":["api.example.com"]"#,
+        r#""allowOut":["other.example.com"]"#,
+    );
+    let r = h.req("POST", "/v2/sandboxes", Some(&elsewhere)).await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST, "{:?}", r.json);
+    assert!(r.json["message"].as_str().unwrap().contains("allowOut"));
+    let r = h.req("POST", "/v2/sandboxes", Some(&rules("known"))).await;
+    assert_eq!(r.status, StatusCode::CREATED, "{:?}", r.json);
+    assert!(!r.json.to_string().contains("value-for-the-node"));
+    let spec = h.node.starts.lock().unwrap().last().cloned().unwrap();
+    assert_eq!(spec.egress.rules.len(), 1);
+    assert_eq!(spec.egress.rules[0].host, "api.example.com");
+    assert_eq!(
+        spec.egress.secrets.0.get("known").map(String::as_str),
+        Some("value-for-the-node")
+    );
+    assert!(!format!("{spec:?}").contains("value-for-the-node"));
+    // The sandbox's own view never carries it either.
+    let id = r.json["sandboxID"].as_str().unwrap().to_string();
+    let r = h.req("GET", &format!("/sandboxes/{id}"), None).await;
+    assert!(!r.json.to_string().contains("value-for-the-node"));
 }

@@ -619,6 +619,16 @@ impl NodeControl for ClusterNodes {
         c.update_network(sandbox_id, execution_id, policy).await
     }
 
+    async fn update_egress(
+        &self,
+        sandbox_id: &str,
+        execution_id: &str,
+        egress: vmon_proto::egress::EgressSpec,
+    ) -> Result<(), NodeError> {
+        let (_, c) = self.node_of(sandbox_id).await?;
+        c.update_egress(sandbox_id, execution_id, egress).await
+    }
+
     async fn metrics(
         &self,
         sandbox_id: &str,

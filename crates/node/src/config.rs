@@ -53,6 +53,9 @@ pub struct NodeConfig {
     /// How much of the data dir builds fetched from the store may take (`VMON_STORE_CACHE_MB`,
     /// default 20 GiB): beyond it the least recently used ones no sandbox runs from go.
     pub store_cache_mb: u64,
+    /// Extra CA certificates (PEM) the egress proxy trusts besides the system's when it
+    /// connects to a rule's host for secret injection (`VMON_EGRESS_CA_FILE`).
+    pub egress_ca_file: Option<PathBuf>,
 }
 
 impl NodeConfig {
@@ -84,6 +87,9 @@ impl NodeConfig {
             // A partial setting is reported by `Node::open`.
             object_store: vmon_objstore::ObjectStoreConfig::from_env().ok().flatten(),
             store_cache_mb: env_or("VMON_STORE_CACHE_MB", 20 << 10),
+            egress_ca_file: std::env::var_os("VMON_EGRESS_CA_FILE")
+                .filter(|v| !v.is_empty())
+                .map(PathBuf::from),
         }
     }
 }

@@ -55,6 +55,13 @@ struct Network {
 }
 
 #[derive(Serialize, Deserialize)]
+struct Egress {
+    sandbox_id: String,
+    execution_id: String,
+    egress: vmon_proto::egress::EgressSpec,
+}
+
+#[derive(Serialize, Deserialize)]
 struct Metrics {
     sandbox_id: String,
     start_unix: i64,
@@ -162,6 +169,13 @@ async fn call(
         "update_network" => match parse::<Network>(&body) {
             Ok(x) => answer(
                 n.update_network(&x.sandbox_id, &x.execution_id, x.policy)
+                    .await,
+            ),
+            Err(e) => answer::<()>(Err(e)),
+        },
+        "update_egress" => match parse::<Egress>(&body) {
+            Ok(x) => answer(
+                n.update_egress(&x.sandbox_id, &x.execution_id, x.egress)
                     .await,
             ),
             Err(e) => answer::<()>(Err(e)),
@@ -599,6 +613,22 @@ impl NodeControl for RemoteNode {
                 sandbox_id: sandbox_id.into(),
                 execution_id: execution_id.into(),
                 policy,
+            },
+        )
+        .await
+    }
+    async fn update_egress(
+        &self,
+        sandbox_id: &str,
+        execution_id: &str,
+        egress: vmon_proto::egress::EgressSpec,
+    ) -> Result<(), NodeError> {
+        self.call(
+            "update_egress",
+            &Egress {
+                sandbox_id: sandbox_id.into(),
+                execution_id: execution_id.into(),
+                egress,
             },
         )
         .await

@@ -29,6 +29,9 @@ pub const TAP: &str = "tap0";
 pub const MAX_SLOTS: u32 = 512;
 /// Blocks in 169.254.128.0/17.
 pub const BLOCKS: u32 = 16;
+/// The port of a slot's egress proxy listener, a socket in the slot's namespace on its address
+/// (`addr`): the namespace DNATs the guest's TCP/443 to its rule hosts' addresses there.
+pub const EGRESS_PORT: u16 = 15443;
 
 /// One allocated slot.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -126,6 +129,9 @@ fn valid_target(s: &str) -> bool {
 }
 
 pub use vmon_proto::node::is_host_name;
+
+mod egress;
+pub use egress::allow_out_reaches;
 
 /// Checks a policy's entries (IPv4 addresses, CIDRs or host names).
 pub fn validate_policy(p: &NetworkPolicy) -> Result<(), String> {
@@ -614,6 +620,7 @@ add element ip vmon slot_chain {{ \"{hif}\" : jump {chain} }}
   }}
   chain input {{
     type filter hook input priority filter; policy accept;
+    iifname \"{TAP}\" ip saddr {GUEST_IP} ip daddr {addr} tcp dport {EGRESS_PORT} ct status dnat accept
     iifname \"{TAP}\" drop
   }}
   chain forward {{
@@ -853,6 +860,10 @@ mod tests {
             host_ruleset(),
             slot.ruleset(&p),
             slot.ruleset(&open_policy()),
+            egress::intercept_ruleset(
+                &[Ipv4Addr::new(198, 51, 100, 42), Ipv4Addr::new(8, 8, 8, 8)],
+                slot.addr(),
+            ),
         ] {
             let mut child = std::process::Command::new("nft")
                 .args(["-c", "-f", "-"])

@@ -105,6 +105,7 @@ fn rootfs_writes_survive_a_cold_reboot_from_the_same_disk() {
         assert!(!envd_client::healthy(r.addr(49983)).await, "VM stopped");
         let again = node
             .start(StartSpec {
+                egress: Default::default(),
                 volumes: Vec::new(),
                 sandbox_id: id.clone(),
                 execution_id: unique("e"),
@@ -248,6 +249,7 @@ fn bad_input_gets_clear_errors_and_leaves_nothing() {
         ));
         let missing = node
             .start(StartSpec {
+                egress: Default::default(),
                 volumes: Vec::new(),
                 sandbox_id: unique("bad"),
                 execution_id: unique("e"),

@@ -37,6 +37,7 @@ fn a_remote_node_creates_pauses_resumes_and_kills() {
         let id = unique("rpc");
         let r = remote
             .start(StartSpec {
+                egress: Default::default(),
                 volumes: Vec::new(),
                 sandbox_id: id.clone(),
                 execution_id: unique("e"),
@@ -64,6 +65,7 @@ fn a_remote_node_creates_pauses_resumes_and_kills() {
             .expect("pause over RPC");
         let r2 = remote
             .start(StartSpec {
+                egress: Default::default(),
                 volumes: Vec::new(),
                 sandbox_id: id.clone(),
                 execution_id: unique("e"),

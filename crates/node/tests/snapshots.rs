@@ -311,6 +311,7 @@ fn a_corrupt_layer_fails_the_resume_clearly() {
         std::fs::write(&layer, &bytes).expect("corrupt");
         let res = node
             .start(vmon_proto::node::StartSpec {
+                egress: Default::default(),
                 volumes: Vec::new(),
                 sandbox_id: id.clone(),
                 execution_id: unique("e"),

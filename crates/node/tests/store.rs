@@ -259,6 +259,7 @@ async fn start_err(node: &Node, build: &str) -> NodeError {
     use vmon_proto::node::{NetworkPolicy, StartSpec};
     match node
         .start(StartSpec {
+            egress: Default::default(),
             volumes: Vec::new(),
             sandbox_id: unique("bad"),
             execution_id: unique("e"),

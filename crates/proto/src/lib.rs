@@ -7,5 +7,6 @@
 //! This crate holds types only: it must never do I/O.
 
 pub mod cluster;
+pub mod egress;
 pub mod node;
 pub mod progress;

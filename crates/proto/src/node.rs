@@ -57,6 +57,10 @@ pub struct StartSpec {
     /// state lives outside the guest's memory and cannot be restored with it.
     #[serde(default)]
     pub volumes: Vec<VolumeShare>,
+    /// Secret injection: the rules of `network.rules` and the values of the secrets they name
+    /// (kept in the node's memory only; `Debug` prints no value).
+    #[serde(default, skip_serializing_if = "crate::egress::EgressSpec::is_empty")]
+    pub egress: crate::egress::EgressSpec,
 }
 
 /// One volume a sandbox mounts: `<volumes dir>/<volume_id>` on the node, `path` in the guest.
@@ -457,6 +461,19 @@ pub trait NodeControl: Send + Sync + 'static {
         execution_id: &str,
         policy: NetworkPolicy,
     ) -> Result<(), NodeError>;
+
+    /// Replaces a running sandbox's secret-injection rules and values (a secret was updated
+    /// or deleted).
+    async fn update_egress(
+        &self,
+        sandbox_id: &str,
+        _execution_id: &str,
+        _egress: crate::egress::EgressSpec,
+    ) -> Result<(), NodeError> {
+        Err(NodeError::Failed(format!(
+            "this node cannot update the egress rules of {sandbox_id}"
+        )))
+    }
 
     /// A sandbox's samples with `start_unix <= timestamp <= end_unix`, oldest first: while it
     /// runs and for 7 days after its last execution ended. Empty when the node has none.

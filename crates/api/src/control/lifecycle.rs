@@ -140,7 +140,9 @@ impl Control {
             validate_idempotency_key(key)?;
         }
         super::check_maps(&req.metadata, &req.env_vars)?;
-        self.refuse_secret_rules(&team.id, req.network.as_ref())
+        // Bad rules, a rule host not in allowOut or an unknown secret: 400 before anything
+        // starts (and again at every start, with the values of the moment).
+        self.egress_spec(&team.id, &req.network.clone().unwrap_or_default(), true)
             .await?;
         let volume_mounts = req.volume_mounts.clone().unwrap_or_default();
         super::volumes::check_mount_paths(&volume_mounts)?;
@@ -280,6 +282,9 @@ impl Control {
         let volumes = self
             .volume_shares(&team.id, &launch.base.volume_mounts)
             .await?;
+        let egress = self
+            .egress_spec(&team.id, &launch.base.network, true)
+            .await?;
         let counter = admission_key(&team.id);
         if !self
             .kv
@@ -326,6 +331,7 @@ impl Control {
         let span = tracing::info_span!("create", sandbox_id = id, execution_id = %execution_id);
         let _enter = span.enter();
         let spec = StartSpec {
+            egress,
             sandbox_id: id.to_string(),
             execution_id: execution_id.clone(),
             build_id: launch.build.build_id.clone(),

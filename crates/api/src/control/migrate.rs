@@ -67,6 +67,17 @@ impl Control {
                     "sandbox {id} is paused; only a running sandbox migrates live"
                 )));
             }
+            // Its secrets' egress listener lives in its slot on its node, with the values in
+            // that node's memory only: a pause and resume makes it anew elsewhere.
+            if !self
+                .egress_spec(&rec.team_id, &rec.network, false)
+                .await?
+                .is_empty()
+            {
+                return Err(ApiError::bad_request(format!(
+                    "sandbox {id} injects secrets at egress and cannot migrate live; pause and resume it to move it"
+                )));
+            }
             let m = cluster
                 .migrate(
                     &rec.id,

@@ -12,6 +12,7 @@ pub use builtin::CODE_INTERPRETER;
 mod checkpoint;
 mod cluster;
 mod delivery;
+mod egress;
 mod health;
 mod idle;
 mod lifecycle;

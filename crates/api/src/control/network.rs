@@ -78,6 +78,13 @@ impl Control {
                     "sandbox {id} is paused; resume it before changing its network"
                 )));
             }
+            // Secret rules stay pointed at hosts the sandbox may reach: a rule host cannot
+            // leave allowOut while the rules name it.
+            super::egress::checked_rules(&crate::wire::NetworkConfig {
+                allow_out: trimmed(update.allow_out.clone()),
+                rules: rec.network.rules.clone(),
+                ..Default::default()
+            })?;
             rec.network.allow_out = trimmed(update.allow_out);
             rec.network.deny_out = trimmed(update.deny_out);
             rec.network.dns_servers = trimmed(update.dns_servers);
@@ -110,66 +117,6 @@ impl Control {
     }
 }
 
-/// The secret names `${e2b.secrets.<name>}` markers name anywhere in `rules`.
-pub(crate) fn secret_markers(rules: &serde_json::Value) -> Vec<String> {
-    fn walk(v: &serde_json::Value, out: &mut Vec<String>) {
-        match v {
-            serde_json::Value::String(s) => {
-                let mut rest = s.as_str();
-                while let Some(i) = rest.find("${e2b.secrets.") {
-                    rest = &rest[i + "${e2b.secrets.".len()..];
-                    let Some(end) = rest.find('}') else { break };
-                    out.push(rest[..end].to_string());
-                    rest = &rest[end..];
-                }
-            }
-            serde_json::Value::Array(a) => a.iter().for_each(|v| walk(v, out)),
-            serde_json::Value::Object(o) => o.values().for_each(|v| walk(v, out)),
-            _ => {}
-        }
-    }
-    let mut out = Vec::new();
-    walk(rules, &mut out);
-    out.sort();
-    out.dedup();
-    out
-}
-
-impl Control {
-    /// A create whose network rules name secrets: unknown names are 400 (as in infra); known
-    /// ones are 400 too, because vmon has no egress proxy to put them into requests, and a
-    /// sandbox started without the header its owner asked for would fail in a worse place.
-    pub(crate) async fn refuse_secret_rules(
-        &self,
-        team_id: &str,
-        network: Option<&crate::wire::NetworkConfig>,
-    ) -> ApiResult<()> {
-        let Some(rules) = network.and_then(|n| n.rules.as_ref()) else {
-            return Ok(());
-        };
-        let names = secret_markers(rules);
-        if names.is_empty() {
-            return Ok(());
-        }
-        for name in &names {
-            let known = self
-                .records
-                .secret(team_id, name)
-                .await
-                .map_err(super::record_error)?;
-            if known.is_none() {
-                return Err(ApiError::bad_request(format!(
-                    "network rules name the unknown secret {name:?}"
-                )));
-            }
-        }
-        Err(ApiError::bad_request(
-            "secret injection (${e2b.secrets.<name>} in network rules) needs an egress proxy, \
-             which this vmon does not have; the sandbox was not created",
-        ))
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -189,16 +136,5 @@ mod tests {
         ] {
             assert!(!valid_cidr(bad), "{bad}");
         }
-    }
-
-    #[test]
-    fn secret_markers_are_found_anywhere_in_the_rules() {
-        let rules = serde_json::json!({"a.example.com": [{"transform": {"headers": {
-            "Authorization": "Bearer ${e2b.secrets.one}",
-            "X-Both": "${e2b.secrets.two}:${e2b.secrets.one}",
-            "X-Open": "${e2b.secrets.unterminated"
-        }}}]});
-        assert_eq!(super::secret_markers(&rules), ["one", "two"]);
-        assert!(super::secret_markers(&serde_json::json!({"h": [{"transform": {}}]})).is_empty());
     }
 }

@@ -236,8 +236,16 @@ impl Control {
                 return Err(e);
             }
         };
+        let egress = match self.egress_spec(&team.id, &rec.network, true).await {
+            Ok(e) => e,
+            Err(e) => {
+                self.release(&counter).await;
+                return Err(e);
+            }
+        };
         let cold_boot = cold_boot || !rec.build.has_memory || !volumes.is_empty();
         let spec = StartSpec {
+            egress,
             volumes,
             sandbox_id: rec.id.clone(),
             execution_id: execution_id.clone(),

@@ -792,6 +792,10 @@ impl Records for StoreRecords {
         Ok(self.store.secret(team_id, id_or_name).await?)
     }
 
+    async fn secret_value(&self, team_id: &str, id: &str) -> RecordResult<Option<String>> {
+        Ok(self.store.secret_value(team_id, id).await?)
+    }
+
     async fn secrets(
         &self,
         team_id: &str,

@@ -560,6 +560,7 @@ impl Control {
         };
         self.node
             .start(StartSpec {
+                egress: Default::default(),
                 sandbox_id: vm.sandbox_id.clone(),
                 execution_id: vm.execution_id.clone(),
                 build_id: from_build.build_id.clone(),

@@ -253,6 +253,7 @@ impl Node {
         // Uploaded once QEMU has closed the build's overlay and RAM file for good.
         self.upload_later(&rec);
         // Artifacts now belong to the build.
+        self.egress.stop(&l.state.id, None).await;
         let _ = self.slots.release(&l.slot).await;
         let _ = std::fs::remove_file(SandboxState::path(&l.dir));
         for f in ["qmp.sock", "qemu.pid"] {

@@ -97,6 +97,16 @@ impl NodeControl for Node {
         l.state.save(&dir).map_err(err)
     }
 
+    async fn update_egress(
+        &self,
+        sandbox_id: &str,
+        execution_id: &str,
+        egress: vmon_proto::egress::EgressSpec,
+    ) -> Result<(), NodeError> {
+        self.update_egress_of(sandbox_id, execution_id, egress)
+            .await
+    }
+
     async fn list_running(&self) -> Vec<Running> {
         let lives: Vec<Arc<Mutex<Live>>> = match self.sandboxes.lock() {
             Ok(m) => m.values().cloned().collect(),

@@ -12,6 +12,7 @@
 mod boot;
 mod capture;
 mod control;
+mod egress;
 mod migrate;
 mod parking;
 mod pools;
@@ -95,6 +96,8 @@ pub struct Node {
     handed_over: std::sync::Mutex<migrate::HandedOver>,
     /// How this node reaches other nodes (set in a cluster).
     peers: std::sync::OnceLock<Peers>,
+    /// The egress proxy of secret injection, and the listener of each sandbox with rules.
+    egress: egress::EgressRoom,
     /// Held for the node's life: no other node on this host may use the same slot block.
     _block_lock: std::fs::File,
     /// Held for the node's life: one node per data dir (another would sweep our artifacts).
@@ -293,6 +296,7 @@ impl Node {
             )?)),
             None => None,
         };
+        let egress_room = egress::EgressRoom::open(&cfg)?;
         Slots::prepare_host().await?;
         let (slot_block, block_lock) = claim_slot_block(&cfg)?;
         tracing::info!(slot_block, "network slot block");
@@ -322,6 +326,7 @@ impl Node {
             incoming: Default::default(),
             handed_over: Default::default(),
             peers: Default::default(),
+            egress: egress_room,
             _block_lock: block_lock,
             _data_lock: data_lock,
         });
@@ -495,6 +500,7 @@ impl Node {
 
     /// Stops and forgets a live sandbox: QEMU, slot, its own artifacts.
     async fn destroy(&self, live: &mut Live, keep_artifacts: bool) {
+        self.egress.stop(&live.state.id, None).await;
         if let Some(vm) = live.vm.take() {
             vm.quit().await;
         }

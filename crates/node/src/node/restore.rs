@@ -447,7 +447,18 @@ impl Node {
         tracing::info!(sandbox = %spec.sandbox_id, build = %rec.id, ms = t0.elapsed().as_millis() as u64, "sandbox started");
         let r = self.insert(live);
         drop(guard);
-        r
+        let running = r?;
+        if let Err(e) = self.start_egress(&spec).await {
+            tracing::warn!(sandbox = %spec.sandbox_id, error = %e, "egress setup failed; the sandbox is killed");
+            let _ = vmon_proto::node::NodeControl::kill(
+                self.as_ref(),
+                &spec.sandbox_id,
+                &spec.execution_id,
+            )
+            .await;
+            return Err(e);
+        }
+        Ok(running)
     }
 }
 

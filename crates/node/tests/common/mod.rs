@@ -136,6 +136,7 @@ pub fn template(node: &std::sync::Arc<Node>) -> String {
 pub async fn start(node: &Node, id: &str, build: &str, cold: bool) -> vmon_proto::node::Running {
     use vmon_proto::node::{NetworkPolicy, NodeControl, StartSpec};
     node.start(StartSpec {
+        egress: Default::default(),
         volumes: Vec::new(),
         sandbox_id: id.to_string(),
         execution_id: unique("e"),
