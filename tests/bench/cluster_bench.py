@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import statistics
 import subprocess
@@ -29,6 +28,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import cluster_up  # noqa: E402
 from api_bench import REPO, machine  # noqa: E402
 
 DIR = Path(os.environ.get("VMON_BENCH_CLUSTER_DIR", "/var/tmp/vmon-bench-cluster"))
@@ -59,28 +59,7 @@ def cat(sbx, path: str) -> str:
 
 
 def main() -> None:
-    target = Path(os.environ.get("CARGO_TARGET_DIR", REPO / "target"))
-    binary = target / os.environ.get("VMON_BENCH_PROFILE", "release") / "vmon"
-    if not binary.exists():
-        sys.exit(f"{binary} is missing: cargo build --release -p vmon -p vmon-envd")
-    cache = Path(os.environ.get("VMON_TEST_DATA_DIR", "/var/tmp/vmon-ci")) / "images"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("E2B_")}
-    env.update(
-        VMON_BIN=str(binary),
-        VMON_CLUSTER_DIR=str(DIR),
-        VMON_CLUSTER_PORT=str(PORT),
-        VMON_IMAGES_DIR=str(cache),
-        VMON_PREBUILD_CODE_INTERPRETER="0",
-    )
-    subprocess.run([str(SCRIPT), "down"], env=env, check=False)
-    shutil.rmtree(DIR, ignore_errors=True)
-    out = subprocess.run(
-        [str(SCRIPT), "up", "--detach"], env=env, check=True, stdout=subprocess.PIPE, text=True
-    ).stdout
-    for line in out.splitlines():
-        if line.startswith("export E2B_"):
-            k, _, v = line.removeprefix("export ").partition("=")
-            os.environ[k] = v
+    env = cluster_up.start(DIR, PORT)
     from e2b import Sandbox
 
     token = (DIR / "node-token").read_text().strip()
@@ -184,11 +163,11 @@ def main() -> None:
                     k, _, v = line.removeprefix("export ").partition("=")
                     s3env[k] = v
             raw = subprocess.run(
-                [str(binary), "--data-dir", str(DIR / "node1"), "bench", "s3", "--mib", "256"],
+                [env["VMON_BIN"], "--data-dir", str(DIR / "node1"), "bench", "s3", "--mib", "256"],
                 env=s3env, check=True, stdout=subprocess.PIPE, text=True,
             ).stdout
     finally:
-        subprocess.run([str(SCRIPT), "down"], env=env, check=False)
+        cluster_up.stop(env)
 
     print(f"vmon bench cluster  ({machine()})")
     print("  local cluster: 3 etcd, PostgreSQL, 2 nodes, 2 api replicas" + (", garage" if s3 else ", no object store"))

@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -29,13 +27,13 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from api_bench import REPO, machine  # noqa: E402
+import cluster_up  # noqa: E402
+from api_bench import machine  # noqa: E402
 
 DIR = Path(os.environ.get("VMON_BENCH_CLUSTER_DIR", "/var/tmp/vmon-bench-migrate"))
 PORT = int(os.environ.get("VMON_BENCH_CLUSTER_PORT", "3500"))
 ROUNDS = int(os.environ.get("VMON_BENCH_ROUNDS", "3"))
 WITH_1G = os.environ.get("VMON_BENCH_MIGRATE_1G", "1") != "0"
-SCRIPT = REPO / "scripts" / "cluster.sh"
 
 # Rewrites 1 MiB of a 256 MiB buffer every 1/64 s: 64 MiB/s of guest memory dirtied.
 WRITER = r"""
@@ -53,33 +51,11 @@ while True:
 
 
 def main() -> None:
-    target = Path(os.environ.get("CARGO_TARGET_DIR", REPO / "target"))
-    binary = target / os.environ.get("VMON_BENCH_PROFILE", "release") / "vmon"
-    if not binary.exists():
-        sys.exit(f"{binary} is missing: cargo build --release -p vmon -p vmon-envd")
-    cache = Path(os.environ.get("VMON_TEST_DATA_DIR", "/var/tmp/vmon-ci")) / "images"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("E2B_")}
-    env.update(
-        VMON_BIN=str(binary),
-        VMON_CLUSTER_DIR=str(DIR),
-        VMON_CLUSTER_PORT=str(PORT),
-        VMON_IMAGES_DIR=str(cache),
-        VMON_PREBUILD_CODE_INTERPRETER="0",
-        VMON_CLUSTER_TLS="0",
-    )
-    subprocess.run([str(SCRIPT), "down"], env=env, check=False)
-    shutil.rmtree(DIR, ignore_errors=True)
-    out = subprocess.run(
-        [str(SCRIPT), "up", "--detach"], env=env, check=True, stdout=subprocess.PIPE, text=True
-    ).stdout
-    for line in out.splitlines():
-        if line.startswith("export E2B_"):
-            k, _, v = line.removeprefix("export ").partition("=")
-            os.environ[k] = v
+    env = cluster_up.start(DIR, PORT, VMON_CLUSTER_TLS="0")
     try:
         run(env)
     finally:
-        subprocess.run([str(SCRIPT), "down"], env=env, check=False)
+        cluster_up.stop(env)
 
 
 def run(env: dict) -> None:
@@ -105,7 +81,7 @@ def run(env: dict) -> None:
     templates = {"512": "base"}
     if WITH_1G:
         t0 = time.monotonic()
-        Template.build(Template().from_template("base"), alias="bench-1g", cpu_count=1, memory_mb=1024)
+        Template.build(Template().from_base_image(), alias="bench-1g", cpu_count=1, memory_mb=1024)
         print(f"# 1 GiB template built in {time.monotonic() - t0:.0f} s")
         templates["1024"] = "bench-1g"
 
