@@ -309,7 +309,8 @@ def test_node_list_shows_every_node_with_its_load(cluster):
         ).stdout
         rows = {r.split("\t")[0]: r.split("\t") for r in out.splitlines()[1:]}
         assert sorted(rows) == ["node1", "node2"], out
-        assert rows["node1"][1] == "host-1" and rows["node2"][1] == "host-2"
+        assert rows["node1"][2] == "host-1" and rows["node2"][2] == "host-2"
+        assert rows["node1"][1] == "active" and rows["node2"][1] == "active"
         # The heartbeat (every 2 s) carries the sandbox.
         def counted():
             out = subprocess.run(
@@ -317,7 +318,7 @@ def test_node_list_shows_every_node_with_its_load(cluster):
                 capture_output=True, text=True, check=True, timeout=60,
             ).stdout
             rows = {r.split("\t")[0]: r.split("\t") for r in out.splitlines()[1:]}
-            return int(rows[f"node{here}"][3]) >= 1
+            return int(rows[f"node{here}"][4]) >= 1
         wait_for(counted, 15, what="the node's heartbeat to count the sandbox")
     finally:
         sbx.kill()
