@@ -61,6 +61,50 @@ pub struct SandboxState {
 }
 
 impl SandboxState {
+    /// A sandbox whose memory and disk lie over build `rec` (a restore, a live migration's
+    /// target): `mem_base` mapped privately with `rec`'s layers written in, and a fresh
+    /// `overlay` on `rec`'s disk chain. The caller sets what the build does not say (token,
+    /// network, how it started).
+    pub fn over_build(
+        rec: &crate::builds::BuildRecord,
+        mem_base: String,
+        id: &str,
+        execution_id: &str,
+        slot: u32,
+        overlay: String,
+        qemu_tag: String,
+    ) -> SandboxState {
+        SandboxState {
+            id: id.to_string(),
+            execution_id: execution_id.to_string(),
+            slot,
+            machine: rec.machine.clone(),
+            ram: RamSource::Private {
+                mem_base,
+                layers: rec.layers.clone(),
+                basis: rec.id.clone(),
+            },
+            overlay,
+            disk_chain: rec
+                .disk
+                .iter()
+                .chain(rec.disk_chain.iter())
+                .cloned()
+                .collect(),
+            disk_node: "d0".into(),
+            disk_seq: 0,
+            envd_token: None,
+            envd_version: rec.envd_version.clone(),
+            disk_mb: rec.disk_mb,
+            resume_generation: rec.resume_generation,
+            qemu_tag,
+            pausing_build: None,
+            network: None,
+            volumes: Vec::new(),
+            start_kind: None,
+        }
+    }
+
     pub fn path(dir: &Path) -> PathBuf {
         dir.join("sandbox.json")
     }

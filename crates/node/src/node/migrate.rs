@@ -378,35 +378,24 @@ impl Node {
                 .map(|m| m.len())
                 .unwrap_or(0);
             std::fs::write(run_dir.join("console.skip"), len.to_string())?;
-            let rec = &inc.basis;
+            // The same execution goes on: the source's token, version, disk size, resume
+            // count and start kind.
             let state = SandboxState {
-                id: spec.sandbox_id.clone(),
-                execution_id: spec.execution_id.clone(),
-                slot: slot.index,
-                machine: rec.machine.clone(),
-                ram: RamSource::Private {
-                    mem_base: mem_base.clone(),
-                    layers: rec.layers.clone(),
-                    basis: rec.id.clone(),
-                },
-                overlay: overlay.clone(),
-                disk_chain: rec
-                    .disk
-                    .iter()
-                    .chain(rec.disk_chain.iter())
-                    .cloned()
-                    .collect(),
-                disk_node: "d0".into(),
-                disk_seq: 0,
                 envd_token: spec.envd_token.clone(),
                 envd_version: spec.envd_version.clone(),
                 disk_mb: spec.disk_mb,
                 resume_generation: spec.resume_generation,
-                qemu_tag: tag.clone(),
-                pausing_build: None,
                 network: Some(spec.network.clone()),
-                volumes: Vec::new(),
                 start_kind: spec.start_kind,
+                ..SandboxState::over_build(
+                    &inc.basis,
+                    mem_base.clone(),
+                    &spec.sandbox_id,
+                    &spec.execution_id,
+                    slot.index,
+                    overlay.clone(),
+                    tag.clone(),
+                )
             };
             state.save(&run_dir)?;
             anyhow::Ok(state)

@@ -18,7 +18,7 @@ use super::{err, restore_init, valid_id, Node};
 use crate::builds::{new_id, BuildRecord};
 use crate::envd_client::{self, InitRequest, ENVD_PORT};
 use crate::pool::{blank_key, Prepared};
-use crate::sandbox::{Live, RamSource, SandboxState};
+use crate::sandbox::{Live, SandboxState};
 use crate::slots::TAP;
 
 impl Node {
@@ -314,33 +314,19 @@ impl Node {
             );
             init?;
             let state = SandboxState {
-                id: spec.sandbox_id.clone(),
-                execution_id: spec.execution_id.clone(),
-                slot: slot.index,
-                machine: rec.machine.clone(),
-                ram: RamSource::Private {
-                    mem_base,
-                    layers: rec.layers.clone(),
-                    basis: rec.id.clone(),
-                },
-                overlay: overlay.clone(),
-                disk_chain: rec
-                    .disk
-                    .iter()
-                    .chain(rec.disk_chain.iter())
-                    .cloned()
-                    .collect(),
-                disk_node: "d0".into(),
-                disk_seq: 0,
                 envd_token: spec.envd_access_token.clone(),
-                envd_version: rec.envd_version.clone(),
-                disk_mb: rec.disk_mb,
                 resume_generation: rec.resume_generation + 1,
-                qemu_tag: tag.clone(),
-                pausing_build: None,
                 network: Some(spec.network.clone()),
-                volumes: Vec::new(),
                 start_kind: Some(vmon_proto::node::StartKind::Restore),
+                ..SandboxState::over_build(
+                    rec,
+                    mem_base,
+                    &spec.sandbox_id,
+                    &spec.execution_id,
+                    slot.index,
+                    overlay.clone(),
+                    tag.clone(),
+                )
             };
             state.save(&run_dir)?;
             anyhow::Ok(state)
