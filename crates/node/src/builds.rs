@@ -69,6 +69,7 @@ impl BuildRecord {
 pub struct Builds {
     pub records: PathBuf,
     pub artifacts: PathBuf,
+    qemu_gid: Option<u32>,
 }
 
 pub fn now_unix() -> u64 {
@@ -102,10 +103,18 @@ impl Builds {
         let b = Builds {
             records: data_dir.join("builds"),
             artifacts: data_dir.join("artifacts"),
+            qemu_gid: None,
         };
         std::fs::create_dir_all(&b.records)?;
         std::fs::create_dir_all(&b.artifacts)?;
         Ok(b)
+    }
+
+    /// Seals every artifact a record names at [`Builds::put`]: root's, readable by the QEMU
+    /// group `gid` (backing chains), writable by no QEMU (see `node/confine.rs`).
+    pub fn sealing_for(mut self, gid: Option<u32>) -> Builds {
+        self.qemu_gid = gid;
+        self
     }
 
     pub fn artifact(&self, name: &str) -> PathBuf {
@@ -158,6 +167,10 @@ impl Builds {
             std::fs::File::open(&p)
                 .with_context(|| format!("artifact {a} of build {} is missing", rec.id))?
                 .sync_all()?;
+            if let Some(gid) = self.qemu_gid {
+                vmon_vm::user::seal(&p, gid)
+                    .with_context(|| format!("sealing artifact {a} of build {}", rec.id))?;
+            }
         }
         fsync_dir(&self.artifacts)?;
         // The record holds an envd token: owner-only from its first byte.

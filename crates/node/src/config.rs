@@ -56,6 +56,10 @@ pub struct NodeConfig {
     /// Extra CA certificates (PEM) the egress proxy trusts besides the system's when it
     /// connects to a rule's host for secret injection (`VMON_EGRESS_CA_FILE`).
     pub egress_ca_file: Option<PathBuf>,
+    /// QEMUs run unprivileged: slot `n` of block `b` as uid `base + b * 512 + n`, all in group
+    /// `base` (`VMON_QEMU_UID_BASE`, default 1900000000; 0 runs them as root, for debugging
+    /// only). No account needs to exist for these ids.
+    pub qemu_uid_base: Option<u32>,
 }
 
 impl NodeConfig {
@@ -90,9 +94,16 @@ impl NodeConfig {
             egress_ca_file: std::env::var_os("VMON_EGRESS_CA_FILE")
                 .filter(|v| !v.is_empty())
                 .map(PathBuf::from),
+            qemu_uid_base: match env_or("VMON_QEMU_UID_BASE", DEFAULT_QEMU_UID_BASE) {
+                0 => None,
+                b => Some(b),
+            },
         }
     }
 }
+
+/// Far above the ids distributions hand to accounts and to user namespaces' sub-id ranges.
+pub const DEFAULT_QEMU_UID_BASE: u32 = 1_900_000_000;
 
 /// A number from the environment, or `default` when unset or not a number.
 pub(crate) fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {

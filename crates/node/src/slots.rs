@@ -41,6 +41,10 @@ pub struct Slot {
 }
 
 impl Slot {
+    /// The uid this slot's QEMU runs as, given the node's base id (the group is `base`).
+    pub fn qemu_uid(&self, base: u32) -> u32 {
+        base.saturating_add(self.block * MAX_SLOTS + self.index + 1)
+    }
     pub fn netns(&self) -> String {
         format!("vmon{:x}-s{}", self.block, self.index)
     }
@@ -70,6 +74,9 @@ pub struct Slots {
     spares: Mutex<Vec<Slot>>,
     spare_target: std::sync::atomic::AtomicUsize,
     refilling: std::sync::atomic::AtomicBool,
+    /// The base id of unprivileged QEMUs ([`Slot::qemu_uid`]): each slot's tap is owned by its
+    /// QEMU's uid, so QEMU attaches to it without privileges.
+    qemu_ids: Option<u32>,
 }
 
 /// The policy every slot is made with: egress allowed, no lists.
@@ -330,8 +337,9 @@ table ip vmon {{
 
 impl Slots {
     /// The slots of block `block` (taken modulo [`BLOCKS`]).
-    pub fn new(block: u32) -> Slots {
+    pub fn new(block: u32, qemu_ids: Option<u32>) -> Slots {
         Slots {
+            qemu_ids,
             block: block % BLOCKS,
             used: Mutex::new(BTreeSet::new()),
             spares: Mutex::new(Vec::new()),
@@ -515,7 +523,7 @@ EOF",
             i
         };
         let slot = self.slot(index);
-        if let Err(e) = slot.create(policy).await {
+        if let Err(e) = slot.create(policy, self.qemu_ids).await {
             let _ = slot.destroy().await;
             self.forget(index);
             return Err(e);
@@ -538,8 +546,12 @@ EOF",
 }
 
 impl Slot {
-    async fn create(&self, policy: &NetworkPolicy) -> anyhow::Result<()> {
+    async fn create(&self, policy: &NetworkPolicy, qemu_ids: Option<u32>) -> anyhow::Result<()> {
         let policy = resolve_names(policy, system_resolve).await;
+        let owner = match qemu_ids {
+            Some(base) => format!(" user {} group {base}", self.qemu_uid(base)),
+            None => String::new(),
+        };
         let ns = self.netns();
         let hif = self.host_if();
         let host_ip = self.host_ip();
@@ -558,7 +570,7 @@ ip -n {ns} -b - <<'EOF'
 link set lo up
 addr add {addr}/30 dev veth0
 link set veth0 up
-tuntap add {TAP} mode tap
+tuntap add {TAP} mode tap{owner}
 addr add {GATEWAY_IP}/30 dev {TAP}
 link set {TAP} up
 route add default via {host_ip}

@@ -442,6 +442,23 @@ fn qemu_runs_under_seccomp_in_cgroups_of_its_own() {
         };
         assert_eq!(field("Seccomp:"), "2", "QEMU runs under a seccomp filter");
         assert_eq!(field("NoNewPrivs:"), "1");
+        // An unprivileged user of its own: real, effective, saved and fs ids, no capabilities.
+        let ids: Vec<u32> = field("Uid:")
+            .split_whitespace()
+            .filter_map(|v| v.parse().ok())
+            .collect();
+        assert_eq!(ids.len(), 4, "{ids:?}");
+        assert!(
+            ids.iter().all(|&u| u != 0 && u == ids[0]),
+            "QEMU runs as uid {ids:?}"
+        );
+        assert!(
+            field("Gid:").split_whitespace().all(|g| g != "0"),
+            "gid {}",
+            field("Gid:")
+        );
+        assert_eq!(field("CapEff:"), "0000000000000000");
+        assert_eq!(field("CapPrm:"), "0000000000000000");
         let overhead = vmon_vm::cgroup::settings().overhead_mib;
         let want_mem = ((384 + overhead) * 1024 * 1024).to_string();
         let want_pids = vmon_vm::cgroup::settings().pids.to_string();

@@ -284,6 +284,68 @@ fn a_kept_qemu_goes_with_its_paused_build() {
     });
 }
 
+/// A restored QEMU is an unprivileged user that maps its RAM base from a sealed memory file,
+/// and every file of the build it runs from is root's and read-only to it.
+#[test]
+fn a_restored_qemu_is_unprivileged_and_its_base_is_sealed() {
+    use std::os::unix::fs::MetadataExt;
+    let node = node();
+    let _shared = host_lock().read();
+    let tpl = template(&node);
+    runtime().block_on(async {
+        let id = unique("conf");
+        let r = start(&node, &id, &tpl, false).await;
+        let pid = node.qemu_pid(&id).await.expect("pid");
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
+        let uid: u32 = status
+            .lines()
+            .find_map(|l| l.strip_prefix("Uid:"))
+            .and_then(|v| v.split_whitespace().nth(1))
+            .and_then(|v| v.parse().ok())
+            .expect("Uid line");
+        assert_ne!(uid, 0, "the restored QEMU runs as root");
+        let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).expect("maps");
+        assert!(
+            maps.lines().any(|l| l.contains("/memfd:vmon-ram-")),
+            "the RAM base is not a sealed memory file:\n{maps}"
+        );
+        for f in node.build_files(&tpl) {
+            let m = std::fs::metadata(&f).expect("artifact");
+            assert_eq!(m.uid(), 0, "{} is not root's", f.display());
+            assert_eq!(
+                m.mode() & 0o022,
+                0,
+                "{} is writable: {:o}",
+                f.display(),
+                m.mode()
+            );
+        }
+        // Its own overlay is the one file of the disk it may write.
+        let ov = node.overlay_file(&id).await.expect("overlay");
+        let ov = std::fs::metadata(ov).expect("overlay file");
+        assert_eq!((ov.uid(), ov.mode() & 0o777), (uid, 0o600));
+        // The guest works: a write lands on the disk and survives a pause and resume.
+        sh(&node, &id, "echo confined > /home/user/c.txt && sync").await;
+        let b = node.pause(&id, &r.execution_id, true).await.expect("pause");
+        let files = node.build_files(&b.build_id);
+        assert!(!files.is_empty());
+        for f in files {
+            let m = std::fs::metadata(&f).expect("artifact");
+            assert_eq!(
+                m.uid(),
+                0,
+                "paused build's {} is still the QEMU's",
+                f.display()
+            );
+            assert_eq!(m.mode() & 0o777, 0o640, "{}", f.display());
+        }
+        let back = start(&node, &id, &b.build_id, false).await;
+        assert_eq!(sh(&node, &id, "cat /home/user/c.txt").await, "confined");
+        node.kill(&id, &back.execution_id).await.expect("kill");
+        let _ = node.delete_build(&b.build_id).await;
+    });
+}
+
 fn count_artifacts(node: &vmon_node::Node) -> usize {
     std::fs::read_dir(node.data_dir().join("artifacts"))
         .map(|r| r.count())

@@ -14,8 +14,11 @@ pub mod memory;
 pub mod private;
 pub mod process;
 pub mod qmp;
+pub mod ram_base;
+pub mod user;
 
 pub use accel::{probe as probe_accel, Accel, AccelChoice};
 pub use machine::{FsShare, MachineDesc, NetDevice};
 pub use process::{LaunchSpec, Vm};
 pub use qmp::{Qmp, QmpError};
+pub use user::QemuUser;

@@ -35,6 +35,20 @@ pub struct MachineDesc {
     pub kernel: PathBuf,
     pub initrd: PathBuf,
     pub cmdline: String,
+    /// The machine without the devices a guest here never uses (HPET, vmport, SMBus, the PS/2
+    /// controller). Builds recorded before the trim have `false` and keep their machine: a
+    /// device state loads only into the machine it was saved from.
+    #[serde(default)]
+    pub trimmed: bool,
+}
+
+/// `-machine` for a build: the `pc` machine, trimmed for builds made since the trim.
+fn machine_arg(trimmed: bool) -> &'static str {
+    if trimmed {
+        "pc,memory-backend=ram0,hpet=off,vmport=off,smbus=off,i8042=off"
+    } else {
+        "pc,memory-backend=ram0"
+    }
 }
 
 /// A virtio-fs share: a `vhost-user-fs-pci` device whose daemon (virtiofsd) listens on
@@ -106,7 +120,7 @@ impl MachineDesc {
             "-name".into(),
             format!("vmon-{}", p.tag),
             "-machine".into(),
-            "pc,memory-backend=ram0".into(),
+            machine_arg(self.trimmed).into(),
             "-accel".into(),
             match self.accel {
                 // A small translation cache: a sandbox's hot code fits, and every idle sandbox
@@ -280,6 +294,7 @@ mod tests {
             kernel: "/k".into(),
             initrd: "/i".into(),
             cmdline: kernel_cmdline(""),
+            trimmed: true,
         };
         let net = NetDevice { tap: "tap0".into() };
         let a = m.args(&Placement {
@@ -298,6 +313,24 @@ mod tests {
         assert!(s.contains("share=off"), "{s}");
         assert!(s.contains("-accel tcg,tb-size="), "{s}");
         assert!(s.contains("-incoming defer -S"));
+        assert!(
+            s.contains("-machine pc,memory-backend=ram0,hpet=off,vmport=off,smbus=off,i8042=off"),
+            "{s}"
+        );
+        let old = MachineDesc {
+            trimmed: false,
+            ..m.clone()
+        };
+        let recorded: MachineDesc = serde_json::from_value({
+            let mut v = serde_json::to_value(&old).unwrap();
+            v.as_object_mut().unwrap().remove("trimmed");
+            v
+        })
+        .unwrap();
+        assert_eq!(
+            recorded, old,
+            "a record made before the trim reads as untrimmed"
+        );
         assert!(s.contains(&format!("mac={GUEST_MAC}")));
         assert!(s.contains("-smp 2"));
         assert!(!s.contains("vhost-user-fs"), "no share, no device");

@@ -38,6 +38,8 @@ pub fn ram_mappings(pid: u32, ram_file: &Path) -> anyhow::Result<Vec<RamMapping>
         .with_context(|| format!("reading /proc/{pid}/maps"))?;
     let want = std::fs::canonicalize(ram_file).unwrap_or_else(|_| ram_file.to_path_buf());
     let want = want.display().to_string();
+    // A restore maps the base's sealed memory file instead (crate::ram_base).
+    let sealed = crate::ram_base::maps_name(ram_file);
     let mut out = Vec::new();
     for line in maps.lines() {
         let mut f = line.split_whitespace();
@@ -47,7 +49,8 @@ pub fn ram_mappings(pid: u32, ram_file: &Path) -> anyhow::Result<Vec<RamMapping>
             continue;
         };
         let path: Vec<&str> = f.collect();
-        if path.join(" ") != want {
+        let path = path.join(" ");
+        if path != want && path != sealed {
             continue;
         }
         let Some((a, b)) = range.split_once('-') else {

@@ -3,11 +3,14 @@
 //! QEMU runs in its own process group (and, when given, inside the slot's network namespace),
 //! so it outlives a node restart; the node finds it again by its pidfile and QMP socket. It runs
 //! under a seccomp filter ([`crate::machine::SECCOMP`]) and in cgroups of its own
-//! ([`crate::cgroup`]), which it enters before exec.
+//! ([`crate::cgroup`]), which it enters before exec, and, given a [`QemuUser`], as that
+//! unprivileged user (the switch happens in the child after the namespace and cgroups are
+//! entered, before exec).
 
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
@@ -15,6 +18,10 @@ use anyhow::{bail, Context};
 use crate::cgroup;
 use crate::machine::{FsShare, MachineDesc, NetDevice, Placement, RamSharing};
 use crate::qmp::Qmp;
+use crate::user::QemuUser;
+
+/// The descriptor number a sealed RAM base is inherited under (`mem-path=/proc/self/fd/N`).
+const RAM_FD: i32 = 100;
 
 /// Where and how to run one QEMU.
 #[derive(Debug, Clone)]
@@ -37,6 +44,12 @@ pub struct LaunchSpec {
     pub die_with_node: bool,
     /// virtio-fs shares (cold boots only; their daemons must already listen).
     pub fs_shares: Vec<FsShare>,
+    /// Run as this user (None: as the node's own user). The caller has handed it the files it
+    /// writes ([`QemuUser::hand`]); the run directory is handed here.
+    pub user: Option<QemuUser>,
+    /// The RAM base as a sealed memory file ([`crate::ram_base`]), mapped instead of opening
+    /// `ram_file` (restores: `RamSharing::Private`).
+    pub ram_fd: Option<Arc<OwnedFd>>,
 }
 
 /// A running QEMU and its QMP connection.
@@ -55,24 +68,72 @@ impl std::fmt::Debug for Vm {
     }
 }
 
+/// QEMU's own files (QMP socket, pidfile): a directory of the run directory that belongs to
+/// the QEMU user, while the run directory itself (the node's records) stays root's.
+pub fn qemu_dir(run_dir: &Path) -> PathBuf {
+    run_dir.join("qemu")
+}
+
 pub fn qmp_path(run_dir: &Path) -> PathBuf {
-    run_dir.join("qmp.sock")
+    qemu_dir(run_dir).join("qmp.sock")
 }
 
 pub fn pid_path(run_dir: &Path) -> PathBuf {
-    run_dir.join("qemu.pid")
+    qemu_dir(run_dir).join("qemu.pid")
+}
+
+/// Where a QEMU started by an older node (before [`qemu_dir`]) kept its pidfile and socket.
+fn legacy_paths(run_dir: &Path) -> (PathBuf, PathBuf) {
+    (run_dir.join("qemu.pid"), run_dir.join("qmp.sock"))
+}
+
+/// The pidfile and QMP socket of the QEMU recorded in `run_dir`, wherever it kept them.
+fn recorded_paths(run_dir: &Path) -> (PathBuf, PathBuf) {
+    let (pid, sock) = (pid_path(run_dir), qmp_path(run_dir));
+    if pid.exists() {
+        (pid, sock)
+    } else {
+        legacy_paths(run_dir)
+    }
+}
+
+/// Removes the QEMU's own files from a run directory (after it ended).
+pub fn clear_files(run_dir: &Path) {
+    let _ = std::fs::remove_dir_all(qemu_dir(run_dir));
+    let (pid, sock) = legacy_paths(run_dir);
+    let _ = std::fs::remove_file(pid);
+    let _ = std::fs::remove_file(sock);
 }
 
 impl Vm {
     pub async fn launch(spec: &LaunchSpec) -> anyhow::Result<Vm> {
         std::fs::create_dir_all(&spec.run_dir)?;
+        let own = qemu_dir(&spec.run_dir);
+        std::fs::create_dir_all(&own)?;
         let qmp_sock = qmp_path(&spec.run_dir);
         let pidfile = pid_path(&spec.run_dir);
         let _ = std::fs::remove_file(&qmp_sock);
         let _ = std::fs::remove_file(&pidfile);
+        if let Some(u) = &spec.user {
+            let handed = (|| {
+                crate::user::traverse_only(&spec.run_dir, u.gid)?;
+                u.hand_dir(&own)?;
+                // Opened by path (append): it must exist and be the QEMU's.
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(&spec.console_log)?;
+                u.hand(&spec.console_log)
+            })();
+            handed.with_context(|| format!("handing {} to QEMU", spec.run_dir.display()))?;
+        }
+        let inherited_ram = spec
+            .ram_fd
+            .as_ref()
+            .map(|_| PathBuf::from(format!("/proc/self/fd/{RAM_FD}")));
         let args = spec.machine.args(&Placement {
             tag: &spec.tag,
-            ram_file: &spec.ram_file,
+            ram_file: inherited_ram.as_deref().unwrap_or(&spec.ram_file),
             ram: spec.ram,
             disk: spec.disk.as_deref(),
             net: spec.net.as_ref(),
@@ -99,6 +160,10 @@ impl Vm {
         let groups = cgroup::create(&spec.tag, &limits)
             .with_context(|| format!("cgroups for QEMU {}", spec.tag))?;
         let procs: Vec<std::ffi::CString> = groups.map(|g| g.procs).unwrap_or_default();
+        let ram_fd = spec.ram_fd.as_ref().map(|f| f.as_raw_fd());
+        let user = spec.user.clone();
+        let supplementary: Vec<libc::gid_t> =
+            user.as_ref().map(|u| u.groups.clone()).unwrap_or_default();
         let mut cmd = tokio::process::Command::new(&spec.machine.qemu_binary);
         // SAFETY: the closure runs in the forked child before exec and only makes
         // async-signal-safe system calls on values captured by copy or prepared before the fork.
@@ -110,10 +175,32 @@ impl Vm {
                         return Err(std::io::Error::last_os_error());
                     }
                 }
+                if let Some(fd) = ram_fd {
+                    if fd == RAM_FD {
+                        if libc::fcntl(fd, libc::F_SETFD, 0) != 0 {
+                            return Err(std::io::Error::last_os_error());
+                        }
+                    } else if libc::dup2(fd, RAM_FD) < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                }
+                if let Some(u) = &user {
+                    // Groups first, then the gid, then the uid: each later step drops the
+                    // right to take the earlier one.
+                    if libc::setgroups(supplementary.len(), supplementary.as_ptr()) != 0
+                        || libc::setgid(u.gid) != 0
+                        || libc::setuid(u.uid) != 0
+                    {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    // What QEMU creates (pidfile, sockets) is its own alone.
+                    libc::umask(0o077);
+                }
                 // QEMU asks for huge pages on its translation cache and heap; a 2 MiB page
                 // zeroed on first touch costs a restored VM CPU time and resident memory it
                 // mostly never uses.
                 libc::prctl(libc::PR_SET_THP_DISABLE, 1, 0, 0, 0);
+                // After the uid switch, which clears it.
                 if die_with_node {
                     libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
                 }
@@ -169,14 +256,14 @@ impl Vm {
 
     /// Re-attaches to a QEMU that a previous node process started.
     pub async fn adopt(run_dir: &Path, tag: &str) -> anyhow::Result<Vm> {
-        let text = std::fs::read_to_string(pid_path(run_dir))
+        let (pidfile, sock) = recorded_paths(run_dir);
+        let text = std::fs::read_to_string(&pidfile)
             .with_context(|| format!("no pidfile in {}", run_dir.display()))?;
         let pid: u32 = text.trim().parse().context("pidfile is not a number")?;
         if !is_alive(pid) {
             bail!("QEMU {pid} is gone");
         }
         let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-        let sock = qmp_path(run_dir);
         if !is_tagged(&cmdline, tag) {
             bail!("process {pid} is not the QEMU of {}", run_dir.display());
         }
@@ -257,7 +344,7 @@ fn is_tagged(cmdline: &[u8], tag: &str) -> bool {
 /// Kills the QEMU recorded in `run_dir` if it is still alive and carries `tag`; returns
 /// whether one was killed.
 pub fn kill_recorded(run_dir: &Path, tag: &str) -> bool {
-    let Ok(text) = std::fs::read_to_string(pid_path(run_dir)) else {
+    let Ok(text) = std::fs::read_to_string(recorded_paths(run_dir).0) else {
         return false;
     };
     let Ok(pid) = text.trim().parse::<u32>() else {

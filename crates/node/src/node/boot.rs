@@ -75,6 +75,7 @@ impl Node {
                 vmon_vm::accel::Accel::Tcg => "norandmaps",
                 vmon_vm::accel::Accel::Kvm => "",
             }),
+            trimmed: true,
         })
     }
 
@@ -100,7 +101,9 @@ impl Node {
         let mut daemons = super::volumes::ShareDaemons::none();
         let r = async {
             std::fs::create_dir_all(run_dir)?;
-            daemons = self.start_share_daemons(run_dir, volumes).await?;
+            daemons = self
+                .start_share_daemons(run_dir, volumes, self.qemu_user(&slot).as_ref())
+                .await?;
             let mut init = init.clone();
             init.volume_mounts = volumes
                 .iter()
@@ -134,9 +137,12 @@ impl Node {
                     vec![raw]
                 }
             };
+            // QEMU writes both: the overlay, and the RAM file it maps shared.
+            self.hand_to(&slot, &overlay_path)?;
             made.push(overlay_path);
             let (ram, ram_path) = self.builds.new_artifact("ram", "mem");
             made.push(ram_path.clone());
+            self.hand_new_to(&slot, &ram_path)?;
             let tag = new_id("");
             let vm = Vm::launch(&LaunchSpec {
                 tag: tag.clone(),
@@ -152,6 +158,8 @@ impl Node {
                 // Template builds run under <data>/run; sandboxes under <data>/sandboxes.
                 die_with_node: run_dir.starts_with(self.cfg.data_dir.join("run")),
                 fs_shares: daemons.shares.clone(),
+                user: self.qemu_user(&slot),
+                ram_fd: None,
             })
             .await?;
             let mut live = Live {

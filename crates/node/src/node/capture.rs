@@ -40,6 +40,8 @@ impl Node {
     async fn switch_disk(&self, l: &mut Live) -> anyhow::Result<(String, Vec<String>)> {
         let vm = l.vm.as_ref().context("sandbox has no VM")?;
         let (next, next_path) = self.builds.new_artifact("disk", "qcow2");
+        // QEMU creates it by name: it must be the QEMU's own.
+        self.hand_new_to(&l.slot, &next_path)?;
         let next_node = format!("d{}", l.state.disk_seq + 1);
         vm.qmp
             .blockdev_snapshot_sync(&l.state.disk_node, &next_path, &next_node)
@@ -95,6 +97,7 @@ impl Node {
             return Ok(rec);
         }
         let (dev, dev_path) = self.builds.new_artifact("dev", "state");
+        self.hand_new_to(&live.slot, &dev_path)?;
         vm.qmp.save_devices_state(&dev_path).await?;
         rec.devstate = Some(dev);
         match &live.state.ram {
@@ -256,9 +259,7 @@ impl Node {
         self.egress.stop(&l.state.id, None).await;
         let _ = self.slots.release(&l.slot).await;
         let _ = std::fs::remove_file(SandboxState::path(&l.dir));
-        for f in ["qmp.sock", "qemu.pid"] {
-            let _ = std::fs::remove_file(l.dir.join(f));
-        }
+        vmon_vm::process::clear_files(&l.dir);
         if park {
             // Parking failed after the switch: the fresh overlay is nobody's.
             let _ = std::fs::remove_file(self.builds.artifact(&l.state.overlay));

@@ -175,7 +175,8 @@ impl Node {
         let id = new_id("m");
         let _guard = self.artifacts_guard.read().await;
         let p = self.prepare(&rec, false).await.map_err(err)?;
-        let nbd_socket = socket_path(&self.cfg.data_dir.join("run"), &format!("{id}.nbd"));
+        // Made by the target's QEMU, in a directory it owns.
+        let nbd_socket = socket_path(&p.run_dir, &format!("{id}.nbd"));
         let _ = std::fs::remove_file(&nbd_socket);
         let exported = async {
             // The slot's egress rules are in place before the guest runs here.
@@ -445,6 +446,11 @@ impl Node {
         );
         let _ = std::fs::remove_file(&listen);
         let listener = tokio::net::UnixListener::bind(&listen).map_err(|e| err(e.into()))?;
+        // The sandbox's QEMU connects to it (a socket needs write permission to connect).
+        if let Err(e) = self.hand_to(&l.slot, &listen) {
+            let _ = std::fs::remove_file(&listen);
+            return Err(err(e));
+        }
         // Every connection QEMU's NBD client makes goes to the target's export.
         let nbd_relay = {
             let target = target.clone();

@@ -6,11 +6,13 @@
 //! (the restore pool's glue), `parking` (stopped QEMUs kept for fast resumes), `capture`
 //! (pause, checkpoint, memory layers), `template` (template builds and deleting builds),
 //! `recovery` (re-adoption after a restart, reaping, the sweep), `volumes` (the virtio-fs
-//! daemons of mounted volumes) and `control` (the
+//! daemons of mounted volumes), `confine` (the unprivileged user each QEMU runs as, the files
+//! handed to it, sealed RAM bases) and `control` (the
 //! [`NodeControl`](vmon_proto::node::NodeControl) impl, thin calls into those).
 
 mod boot;
 mod capture;
+mod confine;
 mod control;
 mod egress;
 mod migrate;
@@ -98,6 +100,8 @@ pub struct Node {
     peers: std::sync::OnceLock<Peers>,
     /// The egress proxy of secret injection, and the listener of each sandbox with rules.
     egress: egress::EgressRoom,
+    /// Sealed copies of the RAM bases restores map.
+    ram_bases: confine::RamBases,
     /// Held for the node's life: no other node on this host may use the same slot block.
     _block_lock: std::fs::File,
     /// Held for the node's life: one node per data dir (another would sweep our artifacts).
@@ -284,7 +288,7 @@ impl Node {
         let recipe = vmon_image::Recipe::for_host(envd)?;
         // Fails here, not in the background, when envd is missing.
         recipe.hash()?;
-        let builds = Builds::open(&cfg.data_dir)?;
+        let builds = Builds::open(&cfg.data_dir)?.sealing_for(cfg.qemu_uid_base);
         if cfg.object_store.is_none() {
             // Set but incomplete: say so rather than run without the store.
             vmon_objstore::ObjectStoreConfig::from_env()?;
@@ -300,6 +304,7 @@ impl Node {
         Slots::prepare_host().await?;
         let (slot_block, block_lock) = claim_slot_block(&cfg)?;
         tracing::info!(slot_block, "network slot block");
+        let qemu_ids = cfg.qemu_uid_base;
         let node = Arc::new_cyclic(|me| Node {
             me: me.clone(),
             pool: Pool::new(cfg.pool_size, cfg.blank_pool_size),
@@ -309,7 +314,7 @@ impl Node {
             recipe,
             image: tokio::sync::OnceCell::new(),
             builds,
-            slots: Arc::new(Slots::new(slot_block)),
+            slots: Arc::new(Slots::new(slot_block, qemu_ids)),
             sandboxes: std::sync::Mutex::new(HashMap::new()),
             artifacts_guard: RwLock::new(()),
             restore_gate: tokio::sync::Semaphore::new(env_or(
@@ -327,9 +332,11 @@ impl Node {
             handed_over: Default::default(),
             peers: Default::default(),
             egress: egress_room,
+            ram_bases: Default::default(),
             _block_lock: block_lock,
             _data_lock: data_lock,
         });
+        node.open_paths_to_qemu()?;
         node.recover().await?;
         node.upload_unstored();
         node.slots.set_spares(node.cfg.spare_slots);
@@ -513,9 +520,7 @@ impl Node {
             }
         }
         let _ = std::fs::remove_file(SandboxState::path(&live.dir));
-        for f in ["qmp.sock", "qemu.pid"] {
-            let _ = std::fs::remove_file(live.dir.join(f));
-        }
+        vmon_vm::process::clear_files(&live.dir);
     }
 
     /// Runs a shell command in a sandbox as `user` (tests, template start commands).

@@ -79,6 +79,7 @@ impl Node {
         let run_dir = self.cfg.data_dir.join("pool").join(&tag);
         let r = async {
             std::fs::create_dir_all(&run_dir)?;
+            let ram_fd = self.ram_base(mem_base).await?;
             let vm = Vm::launch(&LaunchSpec {
                 tag: tag.clone(),
                 machine: machine.clone(),
@@ -92,6 +93,8 @@ impl Node {
                 incoming: true,
                 die_with_node: false,
                 fs_shares: Vec::new(),
+                user: self.qemu_user(&slot),
+                ram_fd,
             })
             .await?;
             if let Err(e) = vm.qmp.prepare_incoming().await {
@@ -144,6 +147,7 @@ impl Node {
                     create_overlay(rootfs, BackingFormat::Raw, &overlay_path).await?
                 }
             }
+            self.hand_to(&p.slot, &overlay_path)?;
             for (cmd, args) in vmon_vm::machine::disk_attach(&overlay_path) {
                 p.vm.qmp
                     .execute_raw(cmd, args, Duration::from_secs(30))

@@ -139,6 +139,7 @@ impl Node {
             let vm = live.vm.as_ref().context("no VM")?;
             vm.qmp.stop().await?;
             let (dev, dev_path) = self.builds.new_artifact("dev", "state");
+            self.hand_new_to(&live.slot, &dev_path)?;
             vm.qmp.save_devices_state(&dev_path).await?;
             let RamSource::Shared { file } = live.state.ram.clone() else {
                 bail!("template VM must own its RAM");
@@ -271,6 +272,7 @@ impl Node {
                 if let Ok(mut bm) = self.blank_machines.lock() {
                     bm.remove(m);
                 }
+                self.drop_ram_base(m);
             }
         }
         self.sweep().await.map_err(err)?;

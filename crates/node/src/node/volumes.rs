@@ -109,6 +109,7 @@ impl Node {
         &self,
         run_dir: &Path,
         shares: &[VolumeShare],
+        user: Option<&vmon_vm::QemuUser>,
     ) -> anyhow::Result<ShareDaemons> {
         let mut daemons = ShareDaemons::none();
         for (i, s) in shares.iter().enumerate() {
@@ -116,7 +117,11 @@ impl Node {
             // takes one connection (its QEMU's, at launch); the path is removed after it.
             let sockets = Path::new(SOCKET_DIR);
             std::fs::create_dir_all(sockets)?;
-            std::fs::set_permissions(sockets, std::fs::Permissions::from_mode(0o700))?;
+            match user {
+                // QEMUs pass through to their own socket only.
+                Some(u) => vmon_vm::user::traverse_only(sockets, u.gid)?,
+                None => std::fs::set_permissions(sockets, std::fs::Permissions::from_mode(0o700))?,
+            }
             let socket = sockets.join(format!("{}-{i}.sock", crate::builds::new_id("")));
             let _ = std::fs::remove_file(&socket);
             let source: PathBuf = self.cfg.volumes_dir.join(&s.volume_id);
@@ -175,6 +180,12 @@ impl Node {
                 tokio::time::sleep(Duration::from_millis(20)).await;
             };
             daemons.children.push(child);
+            let listening = match (listening, user) {
+                (Ok(()), Some(u)) => u
+                    .hand(&socket)
+                    .with_context(|| format!("handing {} to QEMU", socket.display())),
+                (r, _) => r,
+            };
             if let Err(e) = listening {
                 daemons.kill().await;
                 return Err(e);
