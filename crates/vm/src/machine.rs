@@ -63,7 +63,8 @@ pub struct FsShare {
 /// The first PCI slot of virtio-fs devices (`FS_ADDR + i` for share `i`).
 const FS_ADDR: u32 = 0x5;
 
-/// A network device backed by a tap inside the VM's namespace.
+/// A network device backed by a tap inside the VM's namespace (opened by name before exec and
+/// handed to QEMU as a descriptor).
 #[derive(Debug, Clone)]
 pub struct NetDevice {
     pub tap: String,
@@ -186,12 +187,10 @@ impl MachineDesc {
                 self.cmdline.clone(),
             ]);
         }
-        if let Some(n) = p.net {
+        if p.net.is_some() {
+            // The tap is opened for QEMU before exec ([`crate::process`]): by descriptor.
             a.push("-netdev".into());
-            a.push(format!(
-                "tap,id=n0,ifname={},script=no,downscript=no",
-                n.tap
-            ));
+            a.push(format!("tap,id=n0,fd={}", crate::process::TAP_FD));
             a.push("-device".into());
             a.push(format!(
                 "virtio-net-pci,netdev=n0,id=net0,mac={GUEST_MAC},romfile=,addr={NET_ADDR}"

@@ -38,19 +38,33 @@ pub fn ram_mappings(pid: u32, ram_file: &Path) -> anyhow::Result<Vec<RamMapping>
         .with_context(|| format!("reading /proc/{pid}/maps"))?;
     let want = std::fs::canonicalize(ram_file).unwrap_or_else(|_| ram_file.to_path_buf());
     let want = want.display().to_string();
-    // A restore maps the base's sealed memory file instead (crate::ram_base).
+    // A restore maps the base's sealed memory file instead (crate::ram_base); a QEMU with a
+    // private view of the artifacts (crate::process) may name the file by another path, so
+    // the inode decides too.
     let sealed = crate::ram_base::maps_name(ram_file);
+    let inode = {
+        use std::os::unix::fs::MetadataExt;
+        std::fs::metadata(ram_file).map(|m| m.ino()).ok()
+    };
+    let name = ram_file
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
     let mut out = Vec::new();
     for line in maps.lines() {
         let mut f = line.split_whitespace();
-        let (Some(range), Some(_perm), Some(off), Some(_dev), Some(_ino)) =
+        let (Some(range), Some(_perm), Some(off), Some(_dev), Some(ino)) =
             (f.next(), f.next(), f.next(), f.next(), f.next())
         else {
             continue;
         };
         let path: Vec<&str> = f.collect();
         let path = path.join(" ");
-        if path != want && path != sealed {
+        let same_inode = inode.is_some()
+            && ino.parse::<u64>().ok() == inode
+            && !name.is_empty()
+            && path.ends_with(&format!("/{name}"));
+        if path != want && path != sealed && !same_inode {
             continue;
         }
         let Some((a, b)) = range.split_once('-') else {

@@ -22,6 +22,22 @@ use crate::user::QemuUser;
 
 /// The descriptor number a sealed RAM base is inherited under (`mem-path=/proc/self/fd/N`).
 const RAM_FD: i32 = 100;
+/// The descriptor number the guest's tap is inherited under (`-netdev tap,fd=N`).
+pub const TAP_FD: i32 = 101;
+
+/// `struct ifreq` as TUNSETIFF reads it: a name and the flags, padded to the union's size.
+#[repr(C)]
+struct TunRequest {
+    name: [libc::c_char; libc::IFNAMSIZ],
+    flags: libc::c_short,
+    _pad: [u8; 22],
+}
+
+/// `_IOW('T', 202, int)`.
+const TUNSETIFF: libc::c_ulong = 0x4004_54ca;
+/// A tap, without packet information, with virtio-net headers: what QEMU asks for when it
+/// opens a tap by name, so a device state saved either way loads the other way.
+const TAP_FLAGS: libc::c_short = 0x0002 | 0x1000 | 0x4000;
 
 /// Where and how to run one QEMU.
 #[derive(Debug, Clone)]
@@ -50,6 +66,15 @@ pub struct LaunchSpec {
     /// The RAM base as a sealed memory file ([`crate::ram_base`]), mapped instead of opening
     /// `ram_file` (restores: `RamSharing::Private`).
     pub ram_fd: Option<Arc<OwnedFd>>,
+    /// A private view of a directory: `(view, over)` bind-mounts `view` over `over` in a mount
+    /// namespace of the QEMU's own, so that of the node's artifacts it sees only those linked
+    /// into `view` (the caller links them, before launch or before naming them to QEMU).
+    pub view: Option<(PathBuf, PathBuf)>,
+}
+
+fn c_path(p: &Path) -> anyhow::Result<std::ffi::CString> {
+    std::ffi::CString::new(p.as_os_str().as_encoded_bytes())
+        .with_context(|| format!("{} has a NUL byte", p.display()))
 }
 
 /// A running QEMU and its QMP connection.
@@ -97,9 +122,16 @@ fn recorded_paths(run_dir: &Path) -> (PathBuf, PathBuf) {
     }
 }
 
-/// Removes the QEMU's own files from a run directory (after it ended).
+/// Where a QEMU's private view of the artifacts is made ([`LaunchSpec::view`]): links, owned
+/// by the node, beside the QEMU's own directory.
+pub fn view_dir(run_dir: &Path) -> PathBuf {
+    run_dir.join("view")
+}
+
+/// Removes the QEMU's own files and its view from a run directory (after it ended).
 pub fn clear_files(run_dir: &Path) {
     let _ = std::fs::remove_dir_all(qemu_dir(run_dir));
+    let _ = std::fs::remove_dir_all(view_dir(run_dir));
     let (pid, sock) = legacy_paths(run_dir);
     let _ = std::fs::remove_file(pid);
     let _ = std::fs::remove_file(sock);
@@ -161,6 +193,29 @@ impl Vm {
             .with_context(|| format!("cgroups for QEMU {}", spec.tag))?;
         let procs: Vec<std::ffi::CString> = groups.map(|g| g.procs).unwrap_or_default();
         let ram_fd = spec.ram_fd.as_ref().map(|f| f.as_raw_fd());
+        // The tap is opened in the child, as root, inside the slot's namespace: /dev/net/tun
+        // need not be open to QEMU's user.
+        let tap = match &spec.net {
+            Some(n) => {
+                let mut req = TunRequest {
+                    name: [0; libc::IFNAMSIZ],
+                    flags: TAP_FLAGS,
+                    _pad: [0; 22],
+                };
+                if n.tap.len() >= libc::IFNAMSIZ {
+                    bail!("tap name {:?} is too long", n.tap);
+                }
+                for (d, b) in req.name.iter_mut().zip(n.tap.bytes()) {
+                    *d = b as libc::c_char;
+                }
+                Some(req)
+            }
+            None => None,
+        };
+        let view = match &spec.view {
+            Some((view, over)) => Some((c_path(view)?, c_path(over)?)),
+            None => None,
+        };
         let user = spec.user.clone();
         let supplementary: Vec<libc::gid_t> =
             user.as_ref().map(|u| u.groups.clone()).unwrap_or_default();
@@ -175,6 +230,27 @@ impl Vm {
                         return Err(std::io::Error::last_os_error());
                     }
                 }
+                if let Some((view, over)) = &view {
+                    // Its own mount namespace, where `over` shows only `view`'s entries.
+                    if libc::unshare(libc::CLONE_NEWNS) != 0
+                        || libc::mount(
+                            std::ptr::null(),
+                            c"/".as_ptr(),
+                            std::ptr::null(),
+                            libc::MS_REC | libc::MS_PRIVATE,
+                            std::ptr::null(),
+                        ) != 0
+                        || libc::mount(
+                            view.as_ptr(),
+                            over.as_ptr(),
+                            std::ptr::null(),
+                            libc::MS_BIND,
+                            std::ptr::null(),
+                        ) != 0
+                    {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                }
                 if let Some(fd) = ram_fd {
                     if fd == RAM_FD {
                         if libc::fcntl(fd, libc::F_SETFD, 0) != 0 {
@@ -182,6 +258,22 @@ impl Vm {
                         }
                     } else if libc::dup2(fd, RAM_FD) < 0 {
                         return Err(std::io::Error::last_os_error());
+                    }
+                }
+                // After the RAM base: its descriptor may have had the tap's number.
+                if let Some(req) = &tap {
+                    let fd = libc::open(c"/dev/net/tun".as_ptr(), libc::O_RDWR);
+                    if fd < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    if libc::ioctl(fd, TUNSETIFF as _, req as *const TunRequest) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    if fd != TAP_FD {
+                        if libc::dup2(fd, TAP_FD) < 0 {
+                            return Err(std::io::Error::last_os_error());
+                        }
+                        libc::close(fd);
                     }
                 }
                 if let Some(u) = &user {

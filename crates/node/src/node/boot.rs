@@ -143,6 +143,14 @@ impl Node {
             let (ram, ram_path) = self.builds.new_artifact("ram", "mem");
             made.push(ram_path.clone());
             self.hand_new_to(&slot, &ram_path)?;
+            let view = self.view_for(run_dir)?;
+            self.show(
+                run_dir,
+                chain
+                    .iter()
+                    .map(String::as_str)
+                    .chain([overlay.as_str(), ram.as_str()]),
+            )?;
             let tag = new_id("");
             let vm = Vm::launch(&LaunchSpec {
                 tag: tag.clone(),
@@ -160,6 +168,7 @@ impl Node {
                 fs_shares: daemons.shares.clone(),
                 user: self.qemu_user(&slot),
                 ram_fd: None,
+                view,
             })
             .await?;
             let mut live = Live {

@@ -42,6 +42,7 @@ impl Node {
         let (next, next_path) = self.builds.new_artifact("disk", "qcow2");
         // QEMU creates it by name: it must be the QEMU's own.
         self.hand_new_to(&l.slot, &next_path)?;
+        self.show(&l.dir, [next.as_str()])?;
         let next_node = format!("d{}", l.state.disk_seq + 1);
         vm.qmp
             .blockdev_snapshot_sync(&l.state.disk_node, &next_path, &next_node)
@@ -98,6 +99,7 @@ impl Node {
         }
         let (dev, dev_path) = self.builds.new_artifact("dev", "state");
         self.hand_new_to(&live.slot, &dev_path)?;
+        self.show(&live.dir, [dev.as_str()])?;
         vm.qmp.save_devices_state(&dev_path).await?;
         rec.devstate = Some(dev);
         match &live.state.ram {

@@ -8,7 +8,9 @@
 //!   files a capture asks it to write;
 //! - everything a build record names is sealed at [`crate::builds::Builds::put`] (root's,
 //!   group-readable for backing chains, writable by no QEMU);
-//! - RAM bases are mapped from sealed memory files, never opened by path.
+//! - RAM bases are mapped from sealed memory files, never opened by path;
+//! - each QEMU has a mount namespace of its own where the artifacts directory shows only the
+//!   files linked into its view ([`Node::show`]): its chain, its overlay, its captures' files.
 
 use std::collections::VecDeque;
 use std::os::fd::OwnedFd;
@@ -48,6 +50,45 @@ impl Node {
             gid: base,
             groups,
         })
+    }
+
+    /// The private view of the artifacts for the QEMU of `run_dir` (made empty if missing;
+    /// None when QEMUs run as root and see everything).
+    pub(super) fn view_for(
+        &self,
+        run_dir: &Path,
+    ) -> anyhow::Result<Option<(std::path::PathBuf, std::path::PathBuf)>> {
+        let Some(gid) = self.qemu_gid() else {
+            return Ok(None);
+        };
+        let view = vmon_vm::process::view_dir(run_dir);
+        std::fs::create_dir_all(&view)?;
+        vmon_vm::user::traverse_only(&view, gid)?;
+        Ok(Some((view, self.builds.artifacts.clone())))
+    }
+
+    /// Shows artifacts `names` to the QEMU of `run_dir`: hard links in its view, so that the
+    /// paths QEMU is given (and its backing chain names) resolve in its mount namespace.
+    pub(super) fn show<'a>(
+        &self,
+        run_dir: &Path,
+        names: impl IntoIterator<Item = &'a str>,
+    ) -> anyhow::Result<()> {
+        if self.qemu_gid().is_none() {
+            return Ok(());
+        }
+        let view = vmon_vm::process::view_dir(run_dir);
+        for name in names {
+            let to = view.join(name);
+            match std::fs::hard_link(self.builds.artifact(name), &to) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+                Err(e) => {
+                    return Err(e).with_context(|| format!("showing {name} to its QEMU"));
+                }
+            }
+        }
+        Ok(())
     }
 
     /// The group every QEMU is in.
@@ -103,6 +144,20 @@ impl Node {
                 );
             }
             up = dir.parent();
+        }
+        if self.accel.accel == vmon_vm::Accel::Kvm {
+            use std::os::unix::fs::{MetadataExt, PermissionsExt};
+            let kvm = vmon_vm::user::group_id("kvm");
+            let ok = std::fs::metadata("/dev/kvm").is_ok_and(|m| {
+                let mode = m.permissions().mode();
+                mode & 0o006 == 0o006 || (Some(m.gid()) == kvm && mode & 0o060 == 0o060)
+            });
+            if !ok {
+                anyhow::bail!(
+                    "QEMUs run unprivileged and cannot open /dev/kvm: give it to group kvm with \
+                     mode 0660 (the udev default), or set VMON_QEMU_UID_BASE=0 to run QEMU as root"
+                );
+            }
         }
         for dir in [
             d.join("artifacts"),

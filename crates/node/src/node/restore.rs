@@ -80,6 +80,8 @@ impl Node {
         let r = async {
             std::fs::create_dir_all(&run_dir)?;
             let ram_fd = self.ram_base(mem_base).await?;
+            // Empty until a build is given to it (fill_blank).
+            let view = self.view_for(&run_dir)?;
             let vm = Vm::launch(&LaunchSpec {
                 tag: tag.clone(),
                 machine: machine.clone(),
@@ -95,6 +97,7 @@ impl Node {
                 fs_shares: Vec::new(),
                 user: self.qemu_user(&slot),
                 ram_fd,
+                view,
             })
             .await?;
             if let Err(e) = vm.qmp.prepare_incoming().await {
@@ -148,6 +151,14 @@ impl Node {
                 }
             }
             self.hand_to(&p.slot, &overlay_path)?;
+            self.show(
+                &p.run_dir,
+                rec.disk
+                    .iter()
+                    .chain(rec.disk_chain.iter())
+                    .map(String::as_str)
+                    .chain([overlay.as_str()]),
+            )?;
             for (cmd, args) in vmon_vm::machine::disk_attach(&overlay_path) {
                 p.vm.qmp
                     .execute_raw(cmd, args, Duration::from_secs(30))

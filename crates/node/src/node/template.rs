@@ -140,6 +140,7 @@ impl Node {
             vm.qmp.stop().await?;
             let (dev, dev_path) = self.builds.new_artifact("dev", "state");
             self.hand_new_to(&live.slot, &dev_path)?;
+            self.show(&live.dir, [dev.as_str()])?;
             vm.qmp.save_devices_state(&dev_path).await?;
             let RamSource::Shared { file } = live.state.ram.clone() else {
                 bail!("template VM must own its RAM");

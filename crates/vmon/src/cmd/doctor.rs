@@ -224,5 +224,13 @@ fn host_checks(data_dir: &Path) -> bool {
             );
         }
     }
+    let qemu_user = match vmon_node::NodeConfig::new(std::path::PathBuf::new()).qemu_uid_base {
+        Some(base) => format!(
+            "unprivileged: one uid per slot from {} up, group {base} (VMON_QEMU_UID_BASE)",
+            base + 1
+        ),
+        None => "root (VMON_QEMU_UID_BASE=0: for debugging only)".to_string(),
+    };
+    line(true, "QEMU user", &qemu_user);
     all
 }
