@@ -324,6 +324,25 @@ fn a_restored_qemu_is_unprivileged_and_its_base_is_sealed() {
         let ov = node.overlay_file(&id).await.expect("overlay");
         let ov = std::fs::metadata(ov).expect("overlay file");
         assert_eq!((ov.uid(), ov.mode() & 0o777), (uid, 0o600));
+        // In its own mount namespace the artifacts directory holds its chain and overlay only.
+        let artifacts = node.data_dir().join("artifacts");
+        let decoy = artifacts.join(format!("decoy-{id}.qcow2"));
+        std::fs::write(&decoy, b"another team's disk").expect("decoy");
+        let seen: std::collections::BTreeSet<String> =
+            std::fs::read_dir(format!("/proc/{pid}/root{}", artifacts.display()))
+                .expect("the QEMU's view")
+                .flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect();
+        let name = |p: &std::path::Path| p.file_name().unwrap().to_string_lossy().into_owned();
+        let mut allowed: std::collections::BTreeSet<String> =
+            node.build_files(&tpl).iter().map(|p| name(p)).collect();
+        let overlay = name(&node.overlay_file(&id).await.expect("overlay"));
+        allowed.insert(overlay.clone());
+        assert!(seen.contains(&overlay), "its overlay is not in its view: {seen:?}");
+        assert!(!seen.contains(&name(&decoy)), "it sees other artifacts: {seen:?}");
+        assert!(seen.is_subset(&allowed), "{seen:?} is more than {allowed:?}");
+        std::fs::remove_file(&decoy).expect("decoy");
         // The guest works: a write lands on the disk and survives a pause and resume.
         sh(&node, &id, "echo confined > /home/user/c.txt && sync").await;
         let b = node.pause(&id, &r.execution_id, true).await.expect("pause");
