@@ -33,5 +33,8 @@ cargo test --workspace --no-fail-fast -- --test-threads 2
 if [ -d tests/e2e ] && ls tests/e2e/test_*.py >/dev/null 2>&1; then
   .venv/bin/python -m pytest -q tests/e2e
 fi
+# The soak (issue 21), bounded: pause/resume cycles rotating kept-QEMU, from-files and
+# after-restart resumes, each checking a process's pid, its memory's hash and a file's hash.
+VMON_BENCH_PROFILE=debug VMON_SOAK_CYCLES="${VMON_SOAK_CYCLES:-50}" .venv/bin/python tests/bench/soak.py
 # A local cluster (scripts/cluster.sh): 3 etcd members, PostgreSQL, 2 nodes, 2 api replicas.
 .venv/bin/python -m pytest -q tests/cluster

@@ -339,9 +339,18 @@ fn a_restored_qemu_is_unprivileged_and_its_base_is_sealed() {
             node.build_files(&tpl).iter().map(|p| name(p)).collect();
         let overlay = name(&node.overlay_file(&id).await.expect("overlay"));
         allowed.insert(overlay.clone());
-        assert!(seen.contains(&overlay), "its overlay is not in its view: {seen:?}");
-        assert!(!seen.contains(&name(&decoy)), "it sees other artifacts: {seen:?}");
-        assert!(seen.is_subset(&allowed), "{seen:?} is more than {allowed:?}");
+        assert!(
+            seen.contains(&overlay),
+            "its overlay is not in its view: {seen:?}"
+        );
+        assert!(
+            !seen.contains(&name(&decoy)),
+            "it sees other artifacts: {seen:?}"
+        );
+        assert!(
+            seen.is_subset(&allowed),
+            "{seen:?} is more than {allowed:?}"
+        );
         std::fs::remove_file(&decoy).expect("decoy");
         // The guest works: a write lands on the disk and survives a pause and resume.
         sh(&node, &id, "echo confined > /home/user/c.txt && sync").await;

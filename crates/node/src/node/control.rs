@@ -60,7 +60,22 @@ impl NodeControl for Node {
     async fn kill(&self, sandbox_id: &str, execution_id: &str) -> Result<(), NodeError> {
         let mut l = self.live_execution(sandbox_id, execution_id).await?;
         self.remove(sandbox_id);
-        self.destroy(&mut l, false).await;
+        // The answer waits for the guest to end, not for its cleanup: the QEMU is killed (its
+        // overlay goes anyway, nothing to flush) and the slot, egress listener and files are
+        // freed after the reply. A node that dies meanwhile finishes that at its next start
+        // (recovery reaps the dead QEMU's run directory and slot; the sweep the files).
+        if let Some(mut vm) = l.vm.take() {
+            vm.kill().await;
+        }
+        match self.me.upgrade() {
+            Some(node) => {
+                tokio::spawn(async move {
+                    let mut l = l;
+                    node.destroy(&mut l, false).await;
+                });
+            }
+            None => self.destroy(&mut l, false).await,
+        }
         Ok(())
     }
 

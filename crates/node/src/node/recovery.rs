@@ -115,6 +115,8 @@ impl Node {
                     let _ = std::fs::remove_file(self.builds.artifact(&state.overlay));
                 }
                 let _ = std::fs::remove_file(SandboxState::path(dir));
+                // Its view's links would keep the files' space.
+                vmon_vm::process::clear_files(dir);
                 Ok(None)
             }
         }
