@@ -175,8 +175,11 @@ impl Node {
         let id = new_id("m");
         let _guard = self.artifacts_guard.read().await;
         let p = self.prepare(&rec, false).await.map_err(err)?;
-        // Made by the target's QEMU, in a directory it owns.
-        let nbd_socket = socket_path(&p.run_dir, &format!("{id}.nbd"));
+        // Made by the target's QEMU, in the directory of its own.
+        let nbd_socket = socket_path(
+            &vmon_vm::process::qemu_dir(&p.run_dir),
+            &format!("{id}.nbd"),
+        );
         let _ = std::fs::remove_file(&nbd_socket);
         let exported = async {
             // The slot's egress rules are in place before the guest runs here.
