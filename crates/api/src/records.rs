@@ -9,6 +9,7 @@
 //! [`StoreRecords`] implements it on `vmon-store` (SQLite in the data dir, or PostgreSQL).
 
 mod builds;
+mod rows;
 mod store;
 
 use std::collections::BTreeMap;
