@@ -2,7 +2,7 @@
 through the official SDK: a command stream to a killed sandbox ends, an overwrite clears stale
 metadata, a watcher sees create, chmod and write for a new file, `started_after` is inclusive,
 and the base image has `python`; the proxy's not-found answer and a write's missing directories
-are as on E2B."""
+are as on E2B, and a signed upload takes a `file` part without a filename."""
 
 from __future__ import annotations
 
@@ -104,3 +104,20 @@ def test_a_write_creates_missing_directories_for_the_user(new_sandbox):
     assert sbx.files.read("/compat-new/sub/f.txt") == "made"
     owners = sbx.commands.run("stat -c %U /compat-new /compat-new/sub /compat-new/sub/f.txt").stdout.split()
     assert owners == ["user", "user", "user"], owners
+
+
+def test_a_signed_upload_takes_a_file_part_without_a_filename(new_sandbox):
+    """E2B's JS suite (`files/signing.test.ts`) uploads `FormData.append('file', 'text')`: a
+    part named `file` with no filename, its destination in the `path` parameter."""
+    sbx = new_sandbox(secure=True)
+    url = sbx.upload_url("nameless.txt", use_signature_expiration=60)
+    boundary = "compat-boundary"
+    body = (
+        f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"\r\n\r\n"
+        f"file content\r\n--{boundary}--\r\n"
+    ).encode()
+    r = httpx.post(url, content=body, headers={"Content-Type": f"multipart/form-data; boundary={boundary}"},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    assert [(e["name"], e["path"]) for e in r.json()] == [("nameless.txt", "/home/user/nameless.txt")], r.text
+    assert sbx.files.read("/home/user/nameless.txt") == "file content"

@@ -347,7 +347,11 @@ async fn upload_multipart(
             .map(|(k, v)| (k.as_str().len() + v.len() + 3) as u64)
             .sum();
         meter.part(framing + header_bytes + 2);
-        let Some(file_name) = field.file_name().map(str::to_string) else {
+        // A part is a file when it names one, or, as E2B's envd takes it, when its form name is
+        // `file` (a browser's `FormData.append('file', 'text')` sends no filename; the path
+        // parameter names the destination then).
+        let file_name = field.file_name().map(str::to_string);
+        if file_name.is_none() && field.name() != Some("file") {
             // Drained here, so that its bytes count as handed out.
             loop {
                 match field.chunk().await {
@@ -362,7 +366,7 @@ async fn upload_multipart(
                 }
             }
             continue;
-        };
+        }
         let target = match &query_path {
             Some(p) if written.is_empty() => p.clone(),
             Some(_) => {
@@ -371,7 +375,7 @@ async fn upload_multipart(
                     "the path parameter allows only one file",
                 ))
             }
-            None => file_name,
+            None => file_name.unwrap_or_default(),
         };
         if target.is_empty() {
             return Err(error(
