@@ -1,13 +1,16 @@
 """Behaviour E2B's own SDK tests expect (docs/compatibility.md), checked with tests of our own
 through the official SDK: a command stream to a killed sandbox ends, an overwrite clears stale
 metadata, a watcher sees create, chmod and write for a new file, `started_after` is inclusive,
-and the base image has `python`."""
+and the base image has `python`; the proxy's not-found answer and a write's missing directories
+are as on E2B, and a signed upload takes a `file` part without a filename."""
 
 from __future__ import annotations
 
 import threading
 import time
 from datetime import timedelta
+
+import httpx
 
 from e2b import FilesystemEventType, Sandbox, SandboxQuery
 
@@ -78,3 +81,43 @@ def test_the_base_image_has_python(new_sandbox):
     for cmd in ["python --version", "python3 --version"]:
         r = sbx.commands.run(cmd)
         assert (r.stdout + r.stderr).startswith("Python 3"), (cmd, r)
+
+
+def test_the_proxy_answers_for_a_killed_sandbox_as_e2b_does(vmon, new_sandbox):
+    """E2B's JS suite (`sandbox/host.test.ts`) compares the whole message: `The sandbox was not
+    found`, with the id in `sandboxId` and the status in `code`."""
+    sbx = new_sandbox()
+    hdr = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "3000"}
+    sbx.kill()
+    r = httpx.get(f"{vmon.sandbox_url}/", headers=hdr, timeout=30)
+    assert r.status_code == 502, r.text
+    body = r.json()
+    assert body["message"] == "The sandbox was not found", body
+    assert body["sandboxId"] == sbx.sandbox_id and body["code"] == 502, body
+
+
+def test_a_write_creates_missing_directories_for_the_user(new_sandbox):
+    """E2B's JS suite (`files/write.test.ts`) writes `/0/...` as the default user: the missing
+    directories are made and given to that user, as E2B's envd does."""
+    sbx = new_sandbox()
+    sbx.files.write("/compat-new/sub/f.txt", "made")
+    assert sbx.files.read("/compat-new/sub/f.txt") == "made"
+    owners = sbx.commands.run("stat -c %U /compat-new /compat-new/sub /compat-new/sub/f.txt").stdout.split()
+    assert owners == ["user", "user", "user"], owners
+
+
+def test_a_signed_upload_takes_a_file_part_without_a_filename(new_sandbox):
+    """E2B's JS suite (`files/signing.test.ts`) uploads `FormData.append('file', 'text')`: a
+    part named `file` with no filename, its destination in the `path` parameter."""
+    sbx = new_sandbox(secure=True)
+    url = sbx.upload_url("nameless.txt", use_signature_expiration=60)
+    boundary = "compat-boundary"
+    body = (
+        f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"\r\n\r\n"
+        f"file content\r\n--{boundary}--\r\n"
+    ).encode()
+    r = httpx.post(url, content=body, headers={"Content-Type": f"multipart/form-data; boundary={boundary}"},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    assert [(e["name"], e["path"]) for e in r.json()] == [("nameless.txt", "/home/user/nameless.txt")], r.text
+    assert sbx.files.read("/home/user/nameless.txt") == "file content"

@@ -347,7 +347,11 @@ async fn upload_multipart(
             .map(|(k, v)| (k.as_str().len() + v.len() + 3) as u64)
             .sum();
         meter.part(framing + header_bytes + 2);
-        let Some(file_name) = field.file_name().map(str::to_string) else {
+        // A part is a file when it names one, or, as E2B's envd takes it, when its form name is
+        // `file` (a browser's `FormData.append('file', 'text')` sends no filename; the path
+        // parameter names the destination then).
+        let file_name = field.file_name().map(str::to_string);
+        if file_name.is_none() && field.name() != Some("file") {
             // Drained here, so that its bytes count as handed out.
             loop {
                 match field.chunk().await {
@@ -362,7 +366,7 @@ async fn upload_multipart(
                 }
             }
             continue;
-        };
+        }
         let target = match &query_path {
             Some(p) if written.is_empty() => p.clone(),
             Some(_) => {
@@ -371,7 +375,7 @@ async fn upload_multipart(
                     "the path parameter allows only one file",
                 ))
             }
-            None => file_name,
+            None => file_name.unwrap_or_default(),
         };
         if target.is_empty() {
             return Err(error(
@@ -479,6 +483,17 @@ async fn write_one(
 ) -> Result<WriteInfo, Response<Body>> {
     let (d, md) = (dest.clone(), metadata.clone());
     let (uid, gid) = (user.uid, user.gid);
+    if let Some(parent) = dest.parent().map(Path::to_path_buf) {
+        tokio::task::spawn_blocking(move || ensure_dirs(&parent, uid, gid))
+            .await
+            .map_err(|e| {
+                error(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    format!("file worker failed: {e}"),
+                )
+            })?
+            .map_err(from_connect)?;
+    }
     let file = user::run_as(user, move || open_for_write(&d, &md, uid, gid))
         .await
         .map_err(from_connect)?;
@@ -502,6 +517,50 @@ async fn write_one(
         path: dest.display().to_string(),
         metadata: metadata.clone(),
     })
+}
+
+/// Creates the missing directories of `dir` with envd's own identity and gives each to the
+/// user, as E2B's envd does for an upload: a write to `/new/dir/file` works for the default
+/// user (who may `sudo` anyway), and the file itself is still opened as the user.
+fn ensure_dirs(dir: &Path, uid: u32, gid: u32) -> Result<(), ConnectError> {
+    let mut missing = Vec::new();
+    let mut at = Some(dir);
+    while let Some(d) = at {
+        match std::fs::metadata(d) {
+            Ok(m) if m.is_dir() => break,
+            Ok(_) => {
+                return Err(ConnectError::invalid(format!(
+                    "path {} is a file",
+                    d.display()
+                )))
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => missing.push(d),
+            Err(e) => {
+                return Err(ConnectError::from_io(
+                    &e,
+                    format!("creating directory {}", d.display()),
+                ))
+            }
+        }
+        at = d.parent();
+    }
+    for d in missing.into_iter().rev() {
+        match std::fs::create_dir(d) {
+            Ok(()) => {}
+            // Made meanwhile by another upload: it gives it to its user.
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
+            Err(e) => {
+                return Err(ConnectError::from_io(
+                    &e,
+                    format!("creating directory {}", d.display()),
+                ))
+            }
+        }
+        std::os::unix::fs::chown(d, Some(uid), Some(gid)).map_err(|e| {
+            ConnectError::from_io(&e, format!("giving directory {} to its user", d.display()))
+        })?;
+    }
+    Ok(())
 }
 
 fn open_for_write(

@@ -598,7 +598,7 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 fn not_found(target: &Target) -> Response<ProxyBody> {
     error(
         StatusCode::BAD_GATEWAY,
-        &format!("The sandbox {} was not found", target.sandbox_id),
+        "The sandbox was not found",
         Some(target),
     )
 }
