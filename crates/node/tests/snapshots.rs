@@ -334,7 +334,12 @@ fn a_restored_qemu_is_unprivileged_and_its_base_is_sealed() {
                 .flatten()
                 .map(|e| e.file_name().to_string_lossy().into_owned())
                 .collect();
-        let name = |p: &std::path::Path| p.file_name().unwrap().to_string_lossy().into_owned();
+        let name = |p: &std::path::Path| {
+            p.file_name()
+                .expect("a file name")
+                .to_string_lossy()
+                .into_owned()
+        };
         let mut allowed: std::collections::BTreeSet<String> =
             node.build_files(&tpl).iter().map(|p| name(p)).collect();
         let overlay = name(&node.overlay_file(&id).await.expect("overlay"));

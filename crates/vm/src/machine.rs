@@ -321,11 +321,11 @@ mod tests {
             ..m.clone()
         };
         let recorded: MachineDesc = serde_json::from_value({
-            let mut v = serde_json::to_value(&old).unwrap();
-            v.as_object_mut().unwrap().remove("trimmed");
+            let mut v = serde_json::to_value(&old).expect("test value");
+            v.as_object_mut().expect("test value").remove("trimmed");
             v
         })
-        .unwrap();
+        .expect("test value");
         assert_eq!(
             recorded, old,
             "a record made before the trim reads as untrimmed"

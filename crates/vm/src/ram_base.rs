@@ -95,24 +95,27 @@ mod tests {
     #[test]
     fn a_sealed_copy_has_the_bytes_and_refuses_writes() {
         let dir = std::env::temp_dir().join(format!("vmon-rambase-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::create_dir_all(&dir).expect("test setup");
         let p = dir.join("ram-x.mem");
-        let f = File::create(&p).unwrap();
-        f.set_len(8 << 20).unwrap();
-        f.write_all_at(b"hello", 4096).unwrap();
-        f.write_all_at(b"world", (6 << 20) + 7).unwrap();
+        let f = File::create(&p).expect("test setup");
+        f.set_len(8 << 20).expect("test setup");
+        f.write_all_at(b"hello", 4096).expect("test setup");
+        f.write_all_at(b"world", (6 << 20) + 7).expect("test setup");
         drop(f);
-        let fd = sealed_copy(&p).unwrap();
-        assert!(is_sealed(&fd).unwrap());
+        let fd = sealed_copy(&p).expect("test setup");
+        assert!(is_sealed(&fd).expect("test setup"));
         let path = format!("/proc/self/fd/{}", fd.as_raw_fd());
-        let copy = std::fs::read(&path).unwrap();
-        assert_eq!(copy, std::fs::read(&p).unwrap());
+        let copy = std::fs::read(&path).expect("test setup");
+        assert_eq!(copy, std::fs::read(&p).expect("test setup"));
         // Opening for writing works (QEMU does), writing does not.
-        let w = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        let w = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .expect("test setup");
         assert!(
             w.write_all_at(b"x", 0).is_err(),
             "a sealed base took a write"
         );
-        std::fs::remove_dir_all(&dir).unwrap();
+        std::fs::remove_dir_all(&dir).expect("test setup");
     }
 }

@@ -89,24 +89,24 @@ mod tests {
     #[test]
     fn handing_and_sealing_set_owner_and_mode() {
         let dir = std::env::temp_dir().join(format!("vmon-user-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::create_dir_all(&dir).expect("test setup");
         let f = dir.join("disk.qcow2");
         let u = QemuUser {
             uid: 4_000_123,
             gid: 4_000_000,
             groups: vec![4_000_000],
         };
-        u.hand_new(&f).unwrap();
-        let m = std::fs::metadata(&f).unwrap();
+        u.hand_new(&f).expect("test setup");
+        let m = std::fs::metadata(&f).expect("test setup");
         use std::os::unix::fs::MetadataExt;
         assert_eq!(
             (m.uid(), m.gid(), m.mode() & 0o777),
             (4_000_123, 4_000_000, 0o600)
         );
-        seal(&f, 4_000_000).unwrap();
-        let m = std::fs::metadata(&f).unwrap();
+        seal(&f, 4_000_000).expect("test setup");
+        let m = std::fs::metadata(&f).expect("test setup");
         assert_eq!((m.uid(), m.gid(), m.mode() & 0o777), (0, 4_000_000, 0o640));
-        std::fs::remove_dir_all(&dir).unwrap();
+        std::fs::remove_dir_all(&dir).expect("test setup");
     }
 
     #[test]
