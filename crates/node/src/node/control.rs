@@ -61,21 +61,31 @@ impl NodeControl for Node {
         let mut l = self.live_execution(sandbox_id, execution_id).await?;
         self.remove(sandbox_id);
         // The answer waits for the guest to end, not for its cleanup: the QEMU is killed (its
-        // overlay goes anyway, nothing to flush) and the slot, egress listener and files are
-        // freed after the reply. A node that dies meanwhile finishes that at its next start
-        // (recovery reaps the dead QEMU's run directory and slot; the sweep the files).
+        // overlay goes anyway, nothing to flush) and the slot and files are freed after the
+        // reply, by a task that holds neither the node nor the sandbox. `sandbox.json` goes
+        // last: a node that dies meanwhile finds it at its next start and finishes the cleanup
+        // (recovery reaps the dead QEMU's run directory and slot; the sweep takes the files).
+        self.egress.stop(&l.state.id, None).await;
         if let Some(mut vm) = l.vm.take() {
             vm.kill().await;
         }
-        match self.me.upgrade() {
-            Some(node) => {
-                tokio::spawn(async move {
-                    let mut l = l;
-                    node.destroy(&mut l, false).await;
-                });
-            }
-            None => self.destroy(&mut l, false).await,
+        vmon_vm::process::kill_recorded(&l.dir, &l.state.qemu_tag);
+        let slots = self.slots.clone();
+        let slot = l.slot.clone();
+        let dir = l.dir.clone();
+        let mut files = vec![self.builds.artifact(&l.state.overlay)];
+        if let crate::sandbox::RamSource::Shared { file } = &l.state.ram {
+            files.push(self.builds.artifact(file));
         }
+        drop(l);
+        tokio::spawn(async move {
+            let _ = slots.release(&slot).await;
+            for f in files {
+                let _ = std::fs::remove_file(f);
+            }
+            let _ = std::fs::remove_file(crate::sandbox::SandboxState::path(&dir));
+            vmon_vm::process::clear_files(&dir);
+        });
         Ok(())
     }
 
