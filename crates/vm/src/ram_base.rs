@@ -14,7 +14,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
-use anyhow::{bail, Context};
+use anyhow::Context;
 
 /// The name a base's memory file carries (`/proc/<pid>/maps` shows `/memfd:<name> (deleted)`).
 pub fn memfd_name(ram_file: &Path) -> String {
@@ -78,19 +78,20 @@ fn seek(f: &File, from: u64, whence: i32) -> Option<u64> {
     u64::try_from(r).ok()
 }
 
-/// Checks that `fd` refuses writes (used by tests and `vmon doctor`-style checks).
-pub fn is_sealed(fd: &OwnedFd) -> anyhow::Result<bool> {
-    // SAFETY: fcntl on a borrowed descriptor, no memory passed.
-    let s = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
-    if s < 0 {
-        bail!("F_GET_SEALS: {}", std::io::Error::last_os_error());
-    }
-    Ok(s & libc::F_SEAL_WRITE != 0)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Whether `fd` refuses writes.
+    fn is_sealed(fd: &OwnedFd) -> anyhow::Result<bool> {
+        use anyhow::bail;
+        // SAFETY: fcntl on a borrowed descriptor, no memory passed.
+        let s = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+        if s < 0 {
+            bail!("F_GET_SEALS: {}", std::io::Error::last_os_error());
+        }
+        Ok(s & libc::F_SEAL_WRITE != 0)
+    }
 
     #[test]
     fn a_sealed_copy_has_the_bytes_and_refuses_writes() {
