@@ -346,17 +346,24 @@ fn a_guest_reaches_only_the_internet_and_what_allow_out_opens() {
 
         node.kill(&a_id, &ra.execution_id).await.expect("kill a");
         node.kill(&b_id, &rb.execution_id).await.expect("kill b");
-        // The host keeps no rules for slots that are gone.
-        let host_doc = nft_json(None, &["list", "table", "ip", "vmon"]);
-        let chains: Vec<String> = host_doc["nftables"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(|o| o.get("chain").and_then(|c| c["name"].as_str()).map(String::from))
-            .collect();
-        for addr in [a_addr, b_addr] {
-            let name = slot_names(addr).1;
-            assert!(!chains.contains(&name), "{name} left on the host");
+        // The host keeps no rules for slots that are gone. A kill answers once
+        // the guest is dead; its slot is freed just after, so this waits for it.
+        let gone: Vec<String> = [a_addr, b_addr].into_iter().map(|a| slot_names(a).1).collect();
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let host_doc = nft_json(None, &["list", "table", "ip", "vmon"]);
+            let chains: Vec<String> = host_doc["nftables"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|o| o.get("chain").and_then(|c| c["name"].as_str()).map(String::from))
+                .collect();
+            let left: Vec<&String> = gone.iter().filter(|n| chains.contains(n)).collect();
+            if left.is_empty() {
+                break;
+            }
+            assert!(std::time::Instant::now() < deadline, "{left:?} left on the host 30 s after kill");
+            tokio::time::sleep(Duration::from_millis(200)).await;
         }
     });
     drop(beyond);
