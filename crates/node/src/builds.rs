@@ -46,6 +46,16 @@ pub struct BuildRecord {
     /// Memory restores the state in this build went through.
     pub resume_generation: u32,
     pub created_unix: u64,
+    /// The run a pause made this build from (none for templates and checkpoints).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub paused_from: Option<PausedFrom>,
+}
+
+/// The sandbox run a pause build came from.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct PausedFrom {
+    pub sandbox_id: String,
+    pub execution_id: String,
 }
 
 impl BuildRecord {

@@ -22,8 +22,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use vmon_proto::node::{
     BuildInfo, ExecOutput, ExecSpec, LogEntry, LogQuery, MetricSample, MigrateIn, MigrateOut,
-    MigrateStats, NetworkPolicy, NodeControl, NodeError, OciImage, PausedState, Running, StartSpec,
-    TemplateSpec,
+    MigrateStats, NetworkPolicy, NodeControl, NodeError, OciImage, PauseBuild, PausedState,
+    Running, StartSpec, TemplateSpec,
 };
 
 /// Largest RPC body either side reads (log pages are the big ones).
@@ -166,6 +166,7 @@ async fn call(
             Err(e) => answer::<()>(Err(e)),
         },
         "list_running" => answer::<Vec<Running>>(Ok(n.list_running().await)),
+        "pause_builds" => answer(n.pause_builds().await),
         "update_network" => match parse::<Network>(&body) {
             Ok(x) => answer(
                 n.update_network(&x.sandbox_id, &x.execution_id, x.policy)
@@ -537,6 +538,9 @@ impl NodeControl for RemoteNode {
             },
         )
         .await
+    }
+    async fn pause_builds(&self) -> Result<Vec<PauseBuild>, NodeError> {
+        self.call("pause_builds", &json!({})).await
     }
     async fn delete_build(&self, build_id: &str) -> Result<(), NodeError> {
         self.call(

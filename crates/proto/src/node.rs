@@ -152,6 +152,15 @@ pub struct BuildInfo {
     pub stored: bool,
 }
 
+/// A build a pause made, and the run it came from: what a restart needs to finish a pause the
+/// node completed but whose record was never written (`NodeControl::pause_builds`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PauseBuild {
+    pub sandbox_id: String,
+    pub execution_id: String,
+    pub build: BuildInfo,
+}
+
 /// How to make a template build from the base image.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct TemplateSpec {
@@ -430,6 +439,12 @@ pub trait NodeControl: Send + Sync + 'static {
         Err(NodeError::Failed(
             "this node does not report where paused state is".into(),
         ))
+    }
+
+    /// Every build a pause made that this node still keeps, with the run it came from. The
+    /// default knows none (a node that cannot say leaves interrupted pauses as orphans).
+    async fn pause_builds(&self) -> Result<Vec<PauseBuild>, NodeError> {
+        Ok(Vec::new())
     }
 
     /// Start a sandbox from a build (memory restore, or cold boot when asked or when the build

@@ -19,6 +19,7 @@ mod lifecycle;
 mod migrate;
 mod network;
 mod reaper;
+mod recovery;
 mod resume;
 mod routes;
 mod targets;
@@ -214,71 +215,6 @@ impl Control {
 
     pub fn records(&self) -> &Arc<dyn Records> {
         &self.records
-    }
-
-    /// After a restart: records of sandboxes the node no longer runs are orphans; VMs the
-    /// node runs without a record are killed; team counters are recounted.
-    async fn reconcile(&self) -> anyhow::Result<()> {
-        // In a cluster other replicas are creating meanwhile and nodes come and go: the
-        // leader reconciles node by node, all the time (`cluster.rs`).
-        if self.cluster.is_some() {
-            return Ok(());
-        }
-        let running = self.node.list_running().await;
-        let records = self.records.sandboxes(None).await?;
-        let mut per_team: HashMap<String, u64> = HashMap::new();
-        for team in self.records.teams().await? {
-            per_team.insert(team.id, 0);
-        }
-        for rec in &records {
-            if rec.state != SandboxState::Running {
-                self.set_route(rec);
-                continue;
-            }
-            let alive = running
-                .iter()
-                .find(|r| r.sandbox_id == rec.id && r.execution_id == rec.execution_id);
-            match alive {
-                Some(r) => {
-                    let mut rec = rec.clone();
-                    rec.guest_ip = Some(r.guest_ip);
-                    self.set_route(&rec);
-                    *per_team.entry(rec.team_id.clone()).or_default() += 1;
-                }
-                None => {
-                    tracing::warn!(sandbox_id = %rec.id, "sandbox record without a VM: reporting it killed (orphaned)");
-                    let guard = self.lock(&rec.id).await?;
-                    let event = event(rec, EventKind::Killed, KillReason::Orphaned.data());
-                    let result = self
-                        .commit(
-                            Change::Delete {
-                                sandbox_id: rec.id.clone(),
-                                execution_id: rec.execution_id.clone(),
-                            },
-                            event,
-                            guard.fence().token(),
-                        )
-                        .await;
-                    let _ = guard.unlock().await;
-                    result?;
-                }
-            }
-        }
-        for r in &running {
-            let known = records
-                .iter()
-                .any(|rec| rec.id == r.sandbox_id && rec.execution_id == r.execution_id);
-            if !known {
-                tracing::warn!(sandbox_id = %r.sandbox_id, "VM without a record: killing it");
-                if let Err(e) = self.node.kill(&r.sandbox_id, &r.execution_id).await {
-                    tracing::warn!(sandbox_id = %r.sandbox_id, error = %e, "killing an unknown VM failed");
-                }
-            }
-        }
-        for (team, n) in per_team {
-            self.kv.set_counter(&admission_key(&team), n).await?;
-        }
-        Ok(())
     }
 
     /// The one door for state changes: writes the record change and its event together, under

@@ -12,7 +12,7 @@ use vmon_vm::memory;
 
 use super::parking::Parked;
 use super::{err, Node};
-use crate::builds::{new_id, now_unix, BuildRecord, MAX_LAYERS};
+use crate::builds::{new_id, now_unix, BuildRecord, PausedFrom, MAX_LAYERS};
 use crate::envd_client::{self, InitRequest, ENVD_PORT};
 use crate::sandbox::{Live, RamSource, SandboxState};
 
@@ -93,6 +93,10 @@ impl Node {
             envd_token: live.state.envd_token.clone(),
             resume_generation: live.state.resume_generation,
             created_unix: now_unix(),
+            paused_from: for_pause.then(|| PausedFrom {
+                sandbox_id: live.state.id.clone(),
+                execution_id: live.state.execution_id.clone(),
+            }),
         };
         if !memory {
             return Ok(rec);

@@ -6,8 +6,8 @@ use std::sync::Arc;
 use tokio::sync::Mutex;
 use vmon_proto::node::{
     BuildInfo, ExecOutput, ExecSpec, LogEntry, LogQuery, MetricSample, MigrateIn, MigrateOut,
-    MigrateStats, NetworkPolicy, NodeControl, NodeError, OciImage, PausedState, Running, StartSpec,
-    TemplateSpec,
+    MigrateStats, NetworkPolicy, NodeControl, NodeError, OciImage, PauseBuild, PausedState,
+    Running, StartSpec, TemplateSpec,
 };
 
 use super::{err, Node};
@@ -46,6 +46,21 @@ impl NodeControl for Node {
             local: self.record(build_id).is_ok(),
             stored: self.is_stored(build_id),
         })
+    }
+
+    async fn pause_builds(&self) -> Result<Vec<PauseBuild>, NodeError> {
+        let records = self.builds.list().map_err(err)?;
+        Ok(records
+            .iter()
+            .filter_map(|r| {
+                let from = r.paused_from.as_ref()?;
+                Some(PauseBuild {
+                    sandbox_id: from.sandbox_id.clone(),
+                    execution_id: from.execution_id.clone(),
+                    build: Self::info(r),
+                })
+            })
+            .collect())
     }
 
     async fn start(&self, spec: StartSpec) -> Result<Running, NodeError> {

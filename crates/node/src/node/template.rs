@@ -160,6 +160,7 @@ impl Node {
                 envd_token: Some(token.clone()),
                 resume_generation: 0,
                 created_unix: now_unix(),
+                paused_from: None,
             };
             if let Some(vm) = live.vm.take() {
                 vm.quit().await;
