@@ -4,7 +4,8 @@ what the SDK was told.
 
 Each round runs random creates, pauses, resumes (connect), forks, snapshots and kills on a
 few sandboxes of one team, and a timer kills `vmon up` (SIGKILL, its QEMUs live on) at a
-random instant. The call in flight is then uncertain: its sandbox may be in either state, a
+random instant; in about a third of the rounds a running sandbox's QEMU dies with it (that
+sandbox must then be gone with a `killed` event). The call in flight is then uncertain: its sandbox may be in either state, a
 create or fork may have made sandboxes nobody was told of. After the restart:
 
 - every sandbox the SDK was told exists is listed, in a state it may be in, and a running one
@@ -30,6 +31,7 @@ import os
 import random
 import shutil
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -65,6 +67,7 @@ class Chaos:
         self.violations: list[str] = []
         self.ops: dict[str, int] = {}
         self.interrupted: dict[str, int] = {}
+        self.qemu_kills = 0
         self.key = ""
 
     # --- the server and the team ---------------------------------------------------------
@@ -76,8 +79,6 @@ class Chaos:
         os.environ["E2B_API_KEY"] = self.key
 
     def server_cmd(self, *args: str) -> str:
-        import subprocess
-
         out = subprocess.run([str(self.server.binary), *args], env=self.server.env, check=True,
                              capture_output=True, text=True, timeout=120)
         return out.stdout
@@ -85,6 +86,47 @@ class Chaos:
     def api(self) -> httpx.Client:
         return httpx.Client(base_url=os.environ["E2B_API_URL"], headers={"X-API-Key": self.key},
                             timeout=300)
+
+    def server_lives(self) -> bool:
+        """Whether `vmon up` still runs a second after a call failed (a SIGKILL just sent
+        takes a moment to show)."""
+        proc = self.server.proc
+        if proc is None:
+            return False
+        try:
+            proc.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            return True
+        return False
+
+    def qemu_of(self, sid: str) -> int | None:
+        """The pid of the QEMU running sandbox `sid`, from its run directory."""
+        for state in self.server.data.glob("**/sandbox.json"):
+            try:
+                if json.loads(state.read_text()).get("id") != sid:
+                    continue
+                for pidfile in (state.parent / "qemu" / "qemu.pid", state.parent / "qemu.pid"):
+                    if pidfile.exists():
+                        return int(pidfile.read_text().strip())
+            except (OSError, ValueError):
+                continue
+        return None
+
+    def kill_qemu_and_server(self) -> None:
+        """The timer's instant: now and then a running sandbox's QEMU dies with the server."""
+        running = self.in_state(RUNNING)
+        if running and self.rng.random() < 0.3:
+            sid = self.rng.choice(running)
+            pid = self.qemu_of(sid)
+            if pid is not None:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    # A pause racing the kill may have committed; running it cannot be.
+                    self.known[sid].may_be = {GONE, PAUSED}
+                    self.qemu_kills += 1
+                except ProcessLookupError:
+                    pass
+        self.kill_server()
 
     def kill_server(self) -> None:
         proc = self.server.proc
@@ -286,7 +328,7 @@ class Chaos:
 
     def round(self, n: int) -> None:
         delay = self.rng.uniform(0.5, 8.0)
-        timer = threading.Timer(delay, self.kill_server)
+        timer = threading.Timer(delay, self.kill_qemu_and_server)
         timer.start()
         deadline = time.monotonic() + delay + 600
         while self.server.proc is not None and self.server.proc.poll() is None:
@@ -294,7 +336,7 @@ class Chaos:
             try:
                 self.run_op(op, sid)
             except Exception as e:  # noqa: BLE001 - the kill lands mid-call
-                if self.server.proc is not None and self.server.proc.poll() is None:
+                if self.server_lives():
                     if time.monotonic() > deadline:
                         self.violation(f"round {n}: the server never died")
                         break
@@ -345,6 +387,7 @@ def main() -> None:
     print(f"seed: {seed}; kills: {done} of {kills}; minutes: {(time.monotonic() - started) / 60:.1f}")
     print(f"calls: {dict(sorted(chaos.ops.items()))}")
     print(f"interrupted by a kill: {dict(sorted(chaos.interrupted.items()))}")
+    print(f"QEMUs killed with the server: {chaos.qemu_kills}")
     print(f"violations: {len(chaos.violations)}")
     for v in chaos.violations:
         print(f"VIOLATION {v}")

@@ -141,8 +141,23 @@ pub struct LayerStats {
 pub type PageHashes = std::collections::HashMap<u64, u64>;
 
 /// Captures the private pages of a stopped `pid` into `out`. Pages whose hash equals the one in
-/// `previous` (the effective content under this process) are left out.
+/// `previous` (the effective content under this process) are left out. A capture that fails
+/// (a full disk) leaves neither `out` nor its spool behind.
 pub fn capture(
+    pid: u32,
+    ram_file: &Path,
+    out: &Path,
+    previous: Option<&PageHashes>,
+) -> anyhow::Result<LayerStats> {
+    let captured = capture_into(pid, ram_file, out, previous);
+    if captured.is_err() {
+        let _ = std::fs::remove_file(out.with_extension("spool"));
+        let _ = std::fs::remove_file(out);
+    }
+    captured
+}
+
+fn capture_into(
     pid: u32,
     ram_file: &Path,
     out: &Path,

@@ -67,7 +67,8 @@ impl Node {
     }
 
     /// Captures memory (when asked) and device state of a *stopped* VM into a new build that
-    /// shares this sandbox's disk `disk` (frozen). Does not resume or stop the VM.
+    /// shares this sandbox's disk `disk` (frozen). Does not resume or stop the VM. A capture
+    /// that fails (a full disk) removes the files it made: nothing half-written stays.
     async fn capture(
         &self,
         live: &Live,
@@ -76,6 +77,33 @@ impl Node {
         for_pause: bool,
         disk: String,
         disk_chain: Vec<String>,
+    ) -> anyhow::Result<BuildRecord> {
+        let mut made = Vec::new();
+        let captured = self
+            .capture_files(
+                live, build_id, memory, for_pause, disk, disk_chain, &mut made,
+            )
+            .await;
+        if captured.is_err() {
+            for name in made {
+                let _ = std::fs::remove_file(self.builds.artifact(&name));
+                let _ = std::fs::remove_file(vmon_vm::process::view_dir(&live.dir).join(&name));
+            }
+        }
+        captured
+    }
+
+    /// [`Node::capture`]'s work; names every artifact it makes in `made` first.
+    #[allow(clippy::too_many_arguments)]
+    async fn capture_files(
+        &self,
+        live: &Live,
+        build_id: &str,
+        memory: bool,
+        for_pause: bool,
+        disk: String,
+        disk_chain: Vec<String>,
+        made: &mut Vec<String>,
     ) -> anyhow::Result<BuildRecord> {
         let vm = live.vm.as_ref().context("sandbox has no VM")?;
         let mut rec = BuildRecord {
@@ -102,6 +130,7 @@ impl Node {
             return Ok(rec);
         }
         let (dev, dev_path) = self.builds.new_artifact("dev", "state");
+        made.push(dev.clone());
         self.hand_new_to(&live.slot, &dev_path)?;
         self.show(&live.dir, [dev.as_str()])?;
         vm.qmp.save_devices_state(&dev_path).await?;
@@ -120,6 +149,7 @@ impl Node {
                     Some(layers.clone())
                 };
                 let (layer, layer_path) = self.builds.new_artifact("layer", "mem");
+                made.push(layer.clone());
                 let pid = vm.pid;
                 let ram_file = self.builds.artifact(mem_base);
                 let layer_files: Option<Vec<PathBuf>> = previous
@@ -157,6 +187,7 @@ impl Node {
             RamSource::Shared { file } => {
                 // The running VM keeps writing its file: the build gets a copy.
                 let (copy, copy_path) = self.builds.new_artifact("ram", "mem");
+                made.push(copy.clone());
                 let src = self.builds.artifact(file);
                 tokio::task::spawn_blocking(move || sparse_copy(&src, &copy_path))
                     .await
