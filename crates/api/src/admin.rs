@@ -220,6 +220,19 @@ pub async fn create_team_with_key(
     slug: Option<&str>,
     limits: TeamLimits,
 ) -> anyhow::Result<TeamWithKey> {
+    let team = create_team_only(records, name, slug, limits).await?;
+    let api_key = ids::api_key();
+    let key = records.add_key(&team.id, &api_key).await?;
+    Ok(TeamWithKey { team, api_key, key })
+}
+
+/// A new team without keys (`vmon up`'s bootstrap adds the key it wrote down first).
+pub async fn create_team_only(
+    records: &dyn Records,
+    name: &str,
+    slug: Option<&str>,
+    limits: TeamLimits,
+) -> anyhow::Result<Team> {
     let team = Team {
         id: uuid::Uuid::new_v4().to_string(),
         name: name.to_string(),
@@ -227,9 +240,7 @@ pub async fn create_team_with_key(
         limits,
     };
     records.put_team(team.clone()).await?;
-    let api_key = ids::api_key();
-    let key = records.add_key(&team.id, &api_key).await?;
-    Ok(TeamWithKey { team, api_key, key })
+    Ok(team)
 }
 
 #[utoipa::path(

@@ -256,32 +256,58 @@ fn trust_exports(config: &Config, data_dir: &Path, proxy: bool) -> Option<String
     (proxy && config.proxy_tls_cert.is_none() && files.ca.exists()).then(|| files.exports())
 }
 
-/// The first start creates the default team; its key's plaintext goes to a 0600 file.
+/// The first start creates the default team; its key's plaintext goes to a 0600 file. Each
+/// step is safe to repeat, so a crash anywhere leaves a data dir the next start finishes: the
+/// key is written to its file before any record names it; a team without its file (a crash
+/// before the file, or a file deleted) gets a fresh key; a key in the file that no team holds
+/// (a crash before the key's record) is added to the default team.
 async fn bootstrap_team(
     records: &dyn Records,
     data_dir: &Path,
     config: &Config,
 ) -> anyhow::Result<String> {
     let key_file = data_dir.join(API_KEY_FILE);
-    if records.teams().await?.is_empty() {
-        let created = vmon_api::admin::create_team_with_key(
-            records,
-            "default",
-            Some("default"),
-            config.default_limits.clone(),
-        )
-        .await?;
-        write_private(&key_file, &created.api_key)?;
-        eprintln!(
-            "vmon: created the default team; its API key is {} (kept in {})",
-            created.api_key,
-            key_file.display()
-        );
-        return Ok(created.api_key);
+    let kept = std::fs::read_to_string(&key_file)
+        .ok()
+        .map(|k| k.trim().to_string())
+        .filter(|k| !k.is_empty());
+    if let Some(key) = &kept {
+        if records
+            .team_by_key_hash(&vmon_api::ids::hash_key(key))
+            .await?
+            .is_some()
+        {
+            return Ok(key.clone());
+        }
     }
-    let key = std::fs::read_to_string(&key_file)
-        .with_context(|| format!("reading the default API key from {}", key_file.display()))?;
-    Ok(key.trim().to_string())
+    let key = match kept {
+        Some(k) => k,
+        None => {
+            let k = vmon_api::ids::api_key();
+            write_private(&key_file, &k)?;
+            k
+        }
+    };
+    let teams = records.teams().await?;
+    let team = match teams.iter().find(|t| t.slug == "default") {
+        Some(t) => t.clone(),
+        None => {
+            vmon_api::admin::create_team_only(
+                records,
+                "default",
+                Some("default"),
+                config.default_limits.clone(),
+            )
+            .await?
+        }
+    };
+    records.add_key(&team.id, &key).await?;
+    eprintln!(
+        "vmon: the {} team's API key is {key} (kept in {})",
+        team.slug,
+        key_file.display()
+    );
+    Ok(key)
 }
 
 fn write_private(path: &Path, contents: &str) -> anyhow::Result<()> {
@@ -353,4 +379,72 @@ fn shutdown_on_signal(cancel: CancellationToken) {
         tracing::info!("shutting down");
         cancel.cancel();
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn records(dir: &Path) -> StoreRecords {
+        StoreRecords::open(&Config::default(), dir)
+            .await
+            .expect("store opens")
+    }
+
+    async fn holder(records: &StoreRecords, key: &str) -> Option<String> {
+        records
+            .team_by_key_hash(&vmon_api::ids::hash_key(key))
+            .await
+            .expect("lookup")
+            .map(|t| t.slug)
+    }
+
+    #[tokio::test]
+    async fn a_bootstrap_cut_short_anywhere_is_finished_by_the_next_start() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let r = records(dir.path()).await;
+        let config = Config::default();
+        // The first start: a team, its key in the file, the key valid.
+        let key = bootstrap_team(&r, dir.path(), &config)
+            .await
+            .expect("first");
+        assert_eq!(holder(&r, &key).await.as_deref(), Some("default"));
+        let file = dir.path().join(API_KEY_FILE);
+        assert_eq!(std::fs::read_to_string(&file).expect("file").trim(), key);
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(&file).expect("meta").permissions().mode();
+        assert_eq!(mode & 0o777, 0o600, "the key file is the owner's alone");
+        // Starting again changes nothing.
+        assert_eq!(
+            bootstrap_team(&r, dir.path(), &config)
+                .await
+                .expect("again"),
+            key
+        );
+        assert_eq!(r.teams().await.expect("teams").len(), 1);
+
+        // A crash after the team, before the file (or the file deleted): a fresh key for it.
+        std::fs::remove_file(&file).expect("rm");
+        let fresh = bootstrap_team(&r, dir.path(), &config)
+            .await
+            .expect("no file");
+        assert_ne!(fresh, key);
+        assert_eq!(holder(&r, &fresh).await.as_deref(), Some("default"));
+        assert_eq!(r.teams().await.expect("teams").len(), 1, "no second team");
+
+        // A crash after the file, before any record (a fresh store, the file kept): the key
+        // in the file becomes the new default team's.
+        let dir2 = tempfile::tempdir().expect("tempdir");
+        std::fs::write(
+            dir2.path().join(API_KEY_FILE),
+            "e2b_kept_before_the_crash\n",
+        )
+        .expect("w");
+        let r2 = records(dir2.path()).await;
+        let kept = bootstrap_team(&r2, dir2.path(), &config)
+            .await
+            .expect("kept");
+        assert_eq!(kept, "e2b_kept_before_the_crash");
+        assert_eq!(holder(&r2, &kept).await.as_deref(), Some("default"));
+    }
 }
