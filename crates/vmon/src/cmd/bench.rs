@@ -42,6 +42,19 @@ enum What {
     /// Pause/resume cycles that must keep a process's memory and a file byte for byte,
     /// rotating kept-QEMU, from-files and after-restart resumes (`tests/bench/soak.py`).
     Soak(SoakArgs),
+    /// SIGKILLs of `vmon up` (and now and then a QEMU) at random instants of a stream of SDK
+    /// calls, each followed by a restart and a check of what the SDK was told
+    /// (`tests/bench/chaos.py`).
+    Chaos(ChaosArgs),
+}
+
+#[derive(clap::Args)]
+struct ChaosArgs {
+    #[arg(long, default_value_t = 20)]
+    kills: usize,
+    /// Replays a run (its seed is printed); random when absent.
+    #[arg(long)]
+    seed: Option<u64>,
 }
 
 #[derive(clap::Args)]
@@ -267,6 +280,13 @@ pub async fn run(data_dir: &Path, args: Args) -> anyhow::Result<()> {
         What::S3(a) => s3(data_dir, a).await,
         What::Soak(a) => {
             python_bench("soak.py", &[("VMON_SOAK_CYCLES", a.cycles.to_string())]).await
+        }
+        What::Chaos(a) => {
+            let mut env = vec![("VMON_CHAOS_KILLS", a.kills.to_string())];
+            if let Some(seed) = a.seed {
+                env.push(("VMON_CHAOS_SEED", seed.to_string()));
+            }
+            python_bench("chaos.py", &env).await
         }
     }
 }
