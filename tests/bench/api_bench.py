@@ -123,6 +123,8 @@ def main() -> None:
     paced_n = int(os.environ.get("VMON_BENCH_PACED", "10"))
     ci_n = int(os.environ.get("VMON_BENCH_CI", "5"))
 
+    kills: list[float] = []
+
     def lifecycle() -> tuple[float, float, float]:
         t0 = time.perf_counter()
         sbx = Sandbox.create("base", timeout=300)
@@ -132,6 +134,7 @@ def main() -> None:
         t2 = time.perf_counter()
         sbx.kill()
         t3 = time.perf_counter()
+        kills.append((t3 - t2) * 1e3)
         return (t1 - t0) * 1e3, (t2 - t0) * 1e3, (t3 - t0) * 1e3
 
     lifecycle()  # warm-up: pool, connections
@@ -199,6 +202,7 @@ def main() -> None:
     row("create (1.5 s apart)", [s[0] for s in paced])
     row("create -> first command done (1.5 s apart)", [s[1] for s in paced])
     row(f"create -> command -> kill ({par_n} parallel, each)", [p[2] for p in par])
+    row("kill (every lifecycle above)", kills[1:])
     if par:
         print(f"| {par_n} parallel, wall | {par_wall:.0f} ms | | 1 |")
     row("pause (16 MiB dirtied)", pauses)
