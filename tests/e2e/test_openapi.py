@@ -62,7 +62,9 @@ def test_schemathesis_finds_nothing(vmon, tmp_path):
         "--max-time", str(MAX_TIME),
         "--phases", "examples,coverage,fuzzing",
         "--request-timeout", "20",
-        "--workers", "2",
+        # One worker: under two, hypothesis describing its filters in threads trips CPython
+        # 3.11's ast ("AST constructor recursion depth mismatch") and the run dies.
+        "--workers", "1",
         "--seed", os.environ.get("VMON_OPENAPI_SEED", "17"),
         "--no-color",
         "-H", f"X-API-Key: {vmon.api_key}",

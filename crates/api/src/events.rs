@@ -593,9 +593,9 @@ async fn deliveries(
     owned_webhook(&s, &team.id, &id).await?;
     let pairs = query_pairs(raw)?;
     let get = |name: &str, default: i64, max: i64| -> ApiResult<i64> {
-        match pairs.iter().rev().find(|(k, _)| k == name) {
+        match crate::state::query_one(&pairs, name)? {
             None => Ok(default),
-            Some((_, v)) => v
+            Some(v) => v
                 .trim()
                 .parse::<i64>()
                 .ok()

@@ -61,12 +61,8 @@ where
         .unwrap_or_else(|e| Err(ApiError::internal(format!("the operation failed: {e}"))))
 }
 
-fn query_value<'a>(pairs: &'a [(String, String)], name: &str) -> Option<&'a str> {
-    pairs
-        .iter()
-        .rev()
-        .find(|(k, _)| k == name)
-        .map(|(_, v)| v.as_str())
+fn query_value<'a>(pairs: &'a [(String, String)], name: &str) -> ApiResult<Option<&'a str>> {
+    crate::state::query_one(pairs, name)
 }
 
 #[utoipa::path(
@@ -498,7 +494,11 @@ async fn list_snapshots(
     let (limit, offset) = paging(&q)?;
     let all = s
         .control
-        .list_snapshots(&team, query_value(&q, "sandboxID"), query_value(&q, "name"))
+        .list_snapshots(
+            &team,
+            query_value(&q, "sandboxID")?,
+            query_value(&q, "name")?,
+        )
         .await?;
     let page: Vec<_> = all.iter().skip(offset).take(limit).cloned().collect();
     let mut resp = Json(page).into_response();
@@ -509,7 +509,7 @@ async fn list_snapshots(
 }
 
 fn paging(q: &[(String, String)]) -> ApiResult<(usize, usize)> {
-    let limit = match query_value(q, "limit") {
+    let limit = match query_value(q, "limit")? {
         None => 100,
         Some(v) => v
             .parse::<usize>()
@@ -517,7 +517,7 @@ fn paging(q: &[(String, String)]) -> ApiResult<(usize, usize)> {
             .filter(|l| (1..=1000).contains(l))
             .ok_or_else(|| ApiError::bad_request("limit must be between 1 and 1000"))?,
     };
-    let offset = match query_value(q, "nextToken").filter(|t| !t.is_empty()) {
+    let offset = match query_value(q, "nextToken")?.filter(|t| !t.is_empty()) {
         None => 0,
         Some(t) => t
             .parse::<usize>()
@@ -534,7 +534,7 @@ fn set_header(resp: &mut Response, name: &'static str, value: &str) {
 
 /// `metadata=k%3Dv%26k2%3Dv2`: one string, itself url-encoded, keys and values quoted inside.
 fn metadata_filter(q: &[(String, String)]) -> ApiResult<Vec<(String, String)>> {
-    let Some(raw) = query_value(q, "metadata").filter(|m| !m.is_empty()) else {
+    let Some(raw) = query_value(q, "metadata")?.filter(|m| !m.is_empty()) else {
         return Ok(Vec::new());
     };
     let pairs: Vec<(String, String)> = serde_urlencoded::from_str(raw)
@@ -621,7 +621,7 @@ async fn list_v2(
 ) -> ApiResult<Response> {
     let q = query_pairs(raw)?;
     let filter = metadata_filter(&q)?;
-    let states: Vec<SandboxState> = match query_value(&q, "state").filter(|v| !v.is_empty()) {
+    let states: Vec<SandboxState> = match query_value(&q, "state")?.filter(|v| !v.is_empty()) {
         None => vec![SandboxState::Running, SandboxState::Paused],
         Some(v) => v
             .split(',')
@@ -634,7 +634,7 @@ async fn list_v2(
             })
             .collect::<ApiResult<_>>()?,
     };
-    let descending = match query_value(&q, "order") {
+    let descending = match query_value(&q, "order")? {
         None | Some("") | Some("desc") => true,
         Some("asc") => false,
         Some(o) => {
@@ -643,15 +643,15 @@ async fn list_v2(
             )))
         }
     };
-    let started_after = match query_value(&q, "startedAfter").filter(|v| !v.is_empty()) {
+    let started_after = match query_value(&q, "startedAfter")?.filter(|v| !v.is_empty()) {
         None => None,
         Some(v) => Some(
             OffsetDateTime::parse(v, &time::format_description::well_known::Rfc3339)
                 .map_err(|e| ApiError::bad_request(format!("invalid startedAfter {v:?}: {e}")))?,
         ),
     };
-    let template = query_value(&q, "template").filter(|v| !v.is_empty());
-    let limit = match query_value(&q, "limit") {
+    let template = query_value(&q, "template")?.filter(|v| !v.is_empty());
+    let limit = match query_value(&q, "limit")? {
         None => 100,
         Some(v) => v
             .parse::<usize>()
@@ -659,7 +659,7 @@ async fn list_v2(
             .filter(|l| (1..=1000).contains(l))
             .ok_or_else(|| ApiError::bad_request("limit must be between 1 and 1000"))?,
     };
-    let cursor = match query_value(&q, "nextToken").filter(|t| !t.is_empty()) {
+    let cursor = match query_value(&q, "nextToken")?.filter(|t| !t.is_empty()) {
         None => None,
         Some(t) => Some(parse_cursor(t).ok_or_else(|| ApiError::bad_request("invalid nextToken"))?),
     };

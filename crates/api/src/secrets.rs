@@ -247,14 +247,8 @@ pub(crate) async fn list_secrets(
     RawQuery(raw): RawQuery,
 ) -> ApiResult<Response> {
     let pairs = query_pairs(raw)?;
-    let get = |name: &str| {
-        pairs
-            .iter()
-            .rev()
-            .find(|(k, _)| k == name)
-            .map(|(_, v)| v.as_str())
-    };
-    let limit = match get("limit") {
+    let get = |name: &str| crate::state::query_one(&pairs, name);
+    let limit = match get("limit")? {
         None | Some("") => DEFAULT_LIMIT,
         Some(v) => match v.parse::<i64>() {
             Ok(n) if (1..=MAX_LIMIT).contains(&n) => n,
@@ -265,7 +259,7 @@ pub(crate) async fn list_secrets(
             }
         },
     };
-    let after = get("nextToken").filter(|t| !t.is_empty());
+    let after = get("nextToken")?.filter(|t| !t.is_empty());
     if let Some(t) = after {
         if t.len() > 64 || !t.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_') {
             return Err(ApiError::bad_request("invalid nextToken"));

@@ -86,6 +86,26 @@ pub(crate) fn body<T: DeserializeOwned>(bytes: &Bytes) -> ApiResult<T> {
         .map_err(|e| ApiError::bad_request(format!("invalid request body: {e}")))
 }
 
+/// The one value of a scalar query parameter: a key given twice with different values is a
+/// 400 (a later valid value must not hide an earlier invalid one).
+pub(crate) fn query_one<'a>(
+    pairs: &'a [(String, String)],
+    name: &str,
+) -> ApiResult<Option<&'a str>> {
+    let mut found: Option<&str> = None;
+    for (_, v) in pairs.iter().filter(|(k, _)| k == name) {
+        match found {
+            Some(f) if f != v => {
+                return Err(ApiError::bad_request(format!(
+                    "query parameter {name} is given more than once"
+                )))
+            }
+            _ => found = Some(v),
+        }
+    }
+    Ok(found)
+}
+
 /// The pairs of a raw query string, in order (a key may repeat).
 pub(crate) fn query_pairs(raw: Option<String>) -> ApiResult<Vec<(String, String)>> {
     serde_urlencoded::from_str::<Vec<(String, String)>>(raw.as_deref().unwrap_or(""))

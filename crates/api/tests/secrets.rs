@@ -156,7 +156,14 @@ async fn secret_lists_page_with_x_next_token() {
         all.headers.get("x-next-token").is_none(),
         "no token without another page"
     );
-    for bad in ["limit=0", "limit=1001", "limit=x", "nextToken=a%20b"] {
+    for bad in [
+        "limit=0",
+        "limit=1001",
+        "limit=x",
+        "limit=x&limit=",
+        "limit=%C2%9D&limit=2",
+        "nextToken=a%20b",
+    ] {
         let r = h.req("GET", &format!("/secrets?{bad}"), None).await;
         assert_eq!(r.status, StatusCode::BAD_REQUEST, "{bad}");
     }

@@ -7,7 +7,7 @@
 //! unprivileged user (the switch happens in the child after the namespace and cgroups are
 //! entered, before exec).
 
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::Arc;
@@ -24,6 +24,11 @@ use crate::user::QemuUser;
 const RAM_FD: i32 = 100;
 /// The descriptor number the guest's tap is inherited under (`-netdev tap,fd=N`).
 pub const TAP_FD: i32 = 101;
+/// QEMU's own directory, inherited when its QMP socket's path would not fit a socket address
+/// (108 bytes with its NUL; long data dirs): QEMU binds `/proc/self/fd/102/qmp.sock`.
+const DIR_FD: i32 = 102;
+/// Longer socket paths go through [`DIR_FD`] (the client side does the same, `qmp.rs`).
+const MAX_SOCKET_PATH: usize = 100;
 
 /// `struct ifreq` as TUNSETIFF reads it: a name and the flags, padded to the union's size.
 #[repr(C)]
@@ -159,6 +164,25 @@ impl Vm {
             })();
             handed.with_context(|| format!("handing {} to QEMU", spec.run_dir.display()))?;
         }
+        // A directory descriptor numbered out of the way of the ones the child sets up.
+        let own_fd: Option<OwnedFd> = if qmp_sock.as_os_str().len() > MAX_SOCKET_PATH {
+            let dir = std::fs::File::open(&own)?;
+            // SAFETY: F_DUPFD_CLOEXEC on a descriptor we own returns a new one or -1.
+            let fd = unsafe { libc::fcntl(dir.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 200) };
+            if fd < 0 {
+                return Err(std::io::Error::last_os_error())
+                    .context("keeping QEMU's directory open");
+            }
+            // SAFETY: `fd` was just returned by fcntl and is owned by nothing else.
+            Some(unsafe { OwnedFd::from_raw_fd(fd) })
+        } else {
+            None
+        };
+        let qmp_arg = match own_fd {
+            Some(_) => PathBuf::from(format!("/proc/self/fd/{DIR_FD}/qmp.sock")),
+            None => qmp_sock.clone(),
+        };
+        let own_raw = own_fd.as_ref().map(|f| f.as_raw_fd());
         let inherited_ram = spec
             .ram_fd
             .as_ref()
@@ -170,7 +194,7 @@ impl Vm {
             disk: spec.disk.as_deref(),
             net: spec.net.as_ref(),
             console_log: &spec.console_log,
-            qmp_socket: &qmp_sock,
+            qmp_socket: &qmp_arg,
             pidfile: &pidfile,
             incoming: spec.incoming,
             fs_shares: &spec.fs_shares,
@@ -274,6 +298,12 @@ impl Vm {
                             return Err(std::io::Error::last_os_error());
                         }
                         libc::close(fd);
+                    }
+                }
+                // Last of the descriptors: its number is above every other's target.
+                if let Some(fd) = own_raw {
+                    if libc::dup2(fd, DIR_FD) < 0 {
+                        return Err(std::io::Error::last_os_error());
                     }
                 }
                 if let Some(u) = &user {

@@ -32,8 +32,8 @@ pub(crate) async fn status(
     let b = own_build(c, &team, &template, &build_id).await?;
     let pairs = query_pairs(query)?;
     let num = |name: &str, default: i64| -> ApiResult<i64> {
-        match pairs.iter().rev().find(|(k, _)| k == name) {
-            Some((_, v)) => v
+        match crate::state::query_one(&pairs, name)? {
+            Some(v) => v
                 .trim()
                 .parse::<i64>()
                 .ok()
