@@ -22,6 +22,9 @@ BINS=(
   htpasswd:apache2-utils
   busybox:busybox-static
   bash-static:bash-static
+  # The disk-full test: a small ext4 (mkfs.ext4 comes with vmon's own packages) on a loop mount.
+  fallocate:util-linux
+  mount:mount
 )
 have_pkg() {
   { dpkg-query -W -f='${Status}\n' "$1" 2>/dev/null || true; } | grep -q "install ok installed"

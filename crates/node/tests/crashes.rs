@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use common::{data_dir, envd_binary, runtime, sh, start, READ_TOKEN, TOKEN_SERVER};
 use vmon_node::{Node, NodeConfig};
-use vmon_proto::node::{NodeControl, TemplateSpec};
+use vmon_proto::node::NodeControl;
 
 /// The children share one data dir and slot block: one at a time.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -52,18 +52,7 @@ fn crash_child() {
             "crash-tpl-{}",
             node.image().await.expect("guest image").manifest.hash
         );
-        node.build_template(TemplateSpec {
-            build_id: tpl.clone(),
-            vcpus: 1,
-            memory_mb: 384,
-            disk_mb: 0,
-            start_cmd: None,
-            ready_cmd: None,
-            env_vars: Default::default(),
-            image: None,
-        })
-        .await
-        .expect("template");
+        common::build_plain(&node, &tpl, 384).await;
         let id = common::unique("crash");
         let r = start(&node, &id, &tpl, false).await;
         sh(&node, &id, TOKEN_SERVER).await;

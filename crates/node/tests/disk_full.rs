@@ -13,7 +13,7 @@ use std::process::Command;
 
 use common::{data_dir, envd_binary, runtime, sh, start, unique};
 use vmon_node::{Node, NodeConfig};
-use vmon_proto::node::{NodeControl, TemplateSpec};
+use vmon_proto::node::NodeControl;
 
 /// A loop-mounted ext4 filesystem of `size_mb`, unmounted and deleted on drop.
 struct SmallDisk {
@@ -103,18 +103,7 @@ fn a_disk_that_fills_mid_pause_fails_it_cleanly_and_loses_nothing() {
         cfg.min_free_mb = 0;
         let node = Node::open(cfg).await.expect("node opens");
         let tpl = unique("full-tpl");
-        node.build_template(TemplateSpec {
-            build_id: tpl.clone(),
-            vcpus: 1,
-            memory_mb: 384,
-            disk_mb: 0,
-            start_cmd: None,
-            ready_cmd: None,
-            env_vars: Default::default(),
-            image: None,
-        })
-        .await
-        .expect("template");
+        common::build_plain(&node, &tpl, 384).await;
         let id = unique("full");
         let r = start(&node, &id, &tpl, false).await;
         // 96 MiB of fresh guest memory: the pause must write it out as a layer.

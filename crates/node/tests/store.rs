@@ -14,7 +14,7 @@ use common::{envd_binary, runtime, sh, start, unique, READ_TOKEN, TOKEN_SERVER};
 use vmon_node::{Node, NodeConfig};
 use vmon_objstore::dev::DevGarage;
 use vmon_objstore::ObjectStoreConfig;
-use vmon_proto::node::{NodeControl, NodeError, TemplateSpec};
+use vmon_proto::node::{NodeControl, NodeError};
 
 /// A data dir of its own whose `images/` is the shared test image cache.
 fn data_dir(root: &Path, name: &str) -> PathBuf {
@@ -86,18 +86,7 @@ fn a_paused_sandbox_resumes_on_another_node_from_the_object_store() {
         a.image().await.expect("guest image");
         let tpl = unique("tpl-store-");
         let t0 = Instant::now();
-        a.build_template(TemplateSpec {
-            build_id: tpl.clone(),
-            vcpus: 1,
-            memory_mb: 512,
-            disk_mb: 0,
-            start_cmd: None,
-            ready_cmd: None,
-            env_vars: Default::default(),
-            image: None,
-        })
-        .await
-        .expect("template build");
+        common::build_plain(&a, &tpl, 512).await;
         eprintln!("template built on A in {:.1}s", t0.elapsed().as_secs_f64());
         let id = unique("st");
         let r = start(&a, &id, &tpl, false).await;

@@ -105,27 +105,33 @@ pub fn host_lock() -> &'static std::sync::RwLock<()> {
     L.get_or_init(|| std::sync::RwLock::new(()))
 }
 
+/// Builds a plain template (1 vCPU, `memory_mb`, the image's disk, no start command) as
+/// `build_id` on `node`.
+pub async fn build_plain(node: &Node, build_id: &str, memory_mb: u32) {
+    use vmon_proto::node::{NodeControl, TemplateSpec};
+    node.build_template(TemplateSpec {
+        build_id: build_id.to_string(),
+        vcpus: 1,
+        memory_mb,
+        disk_mb: 0,
+        start_cmd: None,
+        ready_cmd: None,
+        env_vars: Default::default(),
+        image: None,
+    })
+    .await
+    .unwrap_or_else(|e| panic!("template build {build_id}: {e}"));
+}
+
 /// The template every snapshot test restores from: built once per image (the build id carries
 /// the image hash), then found in the data dir by later runs.
 pub fn template(node: &std::sync::Arc<Node>) -> String {
     static T: OnceLock<String> = OnceLock::new();
     T.get_or_init(|| {
-        use vmon_proto::node::{NodeControl, TemplateSpec};
         runtime().block_on(async {
             let image = node.image().await.expect("guest image");
             let id = format!("test-tpl-{}", image.manifest.hash);
-            node.build_template(TemplateSpec {
-                build_id: id.clone(),
-                vcpus: 1,
-                memory_mb: 512,
-                disk_mb: 0,
-                start_cmd: None,
-                ready_cmd: None,
-                env_vars: Default::default(),
-                image: None,
-            })
-            .await
-            .expect("template build");
+            build_plain(node, &id, 512).await;
             id
         })
     })
