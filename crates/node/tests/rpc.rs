@@ -54,9 +54,11 @@ fn a_remote_node_creates_pauses_resumes_and_kills() {
             .expect("start over RPC");
         sh(&node, &id, TOKEN_SERVER).await;
         let token = sh(&node, &id, READ_TOKEN).await;
+        // The checked call: an RPC failure shows as itself, not as an empty list.
         assert!(remote
-            .list_running()
+            .list_running_checked()
             .await
+            .expect("list_running over RPC")
             .iter()
             .any(|s| s.sandbox_id == id));
         let b = remote

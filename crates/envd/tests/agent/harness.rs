@@ -115,12 +115,23 @@ pub struct Envd {
     pub token: Option<String>,
 }
 
+/// A port no other test of this process was given: tests run in parallel, and two envds
+/// handed the same free port would leave one test talking to the other's envd (which goes
+/// away when that test ends).
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .expect("bind")
-        .local_addr()
-        .expect("addr")
-        .port()
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    loop {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .expect("bind")
+            .local_addr()
+            .expect("addr")
+            .port();
+        let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
+        if !given.contains(&port) {
+            given.push(port);
+            return port;
+        }
+    }
 }
 
 impl Envd {
@@ -130,6 +141,17 @@ impl Envd {
 
     pub async fn start_with(extra: &[&str]) -> Envd {
         ensure_test_user();
+        // A port another process took between our probe and envd's bind: envd exits, and
+        // the next port is tried.
+        for _ in 0..5 {
+            if let Some(envd) = Self::try_start(extra).await {
+                return envd;
+            }
+        }
+        panic!("envd did not start on any of 5 ports");
+    }
+
+    async fn try_start(extra: &[&str]) -> Option<Envd> {
         let port = free_port();
         let addr: SocketAddr = format!("127.0.0.1:{port}").parse().expect("addr");
         let child = Command::new(env!("CARGO_BIN_EXE_envd"))
@@ -143,8 +165,11 @@ impl Envd {
             .iter()
             .position(|a| *a == "--access-token")
             .map(|i| extra[i + 1].to_string());
-        let envd = Envd { addr, child, token };
+        let mut envd = Envd { addr, child, token };
         for _ in 0..400 {
+            if envd.child.try_wait().ok().flatten().is_some() {
+                return None;
+            }
             if TcpStream::connect(addr).await.is_err() {
                 tokio::time::sleep(Duration::from_millis(25)).await;
                 continue;
@@ -153,8 +178,12 @@ impl Envd {
                 .request(Request::get("/health").body(full("")).expect("req"))
                 .await
             {
-                if r.status() == StatusCode::NO_CONTENT {
-                    return envd;
+                // The answer is ours only if our envd is still running (it exits when its
+                // bind fails).
+                if r.status() == StatusCode::NO_CONTENT
+                    && envd.child.try_wait().ok().flatten().is_none()
+                {
+                    return Some(envd);
                 }
             }
             tokio::time::sleep(Duration::from_millis(25)).await;

@@ -184,7 +184,9 @@ while True:
     c, _ = s.accept(); c.sendall(tok.encode()); c.close()
 PY
 setsid -f python3 /tmp/tok.py >/dev/null 2>&1 </dev/null
-for i in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/7777) 2>/dev/null && break; sleep 0.1; done
-rm /tmp/tok.py"#;
+up=0
+for i in $(seq 600); do (exec 3<>/dev/tcp/127.0.0.1/7777) 2>/dev/null && up=1 && break; sleep 0.1; done
+rm /tmp/tok.py
+[ "$up" = 1 ] || { echo "the token server did not listen within 60 s" >&2; exit 1; }"#;
 
-pub const READ_TOKEN: &str = "timeout 10 bash -c 'exec 3<>/dev/tcp/127.0.0.1/7777; cat <&3'";
+pub const READ_TOKEN: &str = "timeout 60 bash -c 'exec 3<>/dev/tcp/127.0.0.1/7777; cat <&3'";
