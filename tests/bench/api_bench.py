@@ -1,7 +1,8 @@
 """`vmon bench api`: the E2B API through the official Python SDK, as a user sees it.
 
-Measures create -> first command -> kill for 20 back-to-back, 10 paced (1.5 s apart) and 10 parallel sandboxes, and the
-pause and connect (resume) round trips; and, through `e2b-code-interpreter`, create -> first `run_code("1+1")` and a warm
+Measures create -> first command -> kill for 20 back-to-back, 10 paced (1.5 s apart) and 10 parallel sandboxes; a
+burst of 20 creates in a loop (wall, then one command in each), twice, 20 s apart (the second meets a pool grown by the
+first); `commands.run("true")` in a running sandbox; fork x1; the pause and connect (resume) round trips; and, through `e2b-code-interpreter`, create -> first `run_code("1+1")` and a warm
 `run_code("1+1")` on `code-interpreter-v1` (5 sandboxes, VMON_BENCH_CI); prints medians and p99 with the machine.
 A count set to 0 (VMON_BENCH_SEQ, _PAR, _PACED, _CYCLES, _CI) skips its part.
 
@@ -76,6 +77,8 @@ def start_server() -> tuple[subprocess.Popen, dict[str, str], Path]:
             ports.append(s.getsockname()[1])
     env.update(VMON_DATA_DIR=str(data), VMON_API_LISTEN=f"127.0.0.1:{ports[0]}",
                VMON_PROXY_LISTEN=f"127.0.0.1:{ports[1]}")
+    # A burst keeps 20 sandboxes at once, the default team's whole limit: leave it room.
+    env.setdefault("VMON_MAX_CONCURRENT", "64")
     log = open(data / "vmon-up.log", "w")
     proc = subprocess.Popen([str(binary), "up"], env=env, stdout=subprocess.PIPE, stderr=log, text=True,
                             start_new_session=True)
@@ -122,6 +125,7 @@ def main() -> None:
     cycles = int(os.environ.get("VMON_BENCH_CYCLES", "5"))
     paced_n = int(os.environ.get("VMON_BENCH_PACED", "10"))
     ci_n = int(os.environ.get("VMON_BENCH_CI", "5"))
+    burst_n = int(os.environ.get("VMON_BENCH_BURST", "20"))
 
     kills: list[float] = []
 
@@ -159,6 +163,44 @@ def main() -> None:
         with concurrent.futures.ThreadPoolExecutor(par_n) as ex:
             par = list(ex.map(lambda _: lifecycle(), range(par_n)))
     par_wall = (time.perf_counter() - t) * 1e3
+
+    # Bursts: `Sandbox.create` in a loop (the issue's "20 creates back to back"), then one
+    # command in each; the second burst comes 20 s later, when the pool has grown by demand.
+    bursts: list[tuple[float, list[float], list[float]]] = []
+    for i in range(2 if burst_n else 0):
+        if i:
+            time.sleep(20)
+        made, each, firsts = [], [], []
+        t = time.perf_counter()
+        for _ in range(burst_n):
+            t1 = time.perf_counter()
+            made.append(Sandbox.create("base", timeout=300))
+            each.append((time.perf_counter() - t1) * 1e3)
+        wall = (time.perf_counter() - t) * 1e3
+        for sb in made:
+            t1 = time.perf_counter()
+            assert sb.commands.run("echo hi").stdout.strip() == "hi"
+            firsts.append((time.perf_counter() - t1) * 1e3)
+        for sb in made:
+            sb.kill()
+        bursts.append((wall, each, firsts))
+
+    warm_true, forks = [], []
+    sbx = Sandbox.create("base", timeout=300)
+    sbx.commands.run("true")
+    for _ in range(20):
+        t = time.perf_counter()
+        sbx.commands.run("true")
+        warm_true.append((time.perf_counter() - t) * 1e3)
+    for _ in range(5):
+        t = time.perf_counter()
+        children = sbx.fork(count=1, timeout=300)
+        forks.append((time.perf_counter() - t) * 1e3)
+        for c in children:
+            if isinstance(c, Exception):
+                raise c
+            c.kill()
+    sbx.kill()
 
     pauses, connects = [], []
     sbx = Sandbox.create("base", timeout=300)
@@ -205,6 +247,14 @@ def main() -> None:
     row("kill (every lifecycle above)", kills[1:])
     if par:
         print(f"| {par_n} parallel, wall | {par_wall:.0f} ms | | 1 |")
+    for i, (wall, each, firsts) in enumerate(bursts):
+        label = "first burst" if i == 0 else "second burst, 20 s later"
+        print(f"| {burst_n} creates in a loop, wall ({label}) | {wall:.0f} ms | | 1 |")
+        row(f"create in a burst ({label})", each)
+        row(f"first command after a burst's create ({label})", firsts)
+    row("first command after create (back to back)", [s[1] - s[0] for s in seq])
+    row("commands.run('true') in a running sandbox", warm_true)
+    row("fork x1 (sandbox.fork(count=1))", forks)
     row("pause (16 MiB dirtied)", pauses)
     row("connect (resume) -> command done", connects)
     row("code-interpreter-v1: create", ci_create)

@@ -20,6 +20,12 @@ pub struct NodeConfig {
     /// Blank restore processes (spawned, no disk, no state) kept per RAM base in use, for
     /// resumes and fork children.
     pub blank_pool_size: usize,
+    /// The most restore processes one pool key grows to under demand (`VMON_POOL_MAX`; never
+    /// below its base size). 0 or 1 keeps every pool at its base size.
+    pub pool_max: usize,
+    /// Pools grow above their base size only while the host has this much memory available
+    /// (`VMON_POOL_MIN_AVAILABLE_MB`).
+    pub pool_min_available_mb: u64,
     /// Network slots kept ready ahead of time.
     pub spare_slots: usize,
     /// How long a cold boot may take to reach envd.
@@ -75,6 +81,8 @@ impl NodeConfig {
             envd_binary: None,
             pool_size: 1,
             blank_pool_size: env_or("VMON_BLANK_POOL", 4),
+            pool_max: env_or("VMON_POOL_MAX", 8),
+            pool_min_available_mb: env_or("VMON_POOL_MIN_AVAILABLE_MB", 2048),
             spare_slots: 2,
             boot_timeout: Duration::from_secs(240),
             restore_timeout: Duration::from_secs(60),

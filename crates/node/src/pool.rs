@@ -1,11 +1,18 @@
 //! The restore pool: QEMU processes pre-spawned for hot builds, each with its own slot and
 //! overlay and its memory layers already written in, waiting for `migrate-incoming`. A create
 //! then costs a device-state load and `/init`.
+//!
+//! Each pool sizes itself by demand: a key is kept at its base size (the configured one), grown
+//! to the number of claims it saw in the last [`DEMAND_WINDOW`] (hits and misses alike) up to
+//! the pool's maximum while the host has memory to spare, and trimmed back to its base once no
+//! claim came for [`IDLE_AFTER`]. Refills yield to restores: they start only while none is in
+//! flight, take a restore turn, and their processes run at background CPU weight until claimed.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use vmon_vm::Vm;
 
@@ -58,23 +65,66 @@ impl Prepared {
     }
 }
 
+/// Claims older than this no longer count as demand.
+pub(crate) const DEMAND_WINDOW: Duration = Duration::from_secs(30);
+/// A key with no claim for this long is trimmed back to its base size.
+pub(crate) const IDLE_AFTER: Duration = Duration::from_secs(60);
+
+/// The claims of one key.
+#[derive(Default)]
+struct Demand {
+    /// Claim instants within the window, oldest first.
+    claims: VecDeque<Instant>,
+    last: Option<Instant>,
+}
+
+impl Demand {
+    fn forget_before(&mut self, now: Instant, window: Duration) {
+        while let Some(t) = self.claims.front() {
+            if now.saturating_duration_since(*t) > window {
+                self.claims.pop_front();
+            } else {
+                break;
+            }
+        }
+    }
+}
+
 pub(crate) struct Pool {
     size: std::sync::atomic::AtomicUsize,
     /// Blank processes kept per RAM base (keys `blank:<mem_base>`).
     blank_size: std::sync::atomic::AtomicUsize,
+    /// The most processes one key grows to under demand (never below its base size).
+    max: std::sync::atomic::AtomicUsize,
+    /// Growth above a key's base stops while the host's available memory is below this.
+    min_free_mb: u64,
     ready: Mutex<HashMap<String, Vec<Prepared>>>,
     /// Builds with a refill in flight, so one claim does not start several.
     filling: Mutex<std::collections::HashSet<String>>,
+    demand: Mutex<HashMap<String, Demand>>,
+    /// [`DEMAND_WINDOW`] and [`IDLE_AFTER`] (shorter in unit tests).
+    window: Duration,
+    idle_after: Duration,
 }
 
 impl Pool {
-    pub fn new(size: usize, blank_size: usize) -> Pool {
+    pub fn new(size: usize, blank_size: usize, max: usize, min_free_mb: u64) -> Pool {
         Pool {
             size: std::sync::atomic::AtomicUsize::new(size),
             blank_size: std::sync::atomic::AtomicUsize::new(blank_size),
+            max: std::sync::atomic::AtomicUsize::new(max),
+            min_free_mb,
             ready: Mutex::new(HashMap::new()),
             filling: Mutex::new(Default::default()),
+            demand: Mutex::new(HashMap::new()),
+            window: DEMAND_WINDOW,
+            idle_after: IDLE_AFTER,
         }
+    }
+
+    /// Changes the most processes one key grows to under demand.
+    pub fn set_max(&self, n: usize) {
+        self.max.store(n, std::sync::atomic::Ordering::Relaxed)
     }
 
     pub fn size(&self) -> usize {
@@ -90,8 +140,8 @@ impl Pool {
             .store(n, std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// How many processes pool `key` is topped up to.
-    fn target(&self, key: &str) -> usize {
+    /// The size pool `key` keeps when idle (0: the pool is off for it).
+    fn base(&self, key: &str) -> usize {
         if key.starts_with(BLANK_PREFIX) {
             self.blank_size.load(std::sync::atomic::Ordering::Relaxed)
         } else {
@@ -99,22 +149,92 @@ impl Pool {
         }
     }
 
-    pub fn take(&self, build_id: &str) -> Option<Prepared> {
-        self.ready.lock().ok()?.get_mut(build_id)?.pop()
+    /// How many processes pool `key` is topped up to: its base, grown to its recent claims
+    /// up to the maximum.
+    pub fn target(&self, key: &str) -> usize {
+        let base = self.base(key);
+        if base == 0 {
+            return 0;
+        }
+        let max = self.max.load(std::sync::atomic::Ordering::Relaxed);
+        let now = Instant::now();
+        let recent = self
+            .demand
+            .lock()
+            .ok()
+            .and_then(|mut d| {
+                d.get_mut(key).map(|d| {
+                    d.forget_before(now, self.window);
+                    d.claims.len()
+                })
+            })
+            .unwrap_or(0);
+        base.max(recent.min(max))
     }
 
-    pub fn depth(&self, build_id: &str) -> usize {
+    /// Takes a ready process of pool `key`, counting the claim (hit or miss) as demand.
+    pub fn take(&self, key: &str) -> Option<Prepared> {
+        if let Ok(mut d) = self.demand.lock() {
+            let now = Instant::now();
+            let e = d.entry(key.to_string()).or_default();
+            e.forget_before(now, self.window);
+            e.claims.push_back(now);
+            e.last = Some(now);
+        }
+        self.ready.lock().ok()?.get_mut(key)?.pop()
+    }
+
+    /// Whether pool `key` may hold one more process than it has: up to its base always, above
+    /// it only while the host keeps `min_free_mb` available.
+    fn may_grow(&self, key: &str) -> bool {
+        may_grow(
+            self.depth(key),
+            self.base(key),
+            available_mb(),
+            self.min_free_mb,
+        )
+    }
+
+    /// The processes above their key's base size whose key saw no claim for [`IDLE_AFTER`]
+    /// (the caller discards them, oldest first), and forgets the demand of idle keys.
+    pub fn trim(&self) -> Vec<Prepared> {
+        let now = Instant::now();
+        let busy: std::collections::HashSet<String> = match self.demand.lock() {
+            Ok(mut d) => {
+                d.retain(|_, e| {
+                    e.forget_before(now, self.window);
+                    e.last
+                        .is_some_and(|t| now.saturating_duration_since(t) <= self.idle_after)
+                });
+                d.keys().cloned().collect()
+            }
+            Err(_) => return Vec::new(),
+        };
+        let mut out = Vec::new();
+        if let Ok(mut m) = self.ready.lock() {
+            for (key, ready) in m.iter_mut().filter(|(k, _)| !busy.contains(*k)) {
+                let keep = self.base(key);
+                if ready.len() > keep {
+                    // Ready processes are pushed at the end: the oldest go.
+                    out.extend(ready.drain(..ready.len() - keep));
+                }
+            }
+        }
+        out
+    }
+
+    pub fn depth(&self, key: &str) -> usize {
         self.ready
             .lock()
             .ok()
-            .and_then(|m| m.get(build_id).map(Vec::len))
+            .and_then(|m| m.get(key).map(Vec::len))
             .unwrap_or(0)
     }
 
     /// Tops pool `key` (a template build, or `blank:<mem_base>`) up to its size in the
     /// background, after restores in flight are done: a claim never waits for a refill.
     pub fn refill<F: Filler>(&self, node: Arc<F>, key: String) {
-        if self.target(&key) == 0 {
+        if self.base(&key) == 0 {
             return;
         }
         match self.filling.lock() {
@@ -126,7 +246,7 @@ impl Pool {
             Err(_) => return,
         }
         tokio::spawn(async move {
-            while node.pool().depth(&key) < node.pool().target(&key) {
+            while node.pool().depth(&key) < node.pool().target(&key) && node.pool().may_grow(&key) {
                 while node.restores_in_flight() > 0 {
                     tokio::time::sleep(std::time::Duration::from_millis(20)).await;
                 }
@@ -194,5 +314,110 @@ impl Pool {
             .ok()
             .and_then(|mut m| m.remove(build_id))
             .unwrap_or_default()
+    }
+}
+
+/// Whether a pool of `depth` ready processes and base size `base` may make one more, with
+/// `available_mb` of host memory available (None: unknown, allowed).
+fn may_grow(depth: usize, base: usize, available_mb: Option<u64>, min_free_mb: u64) -> bool {
+    depth < base || available_mb.is_none_or(|mb| mb >= min_free_mb)
+}
+
+/// The host's available memory (`MemAvailable`), in MiB; None where it cannot be read.
+fn available_mb() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    text.lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map(|kb| kb / 1024)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pool(base: usize, max: usize, min_free_mb: u64) -> Pool {
+        let mut p = Pool::new(base, 2, max, min_free_mb);
+        p.window = Duration::from_millis(200);
+        p.idle_after = Duration::from_millis(200);
+        p
+    }
+
+    #[test]
+    fn claims_grow_a_pool_up_to_its_maximum_and_it_falls_back_when_they_stop() {
+        let p = pool(1, 8, 0);
+        assert_eq!(p.target("b1"), 1);
+        for _ in 0..5 {
+            assert!(p.take("b1").is_none());
+        }
+        assert_eq!(
+            p.target("b1"),
+            5,
+            "five claims, hits or misses, want five ready"
+        );
+        for _ in 0..10 {
+            p.take("b1");
+        }
+        assert_eq!(p.target("b1"), 8, "bounded by the maximum");
+        assert_eq!(p.target("b2"), 1, "demand is per key");
+        let blank = blank_key("mem");
+        for _ in 0..3 {
+            p.take(&blank);
+        }
+        assert_eq!(p.target(&blank), 3, "blank pools grow from their own base");
+        std::thread::sleep(Duration::from_millis(300));
+        assert_eq!(
+            p.target("b1"),
+            1,
+            "claims out of the window no longer count"
+        );
+        assert!(p.trim().is_empty(), "nothing ready, nothing to trim");
+        assert!(
+            p.demand.lock().expect("demand").is_empty(),
+            "idle keys are forgotten"
+        );
+    }
+
+    #[test]
+    fn a_pool_that_is_off_or_capped_does_not_grow() {
+        let off = pool(0, 8, 0);
+        for _ in 0..5 {
+            off.take("b1");
+        }
+        assert_eq!(
+            off.target("b1"),
+            0,
+            "size 0 turns the pool off whatever the demand"
+        );
+        let capped = pool(2, 1, 0);
+        for _ in 0..5 {
+            capped.take("b1");
+        }
+        assert_eq!(
+            capped.target("b1"),
+            2,
+            "a maximum below the base keeps the base"
+        );
+    }
+
+    #[test]
+    fn growth_above_the_base_needs_available_memory() {
+        assert!(
+            may_grow(0, 1, Some(0), 2048),
+            "up to its base a pool always refills"
+        );
+        assert!(
+            !may_grow(1, 1, Some(1000), 2048),
+            "above it, not while memory is short"
+        );
+        assert!(may_grow(1, 1, Some(4096), 2048));
+        assert!(
+            may_grow(3, 1, None, 2048),
+            "unknown memory does not stop it"
+        );
+        assert!(
+            available_mb().is_some_and(|mb| mb > 0),
+            "this host reports MemAvailable"
+        );
     }
 }

@@ -235,6 +235,46 @@ pub fn create(tag: &str, limits: &Limits) -> anyhow::Result<Option<Groups>> {
     Ok(Some(Groups { dirs, procs }))
 }
 
+/// The CPU weight of a QEMU's group relative to its siblings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Weight {
+    /// A sandbox's guest, or a process a waiting create will get.
+    Normal,
+    /// A pool refill made ahead of demand: it yields the CPU to sandboxes and waiting creates.
+    Background,
+}
+
+/// Sets the CPU weight of the QEMU tagged `tag` (`cpu.shares` in v1, `cpu.weight` in v2). Its
+/// quota is unchanged: the weight only orders it behind its siblings when the CPUs are busy.
+/// A host without groups has nothing to set.
+pub fn set_weight(tag: &str, weight: Weight) -> anyhow::Result<()> {
+    let Some(layout) = layout() else {
+        return Ok(());
+    };
+    if !settings().enabled {
+        return Ok(());
+    }
+    for (controller, parent) in &layout.parents {
+        let dir = parent.join(tag);
+        match (layout.version, *controller) {
+            (Version::V2, _) => {
+                let w = if weight == Weight::Normal { "100" } else { "5" };
+                write(&dir.join("cpu.weight"), w)?;
+            }
+            (Version::V1, "cpu") => {
+                let w = if weight == Weight::Normal {
+                    "1024"
+                } else {
+                    "32"
+                };
+                write(&dir.join("cpu.shares"), w)?;
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
 /// Removes the groups of `tag` (they must be empty: the process has exited). Errors are
 /// ignored: a group still in use stays, and the next node start's sweep takes it.
 pub fn remove(tag: &str) {

@@ -174,7 +174,10 @@ impl Node {
         }
         let id = new_id("m");
         let _guard = self.artifacts_guard.read().await;
-        let p = self.prepare(&rec, false).await.map_err(err)?;
+        let p = self
+            .prepare(&rec, false, vmon_vm::cgroup::Weight::Normal)
+            .await
+            .map_err(err)?;
         // Made by the target's QEMU, in the directory of its own.
         let nbd_socket = socket_path(
             &vmon_vm::process::qemu_dir(&p.run_dir),

@@ -307,7 +307,12 @@ impl Node {
         let qemu_ids = cfg.qemu_uid_base;
         let node = Arc::new_cyclic(|me| Node {
             me: me.clone(),
-            pool: Pool::new(cfg.pool_size, cfg.blank_pool_size),
+            pool: Pool::new(
+                cfg.pool_size,
+                cfg.blank_pool_size,
+                cfg.pool_max,
+                cfg.pool_min_available_mb,
+            ),
             cfg,
             accel,
             qemu_version,
@@ -355,6 +360,7 @@ impl Node {
                 tokio::time::sleep(Duration::from_secs(5)).await;
                 let Some(node) = weak.upgrade() else { break };
                 node.evict_parked(false).await;
+                node.trim_pool().await;
             }
         });
         Ok(node)

@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use super::Node;
 use crate::pool::{blank_key, Prepared, BLANK_PREFIX};
+use vmon_vm::cgroup::Weight;
 
 impl Node {
     /// Pre-spawned processes ready for `build_id`.
@@ -40,6 +41,18 @@ impl Node {
                 self.discard_prepared(p).await;
             }
         }
+    }
+
+    /// Discards the processes of pools idle for a while above their base size.
+    pub(super) async fn trim_pool(&self) {
+        for p in self.pool.trim() {
+            self.discard_prepared(p).await;
+        }
+    }
+
+    /// Changes the most processes one pool grows to under demand.
+    pub fn set_pool_max(&self, n: usize) {
+        self.pool.set_max(n);
     }
 
     /// Changes how many processes are kept ready per hot build (0 turns the pool off).
@@ -104,12 +117,15 @@ impl crate::pool::Filler for Node {
             if !self.builds.artifact(mem_base).exists() {
                 return Ok(None);
             }
-            return self.prepare_blank(mem_base, &machine).await.map(Some);
+            return self
+                .prepare_blank(mem_base, &machine, Weight::Background)
+                .await
+                .map(Some);
         }
         let Some(rec) = self.builds.get(key)? else {
             return Ok(None);
         };
-        self.prepare(&rec, true).await.map(Some)
+        self.prepare(&rec, true, Weight::Background).await.map(Some)
     }
 
     /// Restores waiting for or holding a turn; pool refills wait until there are none.

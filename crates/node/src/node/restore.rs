@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use vmon_proto::node::{NodeError, Running, StartSpec};
+use vmon_vm::cgroup::{self, Weight};
 use vmon_vm::disk::{create_overlay, BackingFormat};
 use vmon_vm::machine::RamSharing;
 use vmon_vm::{memory, LaunchSpec, MachineDesc, NetDevice, Vm};
@@ -46,11 +47,19 @@ impl Node {
     /// first request after a load costs most of a restore), and stops it again. A claim then
     /// costs `cont` and `/init`. Only template builds are warmed: their guest running a moment
     /// longer before its first claim is indistinguishable from a template captured later.
-    pub(super) async fn prepare(&self, rec: &BuildRecord, warm: bool) -> anyhow::Result<Prepared> {
+    ///
+    /// `weight` is the CPU weight it runs at until claimed: a refill ahead of demand runs in
+    /// the background, behind sandboxes and waiting creates.
+    pub(super) async fn prepare(
+        &self,
+        rec: &BuildRecord,
+        warm: bool,
+        weight: Weight,
+    ) -> anyhow::Result<Prepared> {
         let Some(mem_base) = rec.mem_base.clone() else {
             bail!("build {} has no memory", rec.id);
         };
-        let blank = self.prepare_blank(&mem_base, &rec.machine).await?;
+        let blank = self.prepare_blank(&mem_base, &rec.machine, weight).await?;
         let mut p = self.fill_blank(rec, blank).await?;
         if warm {
             if let Err(e) = self.warm_up(&p.vm, rec, &p.slot).await {
@@ -72,6 +81,7 @@ impl Node {
         &self,
         mem_base: &str,
         machine: &MachineDesc,
+        weight: Weight,
     ) -> anyhow::Result<Prepared> {
         let slot = self.slots.acquire(&crate::slots::open_policy()).await?;
         self.slots.refill();
@@ -100,6 +110,11 @@ impl Node {
                 view,
             })
             .await?;
+            if weight != Weight::Normal {
+                if let Err(e) = cgroup::set_weight(&tag, weight) {
+                    tracing::debug!(tag = %tag, "lowering a pool process's CPU weight: {e:#}");
+                }
+            }
             if let Err(e) = vm.qmp.prepare_incoming().await {
                 let mut vm = vm;
                 vm.kill().await;
@@ -274,11 +289,15 @@ impl Node {
                 Some(b) if b.vm_matches(&rec.machine) => self.fill_blank(rec, b).await?,
                 Some(b) => {
                     self.discard_prepared(b).await;
-                    self.prepare(rec, false).await?
+                    self.prepare(rec, false, Weight::Normal).await?
                 }
-                None => self.prepare(rec, false).await?,
+                None => self.prepare(rec, false, Weight::Normal).await?,
             },
         };
+        // Claimed: from now on it is a sandbox's guest.
+        if let Err(e) = cgroup::set_weight(&prepared.tag, Weight::Normal) {
+            tracing::debug!(tag = %prepared.tag, "restoring a claimed process's CPU weight: {e:#}");
+        }
         let Prepared {
             tag,
             slot,
