@@ -112,6 +112,18 @@ def start_server() -> tuple[subprocess.Popen, dict[str, str], Path]:
     return proc, exports, data
 
 
+def wait_code_interpreter(data: Path) -> None:
+    """A server of our own builds code-interpreter-v1 in the background after `base`: a TCG
+    cold boot that would share the two cores with everything measured. Waits for it."""
+    log = data / "vmon-up.log"
+    deadline = time.monotonic() + 1800
+    while 'template ready alias="code-interpreter-v1"' not in strip_ansi(log.read_text()):
+        if time.monotonic() > deadline:
+            sys.exit(f"code-interpreter-v1 was not built; see {log}")
+        time.sleep(1)
+    time.sleep(5)  # its warm pool process
+
+
 def main() -> None:
     own = None
     if not os.environ.get("E2B_API_URL"):
@@ -143,15 +155,7 @@ def main() -> None:
 
     lifecycle()  # warm-up: pool, connections
     if own:
-        # A server of our own builds code-interpreter-v1 in the background after `base`: a
-        # TCG cold boot that would share the two cores with everything measured here.
-        log = own[1] / "vmon-up.log"
-        deadline = time.monotonic() + 1800
-        while 'template ready alias="code-interpreter-v1"' not in strip_ansi(log.read_text()):
-            if time.monotonic() > deadline:
-                sys.exit(f"code-interpreter-v1 was not built; see {log}")
-            time.sleep(1)
-        time.sleep(5)  # its warm pool process
+        wait_code_interpreter(own[1])
     seq = [lifecycle() for _ in range(seq_n)]
     paced = []
     for _ in range(paced_n):

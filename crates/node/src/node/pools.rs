@@ -75,6 +75,16 @@ impl Node {
             .collect()
     }
 
+    /// QEMU pids of the warmed processes kept ready for template builds.
+    pub fn warm_pids(&self) -> Vec<u32> {
+        self.pool
+            .pids()
+            .into_iter()
+            .filter(|(k, _)| !k.starts_with(BLANK_PREFIX))
+            .map(|(_, p)| p)
+            .collect()
+    }
+
     /// Blank processes ready for the RAM base of `build_id`.
     pub fn blank_depth(&self, build_id: &str) -> usize {
         match self.builds.get(build_id) {

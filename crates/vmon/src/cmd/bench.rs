@@ -46,6 +46,17 @@ enum What {
     /// calls, each followed by a restart and a check of what the SDK was told
     /// (`tests/bench/chaos.py`).
     Chaos(ChaosArgs),
+    /// Idle sandboxes in steps up to `--max`: host memory per sandbox, the QEMUs' PSS and the
+    /// create latency as the count grows (`tests/bench/density_bench.py`).
+    Density(DensityArgs),
+}
+
+#[derive(clap::Args)]
+struct DensityArgs {
+    #[arg(long, default_value_t = 50)]
+    max: usize,
+    #[arg(long, default_value_t = 10)]
+    step: usize,
 }
 
 #[derive(clap::Args)]
@@ -281,6 +292,16 @@ pub async fn run(data_dir: &Path, args: Args) -> anyhow::Result<()> {
         What::Soak(a) => {
             python_bench("soak.py", &[("VMON_SOAK_CYCLES", a.cycles.to_string())]).await
         }
+        What::Density(a) => {
+            python_bench(
+                "density_bench.py",
+                &[
+                    ("VMON_DENSITY_MAX", a.max.to_string()),
+                    ("VMON_DENSITY_STEP", a.step.to_string()),
+                ],
+            )
+            .await
+        }
         What::Chaos(a) => {
             let mut env = vec![("VMON_CHAOS_KILLS", a.kills.to_string())];
             if let Some(seed) = a.seed {
@@ -457,6 +478,16 @@ async fn snapshot(data_dir: &Path, a: SnapshotArgs) -> anyhow::Result<()> {
     wait_pool(&node, &tpl).await;
     let w = node.start(spec("benchwarm", &tpl)).await?;
     node.kill("benchwarm", &w.execution_id).await?;
+    wait_pool(&node, &tpl).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let warm_pss: Vec<f64> = node
+        .warm_pids()
+        .into_iter()
+        .filter_map(pss_kib)
+        .map(|k| k / 1024.0)
+        .collect();
+    // The limit a pause's capture runs against: this disk's write bandwidth, measured now.
+    let disk_mibps = disk_write_mibps(data_dir, a.dirty.iter().copied().max().unwrap_or(256))?;
 
     let mut pooled = Vec::new();
     for i in 0..n {
@@ -593,6 +624,21 @@ async fn snapshot(data_dir: &Path, a: SnapshotArgs) -> anyhow::Result<()> {
     for (mib, v) in &pauses {
         row(&format!("pause with {mib} MiB dirtied"), v, "ms");
     }
+    println!(
+        "\nThe data dir's disk writes {disk_mibps:.0} MiB/s (fsynced, measured in this run). \
+         Pauses against it (dirtied MiB / median pause time):"
+    );
+    for (mib, v) in &pauses {
+        let (m, _) = summary(v);
+        if m > 0.0 {
+            let rate = f64::from(*mib) / (m / 1e3);
+            println!(
+                "- {mib} MiB: {rate:.0} MiB/s, {:.2} of the disk's bandwidth",
+                rate / disk_mibps
+            );
+        }
+    }
+    println!();
     row(
         "resume, QEMU kept (cont + /init, all pause sizes)",
         &hot,
@@ -611,6 +657,12 @@ async fn snapshot(data_dir: &Path, a: SnapshotArgs) -> anyhow::Result<()> {
         row("PSS of each idle fork child", &pss, "MiB");
         println!("\nOne idle fork child's PSS by mapping: {pss_breakdown}");
     }
+    if !warm_pss.is_empty() {
+        let (m, _) = summary(&warm_pss);
+        println!(
+            "\nEach warmed process kept ready for a template (restored, run, stopped): PSS {m:.1} MiB."
+        );
+    }
     wait_blanks(&node, &tpl, blanks).await;
     let blank_pss: Vec<f64> = node
         .blank_pids()
@@ -627,6 +679,34 @@ async fn snapshot(data_dir: &Path, a: SnapshotArgs) -> anyhow::Result<()> {
     }
     node.drain_pool().await;
     Ok(())
+}
+
+/// MiB/s of a `mib` MiB fsynced write of incompressible data into `dir` (the file is removed).
+fn disk_write_mibps(dir: &Path, mib: u32) -> anyhow::Result<f64> {
+    use std::io::Write;
+    let path = dir.join(format!(".bench-disk-{}", rand_hex()));
+    let mut block = vec![0u8; 1 << 20];
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    for b in block.iter_mut() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        *b = x as u8;
+    }
+    let t = Instant::now();
+    let r = (|| {
+        let mut f = std::fs::File::create(&path)?;
+        for i in 0..mib {
+            block[0] = i as u8;
+            f.write_all(&block)?;
+        }
+        f.sync_all()?;
+        anyhow::Ok(())
+    })();
+    let secs = t.elapsed().as_secs_f64();
+    let _ = std::fs::remove_file(&path);
+    r?;
+    Ok(f64::from(mib) / secs.max(1e-6))
 }
 
 #[cfg(test)]
