@@ -1,12 +1,20 @@
 //! Bounded counters for team admission: a CAS loop on one key holding a decimal count, so no
-//! interleaving of acquirers can push it past the limit. Each write also carries a random
-//! nonce (`<count>:<nonce>`): when a retried transaction reports a failed comparison, the nonce
-//! tells whether the first attempt had in fact applied, so a retry never counts twice.
+//! interleaving of acquirers can push it past the limit.
+//!
+//! A transaction whose answer was lost (a leader change, a member down) is retried by the
+//! engine, and the retry's comparison then fails if the first attempt had applied. To tell
+//! that from losing the race to another writer, each write puts a marker key named by a random
+//! nonce in the same transaction: the marker exists exactly when that write applied, whatever
+//! was written to the counter since. The marker is deleted once the outcome is known (one left
+//! behind by a process that died in between names nothing and is only a few bytes).
 
 use std::sync::Arc;
 
 use crate::engine::{Cmp, Engine, Op};
 use crate::{Entry, KvError, COUNTERS};
+
+/// Markers of counter writes that applied (see the module's docs).
+const APPLIED: &str = "ca/";
 
 fn parse(key: &str, entry: &Option<Entry>) -> Result<u64, KvError> {
     match entry {
@@ -30,27 +38,39 @@ fn encode(count: u64) -> Vec<u8> {
     format!("{count}:{:016x}", rand::random::<u64>()).into_bytes()
 }
 
+/// Writes `count` if the counter is still `entry`; true when this write applied.
 async fn swap(
     engine: &Arc<dyn Engine>,
     key: &str,
     entry: &Option<Entry>,
     count: u64,
 ) -> Result<bool, KvError> {
-    let value = encode(count);
-    let op = Op::Put {
-        key: key.to_owned(),
-        value: value.clone(),
-        lease: None,
+    let marker = format!("{APPLIED}{:016x}{:016x}", rand::random::<u64>(), rand::random::<u64>());
+    let ops = vec![
+        Op::Put {
+            key: key.to_owned(),
+            value: encode(count),
+            lease: None,
+        },
+        Op::Put {
+            key: marker.clone(),
+            value: key.as_bytes().to_vec(),
+            lease: None,
+        },
+    ];
+    let applied = if engine.txn(vec![unchanged(key, entry)], ops).await?.succeeded {
+        true
+    } else {
+        // Our own earlier attempt of this very write may be what made the comparison fail.
+        engine.get(&marker).await?.is_some()
     };
-    if engine
-        .txn(vec![unchanged(key, entry)], vec![op])
-        .await?
-        .succeeded
-    {
-        return Ok(true);
+    if applied {
+        let delete = Op::Delete { key: marker };
+        if let Err(e) = engine.txn(Vec::new(), vec![delete]).await {
+            tracing::debug!(error = %e, "deleting an admission marker failed; it stays behind");
+        }
     }
-    // Our own earlier attempt of this very write may be what made the comparison fail.
-    Ok(engine.get(key).await?.is_some_and(|e| e.value == value))
+    Ok(applied)
 }
 
 pub(crate) async fn acquire(
