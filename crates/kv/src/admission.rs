@@ -45,7 +45,11 @@ async fn swap(
     entry: &Option<Entry>,
     count: u64,
 ) -> Result<bool, KvError> {
-    let marker = format!("{APPLIED}{:016x}{:016x}", rand::random::<u64>(), rand::random::<u64>());
+    let marker = format!(
+        "{APPLIED}{:016x}{:016x}",
+        rand::random::<u64>(),
+        rand::random::<u64>()
+    );
     let ops = vec![
         Op::Put {
             key: key.to_owned(),
@@ -58,7 +62,11 @@ async fn swap(
             lease: None,
         },
     ];
-    let applied = if engine.txn(vec![unchanged(key, entry)], ops).await?.succeeded {
+    let applied = if engine
+        .txn(vec![unchanged(key, entry)], ops)
+        .await?
+        .succeeded
+    {
         true
     } else {
         // Our own earlier attempt of this very write may be what made the comparison fail.

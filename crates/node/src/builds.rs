@@ -205,9 +205,15 @@ impl Builds {
         Ok(())
     }
 
-    /// Deletes every artifact named by no build record and not in `live` (the artifacts of
-    /// running sandboxes). Also removes half-written temporary files. Returns what it deleted.
-    pub fn sweep(&self, live: &HashSet<String>) -> anyhow::Result<Vec<String>> {
+    /// Deletes every artifact named by no build record, not in `live` (the artifacts of
+    /// running sandboxes) and not `held` (asked of each file as it is found, so a file made
+    /// after `live` was read but held before it was made is kept). Also removes half-written
+    /// temporary files. Returns what it deleted.
+    pub fn sweep(
+        &self,
+        live: &HashSet<String>,
+        held: &dyn Fn(&str) -> bool,
+    ) -> anyhow::Result<Vec<String>> {
         let mut keep: HashSet<String> = live.clone();
         for r in self.list()? {
             keep.extend(r.artifacts().cloned());
@@ -215,7 +221,7 @@ impl Builds {
         let mut removed = Vec::new();
         for e in std::fs::read_dir(&self.artifacts)?.flatten() {
             let name = e.file_name().to_string_lossy().to_string();
-            if !keep.contains(&name) {
+            if !keep.contains(&name) && !held(&name) {
                 let _ = std::fs::remove_file(e.path());
                 removed.push(name);
             }
@@ -227,5 +233,32 @@ impl Builds {
             }
         }
         Ok(removed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_sweep_keeps_live_and_held_artifacts_and_deletes_the_rest() {
+        let dir = std::env::temp_dir().join(format!("vmon-builds-sweep-{}", new_id("")));
+        let builds = Builds::open(&dir).expect("open");
+        let make = || {
+            let (name, path) = builds.new_artifact("disk", "qcow2");
+            std::fs::write(&path, b"x").expect("write");
+            name
+        };
+        let (live, held, orphan) = (make(), make(), make());
+        let removed = builds
+            .sweep(&HashSet::from([live.clone()]), &|n| n == held)
+            .expect("sweep");
+        assert_eq!(removed, vec![orphan.clone()]);
+        assert!(builds.artifact(&live).exists());
+        assert!(builds.artifact(&held).exists(), "a held artifact is kept");
+        assert!(!builds.artifact(&orphan).exists());
+        let removed = builds.sweep(&HashSet::new(), &|_| false).expect("sweep");
+        assert_eq!(removed.len(), 2, "released, they go");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

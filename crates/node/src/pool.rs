@@ -35,9 +35,11 @@ pub(crate) trait Filler: Send + Sync + 'static {
     fn restores_in_flight(&self) -> usize;
     /// The turns of CPU-heavy restore work, shared with restores.
     fn restore_gate(&self) -> &tokio::sync::Semaphore;
-    /// The artifacts guard, shared: held until the new process is in the pool.
-    fn artifacts_shared(&self)
-        -> impl Future<Output = tokio::sync::RwLockReadGuard<'_, ()>> + Send;
+    /// Whether pool `key` still has something to restore (its build, or its RAM base, was not
+    /// deleted while a process was being made for it).
+    fn wanted(&self, key: &str) -> bool;
+    /// Ends a process the pool will not keep.
+    fn discard(&self, p: Prepared) -> impl Future<Output = ()> + Send;
     /// One process for pool `key`; None when there is nothing to make for it.
     fn prepare_for_pool(
         &self,
@@ -56,6 +58,48 @@ pub(crate) struct Prepared {
     /// The RAM file it maps.
     pub mem_base: String,
     pub machine: vmon_vm::MachineDesc,
+    /// Keeps its overlay from the sweep until something else names it (the pool's list, or
+    /// the sandbox it became).
+    pub held: Option<Held>,
+}
+
+/// Artifacts made for a process that nothing names yet (a refill between making its overlay
+/// and putting it in the pool): the sweep keeps them. A name is held before its file is made. Refills hold their overlay here instead
+/// of holding the artifacts guard through a warm-up, which would make every sweep, and every
+/// restore and pause queued behind it, wait for the warm-up.
+#[derive(Default, Clone)]
+pub(crate) struct HeldArtifacts(Arc<Mutex<std::collections::HashSet<String>>>);
+
+impl HeldArtifacts {
+    /// Holds `name` until the returned guard is dropped.
+    pub fn hold(&self, name: &str) -> Held {
+        if let Ok(mut s) = self.0.lock() {
+            s.insert(name.to_string());
+        }
+        Held {
+            set: self.clone(),
+            name: name.to_string(),
+        }
+    }
+
+    /// Whether `name` is held now (a poisoned set holds everything: nothing is swept).
+    pub fn contains(&self, name: &str) -> bool {
+        self.0.lock().map(|s| s.contains(name)).unwrap_or(true)
+    }
+}
+
+/// One held artifact (see [`HeldArtifacts`]); dropping it lets the sweep see it again.
+pub(crate) struct Held {
+    set: HeldArtifacts,
+    name: String,
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        if let Ok(mut s) = self.set.0.lock() {
+            s.remove(&self.name);
+        }
+    }
 }
 
 impl Prepared {
@@ -250,13 +294,16 @@ impl Pool {
                 while node.restores_in_flight() > 0 {
                     tokio::time::sleep(std::time::Duration::from_millis(20)).await;
                 }
-                // Until it is in the pool nothing names the new process's overlay. Taken before
-                // the turn, in the order restores take them.
-                let _shared = node.artifacts_shared().await;
                 let Ok(_turn) = node.restore_gate().acquire().await else {
                     break;
                 };
+                // The new process's overlay is held from the sweep (`Prepared::held`) until
+                // the pool's list names it.
                 match node.prepare_for_pool(&key).await {
+                    Ok(Some(p)) if !node.wanted(&key) => {
+                        node.discard(p).await;
+                        break;
+                    }
                     Ok(Some(p)) => {
                         if let Ok(mut m) = node.pool().ready.lock() {
                             m.entry(key.clone()).or_default().push(p);

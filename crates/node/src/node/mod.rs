@@ -75,6 +75,8 @@ pub struct Node {
     /// Held (shared) by every operation that creates artifacts not yet named by a record;
     /// held exclusively by the sweep.
     artifacts_guard: RwLock<()>,
+    /// Overlays of pool processes being made, which nothing else names yet (kept by the sweep).
+    held_artifacts: crate::pool::HeldArtifacts,
     /// Restores in their CPU-heavy part (spawn, write-in, load, the guest's first answers) at
     /// once: one per host core. Under TCG a restored guest translates its hot paths anew, and
     /// ten of them sharing two cores finish later than ten taking turns.
@@ -322,6 +324,7 @@ impl Node {
             slots: Arc::new(Slots::new(slot_block, qemu_ids)),
             sandboxes: std::sync::Mutex::new(HashMap::new()),
             artifacts_guard: RwLock::new(()),
+            held_artifacts: Default::default(),
             restore_gate: tokio::sync::Semaphore::new(env_or(
                 "VMON_RESTORE_TURNS",
                 std::thread::available_parallelism().map_or(2, |n| n.get()),

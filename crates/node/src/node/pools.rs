@@ -43,10 +43,18 @@ impl Node {
         }
     }
 
-    /// Discards the processes of pools idle for a while above their base size.
+    /// Discards the processes of pools idle for a while above their base size, and the
+    /// processes of builds deleted while they were being made.
     pub(super) async fn trim_pool(&self) {
         for p in self.pool.trim() {
             self.discard_prepared(p).await;
+        }
+        for key in self.pool.builds() {
+            if !crate::pool::Filler::wanted(self, &key) {
+                for p in self.pool.discard(&key).await {
+                    self.discard_prepared(p).await;
+                }
+            }
         }
     }
 
@@ -107,9 +115,15 @@ impl crate::pool::Filler for Node {
         &self.restore_gate
     }
 
-    /// Held (shared) while a new process's overlay is named by nothing yet.
-    async fn artifacts_shared(&self) -> tokio::sync::RwLockReadGuard<'_, ()> {
-        self.artifacts_guard.read().await
+    fn wanted(&self, key: &str) -> bool {
+        match key.strip_prefix(BLANK_PREFIX) {
+            Some(mem_base) => self.builds.artifact(mem_base).exists(),
+            None => matches!(self.builds.get(key), Ok(Some(_))),
+        }
+    }
+
+    async fn discard(&self, p: Prepared) {
+        self.discard_prepared(p).await;
     }
 
     /// What the background refill of pool `key` should make: a warmed process of a template

@@ -144,7 +144,8 @@ impl Node {
                 live.extend(p.live.state.live_artifacts());
             }
         }
-        let removed = self.builds.sweep(&live)?;
+        let held = self.held_artifacts.clone();
+        let removed = self.builds.sweep(&live, &|name| held.contains(name))?;
         if !removed.is_empty() {
             tracing::debug!(count = removed.len(), "swept artifacts");
         }

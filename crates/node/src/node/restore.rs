@@ -133,6 +133,7 @@ impl Node {
                 loaded: false,
                 mem_base: mem_base.to_string(),
                 machine: machine.clone(),
+                held: None,
             }),
             Err(e) => {
                 let _ = self.slots.release(&slot).await;
@@ -146,6 +147,7 @@ impl Node {
     /// the device state names) and memory layers. The process is discarded on failure.
     async fn fill_blank(&self, rec: &BuildRecord, mut p: Prepared) -> anyhow::Result<Prepared> {
         let (overlay, overlay_path) = self.builds.new_artifact("disk", "qcow2");
+        p.held = Some(self.held_artifacts.hold(&overlay));
         let t0 = std::time::Instant::now();
         let r = async {
             if rec.mem_base.as_deref() != Some(p.mem_base.as_str()) {
