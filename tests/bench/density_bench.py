@@ -3,11 +3,12 @@
 Starts idle `base` sandboxes through the official Python SDK in steps (VMON_DENSITY_STEP, default 10) up to
 VMON_DENSITY_MAX (default 50; 200 of 512 MiB fit these 24 GiB machines by memory), each answering a command when made.
 After each step, once the host has settled, it prints: the host memory the sandboxes took (the drop of MemAvailable
-from before the first create), per sandbox, the median and largest PSS of the sandboxes' QEMU processes, and the
-create latency of that step. At the end every sandbox must still answer a command.
+from before the first create: run it on an otherwise idle host), per sandbox, the median and largest PSS of the
+sandboxes' QEMU processes (found by their pidfiles under the server's data dir), the count of all QEMU processes on
+the host (the pool's included), and the create latency of that step. At the end every sandbox must still answer a command.
 
-Against a running server when E2B_API_URL / E2B_API_KEY / E2B_SANDBOX_URL are set (its QEMUs are found by name on
-this host); otherwise it starts its own `vmon up` like `vmon bench api`.
+Against a running server when E2B_API_URL / E2B_API_KEY / E2B_SANDBOX_URL and VMON_DATA_DIR (its data dir) are set;
+otherwise it starts its own `vmon up` like `vmon bench api`.
 """
 
 from __future__ import annotations
@@ -31,21 +32,39 @@ def mem_available_mib() -> float:
     raise RuntimeError("no MemAvailable in /proc/meminfo")
 
 
-def qemu_pss_mib() -> dict[int, float]:
-    """PSS of every QEMU process on the host, by pid."""
-    out: dict[int, float] = {}
+def pss_mib(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def qemu_pids() -> set[int]:
+    """Every QEMU process on the host."""
+    out = set()
     for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
         try:
-            if not (proc / "comm").read_text().startswith("qemu-system"):
-                continue
-            for line in (proc / "smaps_rollup").read_text().splitlines():
-                if line.startswith("Pss:"):
-                    out[int(proc.name)] = int(line.split()[1]) / 1024
+            if proc.name.isdigit() and (proc / "comm").read_text().startswith("qemu-system"):
+                out.add(int(proc.name))
         except OSError:
             continue
     return out
+
+
+def sandbox_pids(data_dir: str) -> set[int]:
+    """The QEMUs of running sandboxes: each keeps its pidfile in its run directory,
+    `<data dir>/sandboxes/<id>/<execution>/qemu/qemu.pid` (a pooled process moves there when
+    claimed)."""
+    out = set()
+    for f in Path(data_dir, "sandboxes").glob("*/*/qemu/qemu.pid"):
+        try:
+            out.add(int(f.read_text().split()[0]))
+        except (OSError, ValueError, IndexError):
+            continue
+    return out & qemu_pids()
 
 
 def main() -> None:
@@ -58,13 +77,15 @@ def main() -> None:
         os.environ.update(exports)
         own = (proc, data)
         api_bench.wait_code_interpreter(data)
+    data_dir = os.environ.get("VMON_DATA_DIR") or (str(own[1]) if own else None)
+    if not data_dir:
+        sys.exit("against a running server, set VMON_DATA_DIR to its data dir (the sandboxes' QEMUs are found there)")
     from e2b import Sandbox  # after the environment is set
 
     # The pool and everything else the server keeps before any sandbox: not the sandboxes' cost.
     Sandbox.create("base", timeout=600).kill()
     time.sleep(10)
     before_mem = mem_available_mib()
-    before_pids = set(qemu_pss_mib())
     sandboxes: list[Sandbox] = []
     rows = []
     while len(sandboxes) < max_n:
@@ -77,10 +98,10 @@ def main() -> None:
             sandboxes.append(sbx)
         time.sleep(10)  # let refills and page-ins settle before reading memory
         used = before_mem - mem_available_mib()
-        pss = qemu_pss_mib()
-        mine = [v for pid, v in pss.items() if pid not in before_pids]
+        all_qemus = qemu_pids()
+        mine = [v for v in (pss_mib(p) for p in sandbox_pids(data_dir)) if v is not None]
         rows.append((len(sandboxes), used, used / len(sandboxes), statistics.median(mine) if mine else 0.0,
-                     max(mine) if mine else 0.0, len(pss), statistics.median(creates), api_bench.pct(creates, 0.99)))
+                     max(mine) if mine else 0.0, len(all_qemus), statistics.median(creates), api_bench.pct(creates, 0.99)))
         print(f"{len(sandboxes)} sandboxes: host {used:.0f} MiB, QEMU PSS median {rows[-1][3]:.0f} MiB", flush=True)
 
     answered = 0
