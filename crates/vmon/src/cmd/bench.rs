@@ -624,21 +624,6 @@ async fn snapshot(data_dir: &Path, a: SnapshotArgs) -> anyhow::Result<()> {
     for (mib, v) in &pauses {
         row(&format!("pause with {mib} MiB dirtied"), v, "ms");
     }
-    println!(
-        "\nThe data dir's disk writes {disk_mibps:.0} MiB/s (fsynced, measured in this run). \
-         Pauses against it (dirtied MiB / median pause time):"
-    );
-    for (mib, v) in &pauses {
-        let (m, _) = summary(v);
-        if m > 0.0 {
-            let rate = f64::from(*mib) / (m / 1e3);
-            println!(
-                "- {mib} MiB: {rate:.0} MiB/s, {:.2} of the disk's bandwidth",
-                rate / disk_mibps
-            );
-        }
-    }
-    println!();
     row(
         "resume, QEMU kept (cont + /init, all pause sizes)",
         &hot,
@@ -656,6 +641,20 @@ async fn snapshot(data_dir: &Path, a: SnapshotArgs) -> anyhow::Result<()> {
         row("fork ×10 (checkpoint + 10 children up)", &fork10, "ms");
         row("PSS of each idle fork child", &pss, "MiB");
         println!("\nOne idle fork child's PSS by mapping: {pss_breakdown}");
+    }
+    println!(
+        "\nThe data dir's disk writes {disk_mibps:.0} MiB/s (fsynced, measured in this run). \
+         Pauses against it (dirtied MiB / median pause time):"
+    );
+    for (mib, v) in &pauses {
+        let (m, _) = summary(v);
+        if m > 0.0 {
+            let rate = f64::from(*mib) / (m / 1e3);
+            println!(
+                "- {mib} MiB: {rate:.0} MiB/s, {:.2} of the disk's bandwidth",
+                rate / disk_mibps
+            );
+        }
     }
     if !warm_pss.is_empty() {
         let (m, _) = summary(&warm_pss);
