@@ -13,8 +13,11 @@ create or fork may have made sandboxes nobody was told of. After the restart:
 - every sandbox the SDK was told is killed is gone, and every known sandbox that is gone has
   a `killed` event;
 - no sandbox is listed that no call could have made;
-- every build record's artifacts are on disk, and no pause build is kept beyond the paused
-  and running sandboxes that may name one;
+- every build record's artifacts are on disk, no pause build is kept beyond the paused and
+  running sandboxes that may name one, and every build on disk (pause, checkpoint, template)
+  is named by a record (a sandbox's build or owned build, a live template's or snapshot's
+  tag, a cached layer) or is the memory basis of a running sandbox (the node refuses to
+  delete those);
 - at the end every paused sandbox resumes with its token, and the team's limit admits exactly
   as many more sandboxes as it has free (the admission counter equals the running count).
 
@@ -31,6 +34,7 @@ import os
 import random
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -256,15 +260,8 @@ class Chaos:
             self.check_admission()
 
     def check_disk(self) -> None:
-        data = self.server.data
-        builds = data / "builds"
-        artifacts = data / "artifacts"
-        records = []
-        for f in sorted(builds.glob("*.json")) if builds.exists() else []:
-            try:
-                records.append(json.loads(f.read_text()))
-            except (OSError, ValueError) as e:
-                self.violation(f"build record {f.name} unreadable: {e}")
+        artifacts = self.server.data / "artifacts"
+        records = self.build_records()
         for r in records:
             names = [r.get("mem_base"), r.get("devstate"), r.get("disk"), *r.get("layers", []),
                      *r.get("disk_chain", [])]
@@ -275,6 +272,64 @@ class Chaos:
         may_name = sum(1 for k in self.known.values() if k.may_be & {RUNNING, PAUSED})
         if len(pauses) > may_name:
             self.violation(f"{len(pauses)} pause builds kept for {may_name} sandboxes")
+        # No build without a record naming it. The names are read before and after the
+        # listing, so a transition that commits meanwhile is seen either way; one still
+        # unnamed is given a moment, as the reaper may be between its node call and its commit.
+        unnamed = self.unnamed_builds()
+        if unnamed:
+            time.sleep(2)
+            unnamed &= self.unnamed_builds()
+        for b in sorted(unnamed):
+            self.violation(f"build {b} is on disk but no record names it")
+
+    def build_records(self) -> list[dict]:
+        builds = self.server.data / "builds"
+        records = []
+        for f in sorted(builds.glob("*.json")) if builds.exists() else []:
+            try:
+                records.append(json.loads(f.read_text()))
+            except FileNotFoundError:
+                continue  # deleted meanwhile
+            except (OSError, ValueError) as e:
+                self.violation(f"build record {f.name} unreadable: {e}")
+        return records
+
+    def named_builds(self) -> set[str]:
+        """Every build the api's records name, read from its SQLite store: sandboxes (their
+        build, their paused build, the build they own), live templates' and snapshots' tags,
+        the template layer cache."""
+        named: set[str] = set()
+        db = sqlite3.connect(f"file:{self.server.data / 'vmon.db'}?mode=ro", uri=True, timeout=30)
+        try:
+            for build, paused, extra in db.execute(
+                    "SELECT build_id, paused_build_id, extra FROM sandboxes"):
+                named.update(b for b in (build, paused, json.loads(extra).get("owned_build")) if b)
+            named.update(b for (b,) in db.execute(
+                "SELECT g.build_id FROM template_tags g JOIN templates t ON t.id = g.template_id "
+                "WHERE t.deleted_at IS NULL"))
+            named.update(json.loads(doc)["build_id"] for (doc,) in db.execute(
+                "SELECT doc FROM template_layers"))
+        finally:
+            db.close()
+        return named
+
+    def bases_in_use(self) -> set[str]:
+        """The builds running sandboxes' memory stands on (from their `sandbox.json`)."""
+        out: set[str] = set()
+        for state in self.server.data.glob("sandboxes/*/*/sandbox.json"):
+            try:
+                ram = json.loads(state.read_text()).get("ram", {})
+            except (OSError, ValueError):
+                continue
+            if ram.get("kind") == "private" and ram.get("basis"):
+                out.add(ram["basis"])
+        return out
+
+    def unnamed_builds(self) -> set[str]:
+        before = self.named_builds()
+        on_disk = {r["id"] for r in self.build_records() if r.get("id")}
+        after = self.named_builds()
+        return on_disk - before - after - self.bases_in_use()
 
     def check_admission(self) -> None:
         from e2b import Sandbox
@@ -298,21 +353,29 @@ class Chaos:
 
     # --- the run -------------------------------------------------------------------------
 
-    def fault_round(self, point: str, want: str) -> None:
-        """A crash at a named point of a pause (`VMON_FAULT`), then a restart: the sandbox
-        must be `want` and hold its token."""
+    def fault_round(self, point: str, want: str, op: str = "pause") -> None:
+        """A crash at a named point (`VMON_FAULT`) of a pause, fork or snapshot, then a
+        restart: the sandbox must be `want` and hold its token, and (as after every restart)
+        no build may be left that no record names: a fork's or snapshot's checkpoint build
+        made before the crash is collected by the restart."""
         from e2b import Sandbox
 
         sbx = Sandbox.create("base", timeout=900)
         token = f"{self.rng.getrandbits(64):016x}"
         sbx.files.write("/home/user/mark", token)
-        self.known[sbx.sandbox_id] = Known({RUNNING, PAUSED}, token)
+        self.known[sbx.sandbox_id] = Known({RUNNING, PAUSED} if op == "pause" else {RUNNING}, token)
         self.server.stop()
         self.server.env["VMON_FAULT"] = point
         self.start()
         try:
-            sbx.pause()
-            self.violation(f"{point}: the pause answered although the server aborted")
+            if op == "pause":
+                sbx.pause()
+            else:
+                with self.api() as c:
+                    path = "fork" if op == "fork" else "snapshots"
+                    body = {"count": 1, "timeout": 900} if op == "fork" else {}
+                    c.post(f"/sandboxes/{sbx.sandbox_id}/{path}", json=body)
+            self.violation(f"{point}: the {op} answered although the server aborted")
         except Exception:  # noqa: BLE001 - the server aborts mid-call
             pass
         assert self.server.proc is not None
@@ -324,7 +387,7 @@ class Chaos:
         if now != want:
             self.violation(f"{point}: after the restart the sandbox is {now}, not {want}")
         self.check()
-        print(f"fault {point}: {now} after the restart", flush=True)
+        print(f"fault {point} ({op}): {now} after the restart", flush=True)
 
     def round(self, n: int) -> None:
         delay = self.rng.uniform(0.5, 8.0)
@@ -371,6 +434,10 @@ def main() -> None:
         # pause never happened; after it the restart finishes it.
         chaos.fault_round("pause:captured", RUNNING)
         chaos.fault_round("pause:committed", PAUSED)
+        # A fork's and a snapshot's checkpoint made on the node, the crash before the api's
+        # record: the source runs on, the build is collected at the restart.
+        chaos.fault_round("checkpoint:committed", RUNNING, "fork")
+        chaos.fault_round("checkpoint:committed", RUNNING, "snapshot")
         for n in range(1, kills + 1):
             if chaos.violations:
                 break

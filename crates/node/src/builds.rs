@@ -167,6 +167,24 @@ impl Builds {
         Ok(out)
     }
 
+    /// When the record of `id` was written (Unix seconds; its file's mtime: records are
+    /// written once, by rename, so this is the instant the build came to exist).
+    pub fn recorded_unix(&self, id: &str) -> Option<u64> {
+        if !valid_name(id) {
+            return None;
+        }
+        let modified = std::fs::metadata(self.records.join(format!("{id}.json")))
+            .ok()?
+            .modified()
+            .ok()?;
+        Some(
+            modified
+                .duration_since(std::time::UNIX_EPOCH)
+                .ok()?
+                .as_secs(),
+        )
+    }
+
     /// Writes a record once all its artifacts are durable.
     pub fn put(&self, rec: &BuildRecord) -> anyhow::Result<()> {
         if !valid_name(&rec.id) {

@@ -21,9 +21,9 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use vmon_proto::node::{
-    BuildInfo, ExecOutput, ExecSpec, LogEntry, LogQuery, MetricSample, MigrateIn, MigrateOut,
-    MigrateStats, NetworkPolicy, NodeControl, NodeError, OciImage, PauseBuild, PausedState,
-    Running, StartSpec, TemplateSpec,
+    BuildInfo, ExecOutput, ExecSpec, KeptBuild, LogEntry, LogQuery, MetricSample, MigrateIn,
+    MigrateOut, MigrateStats, NetworkPolicy, NodeControl, NodeError, OciImage, PauseBuild,
+    PausedState, Running, StartSpec, TemplateSpec,
 };
 
 /// Largest RPC body either side reads (log pages are the big ones).
@@ -167,6 +167,7 @@ async fn call(
         },
         "list_running" => answer::<Vec<Running>>(Ok(n.list_running().await)),
         "pause_builds" => answer(n.pause_builds().await),
+        "builds" => answer(n.builds().await),
         "update_network" => match parse::<Network>(&body) {
             Ok(x) => answer(
                 n.update_network(&x.sandbox_id, &x.execution_id, x.policy)
@@ -541,6 +542,9 @@ impl NodeControl for RemoteNode {
     }
     async fn pause_builds(&self) -> Result<Vec<PauseBuild>, NodeError> {
         self.call("pause_builds", &json!({})).await
+    }
+    async fn builds(&self) -> Result<Vec<KeptBuild>, NodeError> {
+        self.call("builds", &json!({})).await
     }
     async fn delete_build(&self, build_id: &str) -> Result<(), NodeError> {
         self.call(

@@ -161,6 +161,16 @@ pub struct PauseBuild {
     pub build: BuildInfo,
 }
 
+/// A build a node keeps, and when its record was written (`NodeControl::builds`): what the
+/// api's collector of unnamed builds compares with its records.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct KeptBuild {
+    pub build: BuildInfo,
+    /// When the node wrote the build's record (Unix seconds): the instant the build began to
+    /// exist for the api, whatever the build took before.
+    pub recorded_unix: u64,
+}
+
 /// How to make a template build from the base image.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct TemplateSpec {
@@ -444,6 +454,12 @@ pub trait NodeControl: Send + Sync + 'static {
     /// Every build a pause made that this node still keeps, with the run it came from. The
     /// default knows none (a node that cannot say leaves interrupted pauses as orphans).
     async fn pause_builds(&self) -> Result<Vec<PauseBuild>, NodeError> {
+        Ok(Vec::new())
+    }
+
+    /// Every build this node keeps on its disk (not those only in the object store). The
+    /// default knows none (a node that cannot say has nothing collected).
+    async fn builds(&self) -> Result<Vec<KeptBuild>, NodeError> {
         Ok(Vec::new())
     }
 

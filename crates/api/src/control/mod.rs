@@ -11,6 +11,7 @@ mod builtin;
 pub use builtin::CODE_INTERPRETER;
 mod checkpoint;
 mod cluster;
+mod collect;
 mod delivery;
 mod egress;
 mod health;
@@ -42,6 +43,7 @@ use crate::records::{
 use crate::wire;
 
 pub use checkpoint::{parse_template_ref, TemplateRef};
+pub use collect::COLLECT_GRACE;
 pub use idle::{DEFAULT_IDLE_SECS, METADATA_PREFIX as IDLE_METADATA_PREFIX, MIN_IDLE_SECS};
 
 fn route_of(rec: &SandboxRecord) -> SandboxRoute {

@@ -1,6 +1,7 @@
 //! The KV leader's duties: the timeout reaper (every second, expired running sandboxes pause
 //! when autoPause, otherwise die; a failed auto-pause kills), the idle scan (`idle.rs`, every
-//! `idle.scan_interval_ms`), the event retention job (hourly),
+//! `idle.scan_interval_ms`), the event retention job, the layer cache's collector and the
+//! collector of unnamed builds (`collect.rs`; hourly),
 //! and the webhook dispatcher (`delivery.rs`), fenced by the leader epoch.
 
 use std::collections::HashSet;
@@ -73,6 +74,7 @@ impl Control {
                     _ = retention.tick() => {
                         self.expire_events().await;
                         self.collect_layers().await;
+                        self.collect_builds_periodically().await;
                     }
                 }
             }

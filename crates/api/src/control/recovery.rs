@@ -5,10 +5,11 @@
 //! record still `running` whose VM is gone is finished from the node's side: when the node
 //! keeps a pause build of that very run, the pause happened and the record becomes `paused`
 //! on it; otherwise the sandbox died with the node and is reported killed (`orphaned`). VMs
-//! no record names are killed, pause builds no record names are deleted, and the team
-//! counters are recounted. Nothing is in flight meanwhile: this runs before the first request.
+//! no record names are killed, builds no record names are deleted (`collect.rs`), and the
+//! team counters are recounted. Nothing is in flight meanwhile: this runs before the first
+//! request.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 
 use vmon_proto::node::PauseBuild;
 
@@ -71,7 +72,18 @@ impl Control {
                 }
             }
         }
-        self.collect_pause_builds(&records, &pause_builds).await;
+        // Every build no record names now goes (`collect.rs`): pauses superseded or cut by a
+        // kill, checkpoints of forks and snapshots that crashed before their record,
+        // templates deleted just before a crash.
+        match self.collect_builds(std::time::Duration::ZERO).await {
+            Ok(deleted) if !deleted.is_empty() => {
+                tracing::info!(count = deleted.len(), "deleted builds no record names")
+            }
+            Ok(_) => {}
+            Err(e) => {
+                tracing::warn!(error = %e, "collecting unnamed builds failed: they stay until the next pass")
+            }
+        }
         for (team, n) in per_team {
             self.kv.set_counter(&admission_key(&team), n).await?;
         }
@@ -134,24 +146,5 @@ impl Control {
             self.drop_build(b).await;
         }
         Ok(())
-    }
-
-    /// Deletes the pause builds no sandbox record names (a pause whose record was
-    /// superseded, a kill that died before it dropped the build). Only pause builds: a pause
-    /// build is named by its sandbox's record and by forks of it, nothing else. The node
-    /// refuses a build other builds stand on.
-    async fn collect_pause_builds(&self, records: &[SandboxRecord], builds: &[PauseBuild]) {
-        let named: HashSet<&str> = records
-            .iter()
-            .flat_map(|r| {
-                std::iter::once(r.build.build_id.as_str()).chain(r.owned_build.as_deref())
-            })
-            .collect();
-        for b in builds {
-            if !named.contains(b.build.build_id.as_str()) {
-                tracing::info!(build_id = %b.build.build_id, sandbox_id = %b.sandbox_id, "a pause build no record names: deleting it");
-                self.drop_build(&b.build.build_id).await;
-            }
-        }
     }
 }

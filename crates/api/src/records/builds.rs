@@ -103,6 +103,8 @@ pub trait BuildRecords: Send + Sync + 'static {
         before: OffsetDateTime,
     ) -> RecordResult<Vec<(String, String, BuildInfo)>>;
     async fn delete_layer(&self, team_id: &str, key: &str) -> RecordResult<()>;
+    /// Every cached layer of every team: `(team, key, build)`.
+    async fn layers(&self) -> RecordResult<Vec<(String, String, BuildInfo)>>;
     /// The team's templates and snapshots, and the shared ones.
     async fn templates_of(&self, team_id: &str) -> RecordResult<Vec<super::TemplateRecord>>;
     /// Whether a stored name (`slug/alias`, or a shared alias) is taken.
@@ -209,6 +211,16 @@ impl BuildRecords for StoreRecords {
         let ms = (before.unix_timestamp_nanos() / 1_000_000) as i64;
         self.store()
             .stale_template_layers(ms)
+            .await?
+            .into_iter()
+            .map(|(t, k, d)| Ok((t, k, serde_json::from_str(&d)?)))
+            .collect()
+    }
+
+    async fn layers(&self) -> RecordResult<Vec<(String, String, BuildInfo)>> {
+        // Every layer was last used before the end of time.
+        self.store()
+            .stale_template_layers(i64::MAX)
             .await?
             .into_iter()
             .map(|(t, k, d)| Ok((t, k, serde_json::from_str(&d)?)))

@@ -39,6 +39,10 @@ pub struct FakeNode {
     /// The first build's progress, shared with the Control as `vmon up` shares it with an
     /// in-process node; a build reports an image step into it, as the real node does.
     pub progress: vmon_proto::progress::Progress,
+    /// When `builds` says a build was recorded (Unix seconds; absent: long ago).
+    pub recorded_unix: Mutex<HashMap<String, u64>>,
+    /// Builds a running sandbox stands on: `delete_build` refuses them, as the node does.
+    pub in_use: Mutex<std::collections::HashSet<String>>,
 }
 
 impl FakeNode {
@@ -56,6 +60,8 @@ impl FakeNode {
             hold_builds: tokio::sync::RwLock::new(()),
             fail_builds: AtomicUsize::new(0),
             progress: vmon_proto::progress::Progress::new("the base template"),
+            recorded_unix: Mutex::new(HashMap::new()),
+            in_use: Mutex::new(std::collections::HashSet::new()),
         })
     }
     pub fn running_count(&self) -> usize {
@@ -120,8 +126,24 @@ impl NodeControl for FakeNode {
             .ok_or_else(|| NodeError::BuildNotFound(build_id.into()))
     }
     async fn delete_build(&self, build_id: &str) -> Result<(), NodeError> {
+        if self.in_use.lock().unwrap().contains(build_id) {
+            return Err(NodeError::BuildInUse(build_id.into()));
+        }
         self.builds.lock().unwrap().remove(build_id);
         Ok(())
+    }
+    async fn builds(&self) -> Result<Vec<vmon_proto::node::KeptBuild>, NodeError> {
+        let recorded = self.recorded_unix.lock().unwrap();
+        Ok(self
+            .builds
+            .lock()
+            .unwrap()
+            .values()
+            .map(|b| vmon_proto::node::KeptBuild {
+                build: b.clone(),
+                recorded_unix: recorded.get(&b.build_id).copied().unwrap_or(0),
+            })
+            .collect())
     }
     async fn paused_state(
         &self,

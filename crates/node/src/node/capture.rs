@@ -18,7 +18,8 @@ use crate::sandbox::{Live, RamSource, SandboxState};
 
 /// Crash-test hook: `VMON_FAULT=<point>` aborts the process at that point, as a node crash
 /// would. Points: `pause:captured` (artifacts written, no record), `pause:committed` (record
-/// written, QEMU not yet gone).
+/// written, QEMU not yet gone), `checkpoint:committed` (a fork's or snapshot's build record
+/// written, before the api's record names it; the source is still stopped).
 fn fault(point: &str) {
     if std::env::var("VMON_FAULT").as_deref() == Ok(point) {
         tracing::error!(point, "VMON_FAULT: aborting");
@@ -335,6 +336,7 @@ impl Node {
                 .capture(&l, &build_id, memory, false, frozen, chain)
                 .await?;
             self.builds.put(&rec)?;
+            fault("checkpoint:committed");
             self.upload_later(&rec);
             if let RamSource::Private { mem_base, .. } = &l.state.ram {
                 // Later captures of this sandbox compare with the checkpoint.

@@ -5,9 +5,9 @@ use std::sync::Arc;
 
 use tokio::sync::Mutex;
 use vmon_proto::node::{
-    BuildInfo, ExecOutput, ExecSpec, LogEntry, LogQuery, MetricSample, MigrateIn, MigrateOut,
-    MigrateStats, NetworkPolicy, NodeControl, NodeError, OciImage, PauseBuild, PausedState,
-    Running, StartSpec, TemplateSpec,
+    BuildInfo, ExecOutput, ExecSpec, KeptBuild, LogEntry, LogQuery, MetricSample, MigrateIn,
+    MigrateOut, MigrateStats, NetworkPolicy, NodeControl, NodeError, OciImage, PauseBuild,
+    PausedState, Running, StartSpec, TemplateSpec,
 };
 
 use super::{err, Node};
@@ -59,6 +59,22 @@ impl NodeControl for Node {
                     execution_id: from.execution_id.clone(),
                     build: Self::info(r),
                 })
+            })
+            .collect())
+    }
+
+    async fn builds(&self) -> Result<Vec<KeptBuild>, NodeError> {
+        let records = self.builds.list().map_err(err)?;
+        Ok(records
+            .iter()
+            .map(|r| KeptBuild {
+                build: Self::info(r),
+                // A record whose file vanished meanwhile was just deleted: "now" keeps it
+                // out of a collection that would find nothing to delete anyway.
+                recorded_unix: self
+                    .builds
+                    .recorded_unix(&r.id)
+                    .unwrap_or_else(crate::builds::now_unix),
             })
             .collect())
     }
