@@ -28,6 +28,8 @@ BINS=(
   # The code-interpreter server's R contexts run on the host in tests/code_interpreter: R and
   # its Jupyter kernel (checked below by its package), as in the guest image.
   R:r-base-core
+  # ... and its TypeScript contexts strip a cell's types with esbuild, as in the guest image.
+  esbuild:esbuild
 )
 have_pkg() {
   { dpkg-query -W -f='${Status}\n' "$1" 2>/dev/null || true; } | grep -q "install ok installed"

@@ -56,17 +56,18 @@ MAX_TEXT = 8 * 1024 * 1024
 READ_CHUNK = 64 * 1024
 MARK = b"\x1evmon-cell-end "
 LANGUAGES = {"python": "python", "python3": "python", "py": "python", "r": "r", "bash": "bash",
-             "sh": "bash", "shell": "bash", "js": "js", "javascript": "js", "node": "js"}
+             "sh": "bash", "shell": "bash", "js": "js", "javascript": "js", "node": "js",
+             "ts": "ts", "typescript": "ts"}
 # Languages the SDK names that this guest has no kernel for: refused with the reason.
 UNAVAILABLE = {
     "java": "Java contexts are not available: the guest image has no Java Jupyter kernel (Debian "
             "packages none, and the image is made from Debian's packages only); use python, r, "
             "js or bash",
-    "typescript": "TypeScript contexts are not available: the guest's Node.js runs JavaScript only "
-                  "(use language='js')",
-    "ts": "TypeScript contexts are not available: the guest's Node.js runs JavaScript only "
-          "(use language='js')",
 }
+# What a TypeScript context needs besides Node.js: the cells' types are stripped with it.
+ESBUILD = "esbuild"
+NO_ESBUILD = ("TypeScript contexts are not available: no esbuild on this machine to strip the "
+              "types (use language='js')")
 BASH_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 # Imported ahead by the default context's kernel, so a template snapshot holds them loaded.
 PRELOAD = ("numpy", "pandas", "matplotlib.pyplot")
@@ -598,7 +599,9 @@ def bash_worker_main(req_fd, resp_fd):
 
 # A JavaScript context: Node.js, the cells run in one global scope (`vm.runInThisContext`, so a
 # cell's value is its completion value); a promise value is awaited; `require` resolves from the
-# context's cwd. Same pipes and messages as the Python worker.
+# context's cwd. Same pipes and messages as the Python worker. A TypeScript context is the same
+# worker with each cell's types stripped first by esbuild (no type checking, as Node.js's own
+# type stripping); a cell esbuild cannot parse is a SyntaxError.
 JS_WORKER = r"""
 'use strict';
 const fs = require('fs');
@@ -606,7 +609,8 @@ const vm = require('vm');
 const util = require('util');
 const readline = require('readline');
 const { createRequire } = require('module');
-const [reqFd, respFd] = process.argv.slice(-2).map(Number);
+const [lang, reqFdArg, respFdArg] = process.argv.slice(-3);
+const [reqFd, respFd] = [reqFdArg, respFdArg].map(Number);
 const MARK = '\x1evmon-cell-end ';
 const send = (m) => fs.writeSync(respFd, JSON.stringify(m) + '\n');
 globalThis.require = createRequire(process.cwd() + '/');
@@ -618,6 +622,19 @@ function errorMsg(e) {
              traceback: String(e.stack || e) };
   }
   return { type: 'error', name: 'Error', value: util.inspect(e), traceback: '' };
+}
+function stripTypes(code) {
+  const r = require('child_process').spawnSync('esbuild', ['--loader=ts', '--log-level=error'],
+    { input: code, encoding: 'utf8', maxBuffer: 1 << 28 });
+  if (r.error) throw r.error;
+  if (r.status !== 0) {
+    const text = String(r.stderr || '').replace(/\x1b\[[0-9;]*m/g, '');
+    const first = /\[ERROR\] (.*)/.exec(text);
+    const e = new SyntaxError(first ? first[1] : text.trim());
+    e.stack = text.trim();
+    throw e;
+  }
+  return r.stdout;
 }
 async function run(req) {
   count += 1;
@@ -632,11 +649,12 @@ async function run(req) {
   const filename = `<cell ${count}>`;
   let value, err = null;
   try {
+    const code = lang === 'ts' ? stripTypes(req.code || '') : (req.code || '');
     try {
-      value = vm.runInThisContext(req.code || '', { filename });
+      value = vm.runInThisContext(code, { filename });
     } catch (e) {
       if (!(e instanceof SyntaxError) || !/await/.test(String(e.message))) throw e;
-      value = vm.runInThisContext(`(async () => {\n${req.code}\n})()`, { filename });
+      value = vm.runInThisContext(`(async () => {\n${code}\n})()`, { filename });
     }
     if (value && typeof value.then === 'function') value = await value;
   } catch (e) {
@@ -684,8 +702,8 @@ class Worker:
         req_r, req_w = os.pipe()
         resp_r, resp_w = os.pipe()
         env = dict(os.environ)
-        if language == "js":
-            argv = ["node", "-e", JS_WORKER, "--", str(req_r), str(resp_w)]
+        if language in ("js", "ts"):
+            argv = ["node", "-e", JS_WORKER, "--", language, str(req_r), str(resp_w)]
         else:
             argv = [sys.executable, "-u", os.path.abspath(__file__), "--worker", str(req_r),
                     str(resp_w), "bash"]
@@ -1412,8 +1430,10 @@ def language_of(value):
     if name in UNAVAILABLE:
         raise BadRequest(400, UNAVAILABLE[name])
     if name not in LANGUAGES:
-        raise BadRequest(400, "unsupported language %r (this server runs python, r, js and bash)"
-                         % (value,))
+        raise BadRequest(400, "unsupported language %r (this server runs python, r, js, ts and "
+                         "bash)" % (value,))
+    if LANGUAGES[name] == "ts" and shutil.which(ESBUILD) is None:
+        raise BadRequest(400, NO_ESBUILD)
     return LANGUAGES[name]
 
 

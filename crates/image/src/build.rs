@@ -77,6 +77,9 @@ const APT_PACKAGES: &[&str] = &[
     // `ir` the package installs in /usr/share/jupyter/kernels).
     "r-base-core",
     "r-cran-irkernel",
+    // The code interpreter's TypeScript contexts: esbuild strips the types of a cell, which
+    // then runs as JavaScript (the guest's Node.js 18 has no type stripping of its own).
+    "esbuild",
     // What template builds run: the Template SDK's helpers (`pip_install`, `npm_install`,
     // `git_clone`) and ready checks (`ss`, `curl`, `pgrep`: iproute2, curl, procps above).
     "python3-pip",

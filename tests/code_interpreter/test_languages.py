@@ -1,7 +1,8 @@
-"""R contexts of the code-interpreter server (crates/image/assets/code_interpreter.py) run as a
-host process, as in test_server.py: each R context is a real IRkernel (Debian's r-base-core and
-r-cran-irkernel, whose kernelspec `ir` jupyter_client finds), its messages parsed with the
-official SDK's own parser. Java stays refused with the reason."""
+"""The code-interpreter server's languages beyond Python (crates/image/assets/code_interpreter.py)
+run as a host process, as in test_server.py, its messages parsed with the official SDK's own
+parser: each R context is a real IRkernel (Debian's r-base-core and r-cran-irkernel, whose
+kernelspec `ir` jupyter_client finds); a TypeScript context is the JavaScript worker with each
+cell's types stripped by esbuild (Debian's); Java stays refused with the reason."""
 
 from __future__ import annotations
 
@@ -145,3 +146,38 @@ def test_java_is_refused_with_the_reason(server):
         status, text = request(port, "POST", path, body)
         assert status == 400, (path, status, text)
         assert "Java contexts are not available" in text and "no Java Jupyter kernel" in text, text
+
+
+def test_typescript_cells(server):
+    port, _ = server
+    status, body = request(port, "POST", "/contexts", {"language": "typescript"})
+    assert status == 200, body
+    ctx = Context.from_json(json.loads(body))
+    assert ctx.language == "ts"
+    code = (
+        "interface P { name: string; n: number }\n"
+        "enum Color { Red, Green }\n"
+        "const twice = <T,>(x: T): T[] => [x, x];\n"
+        "let p: P = { name: 'a', n: 41 };\n"
+        "console.log(twice<string>(p.name).join(''));\n"
+        "p.n + 1 + (Color.Green as number) - 1"
+    )
+    ex, _ = execute(port, code, context_id=ctx.id)
+    assert ex.error is None, ex.error
+    assert ex.text == "42" and ex.results[0].is_main_result
+    assert ex.logs.stdout == ["aa\n"]
+    ex, _ = execute(port, "p.name as string", context_id=ctx.id)  # state across cells
+    assert ex.text == "a"  # a string's value without its quotes, as in a JavaScript context
+    ex, _ = execute(port, "const v: number = await Promise.resolve(5); console.log(v)", context_id=ctx.id)
+    assert ex.error is None and ex.logs.stdout == ["5\n"], ex.error
+    ex, _ = execute(port, "let bad: = 1", context_id=ctx.id)
+    assert ex.error.name == "SyntaxError" and "Unexpected" in ex.error.value, ex.error
+    ex, _ = execute(port, "(null as any).x", context_id=ctx.id)
+    assert ex.error.name == "TypeError"
+    # Types are stripped, not checked (as Node.js's own type stripping).
+    ex, _ = execute(port, "const s: number = 'not a number' as any; typeof s", language="ts")
+    assert ex.text == "string"
+    ex, _ = execute(port, "typeof s", language="ts")  # the default TypeScript context keeps it
+    assert ex.text == "string"
+    ex, _ = execute(port, "typeof s", language="js")  # the JavaScript one is another process
+    assert ex.text == "undefined"
