@@ -338,6 +338,13 @@ def test_sandbox_envs_reach_the_kernel(vmon):
         ex = s.run_code("os.environ['VMON_PER_CELL']", envs={"VMON_PER_CELL": "cell"})
         assert ex.text == "cell"
         assert s.run_code("os.environ.get('VMON_PER_CELL')").results == []
+        # An R kernel gets them too; a cell's envs override the sandbox's for that cell only.
+        ex = s.run_code("Sys.getenv('VMON_FROM_CREATE')", language="r", timeout=600)
+        assert ex.results[0].text == '[1] "yes"', (ex.results, ex.error)
+        ex = s.run_code("Sys.getenv('VMON_FROM_CREATE')", language="r", envs={"VMON_FROM_CREATE": "cell"})
+        assert ex.results[0].text == '[1] "cell"'
+        ex = s.run_code("Sys.getenv('VMON_FROM_CREATE')", language="r")
+        assert ex.results[0].text == '[1] "yes"'
 
 
 def test_state_survives_pause_and_connect(sbx):

@@ -61,7 +61,7 @@ LANGUAGES = {"python": "python", "python3": "python", "py": "python", "r": "r", 
 # Languages the SDK names that this guest has no kernel for: refused with the reason.
 UNAVAILABLE = {
     "java": "Java contexts are not available: the guest image has no Java Jupyter kernel (Debian "
-            "packages none, and the image is made from Debian's packages only); use python, r, "
+            "packages none, and the image is made from Debian's packages only); use python, r, ts, "
             "js or bash",
 }
 # What a TypeScript context needs besides Node.js: the cells' types are stripped with it.
