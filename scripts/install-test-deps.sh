@@ -25,6 +25,11 @@ BINS=(
   # The disk-full test: a small ext4 (mkfs.ext4 comes with vmon's own packages) on a loop mount.
   fallocate:util-linux
   mount:mount
+  # The code-interpreter server's R contexts run on the host in tests/code_interpreter: R and
+  # its Jupyter kernel (checked below by its package), as in the guest image.
+  R:r-base-core
+  # ... and its TypeScript contexts strip a cell's types with esbuild, as in the guest image.
+  esbuild:esbuild
 )
 have_pkg() {
   { dpkg-query -W -f='${Status}\n' "$1" 2>/dev/null || true; } | grep -q "install ok installed"
@@ -47,6 +52,7 @@ for entry in "${BINS[@]}"; do
   found "$bin" || missing+=("$pkg")
 done
 have_pkg python3-venv || missing+=(python3-venv)
+have_pkg r-cran-irkernel || missing+=(r-cran-irkernel)
 if [ ${#missing[@]} -gt 0 ]; then
   echo "installing (tests): ${missing[*]}" >&2
   export DEBIAN_FRONTEND=noninteractive

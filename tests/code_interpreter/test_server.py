@@ -570,7 +570,7 @@ def test_interrupt_keeps_the_kernel_state(server):
 
 def test_languages_without_a_kernel_are_refused_with_the_reason(server):
     port, _ = server
-    for language, word in (("r", "R kernel"), ("java", "Java"), ("typescript", "TypeScript"), ("ts", "TypeScript")):
+    for language, word in (("java", "Java"),):
         status, text = request(port, "POST", "/contexts", {"language": language})
         assert status == 400 and word in text, (language, status, text)
         status, text = request(port, "POST", "/execute", {"code": "1", "language": language})

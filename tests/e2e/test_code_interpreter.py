@@ -1,7 +1,8 @@
 """The official `e2b-code-interpreter` SDK against `vmon up`: the default template
 `code-interpreter-v1` (built in the background after `base`), the server on port 49999 through
 the proxy, its IPython kernels (rich results, charts, magics, `!pip install`, interrupt,
-restart), contexts, and a context's state across pause + connect and in a fork child.
+restart), contexts, R contexts (IRkernel), TypeScript cells, Java's refusal, and a context's
+state across pause + connect and in a fork child.
 
 One sandbox for the whole module, to keep VM time small; the tests run in file order and the
 last one pauses it.
@@ -278,14 +279,56 @@ def test_interrupt_keeps_state_and_restart_clears_it(sbx):
     sbx.remove_code_context(ctx)
 
 
-def test_r_java_and_typescript_are_refused_with_the_reason(sbx):
-    for language, reason in (("r", "no R kernel"), ("java", "no Java Jupyter kernel"), ("typescript", "JavaScript only")):
-        with pytest.raises(Exception) as e:
-            sbx.create_code_context(language=language)
-        assert reason in str(e.value), (language, e.value)
-        with pytest.raises(Exception) as e:
-            sbx.run_code("1", language=language)
-        assert reason in str(e.value), (language, e.value)
+def test_r_contexts_run_on_irkernel(sbx):
+    from e2b import SandboxException
+
+    # An R kernel's first start in a sandbox pays R's start-up under TCG.
+    ctx = sbx.create_code_context(language="r", request_timeout=600)
+    assert ctx.language == "r"
+    ex = sbx.run_code("x <- 41; x + 1", context=ctx)
+    assert ex.error is None, ex.error
+    # IRkernel shows a value as display data: a result (not the main one) with R's print.
+    assert [r.text for r in ex.results] == ["[1] 42"]
+    ex = sbx.run_code("x * 2", context=ctx)
+    assert ex.results[0].text == "[1] 82"
+    ex = sbx.run_code('print("hi")', context=ctx)
+    assert ex.logs.stdout == ['[1] "hi"\n'] and ex.results == []
+    ex = sbx.run_code('f <- function() stop("boom"); f()', context=ctx)
+    assert ex.error.name == "ERROR" and "boom" in ex.error.value
+    assert 'stop("boom")' in ex.error.traceback, ex.error.traceback
+    ex = sbx.run_code("x", context=ctx)  # the kernel kept its state through the error
+    assert ex.results[0].text == "[1] 41"
+    assert sbx.run_code("x").text == "41"  # the Python context's own x
+    # By language, with a cell's envs, in the default R context (as E2B's own tests use it).
+    ex = sbx.run_code("Sys.getenv('FOO')", language="r", envs={"FOO": "bar"}, timeout=600)
+    assert ex.results[0].text == '[1] "bar"', (ex.results, ex.error)
+    ex = sbx.run_code("Sys.getenv('FOO', unset = 'default')", language="r")
+    assert ex.results[0].text == '[1] "default"'
+    sbx.remove_code_context(ctx)
+    with pytest.raises(SandboxException) as e:
+        sbx.run_code("x", context=ctx)
+    assert "not found" in str(e.value)
+
+
+def test_typescript_cells_have_their_types_stripped(sbx):
+    ex = sbx.run_code("interface P { n: number }\nconst p: P = { n: 41 };\np.n + 1", language="ts")
+    assert ex.error is None, ex.error
+    assert ex.text == "42"
+    ex = sbx.run_code("let bad: = 1", language="typescript")
+    assert ex.error.name == "SyntaxError"
+    assert sbx.run_code("p.n as number", language="ts").text == "41"
+
+
+def test_java_is_refused_with_the_reason(sbx):
+    from e2b import SandboxException
+
+    reason = "Java contexts are not available: the guest image has no Java Jupyter kernel"
+    with pytest.raises(SandboxException) as e:
+        sbx.create_code_context(language="java")
+    assert "400" in str(e.value) and reason in str(e.value), e.value
+    with pytest.raises(SandboxException) as e:
+        sbx.run_code('System.out.println("hi")', language="java")
+    assert "400" in str(e.value) and reason in str(e.value), e.value
 
 
 def test_sandbox_envs_reach_the_kernel(vmon):
@@ -295,6 +338,13 @@ def test_sandbox_envs_reach_the_kernel(vmon):
         ex = s.run_code("os.environ['VMON_PER_CELL']", envs={"VMON_PER_CELL": "cell"})
         assert ex.text == "cell"
         assert s.run_code("os.environ.get('VMON_PER_CELL')").results == []
+        # An R kernel gets them too; a cell's envs override the sandbox's for that cell only.
+        ex = s.run_code("Sys.getenv('VMON_FROM_CREATE')", language="r", timeout=600)
+        assert ex.results[0].text == '[1] "yes"', (ex.results, ex.error)
+        ex = s.run_code("Sys.getenv('VMON_FROM_CREATE')", language="r", envs={"VMON_FROM_CREATE": "cell"})
+        assert ex.results[0].text == '[1] "cell"'
+        ex = s.run_code("Sys.getenv('VMON_FROM_CREATE')", language="r")
+        assert ex.results[0].text == '[1] "yes"'
 
 
 def test_state_survives_pause_and_connect(sbx):

@@ -55,17 +55,19 @@ MAX_CONTROL_LINE = 64 * 1024 * 1024
 MAX_TEXT = 8 * 1024 * 1024
 READ_CHUNK = 64 * 1024
 MARK = b"\x1evmon-cell-end "
-LANGUAGES = {"python": "python", "python3": "python", "py": "python", "bash": "bash", "sh": "bash",
-             "shell": "bash", "js": "js", "javascript": "js", "node": "js"}
+LANGUAGES = {"python": "python", "python3": "python", "py": "python", "r": "r", "bash": "bash",
+             "sh": "bash", "shell": "bash", "js": "js", "javascript": "js", "node": "js",
+             "ts": "ts", "typescript": "ts"}
 # Languages the SDK names that this guest has no kernel for: refused with the reason.
 UNAVAILABLE = {
-    "r": "R contexts are not available: the guest image has no R kernel (r-base, r-cran-irkernel)",
-    "java": "Java contexts are not available: no Java Jupyter kernel is packaged for the guest",
-    "typescript": "TypeScript contexts are not available: the guest's Node.js runs JavaScript only "
-                  "(use language='js')",
-    "ts": "TypeScript contexts are not available: the guest's Node.js runs JavaScript only "
-          "(use language='js')",
+    "java": "Java contexts are not available: the guest image has no Java Jupyter kernel (Debian "
+            "packages none, and the image is made from Debian's packages only); use python, r, ts, "
+            "js or bash",
 }
+# What a TypeScript context needs besides Node.js: the cells' types are stripped with it.
+ESBUILD = "esbuild"
+NO_ESBUILD = ("TypeScript contexts are not available: no esbuild on this machine to strip the "
+              "types (use language='js')")
 BASH_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 # Imported ahead by the default context's kernel, so a template snapshot holds them loaded.
 PRELOAD = ("numpy", "pandas", "matplotlib.pyplot")
@@ -597,7 +599,9 @@ def bash_worker_main(req_fd, resp_fd):
 
 # A JavaScript context: Node.js, the cells run in one global scope (`vm.runInThisContext`, so a
 # cell's value is its completion value); a promise value is awaited; `require` resolves from the
-# context's cwd. Same pipes and messages as the Python worker.
+# context's cwd. Same pipes and messages as the Python worker. A TypeScript context is the same
+# worker with each cell's types stripped first by esbuild (no type checking, as Node.js's own
+# type stripping); a cell esbuild cannot parse is a SyntaxError.
 JS_WORKER = r"""
 'use strict';
 const fs = require('fs');
@@ -605,7 +609,8 @@ const vm = require('vm');
 const util = require('util');
 const readline = require('readline');
 const { createRequire } = require('module');
-const [reqFd, respFd] = process.argv.slice(-2).map(Number);
+const [lang, reqFdArg, respFdArg] = process.argv.slice(-3);
+const [reqFd, respFd] = [reqFdArg, respFdArg].map(Number);
 const MARK = '\x1evmon-cell-end ';
 const send = (m) => fs.writeSync(respFd, JSON.stringify(m) + '\n');
 globalThis.require = createRequire(process.cwd() + '/');
@@ -617,6 +622,19 @@ function errorMsg(e) {
              traceback: String(e.stack || e) };
   }
   return { type: 'error', name: 'Error', value: util.inspect(e), traceback: '' };
+}
+function stripTypes(code) {
+  const r = require('child_process').spawnSync('esbuild', ['--loader=ts', '--log-level=error'],
+    { input: code, encoding: 'utf8', maxBuffer: 1 << 28 });
+  if (r.error) throw r.error;
+  if (r.status !== 0) {
+    const text = String(r.stderr || '').replace(/\x1b\[[0-9;]*m/g, '');
+    const first = /\[ERROR\] (.*)/.exec(text);
+    const e = new SyntaxError(first ? first[1] : text.trim());
+    e.stack = text.trim();
+    throw e;
+  }
+  return r.stdout;
 }
 async function run(req) {
   count += 1;
@@ -631,11 +649,12 @@ async function run(req) {
   const filename = `<cell ${count}>`;
   let value, err = null;
   try {
+    const code = lang === 'ts' ? stripTypes(req.code || '') : (req.code || '');
     try {
-      value = vm.runInThisContext(req.code || '', { filename });
+      value = vm.runInThisContext(code, { filename });
     } catch (e) {
       if (!(e instanceof SyntaxError) || !/await/.test(String(e.message))) throw e;
-      value = vm.runInThisContext(`(async () => {\n${req.code}\n})()`, { filename });
+      value = vm.runInThisContext(`(async () => {\n${code}\n})()`, { filename });
     }
     if (value && typeof value.then === 'function') value = await value;
   } catch (e) {
@@ -683,8 +702,8 @@ class Worker:
         req_r, req_w = os.pipe()
         resp_r, resp_w = os.pipe()
         env = dict(os.environ)
-        if language == "js":
-            argv = ["node", "-e", JS_WORKER, "--", str(req_r), str(resp_w)]
+        if language in ("js", "ts"):
+            argv = ["node", "-e", JS_WORKER, "--", language, str(req_r), str(resp_w)]
         else:
             argv = [sys.executable, "-u", os.path.abspath(__file__), "--worker", str(req_r),
                     str(resp_w), "bash"]
@@ -934,7 +953,7 @@ def unquoted(text):
     return text
 
 
-def result_message(bundle, is_main):
+def result_message(bundle, is_main, language="python"):
     """The SDK's `result` for a Jupyter MIME bundle."""
     msg = {"type": "result", "is_main_result": is_main}
     extra = {}
@@ -944,7 +963,7 @@ def result_message(bundle, is_main):
             extra[mime] = clip(value)
         elif value or value == 0:
             msg[field] = clip(value)
-    if "text" in msg:
+    if "text" in msg and language == "python":
         msg["text"] = unquoted(msg["text"])
     if extra:
         msg["extra"] = extra
@@ -977,33 +996,99 @@ class KernelDied(Exception):
     pass
 
 
-class Kernel:
-    """An IPython kernel process and this server's sockets to it (shell and iopub, signed
-    with the kernel's key). Used under its context's lock: ZeroMQ sockets are not shared
-    between threads at once."""
+# The Jupyter kernelspec of each kernel language other than Python (whose kernel is this
+# server's own interpreter's ipykernel): R is IRkernel, whose Debian package installs `ir` in
+# /usr/share/jupyter/kernels.
+KERNELSPECS = {"r": ("ir", "R contexts are not available: no IRkernel kernelspec `ir` "
+                           "(r-base-core and r-cran-irkernel) on this machine")}
 
-    def __init__(self, cwd, preload=False):
+
+def kernelspec_argv(language, connection_file):
+    """The command line of `language`'s kernel from its kernelspec (as jupyter_client finds
+    it), or BadRequest saying what is missing."""
+    from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
+
+    name, missing = KERNELSPECS[language]
+    try:
+        spec = KernelSpecManager().get_kernel_spec(name)
+    except NoSuchKernel:
+        raise BadRequest(400, missing)
+    if not spec.argv or shutil.which(spec.argv[0]) is None:
+        raise BadRequest(400, missing)
+    return [a.replace("{connection_file}", connection_file)
+            .replace("{resource_dir}", spec.resource_dir) for a in spec.argv], dict(spec.env or {})
+
+
+def r_string(s):
+    """An R string literal for `s` (JSON's escapes are R's; `s` has no NUL)."""
+    return json.dumps(s, ensure_ascii=False)
+
+
+def r_env_list(env):
+    """An R named list of strings for a mapping of environment variables."""
+    return "list(%s)" % ", ".join("%s = %s" % (r_string(k), r_string(v)) for k, v in env.items())
+
+
+def settable_env(env):
+    """The entries of `env` that can be environment variables."""
+    out = {}
+    for k, v in (env or {}).items():
+        if isinstance(k, str) and isinstance(v, str) and k and "=" not in k and "\0" not in k + v:
+            try:
+                (k + v).encode("utf-8")
+            except UnicodeEncodeError:
+                continue
+            out[k] = v
+    return out
+
+
+# What an R kernel runs for a cell's `env_vars`: the earlier values are kept in an option
+# (not in the user's global environment) and given back after the cell.
+R_PUSH_ENV = ("local({ new <- %s; old <- as.list(Sys.getenv(names(new), unset = NA, names = TRUE)); "
+              "options(vmon.saved_env = c(list(old), getOption('vmon.saved_env'))); "
+              "do.call(Sys.setenv, new) })")
+R_POP_ENV = ("local({ s <- getOption('vmon.saved_env'); if (length(s)) { "
+             "options(vmon.saved_env = s[-1]); old <- s[[1]]; for (k in names(old)) "
+             "if (is.na(old[[k]])) Sys.unsetenv(k) else do.call(Sys.setenv, old[k]) } })")
+
+
+class Kernel:
+    """A Jupyter kernel process (IPython, or the kernelspec's for another language) and this
+    server's sockets to it (shell and iopub, signed with the kernel's key). Used under its
+    context's lock: ZeroMQ sockets are not shared between threads at once."""
+
+    def __init__(self, cwd, preload=False, language="python"):
         import zmq
         from jupyter_client.connect import write_connection_file
         from jupyter_client.session import Session
 
-        ensure_user_site()
+        self.language = language
         self.dir = tempfile.mkdtemp(prefix="vmon-kernel-")
-        key = uuid.uuid4().hex.encode()
         path = os.path.join(self.dir, "kernel.json")
+        env = kernel_env()
+        if language == "python":
+            ensure_user_site()
+            argv = [sys.executable, "-m", "ipykernel_launcher", "-f", path,
+                    "--InteractiveShell.colors=NoColor",
+                    "--HistoryManager.hist_file=:memory:",
+                    "--PlainTextFormatter.max_seq_length=0",
+                    # ipykernel sleeps 0.5 ms after each cell so that iopub is out before the
+                    # reply; a TCG guest's timer makes that several ms, and this server waits
+                    # for iopub's `idle` anyway.
+                    "--IPythonKernel._execute_sleep=0",
+                    "--IPKernelApp.log_level=ERROR"]
+        else:
+            try:
+                argv, spec_env = kernelspec_argv(language, path)
+            except BadRequest:
+                shutil.rmtree(self.dir, ignore_errors=True)
+                raise
+            env.update(spec_env)
+        key = uuid.uuid4().hex.encode()
         _, info = write_connection_file(path, ip="127.0.0.1", key=key)
         self.session = Session(key=key, username="vmon")
-        argv = [sys.executable, "-m", "ipykernel_launcher", "-f", path,
-                "--InteractiveShell.colors=NoColor",
-                "--HistoryManager.hist_file=:memory:",
-                "--PlainTextFormatter.max_seq_length=0",
-                # ipykernel sleeps 0.5 ms after each cell so that iopub is out before the
-                # reply; a TCG guest's timer makes that several ms, and this server waits for
-                # iopub's `idle` anyway.
-                "--IPythonKernel._execute_sleep=0",
-                "--IPKernelApp.log_level=ERROR"]
         self.proc = subprocess.Popen(
-            argv, cwd=cwd, env=kernel_env(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
             close_fds=True, start_new_session=True)
         ctx = zmq.Context.instance()
         self.shell = ctx.socket(zmq.DEALER)
@@ -1020,6 +1105,8 @@ class Kernel:
         self.poller.register(self.iopub, zmq.POLLIN)
         self.fresh = True  # nothing run yet: the sandbox's envs still to set
         self._wait_ready(KERNEL_START_TIMEOUT)
+        if language != "python":
+            return
         self.run_quiet("exec(%r, {'__name__': '_vmon_setup'})" % (
             "import importlib.util, sys\n"
             "spec = importlib.util.spec_from_file_location('_vmon_kernel', %r)\n"
@@ -1036,6 +1123,29 @@ class Kernel:
 
     def alive(self):
         return self.proc.poll() is None
+
+    def set_envs(self, envs):
+        """Sets the sandbox's environment variables in the kernel."""
+        envs = settable_env(envs)
+        if not envs:
+            return
+        if self.language == "r":
+            self.run_quiet("do.call(Sys.setenv, %s)" % r_env_list(envs))
+        else:
+            self.run_quiet("__import__('os').environ.update(%r)" % (envs,))
+
+    def push_env(self, env):
+        """Sets a cell's `env_vars`, keeping the values they replace for `pop_env`."""
+        if self.language == "r":
+            self.run_quiet(R_PUSH_ENV % r_env_list(settable_env(env)))
+        else:
+            self.run_quiet("__import__('_vmon_kernel').push_env(%r)" % (env,))
+
+    def pop_env(self):
+        if self.language == "r":
+            self.run_quiet(R_POP_ENV)
+        else:
+            self.run_quiet("__import__('_vmon_kernel').pop_env()")
 
     def send(self, msg_type, content):
         return self.session.send(self.shell, msg_type, content)["header"]["msg_id"]
@@ -1125,15 +1235,15 @@ class Kernel:
 
 
 class KernelContext:
-    """A Python context: one IPython kernel, one cell at a time."""
+    """A Python or R context: one Jupyter kernel, one cell at a time."""
 
-    def __init__(self, cid, cwd, preload=False):
+    def __init__(self, cid, cwd, preload=False, language="python"):
         self.id = cid
-        self.language = "python"
+        self.language = language
         self.cwd = cwd
         self.preload = preload
         self.lock = threading.Lock()  # one cell at a time
-        self.kernel = Kernel(cwd, preload)
+        self.kernel = Kernel(cwd, preload, language)
         self.running = None  # the kernel a cell runs in, for interrupt
 
     def info(self):
@@ -1145,7 +1255,7 @@ class KernelContext:
         self.kernel.kill()
         with self.lock:
             self.kernel.stop()
-            self.kernel = Kernel(self.cwd)
+            self.kernel = Kernel(self.cwd, language=self.language)
 
     def interrupt(self):
         k = self.running
@@ -1160,7 +1270,7 @@ class KernelContext:
     def _kernel(self):
         if not self.kernel.alive():
             self.kernel.stop()
-            self.kernel = Kernel(self.cwd)
+            self.kernel = Kernel(self.cwd, language=self.language)
         return self.kernel
 
     def execute(self, code, env_vars, emit, disconnected, sandbox_envs=None):
@@ -1169,17 +1279,17 @@ class KernelContext:
             try:
                 k = self._kernel()
                 if k.fresh and sandbox_envs:
-                    k.run_quiet("__import__('os').environ.update(%r)" % (sandbox_envs,))
+                    k.set_envs(sandbox_envs)
                 k.fresh = False
                 if env_vars:
-                    k.run_quiet("__import__('_vmon_kernel').push_env(%r)" % (env_vars,))
+                    k.push_env(env_vars)
                 self.running = k
                 try:
                     self._run_cell(k, code, emit, disconnected)
                 finally:
                     self.running = None
                 if env_vars and k.alive():
-                    k.run_quiet("__import__('_vmon_kernel').pop_env()")
+                    k.pop_env()
             except KernelDied as e:
                 code_ = k.proc.poll()
                 k.stop()
@@ -1234,7 +1344,8 @@ class KernelContext:
                 name = "stderr" if content.get("name") == "stderr" else "stdout"
                 out = {"type": name, "text": clip(content.get("text", "")), "timestamp": now_ns()}
             elif kind in ("execute_result", "display_data"):
-                out = result_message(content.get("data") or {}, kind == "execute_result")
+                out = result_message(content.get("data") or {}, kind == "execute_result",
+                                     k.language)
             elif kind == "error" and not errored:
                 errored = True
                 out = {"type": "error", "name": content.get("ename", ""),
@@ -1256,8 +1367,8 @@ class Contexts:
     @staticmethod
     def _make(language, cwd, preload=False):
         cid = str(uuid.uuid4())
-        if language == "python":
-            return KernelContext(cid, cwd, preload)
+        if language in ("python", "r"):
+            return KernelContext(cid, cwd, preload, language)
         return PipeContext(cid, language, cwd)
 
     def create(self, language, cwd):
@@ -1319,7 +1430,10 @@ def language_of(value):
     if name in UNAVAILABLE:
         raise BadRequest(400, UNAVAILABLE[name])
     if name not in LANGUAGES:
-        raise BadRequest(400, "unsupported language %r (this server runs python, bash and js)" % (value,))
+        raise BadRequest(400, "unsupported language %r (this server runs python, r, js, ts and "
+                         "bash)" % (value,))
+    if LANGUAGES[name] == "ts" and shutil.which(ESBUILD) is None:
+        raise BadRequest(400, NO_ESBUILD)
     return LANGUAGES[name]
 
 

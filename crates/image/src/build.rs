@@ -73,6 +73,13 @@ const APT_PACKAGES: &[&str] = &[
     // Jupyter kernels for the code interpreter's Python contexts.
     "python3-ipykernel",
     "python3-jupyter-client",
+    // The code interpreter's R contexts: R and its Jupyter kernel (IRkernel, whose kernelspec
+    // `ir` the package installs in /usr/share/jupyter/kernels).
+    "r-base-core",
+    "r-cran-irkernel",
+    // The code interpreter's TypeScript contexts: esbuild strips the types of a cell, which
+    // then runs as JavaScript (the guest's Node.js 18 has no type stripping of its own).
+    "esbuild",
     // What template builds run: the Template SDK's helpers (`pip_install`, `npm_install`,
     // `git_clone`) and ready checks (`ss`, `curl`, `pgrep`: iproute2, curl, procps above).
     "python3-pip",
