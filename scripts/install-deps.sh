@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs what building and running `vmon up` needs on a fresh Debian machine (QEMU, image tools,
-# networking, protoc for etcd-client's build script) in one
+# networking, protoc and its well-known .proto files for etcd-client's build script) in one
 # apt transaction, then checks that every program vmon runs is there. Test-only servers and the
 # SDK venv come from scripts/install-test-deps.sh. Safe to run again: it only adds what is
 # missing.
@@ -25,8 +25,10 @@ BINS=(
   patchelf:patchelf
   debugfs:e2fsprogs
 )
-# Packages with no program of their own to check.
-EXTRA=(ca-certificates libnss-myhostname)
+# Packages with no program of their own to check. libprotobuf-dev ships the well-known types
+# (google/protobuf/descriptor.proto, struct.proto) that etcd-client's .proto files import; apt
+# only recommends it beside protobuf-compiler, and recommends are not installed here.
+EXTRA=(ca-certificates libnss-myhostname libprotobuf-dev)
 
 installed_version() {
   # dpkg-query fails for a package it has never seen: that is "not installed", not an error.
@@ -92,6 +94,10 @@ for entry in "${BINS[@]}"; do
     failed=1
   fi
 done
+if [ ! -f /usr/include/google/protobuf/descriptor.proto ]; then
+  echo "error: protoc's well-known types are missing (apt-get install libprotobuf-dev)" >&2
+  failed=1
+fi
 if command -v qemu-img >/dev/null 2>&1 && ! qemu-img --version >/dev/null 2>&1; then
   echo "error: qemu-img does not run (apt-get install --reinstall qemu-utils)" >&2
   failed=1

@@ -17,19 +17,19 @@ use crate::state::{Admin, AppState};
 pub(crate) fn routes() -> Router<AppState> {
     Router::new()
         .route("/admin/teams", post(create_team).get(list_teams))
-        .route("/admin/teams/:id/keys", post(create_key))
+        .route("/admin/teams/{id}/keys", post(create_key))
         .route("/admin/keys", get(list_keys))
-        .route("/admin/keys/:id", delete(revoke_key))
+        .route("/admin/keys/{id}", delete(revoke_key))
         .route("/admin/sandboxes", get(list_sandboxes))
         .route("/admin/nodes", get(list_nodes))
         .route(
-            "/admin/nodes/:id/drain",
+            "/admin/nodes/{id}/drain",
             post(drain_node).get(drain_status).delete(undrain_node),
         )
-        .route("/admin/sandboxes/:id/migrate", post(migrate_sandbox))
-        .route("/admin/sandboxes/:id", delete(kill_sandbox))
-        .route("/admin/routes/:id", get(route))
-        .route("/admin/routes/:id/resume", post(resume_route))
+        .route("/admin/sandboxes/{id}/migrate", post(migrate_sandbox))
+        .route("/admin/sandboxes/{id}", delete(kill_sandbox))
+        .route("/admin/routes/{id}", get(route))
+        .route("/admin/routes/{id}/resume", post(resume_route))
         .route("/admin/activity", post(report_activity))
 }
 

@@ -63,7 +63,7 @@ pub fn routes<S: Clone + Send + Sync + 'static>() -> Router<S> {
         )
         .route("/dashboard/", get(|| async { serve("index.html") }))
         .route(
-            "/dashboard/:name",
+            "/dashboard/{name}",
             get(|Path(name): Path<String>| async move { serve(&name) }),
         )
         .layer(axum::middleware::map_response(secure))

@@ -21,14 +21,14 @@ use crate::state::{body, query_pairs, AppState, Auth};
 pub(crate) fn routes() -> Router<AppState> {
     Router::new()
         .route("/events/sandboxes", get(team_events))
-        .route("/events/sandboxes/:id", get(sandbox_events))
+        .route("/events/sandboxes/{id}", get(sandbox_events))
         .route("/events/webhooks", get(list_webhooks).post(create_webhook))
         .route(
-            "/events/webhooks/:id",
+            "/events/webhooks/{id}",
             get(get_webhook).patch(patch_webhook).delete(delete_webhook),
         )
-        .route("/events/webhooks/:id/deliveries", get(deliveries))
-        .route("/events/webhooks/:id/stats", get(stats))
+        .route("/events/webhooks/{id}/deliveries", get(deliveries))
+        .route("/events/webhooks/{id}/stats", get(stats))
 }
 
 const MAX_URL: usize = 2048;

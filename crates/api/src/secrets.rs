@@ -38,7 +38,7 @@ pub(crate) fn routes() -> Router<AppState> {
     Router::new()
         .route("/secrets", get(list_secrets).post(create_secret))
         .route(
-            "/secrets/:id",
+            "/secrets/{id}",
             get(get_secret).post(update_secret).delete(delete_secret),
         )
 }

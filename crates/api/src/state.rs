@@ -27,7 +27,6 @@ pub struct AppState {
 /// The authenticated team of a request (`X-API-Key`).
 pub struct Auth(pub Team);
 
-#[axum::async_trait]
 impl FromRequestParts<AppState> for Auth {
     type Rejection = ApiError;
 
@@ -53,7 +52,6 @@ impl FromRequestParts<AppState> for Auth {
 /// The operator (`X-Admin-Token`); the admin routes answer 404 when no token is set.
 pub(crate) struct Admin;
 
-#[axum::async_trait]
 impl FromRequestParts<AppState> for Admin {
     type Rejection = ApiError;
 

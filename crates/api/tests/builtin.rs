@@ -1,5 +1,6 @@
 //! Builtin templates: a create naming `code-interpreter-v1` before it exists builds it on
-//! demand, concurrent creates share one build, and the background build makes it once.
+//! demand, concurrent creates share one build, and the background build makes it once; a
+//! builtin built from an older guest image is built again.
 
 #![allow(clippy::unwrap_used)]
 
@@ -37,4 +38,45 @@ async fn create_builds_the_code_interpreter_template_once() {
         .req("POST", "/v2/sandboxes", Some(r#"{"templateID":"nope"}"#))
         .await;
     assert_eq!(r.status, StatusCode::NOT_FOUND);
+}
+
+#[tokio::test]
+async fn a_builtin_template_from_an_older_guest_image_is_built_again() {
+    let h = harness(TeamLimits {
+        max_concurrent: 5,
+        ..TeamLimits::default()
+    })
+    .await;
+    let first = h
+        .control
+        .ensure_template("base", &Default::default())
+        .await
+        .unwrap();
+    // Same image: the build is kept.
+    let again = h
+        .control
+        .ensure_template("base", &Default::default())
+        .await
+        .unwrap();
+    assert_eq!(again.build_id, first.build_id);
+    // The node now has a newer image than the build was made from.
+    h.node
+        .builds
+        .lock()
+        .unwrap()
+        .get_mut(&first.build_id)
+        .unwrap()
+        .older_image = true;
+    let rebuilt = h
+        .control
+        .ensure_template("base", &Default::default())
+        .await
+        .unwrap();
+    assert_ne!(rebuilt.build_id, first.build_id);
+    // Creates use the new build; the old one is left for what was made from it.
+    let id = h.create(r#"{"templateID":"base"}"#).await;
+    let starts = h.node.starts.lock().unwrap().clone();
+    let s = starts.iter().find(|s| s.sandbox_id == id).expect("started");
+    assert_eq!(s.build_id, rebuilt.build_id);
+    assert!(h.node.builds.lock().unwrap().contains_key(&first.build_id));
 }

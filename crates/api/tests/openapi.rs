@@ -1,7 +1,7 @@
 //! The OpenAPI document cannot drift from the router: every path and method the real router
 //! serves is in `GET /openapi.json`, and everything the document lists is served.
 //!
-//! The served routes are read from the router itself (axum 0.7's `Debug` of a `Router` lists
+//! The served routes are read from the router itself (axum 0.8's `Debug` of a `Router` lists
 //! each route id's path and which methods its `MethodRouter` has). That format is not a
 //! stable API, so the parse fails loudly when it finds nothing it recognises, and a second,
 //! behavioural check sends every documented operation to the router and expects neither the
@@ -20,17 +20,11 @@ use vmon_api::records::TeamLimits;
 
 type Op = (String, String);
 
-/// `/sandboxes/:id`, `/templates/*id` and `/sandboxes/{sandboxID}` all become
+/// `/sandboxes/{id}`, `/templates/{*id}` and `/sandboxes/{sandboxID}` all become
 /// `/sandboxes/{}`: parameter names may differ between the router and the document.
 fn normalize(path: &str) -> String {
     path.split('/')
-        .map(|seg| {
-            if seg.starts_with(':') || seg.starts_with('*') || seg.starts_with('{') {
-                "{}"
-            } else {
-                seg
-            }
-        })
+        .map(|seg| if seg.starts_with('{') { "{}" } else { seg })
         .collect::<Vec<_>>()
         .join("/")
 }

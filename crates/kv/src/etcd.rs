@@ -52,6 +52,12 @@ fn lease_not_found(error: &EtcdError) -> bool {
 }
 
 impl EtcdEngine {
+    /// After a failed watch, waits a little (never past `deadline`) so a caller that re-reads
+    /// and watches again does not spin while etcd is unreachable.
+    async fn pause_before_retry(deadline: Instant) {
+        tokio::time::sleep_until(deadline.min(Instant::now() + Duration::from_millis(100))).await;
+    }
+
     pub(crate) async fn connect(config: &EtcdConfig) -> Result<Arc<dyn Engine>, KvError> {
         if config.endpoints.is_empty() {
             return Err(KvError::InvalidArgument("no etcd endpoints".to_owned()));
@@ -212,26 +218,46 @@ impl Engine for EtcdEngine {
             .with_start_revision(after + 1);
         let deadline = Instant::now() + timeout;
         let watch = tokio::time::timeout_at(deadline, client.watch(prefix, Some(options))).await;
-        let (mut watcher, mut stream) = match watch {
-            Ok(Ok(pair)) => pair,
+        let mut stream = match watch {
+            Ok(Ok(stream)) => stream,
             // A failed or slow watch is a spurious wake-up: the caller re-reads.
             Ok(Err(error)) => {
                 tracing::debug!(%error, "etcd watch failed");
-                tokio::time::sleep_until(deadline.min(Instant::now() + Duration::from_millis(100)))
-                    .await;
+                Self::pause_before_retry(deadline).await;
                 return Ok(());
             }
             Err(_) => return Ok(()),
         };
-        let _ = tokio::time::timeout_at(deadline, async {
-            while let Ok(Some(message)) = stream.message().await {
-                if !message.events().is_empty() || message.canceled() {
-                    break;
+        // The first response confirms the watch and names it; events come after.
+        let mut watch_id = None;
+        let ended = tokio::time::timeout_at(deadline, async {
+            loop {
+                match stream.message().await {
+                    Ok(Some(message)) => {
+                        if message.created() {
+                            watch_id = Some(message.watch_id());
+                        }
+                        if !message.events().is_empty() || message.canceled() {
+                            break;
+                        }
+                    }
+                    Ok(None) => break,
+                    Err(error) => {
+                        tracing::debug!(%error, "etcd watch failed");
+                        break;
+                    }
                 }
             }
         })
         .await;
-        let _ = watcher.cancel().await;
+        match watch_id {
+            Some(id) => {
+                let _ = stream.cancel(id).await;
+            }
+            // The stream ended before etcd confirmed the watch: a failed watch, as above.
+            None if ended.is_ok() => Self::pause_before_retry(deadline).await,
+            None => {}
+        }
         Ok(())
     }
 }

@@ -287,10 +287,10 @@ pub async fn serve_node(
 ) -> anyhow::Result<()> {
     let app = axum::Router::new()
         .route(
-            "/v1/migration/:id/:channel",
+            "/v1/migration/{id}/{channel}",
             axum::routing::post(crate::channel::accept),
         )
-        .route("/v1/:call", axum::routing::post(call))
+        .route("/v1/{call}", axum::routing::post(call))
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
         .with_state(Served {
             node,

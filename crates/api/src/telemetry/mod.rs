@@ -46,10 +46,10 @@ pub(crate) fn routes() -> Router<AppState> {
     Router::new()
         .route("/metrics", get(prometheus))
         .route("/sandboxes/metrics", get(batch_metrics))
-        .route("/sandboxes/:id/metrics", get(sandbox_metrics))
-        .route("/sandboxes/:id/logs", get(logs_v1))
-        .route("/v2/sandboxes/:id/logs", get(logs_v2))
-        .route("/admin/sandboxes/:id/logs", get(admin_logs))
+        .route("/sandboxes/{id}/metrics", get(sandbox_metrics))
+        .route("/sandboxes/{id}/logs", get(logs_v1))
+        .route("/v2/sandboxes/{id}/logs", get(logs_v2))
+        .route("/admin/sandboxes/{id}/logs", get(admin_logs))
 }
 
 /// `SandboxMetric` exactly as the SDKs parse it.
@@ -571,15 +571,15 @@ async fn prometheus(State(s): State<AppState>) -> Response {
 fn operation(method: &Method, path: &str) -> Option<&'static str> {
     Some(match (method.as_str(), path) {
         ("POST", "/sandboxes" | "/v2/sandboxes") => "create",
-        ("DELETE", "/sandboxes/:id") => "kill",
-        ("DELETE", "/admin/sandboxes/:id") => "admin_kill",
-        ("POST", "/sandboxes/:id/pause") => "pause",
-        ("POST", "/sandboxes/:id/resume") => "resume",
-        ("POST", "/sandboxes/:id/connect" | "/v2/sandboxes/:id/connect") => "connect",
-        ("POST", "/sandboxes/:id/fork") => "fork",
-        ("POST", "/sandboxes/:id/snapshots") => "snapshot",
-        ("POST", "/sandboxes/:id/timeout" | "/sandboxes/:id/refreshes") => "set_timeout",
-        ("PUT", "/sandboxes/:id/network") => "update_network",
+        ("DELETE", "/sandboxes/{id}") => "kill",
+        ("DELETE", "/admin/sandboxes/{id}") => "admin_kill",
+        ("POST", "/sandboxes/{id}/pause") => "pause",
+        ("POST", "/sandboxes/{id}/resume") => "resume",
+        ("POST", "/sandboxes/{id}/connect" | "/v2/sandboxes/{id}/connect") => "connect",
+        ("POST", "/sandboxes/{id}/fork") => "fork",
+        ("POST", "/sandboxes/{id}/snapshots") => "snapshot",
+        ("POST", "/sandboxes/{id}/timeout" | "/sandboxes/{id}/refreshes") => "set_timeout",
+        ("PUT", "/sandboxes/{id}/network") => "update_network",
         _ => return None,
     })
 }

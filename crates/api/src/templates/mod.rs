@@ -44,26 +44,29 @@ pub fn routes() -> Router<AppState> {
         )
         .route("/templates", get(catalog::list).post(request::legacy))
         .route(
-            "/v2/templates/:id/builds/:build",
+            "/v2/templates/{id}/builds/{build}",
             post(request::start_build),
         )
-        .route("/v2/templates/:id", axum::routing::patch(catalog::patch_v2))
+        .route(
+            "/v2/templates/{id}",
+            axum::routing::patch(catalog::patch_v2),
+        )
         .route(
             "/templates/tags",
             post(tags::assign_tags).delete(tags::remove_tags),
         )
-        .route("/templates/aliases/:alias", get(tags::alias))
+        .route("/templates/aliases/{alias}", get(tags::alias))
         .route(
-            "/templates/:id",
+            "/templates/{id}",
             get(catalog::get_template)
                 .patch(catalog::patch_v1)
                 .delete(catalog::delete),
         )
-        .route("/templates/:id/tags", get(tags::tags_of))
-        .route("/templates/:id/files/:hash", get(request::files_probe))
-        .route("/templates/:id/builds/:build/status", get(status::status))
-        .route("/templates/:id/builds/:build/logs", get(status::logs))
-        .route("/template-files/:team/:hash", put(files::upload))
+        .route("/templates/{id}/tags", get(tags::tags_of))
+        .route("/templates/{id}/files/{hash}", get(request::files_probe))
+        .route("/templates/{id}/builds/{build}/status", get(status::status))
+        .route("/templates/{id}/builds/{build}/logs", get(status::logs))
+        .route("/template-files/{team}/{hash}", put(files::upload))
 }
 
 fn rfc3339(t: OffsetDateTime) -> String {

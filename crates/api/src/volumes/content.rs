@@ -28,12 +28,12 @@ const MAX_PATCH_BODY: usize = 4096;
 
 pub(super) fn routes() -> Router<AppState> {
     Router::new()
-        .route("/volumecontent/:id/dir", get(list_dir).post(make_dir))
+        .route("/volumecontent/{id}/dir", get(list_dir).post(make_dir))
         .route(
-            "/volumecontent/:id/path",
+            "/volumecontent/{id}/path",
             get(stat_path).patch(patch_path).delete(remove_path),
         )
-        .route("/volumecontent/:id/file", get(read_file).put(write_file))
+        .route("/volumecontent/{id}/file", get(read_file).put(write_file))
 }
 
 /// The content plane's `Error`: `code` is a string.

@@ -55,7 +55,7 @@ pub struct NewVolumeRequest {
 pub(crate) fn routes() -> Router<AppState> {
     Router::new()
         .route("/volumes", get(list_volumes).post(create_volume))
-        .route("/volumes/:id", get(get_volume).delete(delete_volume))
+        .route("/volumes/{id}", get(get_volume).delete(delete_volume))
         .merge(content::routes())
 }
 

@@ -1,0 +1,461 @@
+//! The sandbox state machine over REST against in-memory parts: pause, connect and resume,
+//! kill, forks (of running and paused sandboxes), snapshots, and the reaper's timeouts.
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::collections::HashSet;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+
+use axum::http::StatusCode;
+use common::harness;
+use vmon_api::records::Records;
+use vmon_api::records::{EventKind, TeamLimits};
+
+fn limits(max_concurrent: u32) -> TeamLimits {
+    TeamLimits {
+        max_concurrent,
+        ..TeamLimits::default()
+    }
+}
+
+#[tokio::test]
+async fn a_paused_sandbox_forks_from_its_paused_state_and_stays_paused() {
+    let h = harness(limits(5)).await;
+    let id = h.create(r#"{"templateID":"base"}"#).await;
+    let r = h
+        .req("POST", &format!("/sandboxes/{id}/pause"), Some("{}"))
+        .await;
+    assert_eq!(r.status, StatusCode::NO_CONTENT);
+    let paused_build = h
+        .records
+        .sandbox(&id)
+        .await
+        .unwrap()
+        .unwrap()
+        .build
+        .build_id;
+    let r = h
+        .req(
+            "POST",
+            &format!("/sandboxes/{id}/fork"),
+            Some(r#"{"count":2}"#),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{:?}", r.json);
+    let children: Vec<String> = r.json["sandboxes"]
+        .as_array()
+        .or_else(|| r.json.as_array())
+        .expect("children")
+        .iter()
+        .filter_map(|c| {
+            c["sandboxID"]
+                .as_str()
+                .or_else(|| c["sandbox"]["sandboxID"].as_str())
+                .map(String::from)
+        })
+        .collect();
+    assert_eq!(children.len(), 2, "{:?}", r.json);
+    // The children started from the paused build; the source is untouched.
+    let starts = h.node.starts.lock().unwrap().clone();
+    for c in &children {
+        let s = starts.iter().find(|s| &s.sandbox_id == c).expect("started");
+        assert_eq!(s.build_id, paused_build);
+        let d = h.req("GET", &format!("/sandboxes/{c}"), None).await;
+        assert_eq!(d.json["state"], "running");
+    }
+    let src = h.records.sandbox(&id).await.unwrap().unwrap();
+    assert_eq!(src.state, vmon_api::records::SandboxState::Paused);
+    assert_eq!(src.build.build_id, paused_build);
+    // Killing the children never deletes the paused source's state.
+    for c in &children {
+        let r = h.req("DELETE", &format!("/sandboxes/{c}"), None).await;
+        assert_eq!(r.status, StatusCode::NO_CONTENT);
+    }
+    assert!(h.node.builds.lock().unwrap().contains_key(&paused_build));
+    // And the source still resumes.
+    let r = h
+        .req(
+            "POST",
+            &format!("/v2/sandboxes/{id}/connect"),
+            Some(r#"{"timeout":60}"#),
+        )
+        .await;
+    assert!(r.status.is_success(), "{:?}", r.json);
+}
+
+#[tokio::test]
+async fn pause_connect_kill() {
+    let h = harness(limits(5)).await;
+    let id = h.create(r#"{"templateID":"base","timeout":600}"#).await;
+
+    let p = h
+        .req("POST", &format!("/sandboxes/{id}/pause"), Some("{}"))
+        .await;
+    assert_eq!(p.status, StatusCode::NO_CONTENT);
+    let p = h
+        .req("POST", &format!("/sandboxes/{id}/pause"), Some("{}"))
+        .await;
+    assert_eq!(p.status, StatusCode::CONFLICT);
+    let d = h.req("GET", &format!("/sandboxes/{id}"), None).await;
+    assert_eq!(d.json["state"], "paused");
+    assert_eq!(d.json["pauseMode"], "full");
+    assert!(h
+        .control
+        .records()
+        .sandbox(&id)
+        .await
+        .unwrap()
+        .unwrap()
+        .guest_ip
+        .is_none());
+
+    let l = h.req("GET", "/v2/sandboxes?state=paused", None).await;
+    assert_eq!(l.json.as_array().unwrap().len(), 1);
+    let l = h.req("GET", "/sandboxes", None).await;
+    assert_eq!(
+        l.json.as_array().unwrap().len(),
+        0,
+        "legacy list is running only"
+    );
+
+    let c = h
+        .req(
+            "POST",
+            &format!("/v2/sandboxes/{id}/connect"),
+            Some(r#"{"timeout":60}"#),
+        )
+        .await;
+    assert_eq!(c.status, StatusCode::CREATED, "{:?}", c.json);
+    assert_eq!(c.json["sandboxID"], id.as_str());
+    let last = h.node.starts.lock().unwrap().last().cloned().unwrap();
+    assert!(!last.cold_boot, "memory pause restores memory");
+    let end1 = h
+        .control
+        .records()
+        .sandbox(&id)
+        .await
+        .unwrap()
+        .unwrap()
+        .end_at;
+
+    // Connect to a running sandbox: 200, extends, never shortens.
+    let c = h
+        .req(
+            "POST",
+            &format!("/v2/sandboxes/{id}/connect"),
+            Some(r#"{"timeout":10}"#),
+        )
+        .await;
+    assert_eq!(c.status, StatusCode::OK);
+    let end2 = h
+        .control
+        .records()
+        .sandbox(&id)
+        .await
+        .unwrap()
+        .unwrap()
+        .end_at;
+    assert_eq!(end1, end2);
+    let c = h
+        .req(
+            "POST",
+            &format!("/sandboxes/{id}/connect"),
+            Some(r#"{"timeout":3000}"#),
+        )
+        .await;
+    assert_eq!(c.status, StatusCode::OK);
+    let end3 = h
+        .control
+        .records()
+        .sandbox(&id)
+        .await
+        .unwrap()
+        .unwrap()
+        .end_at;
+    assert!(end3 > end2);
+
+    // set_timeout may shorten.
+    let t = h
+        .req(
+            "POST",
+            &format!("/sandboxes/{id}/timeout"),
+            Some(r#"{"timeout":5}"#),
+        )
+        .await;
+    assert_eq!(t.status, StatusCode::NO_CONTENT);
+    let end4 = h
+        .control
+        .records()
+        .sandbox(&id)
+        .await
+        .unwrap()
+        .unwrap()
+        .end_at;
+    assert!(end4 < end3);
+
+    // Filesystem pause, then reboot resume.
+    let p = h
+        .req(
+            "POST",
+            &format!("/sandboxes/{id}/pause"),
+            Some(r#"{"memory":false}"#),
+        )
+        .await;
+    assert_eq!(p.status, StatusCode::NO_CONTENT);
+    let d = h.req("GET", &format!("/sandboxes/{id}"), None).await;
+    assert_eq!(d.json["pauseMode"], "filesystem");
+    let c = h
+        .req("POST", &format!("/v2/sandboxes/{id}/connect"), Some("{}"))
+        .await;
+    assert_eq!(c.status, StatusCode::CREATED);
+    assert!(h.node.starts.lock().unwrap().last().unwrap().cold_boot);
+
+    let p = h
+        .req("POST", &format!("/sandboxes/{id}/pause"), Some("{}"))
+        .await;
+    assert_eq!(p.status, StatusCode::NO_CONTENT);
+    let c = h
+        .req(
+            "POST",
+            &format!("/v2/sandboxes/{id}/connect"),
+            Some(r#"{"memory":false}"#),
+        )
+        .await;
+    assert_eq!(c.status, StatusCode::CREATED);
+    assert!(
+        h.node.starts.lock().unwrap().last().unwrap().cold_boot,
+        "memory:false reboots"
+    );
+
+    // Kill a paused sandbox too.
+    let p = h
+        .req("POST", &format!("/sandboxes/{id}/pause"), Some("{}"))
+        .await;
+    assert_eq!(p.status, StatusCode::NO_CONTENT);
+    let k = h.req("DELETE", &format!("/sandboxes/{id}"), None).await;
+    assert_eq!(k.status, StatusCode::NO_CONTENT);
+    let k = h.req("DELETE", &format!("/sandboxes/{id}"), None).await;
+    assert_eq!(k.status, StatusCode::NOT_FOUND);
+    let g = h.req("GET", &format!("/sandboxes/{id}"), None).await;
+    assert_eq!(g.status, StatusCode::NOT_FOUND);
+
+    let kinds: Vec<String> = h
+        .events(&id)
+        .await
+        .into_iter()
+        .map(|e| e.event_type)
+        .collect();
+    assert_eq!(
+        kinds.first().map(String::as_str),
+        Some(EventKind::Created.as_str())
+    );
+    assert_eq!(
+        kinds.last().map(String::as_str),
+        Some(EventKind::Killed.as_str())
+    );
+    assert!(kinds.iter().any(|k| k == EventKind::Paused.as_str()));
+    assert!(kinds.iter().any(|k| k == EventKind::Resumed.as_str()));
+}
+
+#[tokio::test]
+async fn execution_ids_change_on_resume() {
+    let h = harness(limits(5)).await;
+    let id = h.create(r#"{"templateID":"base"}"#).await;
+    let e1 = h
+        .control
+        .records()
+        .sandbox(&id)
+        .await
+        .unwrap()
+        .unwrap()
+        .execution_id;
+    h.req("POST", &format!("/sandboxes/{id}/pause"), Some("{}"))
+        .await;
+    h.req("POST", &format!("/v2/sandboxes/{id}/connect"), Some("{}"))
+        .await;
+    let e2 = h
+        .control
+        .records()
+        .sandbox(&id)
+        .await
+        .unwrap()
+        .unwrap()
+        .execution_id;
+    assert_ne!(e1, e2);
+}
+
+#[tokio::test]
+async fn fork_and_snapshots() {
+    let h = harness(limits(10)).await;
+    let id = h
+        .create(r#"{"templateID":"base","metadata":{"role":"parent"},"envVars":{"A":"1"}}"#)
+        .await;
+    let f = h
+        .req(
+            "POST",
+            &format!("/sandboxes/{id}/fork"),
+            Some(r#"{"count":3,"timeout":600}"#),
+        )
+        .await;
+    assert_eq!(f.status, StatusCode::CREATED, "{:?}", f.json);
+    let children = f.json.as_array().unwrap();
+    assert_eq!(children.len(), 3);
+    let ids: HashSet<&str> = children
+        .iter()
+        .map(|c| c["sandbox"]["sandboxID"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids.len(), 3);
+    assert!(!ids.contains(id.as_str()));
+    let child = children[0]["sandbox"]["sandboxID"].as_str().unwrap();
+    let d = h.req("GET", &format!("/sandboxes/{child}"), None).await;
+    assert_eq!(d.json["metadata"]["role"], "parent");
+    // The source keeps running with its id.
+    let d = h.req("GET", &format!("/sandboxes/{id}"), None).await;
+    assert_eq!(d.json["state"], "running");
+
+    // Per-child failures are per-child.
+    h.node.fail_starts.store(1, Ordering::SeqCst);
+    let f = h
+        .req(
+            "POST",
+            &format!("/sandboxes/{id}/fork"),
+            Some(r#"{"count":2}"#),
+        )
+        .await;
+    assert_eq!(f.status, StatusCode::CREATED);
+    let errors = f
+        .json
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|c| c["error"]["code"].is_number())
+        .count();
+    assert_eq!(errors, 1);
+
+    let s = h
+        .req(
+            "POST",
+            &format!("/sandboxes/{id}/snapshots"),
+            Some(r#"{"name":"my-snap:v1"}"#),
+        )
+        .await;
+    assert_eq!(s.status, StatusCode::CREATED, "{:?}", s.json);
+    let snap_id = s.json["snapshotID"].as_str().unwrap().to_string();
+    assert_eq!(snap_id, "team-a/my-snap:v1");
+    assert_eq!(s.json["names"][0], snap_id.as_str());
+    let u = h
+        .req("POST", &format!("/sandboxes/{id}/snapshots"), Some("{}"))
+        .await;
+    assert_eq!(u.status, StatusCode::CREATED);
+    assert!(u.json["snapshotID"].as_str().unwrap().ends_with(":default"));
+
+    let bad = h
+        .req(
+            "POST",
+            &format!("/sandboxes/{id}/snapshots"),
+            Some(r#"{"name":"other-team/x"}"#),
+        )
+        .await;
+    assert_eq!(bad.status, StatusCode::BAD_REQUEST);
+    let taken = h
+        .req(
+            "POST",
+            &format!("/sandboxes/{id}/snapshots"),
+            Some(r#"{"name":"base"}"#),
+        )
+        .await;
+    assert_eq!(taken.status, StatusCode::CONFLICT);
+
+    // Snapshots outlive their source.
+    h.req("DELETE", &format!("/sandboxes/{id}"), None).await;
+    for reference in [
+        snap_id.as_str(),
+        "my-snap:v1",
+        u.json["snapshotID"].as_str().unwrap(),
+    ] {
+        let c = h
+            .req(
+                "POST",
+                "/v2/sandboxes",
+                Some(&format!(r#"{{"templateID":"{reference}"}}"#)),
+            )
+            .await;
+        assert_eq!(c.status, StatusCode::CREATED, "{reference}: {:?}", c.json);
+    }
+
+    let l = h.req("GET", "/snapshots", None).await;
+    assert_eq!(l.json.as_array().unwrap().len(), 2);
+    let l = h
+        .req("GET", &format!("/snapshots?sandboxID={id}&limit=1"), None)
+        .await;
+    assert_eq!(l.json.as_array().unwrap().len(), 1);
+    assert!(l.headers.contains_key("x-next-token"));
+
+    let enc = snap_id.replace('/', "%2F").replace(':', "%3A");
+    let del = h.req("DELETE", &format!("/templates/{enc}"), None).await;
+    assert_eq!(del.status, StatusCode::NO_CONTENT, "{:?}", del.json);
+    let del = h.req("DELETE", &format!("/templates/{enc}"), None).await;
+    assert_eq!(del.status, StatusCode::NOT_FOUND);
+    let c = h
+        .req(
+            "POST",
+            "/v2/sandboxes",
+            Some(&format!(r#"{{"templateID":"{snap_id}"}}"#)),
+        )
+        .await;
+    assert_eq!(c.status, StatusCode::NOT_FOUND);
+    // A shared template cannot be deleted by a team.
+    let del = h.req("DELETE", "/templates/base", None).await;
+    assert_eq!(del.status, StatusCode::NOT_FOUND);
+}
+
+#[tokio::test]
+async fn reaper_kills_or_pauses_and_a_failed_pause_kills() {
+    let h = harness(limits(10)).await;
+    let kill_me = h.create(r#"{"templateID":"base","timeout":0}"#).await;
+    let pause_me = h
+        .create(
+            r#"{"templateID":"base","timeout":0,"autoPause":true,"autoResume":{"enabled":true}}"#,
+        )
+        .await;
+    let keep = h.create(r#"{"templateID":"base","timeout":600}"#).await;
+    let in_flight = Arc::new(Mutex::new(HashSet::new()));
+    h.control.reap_once(&in_flight).await;
+    for _ in 0..100 {
+        if in_flight.lock().unwrap().is_empty() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let r = h.req("GET", &format!("/sandboxes/{kill_me}"), None).await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+    let r = h.req("GET", &format!("/sandboxes/{pause_me}"), None).await;
+    assert_eq!(r.json["state"], "paused");
+    assert_eq!(r.json["lifecycle"]["onTimeout"], "pause");
+    let r = h.req("GET", &format!("/sandboxes/{keep}"), None).await;
+    assert_eq!(r.json["state"], "running");
+    let killed = h
+        .events(&kill_me)
+        .await
+        .into_iter()
+        .find(|e| e.event_type == EventKind::Killed.as_str())
+        .unwrap();
+    assert_eq!(killed.event_data.unwrap()["kill_reason"], "timeout");
+
+    let fails = h
+        .create(r#"{"templateID":"base","timeout":0,"autoPause":true}"#)
+        .await;
+    h.node.fail_pauses.store(1, Ordering::SeqCst);
+    h.control.reap_once(&in_flight).await;
+    for _ in 0..100 {
+        if in_flight.lock().unwrap().is_empty() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let r = h.req("GET", &format!("/sandboxes/{fails}"), None).await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+}
