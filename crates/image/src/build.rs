@@ -400,20 +400,58 @@ async fn ensure_tree(
     if tmp.exists() {
         std::fs::remove_dir_all(&tmp)?;
     }
-    let bar = report.spinner(
-        format!("debootstrap {} from {}", recipe.suite, recipe.mirror),
-        0,
-    );
     let (by_apt, by_debootstrap): (Vec<&String>, Vec<&String>) = recipe
         .packages
         .iter()
         .partition(|p| APT_PACKAGES.contains(&p.as_str()));
     let include: Vec<&str> = by_debootstrap.iter().map(|p| p.as_str()).collect();
+    // A mirror that drops a download now and then ("Couldn't download packages") fails a
+    // whole first start: debootstrap is tried again, from an empty tree, a few times.
+    let mut attempt = 1;
+    loop {
+        match debootstrap(&tmp, recipe, &include, report).await {
+            Ok(()) => break,
+            Err(e) if attempt < DEBOOTSTRAP_ATTEMPTS => {
+                tracing::warn!(attempt, "debootstrap failed, trying again: {e:#}");
+                if tmp.exists() {
+                    std::fs::remove_dir_all(&tmp)?;
+                }
+                tokio::time::sleep(std::time::Duration::from_secs(5 * attempt as u64)).await;
+                attempt += 1;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    if !by_apt.is_empty() {
+        report.update("installing packages with apt", DEBOOTSTRAP_DONE);
+        apt_install(&tmp, &by_apt).await?;
+    }
+    report.update("configuring the tree", DEBOOTSTRAP_DONE);
+    configure_tree(&tmp).await?;
+    std::fs::write(tmp.join(".vmon-complete"), b"")?;
+    std::fs::rename(&tmp, &tree)?;
+    Ok(tree)
+}
+
+/// How many times a failed debootstrap is tried (see `ensure_tree`).
+const DEBOOTSTRAP_ATTEMPTS: usize = 3;
+
+/// One debootstrap of `recipe`'s minbase plus `include` into `tmp`, its progress reported.
+async fn debootstrap(
+    tmp: &Path,
+    recipe: &Recipe,
+    include: &[&str],
+    report: Report<'_>,
+) -> anyhow::Result<()> {
+    let bar = report.spinner(
+        format!("debootstrap {} from {}", recipe.suite, recipe.mirror),
+        0,
+    );
     let mut child = tokio::process::Command::new("debootstrap")
         .arg("--variant=minbase")
         .arg(format!("--include={}", include.join(",")))
         .arg(&recipe.suite)
-        .arg(&tmp)
+        .arg(tmp)
         .arg(&recipe.mirror)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -457,15 +495,7 @@ async fn ensure_tree(
             err.trim()
         );
     }
-    if !by_apt.is_empty() {
-        report.update("installing packages with apt", DEBOOTSTRAP_DONE);
-        apt_install(&tmp, &by_apt).await?;
-    }
-    report.update("configuring the tree", DEBOOTSTRAP_DONE);
-    configure_tree(&tmp).await?;
-    std::fs::write(tmp.join(".vmon-complete"), b"")?;
-    std::fs::rename(&tmp, &tree)?;
-    Ok(tree)
+    Ok(())
 }
 
 /// Where the image step is when debootstrap is done (the rest is quick).
@@ -556,9 +586,13 @@ async fn apt_install(tree: &Path, packages: &[&String]) -> anyhow::Result<()> {
     .await?;
     let result = async {
         run(
-            tokio::process::Command::new("chroot")
-                .arg(tree)
-                .args(["apt-get", "update", "-q"]),
+            tokio::process::Command::new("chroot").arg(tree).args([
+                "apt-get",
+                "-o",
+                "Acquire::Retries=3",
+                "update",
+                "-q",
+            ]),
             "apt-get update in the tree",
         )
         .await?;
@@ -566,7 +600,8 @@ async fn apt_install(tree: &Path, packages: &[&String]) -> anyhow::Result<()> {
             tokio::process::Command::new("chroot")
                 .arg(tree)
                 .env("DEBIAN_FRONTEND", "noninteractive")
-                .args(["apt-get", "install", "-y", "-q", "--no-install-recommends"])
+                .args(["apt-get", "-o", "Acquire::Retries=3", "install", "-y", "-q"])
+                .arg("--no-install-recommends")
                 .args(packages.iter().map(|p| p.as_str())),
             "apt-get install in the tree",
         )
