@@ -112,6 +112,15 @@ def start_server() -> tuple[subprocess.Popen, dict[str, str], Path]:
     return proc, exports, data
 
 
+def stop_server(proc: subprocess.Popen) -> None:
+    """Stops a `vmon up` that start_server started (its whole session)."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
 def wait_code_interpreter(data: Path) -> None:
     """A server of our own builds code-interpreter-v1 in the background after `base`: a TCG
     cold boot that would share the two cores with everything measured. Waits for it."""
@@ -266,12 +275,7 @@ def main() -> None:
     row("code-interpreter-v1: warm run_code('1+1')", ci_warm)
 
     if own:
-        proc, data = own
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop_server(own[0])
 
 
 if __name__ == "__main__":

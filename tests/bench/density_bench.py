@@ -14,9 +14,7 @@ otherwise it starts its own `vmon up` like `vmon bench api`.
 from __future__ import annotations
 
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -121,12 +119,7 @@ def main() -> None:
               f"{c99:.0f} ms |")
     print(f"\n{answered} of {len(sandboxes)} answered a command at the end.")
     if own:
-        proc, _ = own
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        api_bench.stop_server(own[0])
     if answered != len(sandboxes):
         sys.exit("not every sandbox answered")
 
