@@ -58,6 +58,8 @@ pub(crate) struct Prepared {
     /// The RAM file it maps.
     pub mem_base: String,
     pub machine: vmon_vm::MachineDesc,
+    /// The CPU weight it was made at (a claim gives a background one the normal weight).
+    pub weight: vmon_vm::cgroup::Weight,
     /// Keeps its overlay from the sweep until something else names it (the pool's list, or
     /// the sandbox it became).
     pub held: Option<Held>,

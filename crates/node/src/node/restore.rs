@@ -133,6 +133,7 @@ impl Node {
                 loaded: false,
                 mem_base: mem_base.to_string(),
                 machine: machine.clone(),
+                weight,
                 held: None,
             }),
             Err(e) => {
@@ -297,8 +298,10 @@ impl Node {
             },
         };
         // Claimed: from now on it is a sandbox's guest.
-        if let Err(e) = cgroup::set_weight(&prepared.tag, Weight::Normal) {
-            tracing::debug!(tag = %prepared.tag, "restoring a claimed process's CPU weight: {e:#}");
+        if prepared.weight != Weight::Normal {
+            if let Err(e) = cgroup::set_weight(&prepared.tag, Weight::Normal) {
+                tracing::debug!(tag = %prepared.tag, "restoring a claimed process's CPU weight: {e:#}");
+            }
         }
         let Prepared {
             tag,
