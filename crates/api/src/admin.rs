@@ -553,6 +553,16 @@ pub struct MigrateReport {
     #[serde(rename = "diskBytes")]
     pub disk_bytes: u64,
     pub rounds: u64,
+    /// Guest pages compared between source and target after QEMU's last round.
+    #[serde(rename = "checkedPages")]
+    pub checked_pages: u64,
+    /// Pages the target held otherwise (guest writes QEMU's copy missed), repaired from the
+    /// source before the guest ran there.
+    #[serde(rename = "repairedPages")]
+    pub repaired_pages: u64,
+    /// How long the check took, within `downtimeMs` (ms).
+    #[serde(rename = "checkMs")]
+    pub check_ms: u64,
 }
 
 #[utoipa::path(
@@ -596,6 +606,9 @@ async fn migrate_sandbox(
         ram_bytes: m.stats.ram_bytes,
         disk_bytes: m.stats.disk_bytes,
         rounds: m.stats.rounds,
+        checked_pages: m.stats.checked_pages,
+        repaired_pages: m.stats.repaired_pages,
+        check_ms: m.stats.check_ms,
     }))
 }
 

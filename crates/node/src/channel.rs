@@ -3,7 +3,8 @@
 //! channel rides the node RPC's own listener, so it has its TLS and its bearer token; QEMU on
 //! either side sees only a local socket the node relays.
 //!
-//! Channels: `ram` (QEMU's migration stream) and `nbd` (the disk mirror's NBD connection).
+//! Channels: `ram` (QEMU's migration stream), `nbd` (the disk mirror's NBD connection) and
+//! `check` (the memory check after the last round, `crate::node::migrate_check`).
 
 use axum::extract::{Path, Request, State};
 use axum::http::{HeaderMap, StatusCode};
@@ -49,7 +50,7 @@ pub(crate) async fn accept(
     let Some(sink) = s.channels.clone() else {
         return (StatusCode::NOT_FOUND, "this node takes no migrations").into_response();
     };
-    if !plain(&id) || !matches!(channel.as_str(), "ram" | "nbd") {
+    if !plain(&id) || !matches!(channel.as_str(), "ram" | "nbd" | "check") {
         return (StatusCode::BAD_REQUEST, "bad migration channel").into_response();
     }
     if !sink.expects(&id) {

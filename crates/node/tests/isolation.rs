@@ -467,7 +467,7 @@ fn qemu_runs_under_seccomp_in_cgroups_of_its_own() {
         assert_eq!(field("CapEff:"), "0000000000000000");
         assert_eq!(field("CapPrm:"), "0000000000000000");
         let overhead = vmon_vm::cgroup::settings().overhead_mib;
-        let want_mem = ((384 + overhead) * 1024 * 1024).to_string();
+        let want_mem = ((2 * 384 + overhead) * 1024 * 1024).to_string();
         let want_pids = vmon_vm::cgroup::settings().pids.to_string();
         let mem_dir = group_dir(pid, "memory");
         assert!(

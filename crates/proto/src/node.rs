@@ -406,6 +406,15 @@ pub struct MigrateStats {
     /// completion and QEMU's last round), ms.
     #[serde(default)]
     pub stopped_ms: u64,
+    /// Guest pages the source compared with the target's after QEMU's last round.
+    #[serde(default)]
+    pub checked_pages: u64,
+    /// Of those, pages the target held otherwise (writes QEMU's copy missed), repaired.
+    #[serde(default)]
+    pub repaired_pages: u64,
+    /// How long that check took (within `stopped_ms`), ms.
+    #[serde(default)]
+    pub check_ms: u64,
 }
 
 #[derive(Debug, thiserror::Error, Serialize, Deserialize)]

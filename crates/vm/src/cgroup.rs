@@ -84,10 +84,18 @@ pub fn settings() -> Settings {
 
 impl Limits {
     /// The caps for a guest of `vcpus` and `memory_mb`.
+    ///
+    /// Memory: twice the guest's RAM plus QEMU's overhead. A restored guest's RAM is a private
+    /// mapping of its base's sealed memory file, which keeps the base's zero pages as holes;
+    /// the first process on a node to touch a hole (a guest writing fresh memory, or a live
+    /// migration's target loading every page) allocates that page of the shared file, and the
+    /// kernel charges it to that process's group, beside the private copy it then writes. A cap
+    /// of RAM plus overhead killed the first migration target on a node (its load touches
+    /// every page); the shared pages are one copy per node, not per guest.
     pub fn for_guest(vcpus: u32, memory_mb: u32) -> Limits {
         let s = settings();
         Limits {
-            memory_bytes: (u64::from(memory_mb) + s.overhead_mib) * 1024 * 1024,
+            memory_bytes: (2 * u64::from(memory_mb) + s.overhead_mib) * 1024 * 1024,
             cpu_quota_us: u64::from(vcpus.max(1)) * CPU_PERIOD_US,
             pids: s.pids,
         }
@@ -343,7 +351,7 @@ mod tests {
         assert_eq!(l.cpu_quota_us, 200_000);
         assert_eq!(
             l.memory_bytes,
-            (512 + settings().overhead_mib) * 1024 * 1024
+            (2 * 512 + settings().overhead_mib) * 1024 * 1024
         );
         assert!(l.pids >= 64);
         assert_eq!(Limits::for_guest(0, 128).cpu_quota_us, CPU_PERIOD_US);

@@ -15,6 +15,7 @@ pub mod private;
 pub mod process;
 pub mod qmp;
 pub mod ram_base;
+pub mod ram_check;
 pub mod user;
 
 pub use accel::{probe as probe_accel, Accel, AccelChoice};

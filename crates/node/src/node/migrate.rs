@@ -49,9 +49,9 @@ pub struct Peers {
 
 /// A target QEMU waiting for (or holding) a migrated guest.
 pub(super) struct Incoming {
-    spec: MigrateIn,
+    pub(super) spec: MigrateIn,
     basis: crate::builds::BuildRecord,
-    prepared: Mutex<Option<Prepared>>,
+    pub(super) prepared: Mutex<Option<Prepared>>,
     nbd_socket: PathBuf,
 }
 
@@ -80,15 +80,15 @@ fn socket_path(run: &std::path::Path, name: &str) -> PathBuf {
 
 /// `query-migrate`'s fields that matter here.
 #[derive(Debug, Default)]
-struct Progress {
-    status: String,
-    error: Option<String>,
+pub(super) struct Progress {
+    pub(super) status: String,
+    pub(super) error: Option<String>,
     ram_bytes: u64,
     rounds: u64,
     downtime_ms: u64,
 }
 
-fn progress(v: &Value) -> Progress {
+pub(super) fn progress(v: &Value) -> Progress {
     let ram = v.get("ram");
     let num = |o: Option<&Value>, k: &str| o.and_then(|o| o.get(k)).and_then(Value::as_u64);
     Progress {
@@ -298,8 +298,12 @@ impl Node {
                 fault("migrate:incoming");
                 node_end.set_nonblocking(true)?;
                 let local = tokio::net::UnixStream::from_std(node_end)?;
-                relay(io, local).await?;
+                if let Err(e) = relay(io, local).await {
+                    let why = super::migrate_check::incoming_failure(&inc).await;
+                    return Err(anyhow::Error::from(e).context(why));
+                }
             }
+            "check" => self.serve_check(&inc, io).await?,
             other => bail!("unknown channel {other}"),
         }
         Ok(())
@@ -317,26 +321,7 @@ impl Node {
         let spec = &inc.spec;
         let run_dir = self.sandbox_root(&spec.sandbox_id).join(&spec.execution_id);
         let r = async {
-            // The memory stream's end may lag the source's by a moment.
-            let t0 = Instant::now();
-            loop {
-                let v =
-                    p.vm.qmp
-                        .execute_raw("query-migrate", Value::Null, Duration::from_secs(10))
-                        .await?;
-                let pr = progress(&v);
-                match pr.status.as_str() {
-                    "completed" => break,
-                    "failed" | "cancelled" => bail!(
-                        "the memory stream failed on the target: {}",
-                        pr.error.unwrap_or_default()
-                    ),
-                    _ if t0.elapsed() > Duration::from_secs(30) => {
-                        bail!("the memory stream did not complete on the target")
-                    }
-                    _ => tokio::time::sleep(Duration::from_millis(5)).await,
-                }
-            }
+            super::migrate_check::incoming_completed(&p.vm).await?;
             for (cmd, args) in [
                 ("block-export-del", json!({"id": "mig", "mode": "hard"})),
                 ("nbd-server-stop", Value::Null),
@@ -643,6 +628,10 @@ impl Node {
                 let pr = progress(&q.execute_raw("query-migrate", Value::Null, short).await?);
                 match pr.status.as_str() {
                     "completed" => {
+                        let check = self
+                            .check_target_ram(&spec.migration_id, l, vm, target)
+                            .await
+                            .context("checking the target's memory")?;
                         return anyhow::Ok(MigrateStats {
                             copy_ms: 0,
                             qemu_downtime_ms: pr.downtime_ms,
@@ -650,7 +639,10 @@ impl Node {
                             disk_bytes,
                             rounds: pr.rounds,
                             stopped_ms: stopped.elapsed().as_millis() as u64,
-                        })
+                            checked_pages: check.checked,
+                            repaired_pages: check.repaired,
+                            check_ms: check.ms,
+                        });
                     }
                     "failed" | "cancelled" => bail!(
                         "the last copy round failed: {}",

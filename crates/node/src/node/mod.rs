@@ -16,6 +16,7 @@ mod confine;
 mod control;
 mod egress;
 mod migrate;
+mod migrate_check;
 mod parking;
 mod pools;
 mod recovery;
