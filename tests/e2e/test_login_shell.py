@@ -55,12 +55,12 @@ def test_login_bash_starts_no_id(new_sandbox):
     """Debian's `/etc/profile` asks `id -u` (a process); vmon's takes bash's $EUID. An `id`
     earlier on the PATH the shell starts with records every call."""
     sbx = new_sandbox()
-    sbx.files.write("/usr/local/sbin/id", '#!/bin/sh\necho "$0" >> /tmp/id-calls\nexec /usr/bin/id "$@"\n', user="root")
-    sbx.commands.run("chmod 755 /usr/local/sbin/id && : > /tmp/id-calls && chmod 666 /tmp/id-calls", user="root")
+    sbx.files.write("/usr/local/bin/id", '#!/bin/sh\necho "$0" >> /tmp/id-calls\nexec /usr/bin/id "$@"\n', user="root")
+    sbx.commands.run("chmod 755 /usr/local/bin/id && : > /tmp/id-calls && chmod 666 /tmp/id-calls", user="root")
     for user in ("user", "root"):
         assert sbx.commands.run("id -un", user=user).stdout.strip() == user
         assert sbx.commands.run("echo ok", user=user).stdout == "ok\n"
-    # The `id -un` commands above ran /usr/local/sbin/id themselves (once each); the login
+    # The `id -un` commands above ran /usr/local/bin/id themselves (once each); the login
     # shells ran none.
     assert sbx.files.read("/tmp/id-calls").count("\n") == 2
     # The wrapper does catch the profile's call where there is one: sh (dash) has no $EUID.

@@ -130,7 +130,10 @@ pub fn cpu_profile(cpuinfo: &str) -> String {
 /// Without `/proc/cpuinfo` no file is written and the profile script reads the CPU itself.
 fn write_cpu_profile() {
     let Ok(cpuinfo) = std::fs::read_to_string("/proc/cpuinfo") else {
-        log("warn", "no /proc/cpuinfo: login shells will read it themselves");
+        log(
+            "warn",
+            "no /proc/cpuinfo: login shells will read it themselves",
+        );
         return;
     };
     let path = std::path::Path::new(CPU_PROFILE);
