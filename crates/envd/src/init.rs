@@ -1,7 +1,8 @@
 //! PID 1 mode: the guest's init.
 //!
 //! It mounts the kernel filesystems, names the host, brings up `lo` and `eth0` (address and
-//! gateway from the kernel command line: `vmon.ip=` and `vmon.gw=`), then runs the envd server
+//! gateway from the kernel command line: `vmon.ip=` and `vmon.gw=`), writes what login shells
+//! need to know of the CPU ([`CPU_PROFILE`]), then runs the envd server
 //! as its child and restarts it if it dies. As PID 1 it reaps every orphan the kernel hands it,
 //! and on SIGTERM (or SIGINT, the kernel's ctrl-alt-del) it stops everything, syncs and powers
 //! the machine off.
@@ -15,6 +16,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 const PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+/// Written once per boot, sourced by the image's `/etc/profile.d/vmon-cpu.sh` (so a login
+/// shell, which every SDK command runs in, does not read `/proc/cpuinfo` itself). A restored
+/// snapshot keeps the file of the boot it was taken in, as its kernel keeps that boot's
+/// `/proc/cpuinfo`: the two always agree.
+pub const CPU_PROFILE: &str = "/run/vmon/cpu.sh";
 
 static SHUTDOWN: AtomicBool = AtomicBool::new(false);
 
@@ -98,6 +105,47 @@ fn mount_all() {
     let _ = std::os::unix::fs::symlink("/proc/self/fd/2", "/dev/stderr");
     // The root may have come up read-only from the initramfs.
     mount("", "/", "", libc::MS_REMOUNT, "");
+}
+
+/// The `OPENBLAS_CORETYPE` this CPU needs, from `/proc/cpuinfo`'s text: under TCG the guest CPU
+/// is `qemu64` (AMD family 15 without SSSE3), which OpenBLAS takes for an Opteron and gives
+/// 3DNow! kernels TCG lacks; its SSE3 kernels (`Prescott`) are right there. A CPU with SSSE3
+/// (KVM's models) keeps OpenBLAS's own choice. Only the first `flags` line counts.
+pub fn openblas_coretype(cpuinfo: &str) -> Option<&'static str> {
+    let flags = cpuinfo.lines().find(|l| l.starts_with("flags"))?;
+    let (_, list) = flags.split_once(':')?;
+    (!list.split_whitespace().any(|f| f == "ssse3")).then_some("Prescott")
+}
+
+/// The shell text of [`CPU_PROFILE`] for `cpuinfo`.
+pub fn cpu_profile(cpuinfo: &str) -> String {
+    let mut s = String::from("# vmon: written by envd's init at boot, from /proc/cpuinfo.\n");
+    if let Some(t) = openblas_coretype(cpuinfo) {
+        s.push_str(&format!("export OPENBLAS_CORETYPE={t}\n"));
+    }
+    s
+}
+
+/// Writes [`CPU_PROFILE`] (a temporary file renamed into place, so a shell never reads half).
+/// Without `/proc/cpuinfo` no file is written and the profile script reads the CPU itself.
+fn write_cpu_profile() {
+    let Ok(cpuinfo) = std::fs::read_to_string("/proc/cpuinfo") else {
+        log(
+            "warn",
+            "no /proc/cpuinfo: login shells will read it themselves",
+        );
+        return;
+    };
+    let path = std::path::Path::new(CPU_PROFILE);
+    let tmp = path.with_extension("tmp");
+    let r = path
+        .parent()
+        .map_or(Ok(()), std::fs::create_dir_all)
+        .and_then(|()| std::fs::write(&tmp, cpu_profile(&cpuinfo)))
+        .and_then(|()| std::fs::rename(&tmp, path));
+    if let Err(e) = r {
+        log("warn", &format!("writing {CPU_PROFILE}: {e}"));
+    }
 }
 
 fn set_hostname(name: &str) {
@@ -204,6 +252,7 @@ fn power_off() -> ! {
 pub fn run() -> anyhow::Result<()> {
     std::env::set_var("PATH", PATH);
     mount_all();
+    write_cpu_profile();
     set_hostname("sandbox");
     install_signal_handlers();
     network();
@@ -276,4 +325,31 @@ pub fn mount_volume(tag: &str, path: &str) -> Result<(), String> {
         ));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const QEMU64: &str = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu pse sse sse2 pni syscall nx lm\n\nprocessor\t: 1\nflags\t\t: fpu ssse3\n";
+    const EPYC: &str = "processor\t: 0\nflags\t\t: fpu sse sse2 pni ssse3 sse4_1 avx2\n";
+
+    #[test]
+    fn a_cpu_without_ssse3_gets_prescott_kernels() {
+        assert_eq!(openblas_coretype(QEMU64), Some("Prescott"));
+        assert_eq!(
+            cpu_profile(QEMU64).lines().last(),
+            Some("export OPENBLAS_CORETYPE=Prescott")
+        );
+    }
+
+    #[test]
+    fn a_cpu_with_ssse3_keeps_openblas_choice() {
+        assert_eq!(openblas_coretype(EPYC), None);
+        assert!(!cpu_profile(EPYC).contains("export"));
+        // A flag that only starts with ssse3 is not ssse3, and no flags line decides nothing.
+        assert_eq!(openblas_coretype("flags : ssse3x\n"), Some("Prescott"));
+        assert_eq!(openblas_coretype("processor : 0\n"), None);
+        assert!(!cpu_profile("").contains("export"));
+    }
 }

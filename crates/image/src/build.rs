@@ -22,26 +22,20 @@ const RECIPE_VERSION: u32 = 1;
 pub const CODE_INTERPRETER_PY: &str = include_str!("../assets/code_interpreter.py");
 /// Where the guest has the code-interpreter server.
 pub const CODE_INTERPRETER_PATH: &str = "/usr/local/lib/vmon/code_interpreter.py";
-/// Sourced by every login shell (each command envd runs is `bash -l -c`).
-const CPU_PROFILE_PATH: &str = "/etc/profile.d/vmon-cpu.sh";
-/// Under TCG the guest's CPU is `qemu64` (AMD family 15 without SSSE3): OpenBLAS takes it for
-/// an Opteron and runs 3DNow! code TCG lacks (numpy's `dot` dies of SIGILL). Its SSE3 kernels
-/// are right for that CPU; a CPU with SSSE3 (KVM's models) keeps OpenBLAS's own choice.
-const CPU_PROFILE: &str = r#"# vmon: OpenBLAS kernels that the emulated CPU can run.
-if [ -z "${OPENBLAS_CORETYPE:-}" ]; then
-  while IFS= read -r vmon_l; do
-    case "$vmon_l" in
-      flags*)
-        case " $vmon_l " in
-          *" ssse3 "*) ;;
-          *) export OPENBLAS_CORETYPE=Prescott ;;
-        esac
-        break ;;
-    esac
-  done < /proc/cpuinfo
-  unset vmon_l
-fi
-"#;
+/// The login shell's files. Every SDK command runs in a login shell (`bash -l -c`), so what
+/// they start is paid by each command: vmon's versions of Debian's start no process in bash
+/// and read no `/proc/cpuinfo` (`docs/architecture.md`, "The guest's login shell"). Each is
+/// (guest path, contents); base-files installs Debian's only where none is, so upgrades keep
+/// these.
+const LOGIN_FILES: &[(&str, &str)] = &[
+    ("/etc/profile", include_str!("../assets/profile")),
+    // Decides OpenBLAS's kernels from what envd's init wrote at boot (`vmon_envd::init`).
+    (
+        "/etc/profile.d/vmon-cpu.sh",
+        include_str!("../assets/vmon-cpu.sh"),
+    ),
+    ("/root/.profile", include_str!("../assets/root-profile")),
+];
 
 /// Packages every guest gets (on top of debootstrap's minbase).
 const BASE_PACKAGES: &[&str] = &[
@@ -138,7 +132,10 @@ impl Recipe {
         h.update(format!("\n{}\n", self.disk_mb));
         h.update(Sha256::digest(&envd));
         h.update(Sha256::digest(CODE_INTERPRETER_PY));
-        h.update(Sha256::digest(CPU_PROFILE));
+        for (path, text) in LOGIN_FILES {
+            h.update(Sha256::digest(path));
+            h.update(Sha256::digest(text));
+        }
         Ok(hex::encode(&h.finalize()[..8]))
     }
 }
@@ -247,7 +244,9 @@ pub async fn build_with(
         CODE_INTERPRETER_PY.as_bytes(),
         0o644,
     )?;
-    install_file(&tree, CPU_PROFILE_PATH, CPU_PROFILE.as_bytes(), 0o644)?;
+    for (path, text) in LOGIN_FILES {
+        install_file(&tree, path, text.as_bytes(), 0o644)?;
+    }
     let (vmlinuz, initrd, kernel_version) = find_kernel(&tree)?;
     std::fs::copy(&vmlinuz, staging.join("vmlinuz"))?;
     std::fs::copy(&initrd, staging.join("initrd"))?;
