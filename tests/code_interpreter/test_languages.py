@@ -2,7 +2,9 @@
 run as a host process, as in test_server.py, its messages parsed with the official SDK's own
 parser: each R context is a real IRkernel (Debian's r-base-core and r-cran-irkernel, whose
 kernelspec `ir` jupyter_client finds); a TypeScript context is the JavaScript worker with each
-cell's types stripped by esbuild (Debian's); Java stays refused with the reason."""
+cell's types stripped by esbuild (Debian's); Java stays refused with the reason. JavaScript cells
+take static ESM imports and top-level `await` (E2B's `test_default_kernels.py`), and a default
+JavaScript context is listed from the start, as on E2B."""
 
 from __future__ import annotations
 
@@ -153,7 +155,7 @@ def test_typescript_cells(server):
     status, body = request(port, "POST", "/contexts", {"language": "typescript"})
     assert status == 200, body
     ctx = Context.from_json(json.loads(body))
-    assert ctx.language == "ts"
+    assert ctx.language == "typescript"  # E2B's name for it
     code = (
         "interface P { name: string; n: number }\n"
         "enum Color { Red, Green }\n"
@@ -181,3 +183,35 @@ def test_typescript_cells(server):
     assert ex.text == "string"
     ex, _ = execute(port, "typeof s", language="js")  # the JavaScript one is another process
     assert ex.text == "undefined"
+
+
+def test_js_cells_take_esm_imports_and_top_level_await(server):
+    port, _ = server
+    ex, _ = execute(port, "\n    import { readFileSync } from 'fs'\n    console.log(typeof readFileSync)\n",
+                    language="js")
+    assert ex.error is None and ex.logs.stdout == ["function\n"], (ex.error, ex.logs)
+    ex, _ = execute(port, "import * as path from 'path'\nimport os, { cpus as c } from 'os'\n"
+                    "[path.sep, typeof os.cpus, typeof c]", language="js")
+    assert ex.error is None and ex.text == "[ '/', 'function', 'function' ]", (ex.error, ex.text)
+    # The same imports again (a cell run twice) are no redeclaration.
+    ex, _ = execute(port, "import { readFileSync } from 'fs'\nreadFileSync.name", language="js")
+    assert ex.text == "readFileSync", ex.error
+    ex, _ = execute(port, "\n    await Promise.resolve('Hello World!')\n    ", language="js")
+    assert ex.error is None and ex.text == "Hello World!", (ex.error, ex.text)
+    # A declaration next to an `await` outlives its cell; a rejection is the cell's error.
+    ex, _ = execute(port, "const got = await Promise.resolve(41)", language="js")
+    assert ex.error is None, ex.error
+    ex, _ = execute(port, "got + 1", language="js")
+    assert ex.text == "42", ex.error
+    ex, _ = execute(port, "await Promise.reject(new Error('no'))", language="js")
+    assert ex.error.name == "Error" and ex.error.value == "no", ex.error
+    ex, _ = execute(port, "1 + 1", language="js")
+    assert ex.text == "2", ex.error
+
+
+def test_a_default_javascript_context_is_listed(server):
+    port, _ = server
+    status, body = request(port, "GET", "/contexts")
+    assert status == 200, body
+    langs = sorted(c["language"] for c in json.loads(body))
+    assert "python" in langs and "javascript" in langs, langs

@@ -1,7 +1,8 @@
 """The official `e2b-code-interpreter` SDK against `vmon up`: the default template
 `code-interpreter-v1` (built in the background after `base`), the server on port 49999 through
 the proxy, its IPython kernels (rich results, charts, magics, `!pip install`, interrupt,
-restart), contexts, R contexts (IRkernel), TypeScript cells, Java's refusal, and a context's
+restart), contexts, R contexts (IRkernel), JavaScript cells with imports and top-level
+`await`, TypeScript cells, Java's refusal, and a context's
 state across pause + connect and in a fork child.
 
 One sandbox for the whole module, to keep VM time small; the tests run in file order and the
@@ -119,6 +120,20 @@ def test_js_cells(sbx):
     assert ex.logs.stdout == ["3\n"] and ex.text == "6"
     ex = sbx.run_code("undefinedThing.x", language="js")
     assert ex.error.name == "ReferenceError"
+
+
+def test_js_cells_take_esm_imports_and_top_level_await(sbx):
+    """E2B's code-interpreter suite (`test_default_kernels.py`): a static `import` in a cell,
+    and a cell whose value is an awaited promise; the default JavaScript context is listed."""
+    ex = sbx.run_code("import { readFileSync } from 'fs'\nimport * as path from 'path'\n"
+                      "console.log(typeof readFileSync, path.sep)", language="js")
+    assert ex.error is None and ex.logs.stdout == ["function /\n"], (ex.error, ex.logs)
+    ex = sbx.run_code("await Promise.resolve('Hello World!')", language="js")
+    assert ex.error is None and ex.text == "Hello World!", (ex.error, ex.text)
+    ex = sbx.run_code("const later = await Promise.resolve(41)", language="js")
+    assert ex.error is None, ex.error
+    assert sbx.run_code("later + 1", language="js").text == "42"
+    assert "javascript" in [c.language for c in sbx.list_code_contexts()]
 
 
 def test_second_context_is_isolated(sbx):

@@ -2,7 +2,8 @@
 through the official SDK: a command stream to a killed sandbox ends, an overwrite clears stale
 metadata, a watcher sees create, chmod and write for a new file, `started_after` is inclusive,
 and the base image has `python`; the proxy's not-found answer and a write's missing directories
-are as on E2B, and a signed upload takes a `file` part without a filename."""
+are as on E2B, and a signed upload takes a `file` part without a filename. A template build
+keeps its files when a snapshot is deleted meanwhile (found running E2B's JS suite)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from datetime import timedelta
 
 import httpx
 
-from e2b import FilesystemEventType, Sandbox, SandboxQuery
+from e2b import FilesystemEventType, Sandbox, SandboxQuery, Template
 
 from conftest import wait_for
 
@@ -121,3 +122,26 @@ def test_a_signed_upload_takes_a_file_part_without_a_filename(new_sandbox):
     assert r.status_code == 200, r.text
     assert [(e["name"], e["path"]) for e in r.json()] == [("nameless.txt", "/home/user/nameless.txt")], r.text
     assert sbx.files.read("/home/user/nameless.txt") == "file content"
+
+
+def test_a_template_build_keeps_its_files_when_a_snapshot_is_deleted_meanwhile(new_sandbox):
+    """Deleting a snapshot sweeps the node's unnamed artifacts. E2B's JS suite deletes
+    snapshots while `vmon up` builds `code-interpreter-v1`; the build's VM (booted for the
+    template, not a sandbox) lost its disk and RAM files to that sweep and the build failed
+    (`artifact ram-….mem … is missing`). Here the delete comes while a template boots its base
+    VM (a size no cached layer has, so the node boots one)."""
+    src = new_sandbox()
+    snap = src.create_snapshot()
+    src.kill()
+    deleted: list[bool] = []
+
+    def on_logs(entry) -> None:
+        if "Booting the base image" in entry.message and not deleted:
+            deleted.append(Sandbox.delete_snapshot(snap.snapshot_id))
+
+    name = f"compat-sweep-{time.monotonic_ns()}"
+    t = Template().from_base_image().run_cmd("echo kept > /home/user/kept.txt")
+    Template.build(t, name, cpu_count=1, memory_mb=768, skip_cache=True, on_build_logs=on_logs)
+    assert deleted == [True], deleted
+    sbx = new_sandbox(name)
+    assert sbx.commands.run("cat /home/user/kept.txt").stdout == "kept\n"

@@ -623,6 +623,43 @@ function errorMsg(e) {
   }
   return { type: 'error', name: 'Error', value: util.inspect(e), traceback: '' };
 }
+// Static ESM imports, which a script cannot hold, become `require`s (what Node.js's own
+// ESM-to-CommonJS interop gives for built-ins and CommonJS packages); `var`, so a cell can run
+// again.
+function rewriteImports(code) {
+  const q = `(['"][^'"\\n]+['"])`;
+  return code
+    .replace(new RegExp(`^([ \\t]*)import\\s+\\*\\s+as\\s+([\\w$]+)\\s+from\\s*${q}[ \\t]*;?`, 'gm'),
+      '$1var $2 = require($3);')
+    .replace(new RegExp(`^([ \\t]*)import\\s+\\{([^}]*)\\}\\s*from\\s*${q}[ \\t]*;?`, 'gm'),
+      (m, ws, names, mod) => `${ws}var {${names.replace(/\s+as\s+/g, ': ')}} = require(${mod});`)
+    .replace(new RegExp(`^([ \\t]*)import\\s+([\\w$]+)\\s*,\\s*\\{([^}]*)\\}\\s*from\\s*${q}[ \\t]*;?`, 'gm'),
+      (m, ws, def, names, mod) =>
+        `${ws}var ${def} = require(${mod}), {${names.replace(/\s+as\s+/g, ': ')}} = ${def};`)
+    .replace(new RegExp(`^([ \\t]*)import\\s+([\\w$]+)\\s+from\\s*${q}[ \\t]*;?`, 'gm'),
+      '$1var $2 = require($3);')
+    .replace(new RegExp(`^([ \\t]*)import\\s*${q}[ \\t]*;?`, 'gm'), '$1require($2);');
+}
+// A cell with top-level `await` runs through Node.js's REPL evaluator (global scope, so its
+// declarations outlive the cell; its value is its last expression's, awaited), as a notebook
+// kernel's would.
+// The REPL hands a cell's error to its domain, not to the eval's callback: a listener there
+// ends the cell.
+let replServer = null;
+let replReject = null;
+function replEval(code, filename) {
+  if (!replServer) {
+    const { PassThrough, Writable } = require('stream');
+    replServer = require('repl').start({ input: new PassThrough(),
+      output: new Writable({ write(c, e, cb) { cb(); } }),
+      terminal: false, useGlobal: true, prompt: '' });
+    replServer._domain.on('error', (e) => { if (replReject) replReject(e); });
+  }
+  return new Promise((resolve, reject) => {
+    replReject = reject;
+    replServer.eval(code, replServer.context, filename, (e, v) => (e ? reject(e) : resolve(v)));
+  }).finally(() => { replReject = null; });
+}
 function stripTypes(code) {
   const r = require('child_process').spawnSync('esbuild', ['--loader=ts', '--log-level=error'],
     { input: code, encoding: 'utf8', maxBuffer: 1 << 28 });
@@ -649,12 +686,12 @@ async function run(req) {
   const filename = `<cell ${count}>`;
   let value, err = null;
   try {
-    const code = lang === 'ts' ? stripTypes(req.code || '') : (req.code || '');
+    const code = rewriteImports(lang === 'ts' ? stripTypes(req.code || '') : (req.code || ''));
     try {
       value = vm.runInThisContext(code, { filename });
     } catch (e) {
       if (!(e instanceof SyntaxError) || !/await/.test(String(e.message))) throw e;
-      value = vm.runInThisContext(`(async () => {\n${code}\n})()`, { filename });
+      value = await replEval(code, filename);
     }
     if (value && typeof value.then === 'function') value = await value;
   } catch (e) {
@@ -833,7 +870,9 @@ class PipeContext:
         self.worker = Worker(cwd, language)
 
     def info(self):
-        return {"id": self.id, "language": self.language, "cwd": self.cwd}
+        # E2B's names: `js` and `ts` are reported as `javascript` and `typescript`.
+        name = {"js": "javascript", "ts": "typescript"}.get(self.language, self.language)
+        return {"id": self.id, "language": name, "cwd": self.cwd}
 
     def restart(self):
         old = self.worker
@@ -1689,6 +1728,8 @@ def main():
     args = p.parse_args()
     # A warm default kernel, so the first cell (and the template snapshot) has it ready.
     CONTEXTS.default_for("python", preload=True)
+    # E2B's server also starts a default JavaScript context (listed by `list_code_contexts`).
+    CONTEXTS.default_for("js")
     server = Server((args.host, args.port), Handler)
     sys.stderr.write("code interpreter listening on %s:%d\n" % (args.host, args.port))
     sys.stderr.flush()

@@ -14,6 +14,7 @@ use vmon_vm::{LaunchSpec, MachineDesc, NetDevice, Vm};
 use super::{err, valid_id, Node, ENVD_VERSION};
 use crate::builds::new_id;
 use crate::envd_client::{self, InitRequest, ENVD_PORT};
+use crate::pool::Held;
 use crate::sandbox::{Live, RamSource, SandboxState};
 use crate::slots::TAP;
 
@@ -80,6 +81,9 @@ impl Node {
     }
 
     /// Cold-boots a VM with its own shared RAM file over `disk` (the image rootfs when `None`).
+    /// Its artifacts come back held (taken before the artifacts guard is let go): a sweep keeps
+    /// them until the caller drops the holds, once something names them (the sandbox table, a
+    /// build record).
     #[allow(clippy::too_many_arguments)]
     pub(super) async fn boot(
         &self,
@@ -93,7 +97,7 @@ impl Node {
         init: &InitRequest,
         resume_generation: u32,
         volumes: &[VolumeShare],
-    ) -> anyhow::Result<Live> {
+    ) -> anyhow::Result<(Live, Vec<Held>)> {
         let _guard = self.artifacts_guard.read().await;
         let slot = self.slots.acquire(policy).await?;
         self.slots.refill();
@@ -220,7 +224,13 @@ impl Node {
                 bail!("{e:#}\nlast console lines:\n{tail}");
             }
             live.state.save(run_dir)?;
-            anyhow::Ok(live)
+            let held = live
+                .state
+                .live_artifacts()
+                .iter()
+                .map(|a| self.held_artifacts.hold(a))
+                .collect::<Vec<_>>();
+            anyhow::Ok((live, held))
         }
         .await;
         if r.is_err() {
@@ -254,7 +264,7 @@ impl Node {
         crate::slots::validate_policy(policy).map_err(NodeError::InvalidArgument)?;
         let exec = new_id("e");
         let dir = self.sandbox_root(sandbox_id).join(&exec);
-        let live = self
+        let (live, _held) = self
             .boot(
                 &dir,
                 sandbox_id,

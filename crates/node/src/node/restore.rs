@@ -436,9 +436,9 @@ impl Node {
         let t0 = std::time::Instant::now();
         // Held until the sandbox is in the table: a sweep must not take its new overlay.
         let mut guard = None;
-        let live = if rec.has_memory() && !cold_boot {
+        let (live, held) = if rec.has_memory() && !cold_boot {
             guard = Some(self.artifacts_guard.read().await);
-            self.restore(&spec, &rec).await.map_err(err)?
+            (self.restore(&spec, &rec).await.map_err(err)?, Vec::new())
         } else {
             let dir = self.sandbox_root(&spec.sandbox_id).join(&spec.execution_id);
             let disk = match rec.disk.as_deref() {
@@ -472,6 +472,7 @@ impl Node {
         tracing::info!(sandbox = %spec.sandbox_id, build = %rec.id, ms = t0.elapsed().as_millis() as u64, "sandbox started");
         let r = self.insert(live);
         drop(guard);
+        drop(held);
         let running = r?;
         if let Err(e) = self.start_egress(&spec).await {
             tracing::warn!(sandbox = %spec.sandbox_id, error = %e, "egress setup failed; the sandbox is killed");

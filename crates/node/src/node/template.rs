@@ -84,7 +84,9 @@ impl Node {
                 &[],
             )
             .await;
-        let mut live = match live {
+        // Held until the build's record names them: the template VM is in no sandbox table,
+        // and a sweep meanwhile (a snapshot deleted) would take its disk and RAM.
+        let (mut live, mut held) = match live {
             Ok(l) => l,
             Err(e) => {
                 let _ = std::fs::remove_dir_all(&dir);
@@ -139,6 +141,7 @@ impl Node {
             let vm = live.vm.as_ref().context("no VM")?;
             vm.qmp.stop().await?;
             let (dev, dev_path) = self.builds.new_artifact("dev", "state");
+            held.push(self.held_artifacts.hold(&dev));
             self.hand_new_to(&live.slot, &dev_path)?;
             self.show(&live.dir, [dev.as_str()])?;
             vm.qmp.save_devices_state(&dev_path).await?;
@@ -171,6 +174,7 @@ impl Node {
         }
         .await;
         self.destroy(&mut live, result.is_ok()).await;
+        drop(held);
         let _ = std::fs::remove_dir_all(&dir);
         let rec = result.map_err(err)?;
         tracing::info!(build = %rec.id, secs = t0.elapsed().as_secs_f64(), "template built");
