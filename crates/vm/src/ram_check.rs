@@ -198,7 +198,7 @@ mod tests {
             seen.push((p, va, n));
             Ok(())
         })
-        .unwrap();
+        .expect("chunks");
         assert_eq!(seen, vec![(2, 0x10000 + 2 * PAGE, 2), (4, 0x90000, 2)]);
         assert!(for_each_chunk(&maps, &[(8, 1)], |_, _, _| Ok(())).is_err());
     }

@@ -243,10 +243,10 @@ mod tests {
     #[tokio::test]
     async fn frames_round_trip_and_short_ones_fail() {
         let (mut a, mut b) = tokio::io::duplex(64);
-        write_u64s(&mut a, &[3, 1 << 40, 7]).await.unwrap();
-        assert_eq!(read_u64(&mut b).await.unwrap(), 3);
-        assert_eq!(read_u64s(&mut b, 2).await.unwrap(), vec![1 << 40, 7]);
-        a.write_all(&[1, 2, 3]).await.unwrap();
+        write_u64s(&mut a, &[3, 1 << 40, 7]).await.expect("frame");
+        assert_eq!(read_u64(&mut b).await.expect("frame"), 3);
+        assert_eq!(read_u64s(&mut b, 2).await.expect("frame"), vec![1 << 40, 7]);
+        a.write_all(&[1, 2, 3]).await.expect("frame");
         drop(a);
         assert!(read_u64(&mut b).await.is_err());
     }
