@@ -150,11 +150,44 @@ fn lock_data_dir(data_dir: &Path) -> anyhow::Result<std::fs::File> {
     let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
     if rc != 0 {
         bail!(
-            "another vmon node is running on {} (one node per data dir)",
-            data_dir.display()
+            "another vmon node is running on {} (one node per data dir){}",
+            data_dir.display(),
+            lock_holders(&f)
         );
     }
     Ok(f)
+}
+
+/// `: held by pid N (cmdline)` for each process `/proc/locks` names as holding a lock on
+/// the file `f` is open on, or nothing when none can be found.
+fn lock_holders(f: &std::fs::File) -> String {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(meta) = f.metadata() else {
+        return String::new();
+    };
+    let ino = meta.ino().to_string();
+    let locks = std::fs::read_to_string("/proc/locks").unwrap_or_default();
+    let holders: Vec<String> = locks
+        .lines()
+        .filter_map(|l| {
+            let fields: Vec<&str> = l.split_whitespace().collect();
+            // `1: FLOCK  ADVISORY  WRITE 1234 fd:01:5678 0 EOF`
+            let dev_ino = fields.iter().find(|f| f.matches(':').count() == 2)?;
+            if dev_ino.rsplit(':').next() != Some(ino.as_str()) {
+                return None;
+            }
+            let pid = fields.get(fields.iter().position(|f| f == dev_ino)? - 1)?;
+            let cmd = std::fs::read(format!("/proc/{pid}/cmdline"))
+                .map(|c| String::from_utf8_lossy(&c).replace('\0', " "))
+                .unwrap_or_default();
+            Some(format!("pid {pid} ({})", cmd.trim()))
+        })
+        .collect();
+    if holders.is_empty() {
+        String::new()
+    } else {
+        format!(": held by {}", holders.join(", "))
+    }
 }
 
 /// Takes the host-wide lock of slot block `b` if no live node holds it.

@@ -57,7 +57,20 @@ pub fn node() -> Arc<Node> {
                 .ok()
                 .and_then(|v| v.parse().ok())
                 .unwrap_or(0);
-            let node = Node::open(cfg).await.expect("node opens");
+            // The previous test binary's node may still be letting go of the data dir (a
+            // child it forked holds the lock until it execs): wait a bounded while for it.
+            let mut waited = 0;
+            let node = loop {
+                match Node::open(cfg.clone()).await {
+                    Ok(n) => break n,
+                    Err(e) if waited < 60 && e.to_string().contains("another vmon node") => {
+                        eprintln!("waiting for the data dir: {e:#}");
+                        waited += 1;
+                        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+                    }
+                    Err(e) => panic!("node opens: {e:#}"),
+                }
+            };
             // Sandboxes a crashed earlier run left behind were re-adopted: stop them.
             use vmon_proto::node::NodeControl;
             for r in node.list_running().await {
