@@ -119,6 +119,11 @@ def run(env: dict) -> None:
                     ("client-seen gap ms", gap[0] * 1000 if gap else float("nan")),
                     ("memory sent MiB", rep["ramBytes"] / (1 << 20)),
                     ("rounds", rep["rounds"]),
+                    # The page check after QEMU's last round (docs/operations.md): pages
+                    # hashed, stale pages the target was sent again, and its time.
+                    ("checked pages", rep.get("checkedPages", 0)),
+                    ("repaired pages", rep.get("repairedPages", 0)),
+                    ("check ms", rep.get("checkMs", 0)),
                 ):
                     r.setdefault(k, []).append(v)
             sbx.kill()
