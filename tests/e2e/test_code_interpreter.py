@@ -346,6 +346,17 @@ def test_java_is_refused_with_the_reason(sbx):
     assert "400" in str(e.value) and reason in str(e.value), e.value
 
 
+def test_a_cwd_the_user_cannot_enter_is_a_400(sbx):
+    from e2b import SandboxException
+
+    with pytest.raises(SandboxException) as e:
+        sbx.create_code_context(cwd="/root")
+    assert "400" in str(e.value) and "permission denied (contexts run as user)" in str(e.value)
+    ctx = sbx.create_code_context(cwd="/tmp/ctx-dir")
+    assert ctx.cwd == "/tmp/ctx-dir"
+    assert sbx.run_code("import os; os.getcwd()", context=ctx).text == "'/tmp/ctx-dir'"
+
+
 def test_sandbox_envs_reach_the_kernel(vmon):
     with Sandbox.create(timeout=120, envs={"VMON_FROM_CREATE": "yes"}) as s:
         ex = s.run_code("import os; os.environ.get('VMON_FROM_CREATE')")

@@ -34,6 +34,7 @@ newline-delimited JSON (`stdout`, `stderr`, `result`, `error`, `number_of_execut
 import json
 import math
 import os
+import pwd
 import queue
 import re
 import select
@@ -1644,6 +1645,11 @@ class Handler(BaseHTTPRequestHandler):
             raise BadRequest(400, "cwd %s: %s" % (cwd, e.strerror))
         if not os.path.isdir(cwd):
             raise BadRequest(400, "cwd %s is not a directory" % cwd)
+        if not os.access(cwd, os.X_OK):
+            # Kernels run as the server's user (not root, as on E2B): say so instead of a
+            # kernel that dies entering it.
+            raise BadRequest(400, "cwd %s: permission denied (contexts run as %s)"
+                             % (cwd, pwd.getpwuid(os.getuid()).pw_name))
         ctx = CONTEXTS.create(language, cwd)
         return self.send_json(200, ctx.info())
 
