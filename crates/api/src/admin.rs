@@ -89,6 +89,13 @@ pub struct RouteInfo {
         skip_serializing_if = "Option::is_none"
     )]
     pub ingress_url: Option<String>,
+    /// The sandbox's current run: a proxy keeps envd's connections alive per run.
+    #[serde(
+        rename = "executionId",
+        default,
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub execution_id: Option<String>,
 }
 
 #[utoipa::path(
@@ -124,6 +131,7 @@ async fn route(
         traffic_access_token: r.traffic_access_token,
         node_host,
         ingress_url,
+        execution_id: r.execution_id,
     }))
 }
 
@@ -155,6 +163,7 @@ async fn resume_route(
             traffic_access_token: None,
             node_host: None,
             ingress_url: None,
+            execution_id: None,
         })),
         Err(ResumeError::NotFound(_)) => Err(ApiError::sandbox_not_found(&id)),
         Err(ResumeError::Refused(m)) => Err(ApiError::conflict(m)),

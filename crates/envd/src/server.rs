@@ -33,6 +33,7 @@ pub async fn run(listener: TcpListener, agent: Arc<Agent>) -> anyhow::Result<()>
             }
         };
         let _ = stream.set_nodelay(true);
+        keep_alive(&stream);
         let (agent, builder) = (agent.clone(), builder.clone());
         tokio::spawn(async move {
             let service = hyper::service::service_fn(move |req| {
@@ -46,6 +47,38 @@ pub async fn run(listener: TcpListener, agent: Arc<Agent>) -> anyhow::Result<()>
                 tracing::debug!(error = %e, "connection ended with an error");
             }
         });
+    }
+}
+
+/// TCP keep-alive probes after a minute of silence: a connection whose other end is gone
+/// without a word (the proxy's kept connection of a run that a pause snapshotted; a client
+/// whose host vanished) is closed within two minutes instead of holding a task and a
+/// descriptor for the life of the guest.
+fn keep_alive(stream: &tokio::net::TcpStream) {
+    use std::os::fd::AsRawFd;
+    let fd = stream.as_raw_fd();
+    for (level, name, value) in [
+        (libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1),
+        (libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, 60),
+        (libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, 10),
+        (libc::IPPROTO_TCP, libc::TCP_KEEPCNT, 3),
+    ] {
+        let v: libc::c_int = value;
+        // SAFETY: setsockopt on a socket this task owns, with a pointer to a live c_int and
+        // its size; a failure leaves the socket as it was.
+        let rc = unsafe {
+            libc::setsockopt(
+                fd,
+                level,
+                name,
+                (&v as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        if rc != 0 {
+            tracing::debug!(error = %std::io::Error::last_os_error(), "keep-alive not set");
+            return;
+        }
     }
 }
 

@@ -25,6 +25,7 @@ use tokio_util::sync::CancellationToken;
 
 pub mod activity;
 pub mod listen;
+mod pool;
 pub mod signed;
 pub mod target;
 pub mod tls;
@@ -50,6 +51,9 @@ pub struct SandboxRoute {
     /// The ingress (a proxy on the node's host) to hand the request to when this proxy runs
     /// on another host and cannot reach the guest's address itself.
     pub via: Option<SocketAddr>,
+    /// The sandbox's current run (its execution id, which a resume renews). With it, envd's
+    /// connections are kept alive between requests, pooled per run and address ([`pool`]).
+    pub execution_id: Option<String>,
 }
 
 /// Marks a request one proxy handed to another: the receiver routes it to its guest and
@@ -138,6 +142,9 @@ impl http_body::Body for Watched {
 pub struct Proxy {
     routes: Arc<dyn Routes>,
     client: Client<HttpConnector, Stamped<Incoming>>,
+    /// Keeps connections to one port (envd's) alive, pooled per sandbox run.
+    pooled: Client<HttpConnector<pool::RunResolver>, Stamped<Incoming>>,
+    pooled_port: u16,
     tls: Option<Arc<rustls::ServerConfig>>,
     activity: Arc<Activity>,
 }
@@ -147,18 +154,40 @@ impl Proxy {
         let mut connector = HttpConnector::new();
         connector.set_connect_timeout(Some(Duration::from_secs(10)));
         connector.set_nodelay(true);
-        // No idle pooling: guest addresses belong to slots, and a slot passes to another
-        // sandbox after a kill or pause, so a pooled connection could reach a dead guest (or
-        // a different one). A fresh connection per request to a local guest costs little.
+        // No idle pooling by address: guest addresses belong to slots, and a slot passes to
+        // another sandbox after a kill or pause, so a connection pooled by address could reach
+        // a dead guest (or a different one). Envd's connections are pooled per run instead.
         let client = Client::builder(TokioExecutor::new())
             .pool_max_idle_per_host(0)
             .build(connector);
+        let mut run_connector = HttpConnector::new_with_resolver(pool::RunResolver);
+        run_connector.set_connect_timeout(Some(Duration::from_secs(10)));
+        run_connector.set_nodelay(true);
+        // Envd keeps an idle connection open; a guest of a run that ended (paused, killed)
+        // is never asked again, and its connections close after the idle timeout.
+        let pooled = Client::builder(TokioExecutor::new())
+            .pool_max_idle_per_host(8)
+            .pool_idle_timeout(Duration::from_secs(30))
+            .pool_timer(hyper_util::rt::TokioTimer::new())
+            .build(run_connector);
         Self {
             routes,
             client,
+            pooled,
+            // `VMON_PROXY_KEEP_ALIVE=0`: a connection per request to envd too (A/B benches).
+            pooled_port: match std::env::var("VMON_PROXY_KEEP_ALIVE").as_deref() {
+                Ok("0") => 0,
+                _ => ENVD_PORT,
+            },
             tls: None,
             activity: Activity::new(),
         }
+    }
+
+    /// Keep connections alive to `port` instead of envd's (tests run their guest elsewhere).
+    pub fn with_pooled_port(mut self, port: u16) -> Self {
+        self.pooled_port = port;
+        self
     }
 
     /// Stamp traffic into `activity` (shared with the control plane in one process).
@@ -314,7 +343,14 @@ impl Proxy {
             self.forward_upgrade(req, addr, &target, in_flight, stamp)
                 .await
         } else {
-            self.forward(req, addr, guest_ip, &target, in_flight, stamp)
+            // Envd's requests of a known run go over kept-alive connections; other ports
+            // (users' servers, whose idle timeouts are theirs) get a connection each.
+            let run = route
+                .execution_id
+                .as_deref()
+                .filter(|_| target.port == self.pooled_port)
+                .map(|exec| pool::authority(id, exec, addr));
+            self.forward(req, addr, run, guest_ip, &target, in_flight, stamp)
                 .await
         }
     }
@@ -351,13 +387,15 @@ impl Proxy {
         &self,
         req: Request<Stamped<Incoming>>,
         addr: SocketAddr,
+        run: Option<String>,
         guest_ip: IpAddr,
         target: &Target,
         in_flight: InFlight,
         stamp: Arc<Stamp>,
     ) -> Response<ProxyBody> {
         let (mut parts, body) = req.into_parts();
-        let Ok(uri) = upstream_uri(addr, &parts.uri) else {
+        let authority = run.clone().unwrap_or_else(|| addr.to_string());
+        let Ok(uri) = upstream_uri(&authority, &parts.uri) else {
             return error(
                 StatusCode::BAD_REQUEST,
                 "invalid request path",
@@ -372,8 +410,13 @@ impl Proxy {
         // Watched from the start: a guest paused or killed while this request waits for its
         // answer (a stopped VM answers nothing) gets an answer within a second, not a timeout.
         let mut gone = self.watch(&target.sandbox_id, guest_ip);
+        let req = Request::from_parts(parts, body);
+        let request = match run {
+            Some(_) => self.pooled.request(req),
+            None => self.client.request(req),
+        };
         let upstream = tokio::select! {
-            r = self.client.request(Request::from_parts(parts, body)) => r,
+            r = request => r,
             why = &mut gone => {
                 let why = why.unwrap_or_else(|_| "the sandbox went away".to_string());
                 return error(StatusCode::BAD_GATEWAY, &why, Some(target));
@@ -501,11 +544,11 @@ impl Proxy {
     }
 }
 
-fn upstream_uri(addr: SocketAddr, uri: &http::Uri) -> Result<http::Uri, http::Error> {
+fn upstream_uri(authority: &str, uri: &http::Uri) -> Result<http::Uri, http::Error> {
     let pq = uri.path_and_query().map(|p| p.as_str()).unwrap_or("/");
     http::Uri::builder()
         .scheme("http")
-        .authority(addr.to_string())
+        .authority(authority)
         .path_and_query(pq)
         .build()
 }

@@ -128,6 +128,26 @@ async fn start_guest() -> u16 {
     port
 }
 
+/// A guest that counts the connections it accepted.
+async fn start_counting_guest() -> (u16, Arc<std::sync::atomic::AtomicUsize>) {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = l.local_addr().unwrap().port();
+    let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = accepted.clone();
+    tokio::spawn(async move {
+        loop {
+            let (s, _) = l.accept().await.unwrap();
+            count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            tokio::spawn(async move {
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(s), hyper::service::service_fn(guest))
+                    .await;
+            });
+        }
+    });
+    (port, accepted)
+}
+
 async fn start_proxy(routes: Arc<TestRoutes>) -> SocketAddr {
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap();
@@ -152,6 +172,7 @@ fn route(ip: Option<&str>, auto_resume: bool, token: Option<&str>) -> SandboxRou
         auto_resume,
         traffic_access_token: token.map(str::to_string),
         via: None,
+        execution_id: None,
     }
 }
 
@@ -377,4 +398,69 @@ async fn a_stream_ends_when_its_sandbox_is_killed() {
     // Cut off, not completed: no last chunk of a chunked body.
     let text = String::from_utf8_lossy(&rest).into_owned();
     assert!(!text.ends_with("0\r\n\r\n"), "{text:?}");
+}
+
+/// Envd's connections are kept alive per sandbox run: requests of one run share one
+/// connection, and a new run (a resume), another sandbox at the same address, a route without
+/// a run and another port each get connections of their own.
+#[tokio::test]
+async fn envd_connections_are_kept_per_run_and_never_shared() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let (port, accepted) = start_counting_guest().await;
+    let routes = Arc::new(TestRoutes::default());
+    let run = |exec: Option<&str>| SandboxRoute {
+        execution_id: exec.map(str::to_string),
+        ..route(Some("127.0.0.1"), false, None)
+    };
+    routes
+        .routes
+        .lock()
+        .unwrap()
+        .insert("isbx".into(), run(Some("e1")));
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let proxy = l.local_addr().unwrap();
+    tokio::spawn(
+        Proxy::new(routes.clone())
+            .with_pooled_port(port)
+            .serve(l, CancellationToken::new()),
+    );
+    let ok = |r: String| assert!(r.starts_with("HTTP/1.1 200") && r.ends_with("root"), "{r}");
+
+    for _ in 0..3 {
+        ok(raw(proxy, &get("/", "isbx", port, "")).await);
+    }
+    assert_eq!(accepted.load(SeqCst), 1, "one run's requests share a connection");
+
+    // The sandbox was paused and resumed at the same address: a new run.
+    routes
+        .routes
+        .lock()
+        .unwrap()
+        .insert("isbx".into(), run(Some("e2")));
+    ok(raw(proxy, &get("/", "isbx", port, "")).await);
+    ok(raw(proxy, &get("/", "isbx", port, "")).await);
+    assert_eq!(accepted.load(SeqCst), 2, "a new run gets a connection of its own");
+
+    // Another sandbox now has the address (a slot passed on), even with the same run id.
+    routes
+        .routes
+        .lock()
+        .unwrap()
+        .insert("iother".into(), run(Some("e2")));
+    ok(raw(proxy, &get("/", "iother", port, "")).await);
+    assert_eq!(accepted.load(SeqCst), 3, "sandboxes never share a connection");
+
+    // No run known: a connection per request, as before.
+    routes
+        .routes
+        .lock()
+        .unwrap()
+        .insert("inorun".into(), run(None));
+    ok(raw(proxy, &get("/", "inorun", port, "")).await);
+    ok(raw(proxy, &get("/", "inorun", port, "")).await);
+    assert_eq!(accepted.load(SeqCst), 5);
+
+    // Back to the first sandbox's run: its kept connection answers.
+    ok(raw(proxy, &get("/", "isbx", port, "")).await);
+    assert_eq!(accepted.load(SeqCst), 5);
 }

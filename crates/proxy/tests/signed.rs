@@ -33,6 +33,7 @@ impl Routes for Two {
             auto_resume: false,
             traffic_access_token: None,
             via: None,
+            execution_id: None,
         })
     }
     async fn resume_for_traffic(&self, id: &str) -> Result<IpAddr, ResumeError> {

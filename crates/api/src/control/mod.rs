@@ -55,6 +55,7 @@ fn route_of(rec: &SandboxRecord) -> SandboxRoute {
         auto_resume: idle::resumes_on_traffic(rec),
         traffic_access_token: rec.traffic_access_token.clone(),
         via: None,
+        execution_id: Some(rec.execution_id.clone()),
     }
 }
 

@@ -140,6 +140,7 @@ impl Routes for ApiRoutes {
             auto_resume: r.auto_resume,
             traffic_access_token: r.traffic_access_token,
             via,
+            execution_id: r.execution_id,
         })
     }
 
