@@ -116,7 +116,13 @@ mod tests {
 
     #[test]
     fn other_names_are_not_resolved() {
-        for h in ["example.com", "0a0b0002.run.example", "zz0b0002.x.run", "0a0b00.x.run", ""] {
+        for h in [
+            "example.com",
+            "0a0b0002.run.example",
+            "zz0b0002.x.run",
+            "0a0b00.x.run",
+            "",
+        ] {
             assert_eq!(address_of(h), None, "{h}");
         }
     }

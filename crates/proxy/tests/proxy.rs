@@ -429,7 +429,11 @@ async fn envd_connections_are_kept_per_run_and_never_shared() {
     for _ in 0..3 {
         ok(raw(proxy, &get("/", "isbx", port, "")).await);
     }
-    assert_eq!(accepted.load(SeqCst), 1, "one run's requests share a connection");
+    assert_eq!(
+        accepted.load(SeqCst),
+        1,
+        "one run's requests share a connection"
+    );
 
     // The sandbox was paused and resumed at the same address: a new run.
     routes
@@ -439,7 +443,11 @@ async fn envd_connections_are_kept_per_run_and_never_shared() {
         .insert("isbx".into(), run(Some("e2")));
     ok(raw(proxy, &get("/", "isbx", port, "")).await);
     ok(raw(proxy, &get("/", "isbx", port, "")).await);
-    assert_eq!(accepted.load(SeqCst), 2, "a new run gets a connection of its own");
+    assert_eq!(
+        accepted.load(SeqCst),
+        2,
+        "a new run gets a connection of its own"
+    );
 
     // Another sandbox now has the address (a slot passed on), even with the same run id.
     routes
@@ -448,7 +456,11 @@ async fn envd_connections_are_kept_per_run_and_never_shared() {
         .unwrap()
         .insert("iother".into(), run(Some("e2")));
     ok(raw(proxy, &get("/", "iother", port, "")).await);
-    assert_eq!(accepted.load(SeqCst), 3, "sandboxes never share a connection");
+    assert_eq!(
+        accepted.load(SeqCst),
+        3,
+        "sandboxes never share a connection"
+    );
 
     // No run known: a connection per request, as before.
     routes
