@@ -345,12 +345,13 @@ impl Proxy {
         } else {
             // Envd's requests of a known run go over kept-alive connections; other ports
             // (users' servers, whose idle timeouts are theirs) get a connection each.
-            let run = route
-                .execution_id
-                .as_deref()
-                .filter(|_| target.port == self.pooled_port)
-                .map(|exec| pool::authority(id, exec, addr));
-            self.forward(req, addr, run, guest_ip, &target, in_flight, stamp)
+            let upstream = match route.execution_id.as_deref() {
+                Some(exec) if target.port == self.pooled_port => {
+                    Upstream::Kept(pool::authority(id, exec, addr))
+                }
+                _ => Upstream::Fresh(addr),
+            };
+            self.forward(req, upstream, guest_ip, &target, in_flight, stamp)
                 .await
         }
     }
@@ -386,15 +387,17 @@ impl Proxy {
     async fn forward(
         &self,
         req: Request<Stamped<Incoming>>,
-        addr: SocketAddr,
-        run: Option<String>,
+        upstream: Upstream,
         guest_ip: IpAddr,
         target: &Target,
         in_flight: InFlight,
         stamp: Arc<Stamp>,
     ) -> Response<ProxyBody> {
         let (mut parts, body) = req.into_parts();
-        let authority = run.clone().unwrap_or_else(|| addr.to_string());
+        let authority = match &upstream {
+            Upstream::Kept(run) => run.clone(),
+            Upstream::Fresh(addr) => addr.to_string(),
+        };
         let Ok(uri) = upstream_uri(&authority, &parts.uri) else {
             return error(
                 StatusCode::BAD_REQUEST,
@@ -411,9 +414,9 @@ impl Proxy {
         // answer (a stopped VM answers nothing) gets an answer within a second, not a timeout.
         let mut gone = self.watch(&target.sandbox_id, guest_ip);
         let req = Request::from_parts(parts, body);
-        let request = match run {
-            Some(_) => self.pooled.request(req),
-            None => self.client.request(req),
+        let request = match upstream {
+            Upstream::Kept(_) => self.pooled.request(req),
+            Upstream::Fresh(_) => self.client.request(req),
         };
         let upstream = tokio::select! {
             r = request => r,
@@ -542,6 +545,13 @@ impl Proxy {
         });
         rx
     }
+}
+
+/// Where a request goes: over a kept connection of a sandbox run (its pooled authority,
+/// [`pool::authority`]), or over a connection of its own to an address.
+enum Upstream {
+    Kept(String),
+    Fresh(SocketAddr),
 }
 
 fn upstream_uri(authority: &str, uri: &http::Uri) -> Result<http::Uri, http::Error> {
