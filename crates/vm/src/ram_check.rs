@@ -35,23 +35,63 @@ pub struct PageDigest {
     pub hashes: Vec<u64>,
 }
 
-/// Hashes of every private (written-since-restore) page of a stopped `pid`'s RAM.
-pub fn private_digest(pid: u32, ram_file: &Path) -> anyhow::Result<PageDigest> {
+/// Every private (written-since-restore) page of a stopped `pid`'s RAM, in order.
+pub fn private_pages(pid: u32, ram_file: &Path) -> anyhow::Result<Vec<u64>> {
     let maps = ram_mappings(pid, ram_file)?;
     let runs = private_runs(pid, &maps)?;
+    let mut pages: Vec<u64> = runs
+        .iter()
+        .flat_map(|&(start, count)| start..start + count)
+        .collect();
+    // Mappings come in address order, which need not be the file's.
+    pages.sort_unstable();
+    pages.dedup();
+    Ok(pages)
+}
+
+/// The hashes of `pages` (sorted) of a stopped `pid`'s RAM, in the same order.
+pub fn page_hashes(pid: u32, ram_file: &Path, pages: &[u64]) -> anyhow::Result<Vec<u64>> {
+    if !pages.windows(2).all(|w| w[0] < w[1]) {
+        bail!("the pages to hash are not in order");
+    }
+    let maps = ram_mappings(pid, ram_file)?;
     let mem = open_mem(pid, false)?;
-    let mut d = PageDigest::default();
-    for_each_chunk(&maps, &runs, |page0, va, n| {
-        let mut buf = vec![0u8; (n * PAGE) as usize];
+    let mut hashes = Vec::with_capacity(pages.len());
+    let mut buf = Vec::new();
+    for_each_chunk(&maps, &runs_of(pages), |page0, va, n| {
+        buf.resize((n * PAGE) as usize, 0);
         mem.read_exact_at(&mut buf, va)
             .with_context(|| format!("reading guest page {page0}"))?;
-        for (i, p) in buf.chunks_exact(PAGE as usize).enumerate() {
-            d.pages.push(page0 + i as u64);
-            d.hashes.push(xxh3_64(p));
-        }
+        hashes.extend(buf.chunks_exact(PAGE as usize).map(xxh3_64));
         Ok(())
     })?;
-    Ok(d)
+    Ok(hashes)
+}
+
+/// Hashes of every private (written-since-restore) page of a stopped `pid`'s RAM.
+pub fn private_digest(pid: u32, ram_file: &Path) -> anyhow::Result<PageDigest> {
+    let pages = private_pages(pid, ram_file)?;
+    let hashes = page_hashes(pid, ram_file, &pages)?;
+    Ok(PageDigest { pages, hashes })
+}
+
+/// The pages of `digest` whose hashes differ from `ours` (the same pages' hashes elsewhere).
+pub fn differing(digest: &PageDigest, ours: &[u64]) -> anyhow::Result<Vec<u64>> {
+    if digest.pages.len() != digest.hashes.len() || ours.len() != digest.pages.len() {
+        bail!(
+            "a page digest has {} pages and {} hashes against {} of ours",
+            digest.pages.len(),
+            digest.hashes.len(),
+            ours.len()
+        );
+    }
+    Ok(digest
+        .pages
+        .iter()
+        .zip(digest.hashes.iter().zip(ours))
+        .filter(|(_, (theirs, ours))| theirs != ours)
+        .map(|(&p, _)| p)
+        .collect())
 }
 
 /// The pages of `digest` whose content in a stopped `pid`'s RAM hashes otherwise.
@@ -63,24 +103,7 @@ pub fn mismatches(pid: u32, ram_file: &Path, digest: &PageDigest) -> anyhow::Res
             digest.hashes.len()
         );
     }
-    let maps = ram_mappings(pid, ram_file)?;
-    let mem = open_mem(pid, false)?;
-    let runs = runs_of(&digest.pages);
-    let mut out = Vec::new();
-    let mut next = 0usize;
-    for_each_chunk(&maps, &runs, |page0, va, n| {
-        let mut buf = vec![0u8; (n * PAGE) as usize];
-        mem.read_exact_at(&mut buf, va)
-            .with_context(|| format!("reading guest page {page0}"))?;
-        for (i, p) in buf.chunks_exact(PAGE as usize).enumerate() {
-            if digest.hashes.get(next) != Some(&xxh3_64(p)) {
-                out.push(page0 + i as u64);
-            }
-            next += 1;
-        }
-        Ok(())
-    })?;
-    Ok(out)
+    differing(digest, &page_hashes(pid, ram_file, &digest.pages)?)
 }
 
 /// The content of `pages` (in that order) of a stopped `pid`'s RAM.

@@ -3,14 +3,16 @@
 //!
 //! QEMU's own copy can miss guest writes under TCG (see [`vmon_vm::ram_check`]), and a guest
 //! that runs on with a stale kernel page crashes sooner or later. So before the target may
-//! run, the source hashes every page its guest wrote since its restore and sends the hashes
-//! over a `check` channel; the target hashes the same pages of its RAM and names the ones that
-//! differ; the source sends those pages and the target writes them in. Only then does the copy
-//! count as done. A check that fails fails the migration (the guest runs on at the source).
+//! run, the source names every page its guest wrote since its restore over a `check` channel;
+//! both sides hash those pages at once, the source sends its hashes, and the target names the
+//! pages that differ; the source sends those pages and the target writes them in. Only then
+//! does the copy count as done. A check that fails fails the migration (the guest runs on at
+//! the source).
 //!
-//! The channel's frames are little-endian `u64`s: source → target `n`, `n` pages, `n` hashes;
-//! target → source `m`, `m` pages; source → target `m` pages of 4 KiB; target → source `m`
-//! (written). The target bounds `n` by the machine's page count before it reads any of it.
+//! The channel's frames are little-endian `u64`s: source → target `n`, `n` pages (sorted),
+//! then `n` hashes; target → source `m`, `m` pages; source → target `m` pages of 4 KiB; target
+//! → source `m` (written). The target bounds `n` by the machine's page count before it reads
+//! any of it.
 
 use std::time::{Duration, Instant};
 
@@ -51,23 +53,31 @@ impl Node {
         };
         let ram_file = self.builds.artifact(mem_base);
         let pid = vm.pid;
-        let digest = {
+        let pages = {
             let ram_file = ram_file.clone();
-            tokio::task::spawn_blocking(move || ram_check::private_digest(pid, &ram_file))
+            tokio::task::spawn_blocking(move || ram_check::private_pages(pid, &ram_file))
                 .await
-                .context("digest task")??
+                .context("pages task")??
         };
         let mut ch = target
             .open_channel(migration_id, "check")
             .await
             .context("opening the memory check channel")?;
-        let mut frame = Vec::with_capacity(8 + digest.pages.len() * 16);
-        frame.extend_from_slice(&(digest.pages.len() as u64).to_le_bytes());
-        for v in digest.pages.iter().chain(digest.hashes.iter()) {
-            frame.extend_from_slice(&v.to_le_bytes());
-        }
-        ch.write_all(&frame).await?;
+        // The pages first: the target hashes its copies while this side hashes its own.
+        ch.write_all(&u64s_frame(Some(pages.len() as u64), &pages))
+            .await?;
         ch.flush().await?;
+        let (pages, hashes) = {
+            let ram_file = ram_file.clone();
+            tokio::task::spawn_blocking(move || {
+                ram_check::page_hashes(pid, &ram_file, &pages).map(|h| (pages, h))
+            })
+            .await
+            .context("digest task")??
+        };
+        ch.write_all(&u64s_frame(None, &hashes)).await?;
+        ch.flush().await?;
+        let digest = PageDigest { pages, hashes };
         let m = read_u64(&mut ch).await?;
         if m > digest.pages.len() as u64 {
             bail!(
@@ -122,24 +132,20 @@ impl Node {
             bail!("a check of {n} pages for a machine of {max_pages}");
         }
         let n = n as usize;
-        let digest = PageDigest {
-            pages: read_u64s(&mut ch, n).await?,
-            hashes: read_u64s(&mut ch, n).await?,
-        };
+        let pages = read_u64s(&mut ch, n).await?;
         let ram_file = self.builds.artifact(&p.mem_base);
         let pid = p.vm.pid;
-        let bad = {
+        // Ours are hashed while the source hashes its own and sends them.
+        let ours = {
             let ram_file = ram_file.clone();
-            tokio::task::spawn_blocking(move || ram_check::mismatches(pid, &ram_file, &digest))
-                .await
-                .context("check task")??
+            let pages = pages.clone();
+            tokio::task::spawn_blocking(move || ram_check::page_hashes(pid, &ram_file, &pages))
         };
-        let mut frame = Vec::with_capacity(8 + bad.len() * 8);
-        frame.extend_from_slice(&(bad.len() as u64).to_le_bytes());
-        for v in &bad {
-            frame.extend_from_slice(&v.to_le_bytes());
-        }
-        ch.write_all(&frame).await?;
+        let hashes = read_u64s(&mut ch, n).await?;
+        let ours = ours.await.context("check task")??;
+        let bad = ram_check::differing(&PageDigest { pages, hashes }, &ours)?;
+        ch.write_all(&u64s_frame(Some(bad.len() as u64), &bad))
+            .await?;
         ch.flush().await?;
         if !bad.is_empty() {
             let mut data = vec![0u8; bad.len() * PAGE as usize];
@@ -209,6 +215,15 @@ pub(super) async fn incoming_failure(inc: &Incoming) -> String {
     format!("the target's QEMU: {status}; stderr: {stderr}")
 }
 
+/// `values` as little-endian `u64`s, after `count` when given.
+fn u64s_frame(count: Option<u64>, values: &[u64]) -> Vec<u8> {
+    let mut frame = Vec::with_capacity(8 + values.len() * 8);
+    for v in count.iter().chain(values) {
+        frame.extend_from_slice(&v.to_le_bytes());
+    }
+    frame
+}
+
 async fn read_u64<R: AsyncRead + Unpin>(r: &mut R) -> std::io::Result<u64> {
     let mut b = [0u8; 8];
     r.read_exact(&mut b).await?;
@@ -249,5 +264,10 @@ mod tests {
         a.write_all(&[1, 2, 3]).await.expect("frame");
         drop(a);
         assert!(read_u64(&mut b).await.is_err());
+        assert_eq!(u64s_frame(Some(2), &[5]).len(), 16);
+        assert_eq!(
+            u64s_frame(None, &[5, 6]),
+            [5u64.to_le_bytes(), 6u64.to_le_bytes()].concat()
+        );
     }
 }
