@@ -24,6 +24,9 @@ enum What {
     /// The E2B API through the official Python SDK (runs `tests/bench/api_bench.py` with the
     /// repository's venv; against `E2B_API_URL` if set, else its own `vmon up`).
     Api,
+    /// The proxy's hop to envd alone: `GET /health` through the proxy with a kept-alive
+    /// client (`tests/bench/proxy_hop_bench.py`; `VMON_PROXY_KEEP_ALIVE=0` for the A side).
+    ProxyHop,
     /// Template builds through the official Template SDK: a first build, a cached rebuild, a
     /// last-step rebuild, and creates from the result against creates from `base` (runs
     /// `tests/bench/template_bench.py` like `api`).
@@ -285,6 +288,7 @@ pub async fn run(data_dir: &Path, args: Args) -> anyhow::Result<()> {
         What::Snapshot(a) => snapshot(data_dir, a).await,
         What::Boot(a) => boot(data_dir, a).await,
         What::Api => python_bench("api_bench.py", &[]).await,
+        What::ProxyHop => python_bench("proxy_hop_bench.py", &[]).await,
         What::Template => python_bench("template_bench.py", &[]).await,
         What::Cluster => python_bench("cluster_bench.py", &[]).await,
         What::Migrate => python_bench("migrate_bench.py", &[]).await,
