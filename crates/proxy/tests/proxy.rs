@@ -412,11 +412,10 @@ async fn envd_connections_are_kept_per_run_and_never_shared() {
         execution_id: exec.map(str::to_string),
         ..route(Some("127.0.0.1"), false, None)
     };
-    routes
-        .routes
-        .lock()
-        .unwrap()
-        .insert("isbx".into(), run(Some("e1")));
+    let put = |id: &str, r: SandboxRoute| {
+        routes.routes.lock().unwrap().insert(id.into(), r);
+    };
+    put("isbx", run(Some("e1")));
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let proxy = l.local_addr().unwrap();
     tokio::spawn(
@@ -436,11 +435,7 @@ async fn envd_connections_are_kept_per_run_and_never_shared() {
     );
 
     // The sandbox was paused and resumed at the same address: a new run.
-    routes
-        .routes
-        .lock()
-        .unwrap()
-        .insert("isbx".into(), run(Some("e2")));
+    put("isbx", run(Some("e2")));
     ok(raw(proxy, &get("/", "isbx", port, "")).await);
     ok(raw(proxy, &get("/", "isbx", port, "")).await);
     assert_eq!(
@@ -450,11 +445,7 @@ async fn envd_connections_are_kept_per_run_and_never_shared() {
     );
 
     // Another sandbox now has the address (a slot passed on), even with the same run id.
-    routes
-        .routes
-        .lock()
-        .unwrap()
-        .insert("iother".into(), run(Some("e2")));
+    put("iother", run(Some("e2")));
     ok(raw(proxy, &get("/", "iother", port, "")).await);
     assert_eq!(
         accepted.load(SeqCst),
@@ -463,11 +454,7 @@ async fn envd_connections_are_kept_per_run_and_never_shared() {
     );
 
     // No run known: a connection per request, as before.
-    routes
-        .routes
-        .lock()
-        .unwrap()
-        .insert("inorun".into(), run(None));
+    put("inorun", run(None));
     ok(raw(proxy, &get("/", "inorun", port, "")).await);
     ok(raw(proxy, &get("/", "inorun", port, "")).await);
     assert_eq!(accepted.load(SeqCst), 5);
@@ -475,4 +462,10 @@ async fn envd_connections_are_kept_per_run_and_never_shared() {
     // Back to the first sandbox's run: its kept connection answers.
     ok(raw(proxy, &get("/", "isbx", port, "")).await);
     assert_eq!(accepted.load(SeqCst), 5);
+
+    // Another port of the same run (a user's server): a connection per request.
+    let (other, other_accepted) = start_counting_guest().await;
+    ok(raw(proxy, &get("/", "isbx", other, "")).await);
+    ok(raw(proxy, &get("/", "isbx", other, "")).await);
+    assert_eq!(other_accepted.load(SeqCst), 2);
 }
