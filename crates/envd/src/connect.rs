@@ -382,6 +382,27 @@ where
         }
     }
 
+    /// Reads the rest of the body and drops it: at most `limit` bytes, for at most `within`.
+    /// A server-streaming request holds one message, but a client that streams its body
+    /// (chunked) ends it a moment after; hyper reuses the connection for the next request
+    /// only once this request's body is read to its end, and otherwise closes it just after
+    /// the response, a close a client that kept the connection (the proxy) can meet with
+    /// its next request already sent.
+    pub async fn drain(mut self, limit: usize, within: Duration) {
+        let _ = tokio::time::timeout(within, async {
+            let mut read = self.buf.len();
+            while read <= limit {
+                match self.body.frame().await {
+                    Some(Ok(frame)) => {
+                        read += frame.data_ref().map_or(0, |d| d.len());
+                    }
+                    Some(Err(_)) | None => return,
+                }
+            }
+        })
+        .await;
+    }
+
     /// The next message, decoded.
     pub async fn next_message<T: DeserializeOwned>(&mut self) -> Result<Option<T>, ConnectError> {
         match self.next().await? {

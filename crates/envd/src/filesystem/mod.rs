@@ -42,6 +42,11 @@ pub async fn dispatch(
             Ok(m) => m.unwrap_or_default(),
             Err(e) => return connect::stream_error_response(e),
         };
+        // Keeps the connection reusable (`EnvelopeReader::drain`).
+        tokio::spawn(reader.drain(
+            connect::MAX_MESSAGE_BYTES,
+            std::time::Duration::from_secs(10),
+        ));
         return watch_dir(&user, &headers, msg).await;
     }
     macro_rules! unary {

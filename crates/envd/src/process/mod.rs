@@ -78,7 +78,11 @@ async fn first_message<T: serde::de::DeserializeOwned + Default>(
     body: Incoming,
 ) -> Result<T, ConnectError> {
     let mut reader = EnvelopeReader::new(body);
-    Ok(reader.next_message::<T>().await?.unwrap_or_default())
+    let msg = reader.next_message::<T>().await?.unwrap_or_default();
+    // The body's end (a streamed body's last chunk) may come after the message: read it
+    // apart, so the connection stays reusable (`EnvelopeReader::drain`).
+    tokio::spawn(reader.drain(connect::MAX_MESSAGE_BYTES, Duration::from_secs(10)));
+    Ok(msg)
 }
 
 fn keepalive_interval(headers: &HeaderMap) -> Duration {

@@ -181,3 +181,53 @@ async fn metrics_envs_health() {
     assert!(v["disk_total"].as_u64().unwrap() > 0);
     assert!(v["cpu_count"].as_u64().unwrap() >= 1);
 }
+
+/// A server-streaming call whose (chunked) request body ends only after the response: the
+/// connection still takes the next request. A client that keeps connections (the proxy) sent
+/// its next request over a connection envd closed just after such a response.
+#[tokio::test]
+async fn a_streamed_request_body_ending_late_keeps_the_connection() {
+    let envd = Envd::start().await;
+    let stream = tokio::net::TcpStream::connect(envd.addr)
+        .await
+        .expect("connect");
+    let (mut sender, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .expect("handshake");
+    tokio::spawn(conn);
+    let (tx, body) = channel();
+    let req = Request::post("/process.Process/Start")
+        .header("host", "localhost")
+        .header("content-type", "application/connect+json")
+        .header("connect-protocol-version", "1")
+        .body(body)
+        .expect("req");
+    let msg = json!({"process": {"cmd": "/bin/echo", "args": ["hi"]}});
+    tx.send(envelope(0, msg.to_string().as_bytes()))
+        .await
+        .expect("send the message");
+    let resp = sender.send_request(req).await.expect("start");
+    assert_eq!(resp.status(), StatusCode::OK);
+    let mut s = EnvelopeStream::new(resp.into_body());
+    assert!(s.msg().await["event"]["start"]["pid"].as_u64().is_some());
+    let (out, _, _, end) = s.collect_process().await;
+    assert_eq!(out, b"hi\n");
+    assert_eq!(end["exited"], true);
+    assert_eq!(s.end().await, json!({}));
+    assert!(s.next().await.is_none(), "the response is complete");
+    // Only now does the request body end (its last chunk), then a second request follows on
+    // the same connection.
+    drop(tx);
+    sender.ready().await.expect("the connection is still open");
+    let r = sender
+        .send_request(
+            Request::get("/health")
+                .header("host", "localhost")
+                .body(full(""))
+                .expect("req"),
+        )
+        .await
+        .expect("a second request on the same connection");
+    assert_eq!(r.status(), StatusCode::NO_CONTENT);
+}
