@@ -9,6 +9,7 @@ import base64
 import http.client
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -94,8 +95,35 @@ def server(tmp_path_factory, envd):
         assert time.monotonic() < deadline, "server did not come up"
         time.sleep(0.1)
     yield port, home
+    # Kernels and workers run in sessions of their own: end them with the server, or every
+    # run leaves its kernels behind on the machine.
+    _kill_descendants(proc.pid)
     proc.terminate()
     proc.wait(10)
+
+
+def _kill_descendants(pid: int) -> None:
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                # pid (comm) state ppid ...: comm may hold spaces, so split after its ')'.
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(d))
+    todo, found = [pid], []
+    while todo:
+        for c in children.get(todo.pop(), []):
+            found.append(c)
+            todo.append(c)
+    for c in found:
+        try:
+            os.kill(c, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def request(port, method, path, body=None, timeout=30):
