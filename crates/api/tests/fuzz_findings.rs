@@ -53,6 +53,28 @@ async fn empty_typed_query_values_are_400s() {
     }
 }
 
+/// Metrics ranges at the ends of i64 (schemathesis found an `end` near i64::MIN overflowing
+/// the default start): a 400 for negative ones, an answer for huge ones, never a panic.
+#[tokio::test]
+async fn metrics_ranges_at_the_ends_of_i64_are_answered() {
+    let h = harness(TeamLimits::default()).await;
+    let id = h.create(r#"{"templateID": "base"}"#).await;
+    for (query, want) in [
+        (format!("end={}", i64::MIN), StatusCode::BAD_REQUEST),
+        (format!("start={}", i64::MIN), StatusCode::BAD_REQUEST),
+        (
+            format!("start=60942250599688&end={}", i64::MIN),
+            StatusCode::BAD_REQUEST,
+        ),
+        (format!("start=0&end={}", i64::MAX), StatusCode::OK),
+        (format!("end={}", i64::MAX), StatusCode::OK),
+    ] {
+        let path = format!("/sandboxes/{id}/metrics?{query}");
+        let r = h.req("GET", &path, None).await;
+        assert_eq!(r.status, want, "{path}: {:?}", r.json);
+    }
+}
+
 /// Errors axum answers itself are `{code, message}` too: a known path's unknown method (405,
 /// keeping `Allow`), and an extractor's rejection.
 #[tokio::test]

@@ -206,9 +206,16 @@ impl Control {
         start: Option<i64>,
         end: Option<i64>,
     ) -> ApiResult<Vec<SandboxMetric>> {
+        if start.is_some_and(|s| s < 0) || end.is_some_and(|e| e < 0) {
+            return Err(ApiError::bad_request("start and end must not be negative"));
+        }
         let subject = self.telemetry_subject(team, id).await?;
         let end = end.unwrap_or(subject.ended.unwrap_or_else(now_unix));
-        let start = start.unwrap_or(subject.started.unwrap_or(end - RETENTION.as_secs() as i64));
+        let start = start.unwrap_or(
+            subject
+                .started
+                .unwrap_or(end.saturating_sub(RETENTION.as_secs() as i64)),
+        );
         if start < 0 || end < 0 {
             return Err(ApiError::bad_request("start and end must not be negative"));
         }
