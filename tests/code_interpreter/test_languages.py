@@ -1,10 +1,11 @@
-"""The code-interpreter server's languages beyond Python (crates/image/assets/code_interpreter.py)
-run as a host process, as in test_server.py, its messages parsed with the official SDK's own
-parser: each R context is a real IRkernel (Debian's r-base-core and r-cran-irkernel, whose
-kernelspec `ir` jupyter_client finds); a TypeScript context is the JavaScript worker with each
-cell's types stripped by esbuild (Debian's); Java stays refused with the reason. JavaScript cells
-take static ESM imports and top-level `await` (E2B's `test_default_kernels.py`), and a default
-JavaScript context is listed from the start, as on E2B."""
+"""The code-interpreter server's languages beyond Python (crates/image/assets/code_interpreter.py
+and its package code_interpreter/) run as a host process, as in test_server.py, its messages
+parsed with the official SDK's own parser: each R context is a real IRkernel (Debian's
+r-base-core and r-cran-irkernel, whose kernelspec `ir` jupyter_client finds); a TypeScript
+context is the JavaScript worker with each cell's types stripped by esbuild (Debian's); Java
+stays refused with the reason. JavaScript cells take static ESM imports and top-level `await`
+(E2B's `test_default_kernels.py`), and a default JavaScript context is listed from the start, as
+on E2B."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""The guest's code-interpreter server (crates/image/assets/code_interpreter.py) run as a host
-process: its wire, parsed with the official SDK's own parser, without any VM. A real envd (the
-host build, with an access token) runs beside it: the server asks envd whether a request's
-token is the sandbox's."""
+"""The guest's code-interpreter server (crates/image/assets/code_interpreter.py and its package
+code_interpreter/) run as a host process: its wire, parsed with the official SDK's own parser,
+without any VM. A real envd (the host build, with an access token) runs beside it: the server
+asks envd whether a request's token is the sandbox's."""
 
 from __future__ import annotations
 
@@ -207,7 +207,8 @@ def test_errors(server):
     ex, _ = execute(port, "1/0")
     assert ex.error.name == "ZeroDivisionError"
     assert ex.error.value == "division by zero"
-    assert "1/0" in ex.error.traceback and "code_interpreter.py" not in ex.error.traceback
+    # No frame of the server's: its files are the entry and the package `code_interpreter/`.
+    assert "1/0" in ex.error.traceback and "code_interpreter" not in ex.error.traceback
     ex, _ = execute(port, "def f():\n    raise ValueError('bad')\nprint('before')\nf()")
     assert ex.error.name == "ValueError" and ex.error.value == "bad"
     assert ex.logs.stdout == ["before\n"]

@@ -17,11 +17,53 @@ use crate::apt::host_apt_source;
 /// Bumped whenever the steps below change what an image contains.
 const RECIPE_VERSION: u32 = 1;
 
-/// The code-interpreter server (`code-interpreter-v1`'s start command), installed as
-/// [`CODE_INTERPRETER_PATH`].
-pub const CODE_INTERPRETER_PY: &str = include_str!("../assets/code_interpreter.py");
-/// Where the guest has the code-interpreter server.
+/// Where the guest has the code-interpreter server's entry (`code-interpreter-v1`'s start command
+/// runs it); its package is the directory `code_interpreter/` beside it.
 pub const CODE_INTERPRETER_PATH: &str = "/usr/local/lib/vmon/code_interpreter.py";
+/// The code-interpreter server's files, each (guest path, contents): the entry at
+/// [`CODE_INTERPRETER_PATH`], then its package (`crates/image/assets/code_interpreter/`).
+pub const CODE_INTERPRETER_FILES: &[(&str, &str)] = &[
+    (
+        CODE_INTERPRETER_PATH,
+        include_str!("../assets/code_interpreter.py"),
+    ),
+    (
+        "/usr/local/lib/vmon/code_interpreter/__init__.py",
+        include_str!("../assets/code_interpreter/__init__.py"),
+    ),
+    (
+        "/usr/local/lib/vmon/code_interpreter/bash_worker.py",
+        include_str!("../assets/code_interpreter/bash_worker.py"),
+    ),
+    (
+        "/usr/local/lib/vmon/code_interpreter/common.py",
+        include_str!("../assets/code_interpreter/common.py"),
+    ),
+    (
+        "/usr/local/lib/vmon/code_interpreter/contexts.py",
+        include_str!("../assets/code_interpreter/contexts.py"),
+    ),
+    (
+        "/usr/local/lib/vmon/code_interpreter/js_worker.py",
+        include_str!("../assets/code_interpreter/js_worker.py"),
+    ),
+    (
+        "/usr/local/lib/vmon/code_interpreter/kernel_hooks.py",
+        include_str!("../assets/code_interpreter/kernel_hooks.py"),
+    ),
+    (
+        "/usr/local/lib/vmon/code_interpreter/kernels.py",
+        include_str!("../assets/code_interpreter/kernels.py"),
+    ),
+    (
+        "/usr/local/lib/vmon/code_interpreter/server.py",
+        include_str!("../assets/code_interpreter/server.py"),
+    ),
+    (
+        "/usr/local/lib/vmon/code_interpreter/workers.py",
+        include_str!("../assets/code_interpreter/workers.py"),
+    ),
+];
 /// The login shell's files. Every SDK command runs in a login shell (`bash -l -c`), so what
 /// they start is paid by each command: vmon's versions of Debian's start no process in bash
 /// and read no `/proc/cpuinfo` (`docs/architecture.md`, "The guest's login shell"). Each is
@@ -131,7 +173,10 @@ impl Recipe {
         h.update(self.tree_hash());
         h.update(format!("\n{}\n", self.disk_mb));
         h.update(Sha256::digest(&envd));
-        h.update(Sha256::digest(CODE_INTERPRETER_PY));
+        for (path, text) in CODE_INTERPRETER_FILES {
+            h.update(Sha256::digest(path));
+            h.update(Sha256::digest(text));
+        }
         for (path, text) in LOGIN_FILES {
             h.update(Sha256::digest(path));
             h.update(Sha256::digest(text));
@@ -238,13 +283,7 @@ pub async fn build_with(
     std::fs::create_dir_all(&staging)?;
 
     install_envd(&tree, &recipe.envd)?;
-    install_file(
-        &tree,
-        CODE_INTERPRETER_PATH,
-        CODE_INTERPRETER_PY.as_bytes(),
-        0o644,
-    )?;
-    for (path, text) in LOGIN_FILES {
+    for (path, text) in CODE_INTERPRETER_FILES.iter().chain(LOGIN_FILES) {
         install_file(&tree, path, text.as_bytes(), 0o644)?;
     }
     let (vmlinuz, initrd, kernel_version) = find_kernel(&tree)?;
@@ -743,5 +782,38 @@ mod tests {
         }
         assert_eq!(last, DEBOOTSTRAP_DONE);
         assert_eq!(p.retrieved, 2);
+    }
+
+    /// Every module of the code interpreter's package is installed (a module left out of
+    /// [`CODE_INTERPRETER_FILES`] would be an ImportError in the guest only), beside the entry.
+    #[test]
+    fn the_code_interpreter_is_installed_whole() {
+        let assets = Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/code_interpreter");
+        let mut modules: Vec<String> = std::fs::read_dir(&assets)
+            .expect("assets/code_interpreter")
+            .flatten()
+            .filter_map(|e| e.file_name().into_string().ok())
+            .filter(|n| n.ends_with(".py"))
+            .collect();
+        modules.sort();
+        let (entry, package) = CODE_INTERPRETER_FILES.split_first().expect("files");
+        assert_eq!(entry.0, CODE_INTERPRETER_PATH);
+        let mut installed: Vec<String> = package
+            .iter()
+            .map(|(path, _)| {
+                let name = path
+                    .strip_prefix("/usr/local/lib/vmon/code_interpreter/")
+                    .expect("beside the entry");
+                assert!(!name.contains('/'), "{path}");
+                name.to_string()
+            })
+            .collect();
+        installed.sort();
+        assert_eq!(installed, modules);
+        for (path, text) in package {
+            let name = path.rsplit('/').next().expect("name");
+            let on_disk = std::fs::read_to_string(assets.join(name)).expect("module");
+            assert_eq!(*text, on_disk, "{path} is not its asset");
+        }
     }
 }

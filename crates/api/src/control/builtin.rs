@@ -17,7 +17,8 @@ pub const BASE_BUILD: &str = "the base template";
 /// The `e2b-code-interpreter` SDK's default template.
 pub const CODE_INTERPRETER: &str = "code-interpreter-v1";
 
-/// Where the image puts the server (`crates/image/assets/code_interpreter.py`).
+/// Where the image puts the server's entry (`crates/image/assets/code_interpreter.py`; its
+/// package, `code_interpreter/`, is beside it).
 const CODE_INTERPRETER_PY: &str = "/usr/local/lib/vmon/code_interpreter.py";
 
 /// A shared template the api knows how to build.
