@@ -204,6 +204,8 @@ def test_stdout_streams_while_running(server):
 
 def test_errors(server):
     port, _ = server
+    ex, _ = execute(port, "survivor = 41")
+    assert ex.error is None
     ex, _ = execute(port, "1/0")
     assert ex.error.name == "ZeroDivisionError"
     assert ex.error.value == "division by zero"
@@ -216,8 +218,24 @@ def test_errors(server):
     assert ex.error.name == "SyntaxError"
     ex, _ = execute(port, "raise SystemExit(3)")
     assert ex.error.name == "SystemExit"
-    ex, _ = execute(port, "x")  # the context survived all of that
-    assert ex.error is None
+    ex, _ = execute(port, "survivor + 1")  # the context survived all of that
+    assert ex.error is None and ex.text == "42"
+
+
+def test_a_cell_after_an_error_runs(server):
+    """A failed cell never spoils the next: each runs whole, at once after the error."""
+    port, _ = server
+    for i in range(10):
+        ex, _ = execute(port, "print('before'); 1/0")
+        assert ex.error is not None and ex.error.name == "ZeroDivisionError"
+        ex, _ = execute(port, f"print('after {i}'); {i} * 2")
+        assert ex.error is None, ex.error
+        assert ex.logs.stdout == [f"after {i}\n"] and ex.text == str(i * 2)
+        # A failing cell's env_vars are taken back too, at once.
+        ex, _ = execute(port, "1/0", env_vars={"VMON_AFTER_ERR": str(i)})
+        assert ex.error is not None
+        ex, _ = execute(port, "import os; os.environ.get('VMON_AFTER_ERR', 'unset')")
+        assert ex.text == "unset", ex
 
 
 def test_env_vars_are_per_cell(server):
@@ -377,6 +395,23 @@ def test_a_bash_cell_is_interrupted_when_its_client_leaves(server):
     ex, _ = execute(port, "echo $KEEP", language="bash")
     assert ex.logs.stdout == ["yes\n"], ex.logs  # the shell and its state outlived the interrupt
     assert time.monotonic() - t0 < 30
+
+
+def test_a_bash_cell_deaf_to_the_first_interrupt_is_interrupted_again(server):
+    """The server repeats SIGINT until the cell ends, so a cell that missed the first one (here
+    it ignores SIGINT for 4 s; on a loaded machine a SIGINT can land before the command starts)
+    is stopped without killing its shell, whose state outlives it."""
+    port, _ = server
+    execute(port, "KEPT=still", language="bash")
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+    body = {"code": "trap '' INT; sleep 4; trap : INT; sleep 60; echo late", "language": "bash"}
+    c.request("POST", "/execute", body=json.dumps(body), headers={"Content-Type": "application/json", **AUTH})
+    r = c.getresponse()
+    with pytest.raises(TimeoutError):
+        r.read()
+    c.close()
+    ex, _ = execute(port, "echo $KEPT", language="bash")
+    assert ex.logs.stdout == ["still\n"], ex.logs
 
 
 def test_js_cells(server):

@@ -7,9 +7,11 @@
 
 mod common;
 
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use common::{data_dir, envd_binary, runtime, sh, start, READ_TOKEN, TOKEN_SERVER};
 use vmon_node::{Node, NodeConfig};
@@ -79,7 +81,32 @@ fn crash_child() {
     });
 }
 
+/// Waits until no node holds the crash dir's lock. The parent's node lets go of it when its
+/// last background task on the shared runtime has ended, a moment after the block that used
+/// it; a child started before then could not open the dir.
+fn wait_released(dir: &Path) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let f = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(dir.join("node.lock"))
+            .expect("lock file");
+        // SAFETY: flock on a descriptor we own; dropping `f` releases it.
+        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the crash dir's node lock was not let go of in 60 s"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
 fn run_child(point: &str) -> (String, String, String) {
+    wait_released(&crash_dir());
     let out = Command::new(std::env::current_exe().expect("exe"))
         .args([
             "--exact",
@@ -125,6 +152,7 @@ fn a_failed_pause_leaves_the_sandbox_running() {
         return;
     }
     let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    wait_released(&crash_dir());
     let out = Command::new(std::env::current_exe().expect("exe"))
         .args([
             "--exact",

@@ -398,7 +398,10 @@ class KernelContext:
     def _run_cell(self, k, code, emit, disconnected):
         msg_id = k.send("execute_request", {
             "code": code, "silent": False, "store_history": True, "user_expressions": {},
-            "allow_stdin": False, "stop_on_error": True})
+            # Cells never queue here (one at a time, under the lock), so there is nothing for
+            # stop_on_error to spare; with it, ipykernel aborts whatever request reaches it in
+            # the moment after a failed cell (the env restore, or the next cell).
+            "allow_stdin": False, "stop_on_error": False})
         idle = replied = errored = False
         gone = False
         interrupted_at = replied_at = None
@@ -431,7 +434,7 @@ class KernelContext:
                         out = {"type": "error", "name": content.get("ename", ""),
                                "value": clip(content.get("evalue", "")),
                                "traceback": clip("\n".join(content.get("traceback", [])))}
-                    elif status == "abort":
+                    elif status in ("aborted", "abort"):
                         out = {"type": "error", "name": "ExecutionAborted",
                                "value": "Execution was aborted", "traceback": ""}
             elif kind == "status":

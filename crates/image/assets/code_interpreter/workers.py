@@ -155,6 +155,28 @@ class Worker:
                 pass
 
 
+class Interrupter:
+    """Stops the cell of a worker whose client has left: SIGINT at once and again each second
+    (one that lands before the cell's command has started, on a loaded machine, ends nothing),
+    then, after 10 s, the worker itself (its state is lost; the next cell restarts it)."""
+
+    def __init__(self, worker):
+        self.worker = worker
+        self.first = self.last = None
+
+    def gave_up(self):
+        now = time.monotonic()
+        if self.first is None:
+            self.first = now
+        if now - self.first > 10:
+            self.worker.stop()
+            return True
+        if self.last is None or now - self.last >= 1:
+            self.worker.interrupt()
+            self.last = now
+        return False
+
+
 class PipeContext:
     """A bash or JavaScript context: one worker process, one cell at a time."""
 
@@ -214,18 +236,15 @@ class PipeContext:
                 self.worker = Worker(self.cwd, self.language)
                 raise WorkerDied("the context's process could not take the cell; it was restarted")
             pending = {"stdout-end", "stderr-end", "done"}
-            interrupted_at = None
             gone = False
+            stopper = Interrupter(w)
             while pending:
                 try:
                     kind, data = w.events.get(timeout=0.5)
                 except queue.Empty:
                     if not gone and disconnected():
                         gone = True
-                        w.interrupt()
-                        interrupted_at = time.monotonic()
-                    if interrupted_at and time.monotonic() - interrupted_at > 10:
-                        w.stop()  # did not stop on SIGINT: kill it; next cell restarts it
+                    if gone and stopper.gave_up():
                         return
                     if not w.alive() and w.events.empty():
                         kind, data = "control-eof", None
@@ -256,6 +275,5 @@ class PipeContext:
                                        "restarts on the next cell" % (code_,),
                               "traceback": ""})
                     return
-                if gone and interrupted_at is None:
-                    w.interrupt()
-                    interrupted_at = time.monotonic()
+                if gone and stopper.gave_up():
+                    return
