@@ -50,6 +50,10 @@ def bash_worker_main(req_fd, resp_fd):
     cmd_r, cmd_w = os.pipe()
     st_r, st_w = os.pipe()
     # Ctrl-C (the server interrupts a cell with SIGINT) ends the running command, not bash.
+    # A SIGINT this worker was started ignoring (anything started in the background by a shell
+    # without job control) would stay ignored in bash, which can then neither trap it nor let
+    # its commands die of it: a handler of ours here is the default again in bash.
+    signal.signal(signal.SIGINT, lambda signum, frame: None)
     # bash runs the pipe as its script, a command at a time as lines arrive.
     proc = subprocess.Popen(
         ["bash", "--noprofile", "--norc", "/dev/fd/%d" % cmd_r],
