@@ -289,7 +289,10 @@ impl Node {
         let prepared = match pooled {
             Some(p) => p,
             None => match self.pool.take(&blanks) {
-                Some(b) if b.vm_matches(&rec.machine) => self.fill_blank(rec, b).await?,
+                // Full weight before it is filled: a blank still at a refill's weight could
+                // wait tens of seconds for the CPU to answer its disk's attach on a busy host
+                // (a resume failed so: "QMP blockdev-add timed out").
+                Some(b) if b.vm_matches(&rec.machine) => self.fill_blank(rec, claimed(b)).await?,
                 Some(b) => {
                     self.discard_prepared(b).await;
                     self.prepare(rec, false, Weight::Normal).await?
@@ -298,11 +301,7 @@ impl Node {
             },
         };
         // Claimed: from now on it is a sandbox's guest.
-        if prepared.weight != Weight::Normal {
-            if let Err(e) = cgroup::set_weight(&prepared.tag, Weight::Normal) {
-                tracing::debug!(tag = %prepared.tag, "restoring a claimed process's CPU weight: {e:#}");
-            }
-        }
+        let prepared = claimed(prepared);
         let Prepared {
             tag,
             slot,
@@ -502,4 +501,16 @@ impl Drop for InFlight<'_> {
     fn drop(&mut self) {
         self.0.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
     }
+}
+
+/// A process taken from the pool for a waiting request: it runs at full CPU weight from now on
+/// (a refill runs at a low one, behind sandboxes and waiting requests).
+fn claimed(mut p: Prepared) -> Prepared {
+    if p.weight != Weight::Normal {
+        if let Err(e) = cgroup::set_weight(&p.tag, Weight::Normal) {
+            tracing::debug!(tag = %p.tag, "restoring a claimed process's CPU weight: {e:#}");
+        }
+        p.weight = Weight::Normal;
+    }
+    p
 }
