@@ -72,7 +72,10 @@ class Server:
                 ports.append(s.getsockname()[1])
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("E2B_")}
         self.env.update(VMON_DATA_DIR=str(self.data), VMON_API_LISTEN=f"127.0.0.1:{ports[0]}",
-                        VMON_PROXY_LISTEN=f"127.0.0.1:{ports[1]}", VMON_PARK_SECS="2")
+                        VMON_PROXY_LISTEN=f"127.0.0.1:{ports[1]}", VMON_PARK_SECS="2",
+                        # The soak never uses the code interpreter, and restarting every third
+                        # cycle would begin its first-start build again each time, never done.
+                        VMON_PREBUILD_CODE_INTERPRETER="0")
         self.proc: subprocess.Popen | None = None
         self.exports: dict[str, str] = {}
 
