@@ -385,16 +385,21 @@ def test_bash_cells_keep_their_shell(server):
     assert ex.logs.stdout == [f"{home}\n", "none\n"]
 
 
-def test_a_bash_cell_is_interrupted_when_its_client_leaves(server):
-    port, _ = server
-    execute(port, "KEEP=yes", language="bash")
+def _leave_mid_cell(port, code):
+    """Starts a bash cell and leaves (a 2 s read timeout, then the connection closes)."""
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-    body = {"code": "sleep 60; echo late", "language": "bash"}
+    body = {"code": code, "language": "bash"}
     c.request("POST", "/execute", body=json.dumps(body), headers={"Content-Type": "application/json", **AUTH})
     r = c.getresponse()
     with pytest.raises(TimeoutError):
         r.read()
     c.close()
+
+
+def test_a_bash_cell_is_interrupted_when_its_client_leaves(server):
+    port, _ = server
+    execute(port, "KEEP=yes", language="bash")
+    _leave_mid_cell(port, "sleep 60; echo late")
     t0 = time.monotonic()
     ex, _ = execute(port, "echo $KEEP", language="bash")
     assert ex.logs.stdout == ["yes\n"], ex.logs  # the shell and its state outlived the interrupt
@@ -407,13 +412,7 @@ def test_a_bash_cell_deaf_to_the_first_interrupt_is_interrupted_again(server):
     is stopped without killing its shell, whose state outlives it."""
     port, _ = server
     execute(port, "KEPT=still", language="bash")
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-    body = {"code": "trap '' INT; sleep 4; trap : INT; sleep 60; echo late", "language": "bash"}
-    c.request("POST", "/execute", body=json.dumps(body), headers={"Content-Type": "application/json", **AUTH})
-    r = c.getresponse()
-    with pytest.raises(TimeoutError):
-        r.read()
-    c.close()
+    _leave_mid_cell(port, "trap '' INT; sleep 4; trap : INT; sleep 60; echo late")
     ex, _ = execute(port, "echo $KEPT", language="bash")
     assert ex.logs.stdout == ["still\n"], ex.logs
 
