@@ -123,7 +123,10 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 def wait_code_interpreter(data: Path) -> None:
     """A server of our own builds code-interpreter-v1 in the background after `base`: a TCG
-    cold boot that would share the two cores with everything measured. Waits for it."""
+    cold boot that would share the two cores with everything measured. Waits for it, unless
+    VMON_PREBUILD_CODE_INTERPRETER=0 told the server not to build it."""
+    if os.environ.get("VMON_PREBUILD_CODE_INTERPRETER", "").strip() in ("0", "false", "no"):
+        return
     log = data / "vmon-up.log"
     deadline = time.monotonic() + 1800
     while 'template ready alias="code-interpreter-v1"' not in strip_ansi(log.read_text()):
