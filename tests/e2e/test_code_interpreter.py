@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import io
+import json
 import time
 import zipfile
 
@@ -47,6 +48,49 @@ def test_default_template_and_value(sbx):
     assert ex.text == "42"
     assert ex.results[0].is_main_result
     assert isinstance(ex.execution_count, int)
+
+
+# Reads, as root in the guest, the CPU time (in ticks of 1/100 s) each of `user`'s processes
+# used over 2 s: the code interpreter's server, its kernel and its Node.js worker.
+USER_CPU_OVER_2S = r"""
+import json, os, pwd, time
+uid = pwd.getpwnam("user").pw_uid
+def ticks():
+    out = {}
+    for p in os.listdir("/proc"):
+        if not p.isdigit():
+            continue
+        try:
+            if os.stat("/proc/" + p).st_uid != uid:
+                continue
+            stat = open("/proc/%s/stat" % p).read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        out[p] = (stat[stat.index("(") + 1:stat.rindex(")")], int(fields[11]) + int(fields[12]))
+    return out
+a = ticks()
+time.sleep(2)
+b = ticks()
+print(json.dumps({p: [b[p][0], b[p][1] - a[p][1]] for p in b if p in a}))
+"""
+
+
+def test_a_new_sandbox_is_idle(vmon):
+    """Nothing the template's build started is still starting in a sandbox made from its
+    snapshot: the server answered (and the snapshot was taken) only once its default contexts,
+    the kernel and Node.js, had started. A Node.js caught mid-start used to spend a sandbox's
+    first ~8 s of CPU finishing it, and every cell waited behind it."""
+    s = Sandbox.create(timeout=120, request_timeout=FIRST_CREATE_TIMEOUT)
+    try:
+        s.files.write("/tmp/user_cpu.py", USER_CPU_OVER_2S)
+        r = s.commands.run("python3 /tmp/user_cpu.py", user="root", timeout=120)
+        used = json.loads(r.stdout)
+        assert any(name == "node" for name, _ in used.values()), used  # the default JS context
+        busy = {pid: v for pid, v in used.items() if v[1] >= 50}
+        assert not busy, "processes busy for 0.5 s or more of 2 s in a new sandbox: %s" % busy
+    finally:
+        s.kill()
 
 
 def test_stdout_streams_to_callback(sbx):

@@ -28,6 +28,8 @@ from .contexts import CONTEXTS
 from .workers import WorkerDied
 
 MAX_BODY = 16 * 1024 * 1024
+# How long the server waits for its default JavaScript context's Node.js to start.
+JS_START_TIMEOUT = 300
 LANGUAGES = {"python": "python", "python3": "python", "py": "python", "r": "r", "bash": "bash",
              "sh": "bash", "shell": "bash", "js": "js", "javascript": "js", "node": "js",
              "ts": "ts", "typescript": "ts"}
@@ -315,7 +317,12 @@ def main():
     # A warm default kernel, so the first cell (and the template snapshot) has it ready.
     CONTEXTS.default_for("python", preload=True)
     # E2B's server also starts a default JavaScript context (listed by `list_code_contexts`).
-    CONTEXTS.default_for("js")
+    # The server answers only once Node.js has started: a template's snapshot is taken when it
+    # answers, and a Node.js still starting in it (seconds of CPU under TCG) would finish its
+    # start in every sandbox made from the snapshot, slowing their first seconds of cells.
+    js = CONTEXTS.default_for("js")
+    if not js.wait_ready(JS_START_TIMEOUT):
+        sys.stderr.write("the default JavaScript context did not start in %d s\n" % JS_START_TIMEOUT)
     server = Server((args.host, args.port), Handler)
     sys.stderr.write("code interpreter listening on %s:%d\n" % (args.host, args.port))
     sys.stderr.flush()

@@ -201,6 +201,10 @@ class PipeContext:
                 self.worker = Worker(self.cwd, self.language)
         self.worker.ready.wait(60)
 
+    def wait_ready(self, timeout):
+        """Whether the worker finished starting (its `ready` line) within `timeout` seconds."""
+        return self.worker.ready.wait(timeout)
+
     def interrupt(self):
         self.worker.interrupt()
 
