@@ -92,6 +92,7 @@ def install_kernel_hooks(preload):
 
     ip = get_ipython()
     skip_empty_flushes()
+    keep_header_dates()
     formatters = ip.display_formatter.formatters
     formatters["e2b/chart"] = ChartFormatter(parent=ip.display_formatter)
     formatters["e2b/data"] = DataFormatter(parent=ip.display_formatter)
@@ -110,6 +111,17 @@ def install_kernel_hooks(preload):
             plt.close(fig)
         except Exception:
             pass
+
+
+def keep_header_dates():
+    """The kernel reads each request's header dates as strings, not datetimes (see
+    `kernels.keep_header_dates`: ipykernel reads no date, and a reply's parent header goes back
+    as it came)."""
+    try:
+        import jupyter_client.session as session
+    except ImportError:
+        return
+    session.extract_dates = lambda obj: obj
 
 
 def skip_empty_flushes():
