@@ -54,25 +54,28 @@ def _wait_http(port, path, ok):
     return False
 
 
-@pytest.fixture(scope="module")
-def envd():
+def _start_envd(token, *extra):
     port = _free_port()
     proc = subprocess.Popen(
-        [str(_envd_binary()), "--addr", f"127.0.0.1:{port}", "--access-token", TOKEN],
+        [str(_envd_binary()), "--addr", f"127.0.0.1:{port}", "--access-token", token, *extra],
         env=dict(os.environ, RUST_LOG="warn"),
         stdout=subprocess.DEVNULL,
     )
     assert _wait_http(port, "/health", 204), "envd did not come up"
+    return proc, port
+
+
+@pytest.fixture(scope="module")
+def envd():
+    proc, port = _start_envd(TOKEN)
     yield port
     proc.terminate()
     proc.wait(10)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, envd):
-    home = tmp_path_factory.mktemp("home")
+def _start_server(home, envd_port, **env_extra):
     port = _free_port()
-    env = dict(os.environ, HOME=str(home), VMON_CI_ENVD=f"http://127.0.0.1:{envd}")
+    env = dict(os.environ, HOME=str(home), VMON_CI_ENVD=f"http://127.0.0.1:{envd_port}", **env_extra)
     # ipykernel does not capture fd 1 and 2 (a subprocess's output) under pytest.
     env.pop("PYTEST_CURRENT_TEST", None)
     proc = subprocess.Popen(
@@ -98,12 +101,23 @@ def server(tmp_path_factory, envd):
         assert proc.poll() is None, proc.stderr.read()
         assert time.monotonic() < deadline, "server did not come up"
         time.sleep(0.1)
-    yield port, home
+    return proc, port
+
+
+def _stop_server(proc):
     # Kernels and workers run in sessions of their own: end them with the server, or every
     # run leaves its kernels behind on the machine.
     _kill_descendants(proc.pid)
     proc.terminate()
     proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, envd):
+    home = tmp_path_factory.mktemp("home")
+    proc, port = _start_server(home, envd)
+    yield port, home
+    _stop_server(proc)
 
 
 def _kill_descendants(pid: int) -> None:
@@ -138,12 +152,13 @@ def request(port, method, path, body=None, timeout=30):
     return r.status, r.read().decode()
 
 
-def execute(port, code, on_stdout=None, on_stderr=None, **kw):
+def execute(port, code, on_stdout=None, on_stderr=None, auth=None, **kw):
     """Runs a cell; returns (Execution parsed by the SDK, raw lines)."""
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     body = {"code": code, "context_id": None, "language": None, "env_vars": None}
     body.update(kw)
-    c.request("POST", "/execute", body=json.dumps(body), headers={"Content-Type": "application/json", **AUTH})
+    c.request("POST", "/execute", body=json.dumps(body),
+              headers={"Content-Type": "application/json", **(auth or AUTH)})
     r = c.getresponse()
     assert r.status == 200, r.read()
     ex = Execution()
@@ -473,6 +488,51 @@ def test_execute_demands_the_sandbox_token(server, tmp_path):
     assert call("GET", "/health", None, {})[0] == 200, "health needs no token (the template's ready check)"
     ex, _ = execute(port, code)
     assert ex.error is None and marker.read_text() == "x", "the right token runs the cell"
+
+
+def test_a_token_rotated_by_init_is_refused_on_the_next_cell(tmp_path):
+    """The server keeps a token envd accepted (and the sandbox's envs) until envd's init marker
+    changes: an `/init` (a resume, a fork's child) that sets another token makes the old one a
+    401 on its very next cell, and the new one runs with the new envs."""
+    old, new = "rot-old-" + os.urandom(8).hex(), "rot-new-" + os.urandom(8).hex()
+    init_marker = tmp_path / "envd-init"
+    envd_proc, envd_port = _start_envd(old, "--init-marker", str(init_marker))
+    home = tmp_path / "home"
+    home.mkdir()
+    server_proc, port = _start_server(home, envd_port, VMON_CI_ENVD_INIT_MARKER=str(init_marker))
+    try:
+        def init(token, body):
+            c = http.client.HTTPConnection("127.0.0.1", envd_port, timeout=30)
+            c.request("POST", "/init", body=json.dumps(body),
+                      headers={"Content-Type": "application/json", "X-Access-Token": token})
+            r = c.getresponse()
+            return r.status, r.read()
+
+        def status(token):
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+            c.request("POST", "/execute", body=json.dumps({"code": "1"}),
+                      headers={"Content-Type": "application/json", "X-Access-Token": token})
+            r = c.getresponse()
+            r.read()
+            return r.status
+
+        assert not init_marker.exists()  # written by `/init` only
+        assert init(old, {"accessToken": old, "envVars": {"VMON_ROT": "first"}})[0] == 204
+        first = init_marker.read_text()
+        assert oct(init_marker.stat().st_mode & 0o777) == "0o644"
+        for _ in range(2):  # asked once, then kept
+            ex, _ = execute(port, "import os; os.environ.get('VMON_ROT')", auth={"X-Access-Token": old})
+            assert ex.error is None and ex.text == "first", ex
+        assert init(old, {"accessToken": new, "envVars": {"VMON_ROT": "second"}})[0] == 204
+        assert init_marker.read_text() != first
+        assert status(old) == 401, "the rotated-out token still ran a cell"
+        ex, _ = execute(port, "import os; os.environ.get('VMON_ROT')", auth={"X-Access-Token": new})
+        assert ex.error is None, ex
+        assert status("wrong") == 401 and status(old) == 401
+    finally:
+        _stop_server(server_proc)
+        envd_proc.terminate()
+        envd_proc.wait(10)
 
 
 def new_context(port, **body):

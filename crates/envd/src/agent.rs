@@ -2,6 +2,7 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex, RwLock};
 
 use crate::connect::{Code, ConnectError};
@@ -25,6 +26,10 @@ pub struct Agent {
     pub processes: Table,
     pub watchers: Watchers,
     pub cpu_sample: Mutex<Option<crate::metrics::CpuSample>>,
+    /// Rewritten after every `/init` ([`crate::control::mark_init`]), if set.
+    pub init_marker: Option<PathBuf>,
+    /// How many `/init`s this agent applied (part of the marker's text).
+    pub inits: AtomicU64,
 }
 
 fn read<T: Clone>(l: &RwLock<T>) -> T {
@@ -32,7 +37,11 @@ fn read<T: Clone>(l: &RwLock<T>) -> T {
 }
 
 impl Agent {
-    pub fn new(default_user: String, token: Option<String>) -> Arc<Self> {
+    pub fn new(
+        default_user: String,
+        token: Option<String>,
+        init_marker: Option<PathBuf>,
+    ) -> Arc<Self> {
         Arc::new(Agent {
             token: RwLock::new(token),
             defaults: RwLock::new(Defaults {
@@ -43,6 +52,8 @@ impl Agent {
             processes: Table::default(),
             watchers: Watchers::default(),
             cpu_sample: Mutex::new(None),
+            init_marker,
+            inits: AtomicU64::new(0),
         })
     }
 

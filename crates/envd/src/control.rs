@@ -60,6 +60,41 @@ fn now_nanos() -> i128 {
         .unwrap_or(0)
 }
 
+/// Rewrites the agent's init marker, if it has one, with a text no earlier `/init` of this
+/// guest wrote (the count of `/init`s and the time): whoever cached what envd answered (the
+/// code interpreter's token check) sees it change and asks again. Written aside and renamed
+/// into place, mode 0644 (the code interpreter runs as `user`); a failure is logged and leaves
+/// the old text, which only makes readers ask envd again.
+pub fn mark_init(agent: &Agent) {
+    let Some(path) = agent.init_marker.as_deref() else {
+        return;
+    };
+    let n = agent
+        .inits
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        + 1;
+    let text = format!("{n} {}\n", now_nanos());
+    let tmp = path.with_extension("tmp");
+    let written = (|| {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir)?;
+        }
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o644)
+            .open(&tmp)?;
+        f.write_all(text.as_bytes())?;
+        std::fs::rename(&tmp, path)
+    })();
+    if let Err(e) = written {
+        tracing::warn!(logger = "init", path = %path.display(), error = %e, "init marker not written");
+    }
+}
+
 pub async fn init(agent: Arc<Agent>, req: Request<Incoming>) -> Response<Body> {
     let header_token = auth::header_token(req.headers()).map(str::to_string);
     let body = match Limited::new(req.into_body(), MAX_INIT_BODY).collect().await {
@@ -162,6 +197,7 @@ pub async fn init(agent: Arc<Agent>, req: Request<Incoming>) -> Response<Body> {
             d.workdir = Some(w);
         }
     });
+    mark_init(&agent);
     // Not on the console: every create and resume passes here, and under emulation each console
     // line costs the guest's serial path on the way to its first answer.
     tracing::debug!(logger = "init", "init applied");

@@ -23,6 +23,10 @@ const PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 /// `/proc/cpuinfo`: the two always agree.
 pub const CPU_PROFILE: &str = "/run/vmon/cpu.sh";
 
+/// Rewritten by the envd server after every `/init` (create, resume, a fork's child): the code
+/// interpreter's server keeps a token it checked with envd until this file changes.
+pub const INIT_MARKER: &str = "/run/vmon/envd-init";
+
 static SHUTDOWN: AtomicBool = AtomicBool::new(false);
 
 extern "C" fn on_shutdown_signal(_sig: libc::c_int) {
@@ -203,6 +207,7 @@ fn install_signal_handlers() {
 fn spawn_server() -> Option<u32> {
     let exe = std::env::current_exe().unwrap_or_else(|_| "/usr/local/bin/envd".into());
     match Command::new(exe)
+        .args(["--init-marker", INIT_MARKER])
         .env_clear()
         .env("PATH", PATH)
         .env("HOME", "/root")

@@ -38,6 +38,8 @@ pub struct ServeOptions {
     pub default_user: String,
     /// Token required in `X-Access-Token` from the start, if any.
     pub access_token: Option<String>,
+    /// A file rewritten after every `/init` (the guest's init passes [`init::INIT_MARKER`]).
+    pub init_marker: Option<std::path::PathBuf>,
 }
 
 impl Default for ServeOptions {
@@ -45,6 +47,7 @@ impl Default for ServeOptions {
         Self {
             default_user: "user".to_string(),
             access_token: None,
+            init_marker: None,
         }
     }
 }
@@ -56,6 +59,7 @@ pub async fn serve(listener: tokio::net::TcpListener, opts: ServeOptions) -> any
     let agent = agent::Agent::new(
         opts.default_user,
         opts.access_token.filter(|t| !t.is_empty()),
+        opts.init_marker,
     );
     tracing::info!(
         logger = "envd",

@@ -24,13 +24,15 @@ fn main() -> anyhow::Result<()> {
             "--addr" => addr = value()?.parse()?,
             "--default-user" => opts.default_user = value()?,
             "--access-token" => opts.access_token = Some(value()?),
+            "--init-marker" => opts.init_marker = Some(value()?.into()),
             "--version" => {
                 println!("{ENVD_VERSION}");
                 return Ok(());
             }
             "-h" | "--help" => {
                 println!(
-                    "envd [--addr 0.0.0.0:{DEFAULT_PORT}] [--default-user user] [--access-token T]"
+                    "envd [--addr 0.0.0.0:{DEFAULT_PORT}] [--default-user user] [--access-token T] \
+                     [--init-marker FILE]"
                 );
                 return Ok(());
             }
