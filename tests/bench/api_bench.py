@@ -3,7 +3,10 @@
 Measures create -> first command -> kill for 20 back-to-back, 10 paced (1.5 s apart) and 10 parallel sandboxes; a
 burst of 20 creates in a loop (wall, then one command in each), twice, 20 s apart (the second meets a pool grown by the
 first); `commands.run("true")` in a running sandbox; fork x1; the pause and connect (resume) round trips; and, through `e2b-code-interpreter`, create -> first `run_code("1+1")` and a warm
-`run_code("1+1")` on `code-interpreter-v1` (5 sandboxes, VMON_BENCH_CI); prints medians and p99 with the machine.
+`run_code("1+1")` on `code-interpreter-v1` (5 sandboxes, VMON_BENCH_CI), then in one more sandbox warm
+`run_code("1+1")` alternating between its server (Jupyter kernels) and the stdlib worker it replaced, taken
+from git history (VMON_BENCH_CI_WORKER, a revision; `-` skips it) and started beside it on port 49997;
+prints medians and p99 with the machine.
 A count set to 0 (VMON_BENCH_SEQ, _PAR, _PACED, _CYCLES, _CI) skips its part.
 
 Against a running server when E2B_API_URL / E2B_API_KEY / E2B_SANDBOX_URL are set; otherwise it
@@ -30,6 +33,11 @@ import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+# The code-interpreter server before issue 16 (a stdlib worker per context, no Jupyter): the
+# kernels' A/B runs it beside the template's server in one sandbox.
+STDLIB_WORKER_REV = "7a2442d"
+STDLIB_WORKER_PATH = "crates/image/assets/code_interpreter.py"
+STDLIB_WORKER_PORT = 49997
 
 
 def pct(v: list[float], p: float) -> float:
@@ -134,6 +142,45 @@ def wait_code_interpreter(data: Path) -> None:
             sys.exit(f"code-interpreter-v1 was not built; see {log}")
         time.sleep(1)
     time.sleep(5)  # its warm pool process
+
+
+def kernel_vs_stdlib_worker(CodeSandbox, n: int) -> tuple[list[float], list[float], str]:
+    """Warm `run_code("1+1")` in one sandbox, alternating between the template's server and the
+    stdlib worker of STDLIB_WORKER_REV started beside it: both behind the same proxy, guest and
+    SDK, so what differs is the server. ([], [], why) when the worker cannot be had."""
+    rev = os.environ.get("VMON_BENCH_CI_WORKER", STDLIB_WORKER_REV)
+    if rev == "-":
+        return [], [], "skipped (VMON_BENCH_CI_WORKER=-)"
+    try:
+        source = subprocess.run(["git", "show", f"{rev}:{STDLIB_WORKER_PATH}"], cwd=REPO,
+                                capture_output=True, check=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        return [], [], f"skipped: no {rev}:{STDLIB_WORKER_PATH} in git ({e})"
+    import e2b_code_interpreter.code_interpreter_sync as sdk
+
+    csb = CodeSandbox.create(timeout=600)
+    try:
+        csb.files.write("/tmp/stdlib_worker.py", source)
+        csb.commands.run(f"cd /home/user && VMON_CI_PORT={STDLIB_WORKER_PORT} "
+                         "nohup python3 /tmp/stdlib_worker.py >/tmp/stdlib_worker.log 2>&1 &")
+        csb.commands.run(f"for i in $(seq 600); do curl -sf http://127.0.0.1:{STDLIB_WORKER_PORT}/health "
+                         ">/dev/null && exit 0; sleep 0.5; done; exit 1", timeout=400)
+        kernel: list[float] = []
+        worker: list[float] = []
+        default_port = sdk.JUPYTER_PORT
+        try:
+            for i in range(n + 2):
+                for port, out in ((default_port, kernel), (STDLIB_WORKER_PORT, worker)):
+                    sdk.JUPYTER_PORT = port  # the SDK's port for the jupyter server
+                    t = time.perf_counter()
+                    assert csb.run_code("1+1").text == "2"
+                    if i >= 2:  # the first two of each warm up the path
+                        out.append((time.perf_counter() - t) * 1e3)
+        finally:
+            sdk.JUPYTER_PORT = default_port
+        return kernel, worker, ""
+    finally:
+        csb.kill()
 
 
 def main() -> None:
@@ -250,6 +297,9 @@ def main() -> None:
                 assert csb.run_code("1+1").text == "2"
                 ci_warm.append((time.perf_counter() - t) * 1e3)
             csb.kill()
+    ab_kernel, ab_worker, ab_note = ([], [], "") if ci_n else ([], [], "skipped")
+    if ci_n:
+        ab_kernel, ab_worker, ab_note = kernel_vs_stdlib_worker(CodeSandbox, 20)
 
     print("## vmon bench api (official Python SDK)\n")
     print(f"machine: {machine()}; server {os.environ['E2B_API_URL']}\n")
@@ -276,6 +326,12 @@ def main() -> None:
     row("code-interpreter-v1: create", ci_create)
     row("code-interpreter-v1: first run_code('1+1') after create", ci_first)
     row("code-interpreter-v1: warm run_code('1+1')", ci_warm)
+    if ab_note:
+        print(f"| warm run_code, kernels vs stdlib worker | {ab_note} | | |")
+    else:
+        row("warm run_code('1+1'), one sandbox alternating: Jupyter kernel (port 49999)", ab_kernel)
+        row(f"warm run_code('1+1'), one sandbox alternating: stdlib worker of {STDLIB_WORKER_REV} "
+            f"(port {STDLIB_WORKER_PORT})", ab_worker)
 
     if own:
         stop_server(own[0])
