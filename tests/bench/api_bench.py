@@ -297,9 +297,8 @@ def main() -> None:
                 assert csb.run_code("1+1").text == "2"
                 ci_warm.append((time.perf_counter() - t) * 1e3)
             csb.kill()
-    ab_kernel, ab_worker, ab_note = ([], [], "") if ci_n else ([], [], "skipped")
-    if ci_n:
-        ab_kernel, ab_worker, ab_note = kernel_vs_stdlib_worker(CodeSandbox, 20)
+    ab_kernel, ab_worker, ab_note = (kernel_vs_stdlib_worker(CodeSandbox, 20) if ci_n
+                                     else ([], [], "skipped (VMON_BENCH_CI=0)"))
 
     print("## vmon bench api (official Python SDK)\n")
     print(f"machine: {machine()}; server {os.environ['E2B_API_URL']}\n")

@@ -23,6 +23,7 @@ import time
 import uuid
 
 from .common import BadRequest, now_ns, unquoted
+from .kernel_hooks import keep_header_dates
 
 MAX_TEXT = 8 * 1024 * 1024
 KERNEL_START_TIMEOUT = 600
@@ -88,16 +89,6 @@ def ensure_user_site():
         os.makedirs(site.getusersitepackages(), exist_ok=True)
     except OSError:
         pass
-
-
-def keep_header_dates():
-    """jupyter_client turns the `date` of every message's header and parent header into a
-    datetime as it reads the message (a regular expression and dateutil's parser per header): a
-    tenth of a millisecond natively, ~2 ms a message under TCG, several a cell, and nothing here
-    or in ipykernel reads them. Left as the strings they came as; the same on the wire."""
-    import jupyter_client.session as session
-
-    session.extract_dates = lambda obj: obj
 
 
 class KernelDied(Exception):

@@ -20,7 +20,6 @@ import select
 import shutil
 import socket
 import sys
-import threading
 import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -70,9 +69,8 @@ _ENVD = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 # envd rewrites this file after every `/init` (create, resume, a fork's child), where the token
 # and the sandbox's environment variables are set.
 ENVD_INIT_MARKER = os.environ.get("VMON_CI_ENVD_INIT_MARKER", "/run/vmon/envd-init")
-# The last token envd accepted, with the marker's text when it was asked and its answer.
-_accepted = [None]
-_accepted_lock = threading.Lock()
+# (marker text when asked, token, envs) of the last token envd accepted; replaced whole.
+_accepted = None
 
 
 def init_marker():
@@ -90,18 +88,21 @@ def sandbox_envs(token):
     marker changes (no marker: always asked); a refused one is asked about every time."""
     if token is not None and len(token) > MAX_TOKEN:
         return None
+    global _accepted
     marker = init_marker()
-    if marker is not None:
-        with _accepted_lock:
-            hit = _accepted[0]
-        if hit is not None and hit[0] == marker and hmac.compare_digest(
-                hit[1], (token or "").encode()) and (token is None) == hit[2]:
-            return dict(hit[3])
+    hit = _accepted
+    if marker is not None and hit is not None and hit[0] == marker and same_token(hit[1], token):
+        return dict(hit[2])
     envs = ask_envd(token)
     if envs is not None and marker is not None:
-        with _accepted_lock:
-            _accepted[0] = (marker, (token or "").encode(), token is None, dict(envs))
+        _accepted = (marker, token, dict(envs))
     return envs
+
+
+def same_token(a, b):
+    if a is None or b is None:
+        return a is b
+    return hmac.compare_digest(a.encode(), b.encode())
 
 
 def ask_envd(token):

@@ -199,7 +199,7 @@ class PipeContext:
         with self.lock:
             if self.worker is old or not self.worker.alive():
                 self.worker = Worker(self.cwd, self.language)
-        self.worker.ready.wait(60)
+        self.wait_ready(60)
 
     def wait_ready(self, timeout):
         """Whether the worker finished starting (its `ready` line) within `timeout` seconds."""
