@@ -535,6 +535,37 @@ def test_a_token_rotated_by_init_is_refused_on_the_next_cell(tmp_path):
         envd_proc.wait(10)
 
 
+def test_warm_runs_an_uncounted_cell_only_in_an_unused_kernel(tmp_path, envd):
+    """`POST /warm` (the restore pool's warm-up) runs a cell through the default kernel only
+    while no user cell has run in it, demands the token as `/execute` does, and leaves nothing
+    a user could see: the first cell after it is still number 1, and `_` is still empty."""
+    home = tmp_path / "home"
+    home.mkdir()
+    proc, port = _start_server(home, envd)
+    try:
+        def warm(headers):
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+            c.request("POST", "/warm", body=b"{}", headers={"Content-Type": "application/json", **headers})
+            r = c.getresponse()
+            return r.status, r.read()
+
+        for headers in ({}, {"X-Access-Token": "wrong"}):
+            assert warm(headers)[0] == 401, headers
+        for _ in range(2):
+            status, body = warm(AUTH)
+            assert status == 200 and json.loads(body) == {"warmed": True}, (status, body)
+        ex, _ = execute(port, "repr(_)")
+        assert ex.error is None and ex.execution_count == 1, ex
+        assert ex.text == "''", ex.text
+        # A used kernel is left alone: the count goes on from the user's cells.
+        status, body = warm(AUTH)
+        assert status == 200 and json.loads(body) == {"warmed": False}, (status, body)
+        ex, _ = execute(port, "40 + 2")
+        assert ex.error is None and ex.execution_count == 2 and ex.text == "42", ex
+    finally:
+        _stop_server(proc)
+
+
 def new_context(port, **body):
     status, text = request(port, "POST", "/contexts", body, timeout=120)
     assert status == 200, text

@@ -46,6 +46,9 @@ pub struct BuildRecord {
     /// Memory restores the state in this build went through.
     pub resume_generation: u32,
     pub created_unix: u64,
+    /// The template's [`vmon_proto::node::TemplateSpec::warm_request`], for the pool's warm-up.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub warm_request: Option<String>,
     /// The run a pause made this build from (none for templates and checkpoints).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub paused_from: Option<PausedFrom>,

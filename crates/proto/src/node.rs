@@ -182,6 +182,11 @@ pub struct TemplateSpec {
     pub start_cmd: Option<String>,
     /// Shell command that must exit 0 before the snapshot is taken.
     pub ready_cmd: Option<String>,
+    /// `port/path` of a guest HTTP endpoint the restore pool POSTs to (with the build's envd
+    /// token as `X-Access-Token`) after warming a process, so the first request a sandbox's
+    /// users make of a service in it finds that service's code paths translated (TCG).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub warm_request: Option<String>,
     pub env_vars: BTreeMap<String, String>,
     /// The image in an OCI registry whose root filesystem the template boots instead of the
     /// node's base image (`from_image(...)`), pinned by its digest.

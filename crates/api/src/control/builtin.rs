@@ -27,6 +27,8 @@ pub struct Builtin {
     pub alias: &'static str,
     pub start_cmd: Option<&'static str>,
     pub ready_cmd: Option<&'static str>,
+    /// The pool's warm request (`port/path`, [`vmon_proto::node::TemplateSpec::warm_request`]).
+    pub warm_request: Option<&'static str>,
 }
 
 const CODE_INTERPRETER_BUILTIN: Builtin = Builtin {
@@ -39,6 +41,9 @@ const CODE_INTERPRETER_BUILTIN: Builtin = Builtin {
         "python3 -c 'import urllib.request; \
          urllib.request.urlopen(\"http://127.0.0.1:49999/health\", timeout=5)'",
     ),
+    // An uncounted cell through the default kernel in every warmed pool process, so a new
+    // sandbox's first `run_code` finds IPython's paths translated.
+    warm_request: Some("49999/warm"),
 };
 
 /// The builtin template named `alias` (built on demand), if there is one.
@@ -95,6 +100,7 @@ impl Control {
             &self.config.base_template,
             b.start_cmd.map(str::to_string),
             b.ready_cmd.map(str::to_string),
+            b.warm_request.map(str::to_string),
         )
         .await
     }

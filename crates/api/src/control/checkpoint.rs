@@ -111,16 +111,19 @@ impl Control {
         alias: &str,
         spec: &crate::config::BaseTemplate,
     ) -> anyhow::Result<BuildInfo> {
-        self.ensure_template_with(alias, spec, None, None).await
+        self.ensure_template_with(alias, spec, None, None, None)
+            .await
     }
 
-    /// [`Self::ensure_template`] with the template's start and ready commands.
+    /// [`Self::ensure_template`] with the template's start and ready commands and its warm
+    /// request ([`TemplateSpec::warm_request`]).
     pub async fn ensure_template_with(
         &self,
         alias: &str,
         spec: &crate::config::BaseTemplate,
         start_cmd: Option<String>,
         ready_cmd: Option<String>,
+        warm_request: Option<String>,
     ) -> anyhow::Result<BuildInfo> {
         // One build of a builtin at a time across api replicas; a replica that waited here
         // then finds it built.
@@ -132,7 +135,7 @@ impl Control {
             )
             .await?;
         let result = self
-            .ensure_template_locked(alias, spec, start_cmd, ready_cmd)
+            .ensure_template_locked(alias, spec, start_cmd, ready_cmd, warm_request)
             .await;
         let _ = guard.unlock().await;
         result
@@ -144,6 +147,7 @@ impl Control {
         spec: &crate::config::BaseTemplate,
         start_cmd: Option<String>,
         ready_cmd: Option<String>,
+        warm_request: Option<String>,
     ) -> anyhow::Result<BuildInfo> {
         let existing = self.records.template_by_alias("", alias).await?;
         if let Some(t) = existing.filter(|t| t.team_id.is_none()) {
@@ -176,6 +180,7 @@ impl Control {
                 disk_mb: spec.disk_mb,
                 start_cmd,
                 ready_cmd,
+                warm_request,
                 env_vars: BTreeMap::new(),
                 image: None,
             })

@@ -341,6 +341,7 @@ impl Control {
                 disk_mb: build.disk_mb,
                 start_cmd: None,
                 ready_cmd: None,
+                warm_request: None,
                 env_vars: BTreeMap::new(),
                 image: Some(oci),
             })
@@ -435,6 +436,7 @@ impl Control {
                                 disk_mb: build.disk_mb.max(base.disk_mb),
                                 start_cmd: None,
                                 ready_cmd: None,
+                                warm_request: None,
                                 env_vars: BTreeMap::new(),
                                 image: None,
                             })

@@ -397,6 +397,7 @@ pub async fn harness_starting(
             disk_mb: 1024,
             start_cmd: None,
             ready_cmd: None,
+            warm_request: None,
             env_vars: BTreeMap::new(),
             image: None,
         })

@@ -43,6 +43,12 @@ class Contexts:
                 self.default[language] = ctx.id
             return ctx
 
+    def existing_default(self, language):
+        """The default context of `language` if it has been made (none is made here)."""
+        with self.lock:
+            cid = self.default.get(language)
+            return self.by_id.get(cid) if cid else None
+
     def get(self, cid):
         with self.lock:
             return self.by_id.get(cid)

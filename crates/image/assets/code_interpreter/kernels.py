@@ -397,9 +397,31 @@ class KernelContext:
                       "value": "the context's kernel exited (%s: %s); its state is lost and it "
                                "restarts on the next cell" % (code_, e), "traceback": ""})
 
-    def _run_cell(self, k, code, emit, disconnected):
+    def warm(self):
+        """Runs a cell with a value through the path a user's cell takes, uncounted and with
+        its traces cleared, while no user cell has run in this kernel (the restore pool's
+        warm-up: the first cell of a sandbox then finds that path translated). Never waits: a
+        busy, dead or used kernel is left alone. True when the cell ran."""
+        if not self.lock.acquire(blocking=False):
+            return False
+        try:
+            k = self.kernel
+            if self.language != "python" or not k.fresh or not k.alive():
+                return False
+            try:
+                self._run_cell(k, "1 + 1", lambda _msg: True, lambda: False,
+                               store_history=False)
+                k.run_quiet("get_ipython().displayhook.flush()", timeout=30)
+            except KernelDied:
+                k.stop()
+                return False
+            return True
+        finally:
+            self.lock.release()
+
+    def _run_cell(self, k, code, emit, disconnected, store_history=True):
         msg_id = k.send("execute_request", {
-            "code": code, "silent": False, "store_history": True, "user_expressions": {},
+            "code": code, "silent": False, "store_history": store_history, "user_expressions": {},
             # Cells never queue here (one at a time, under the lock), so there is nothing for
             # stop_on_error to spare; with it, ipykernel aborts whatever request reaches it in
             # the moment after a failed cell (the env restore, or the next cell).

@@ -9,7 +9,10 @@ token; a token they do carry must be the right one.
 Endpoints: `GET /health`; `POST /execute` {code, context_id, language, env_vars} streaming
 newline-delimited JSON (`stdout`, `stderr`, `result`, `error`, `number_of_executions`);
 `POST /contexts` {language, cwd}; `GET /contexts`; `DELETE /contexts/{id}`;
-`POST /contexts/{id}/restart`; `POST /contexts/{id}/interrupt`.
+`POST /contexts/{id}/restart`; `POST /contexts/{id}/interrupt`; `POST /warm` (token as for
+`/execute`): runs an uncounted cell through the default Python kernel while nothing has run in
+it yet, so the paths a first cell takes are translated before a sandbox is handed out (the
+node's restore pool calls it; a cell after it sees the kernel as it was).
 """
 
 import hmac
@@ -189,7 +192,7 @@ class Handler(BaseHTTPRequestHandler):
                 self.read_body()
                 return self.send_json(200, {"status": "ok"})
             token = self.headers.get("X-Access-Token")
-            needs_token = parts == ["execute"] or token is not None
+            needs_token = parts in (["execute"], ["warm"]) or token is not None
             self.envs = sandbox_envs(token) if needs_token else {}
             if self.envs is None:
                 # The body is not read: the connection cannot be reused.
@@ -198,6 +201,11 @@ class Handler(BaseHTTPRequestHandler):
             self.read_body()
             if method == "POST" and parts == ["execute"]:
                 return self.execute()
+            if method == "POST" and parts == ["warm"]:
+                self.read_json()
+                ctx = CONTEXTS.existing_default("python")
+                warmed = ctx is not None and ctx.warm()
+                return self.send_json(200, {"warmed": warmed})
             if parts[:1] == ["contexts"]:
                 if method == "GET" and len(parts) == 1:
                     self.read_json()

@@ -122,6 +122,8 @@ impl Node {
             envd_token: live.state.envd_token.clone(),
             resume_generation: live.state.resume_generation,
             created_unix: now_unix(),
+            // The template's warm request is for its unused services; a snapshot's have run.
+            warm_request: None,
             paused_from: for_pause.then(|| PausedFrom {
                 sandbox_id: live.state.id.clone(),
                 execution_id: live.state.execution_id.clone(),

@@ -1,9 +1,10 @@
 //! Restores: a sandbox started from a build's memory. A restore takes a warmed pooled process,
 //! a blank one given the build's disk and layers (write-in), or a fresh one, then loads the
-//! device state and `/init`s the guest. Also the warm-up of pooled processes and
-//! `start_sandbox`, which picks a restore or a cold boot.
+//! device state and `/init`s the guest. Also the warm-up of pooled processes (with a
+//! template's warm request, [`warm_service`]) and `start_sandbox`, which picks a restore or a
+//! cold boot.
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -244,6 +245,13 @@ impl Node {
             envd_client::healthy(addr).await;
             envd_client::init(addr, &keep, Duration::from_secs(30)).await?;
             envd_client::run(addr, token, "user", "true", Duration::from_secs(30)).await?;
+        }
+        if let Some(warm) = &rec.warm_request {
+            // Best effort: a service that does not answer leaves the process warmed as far as
+            // envd, and the sandbox works the same, its first request slower.
+            if let Err(e) = warm_service(slot.addr(), warm, token).await {
+                tracing::debug!(build = %rec.id, warm = %warm, "warm request failed: {e:#}");
+            }
         }
         vm.qmp.stop().await?;
         Ok(())
@@ -513,4 +521,34 @@ fn claimed(mut p: Prepared) -> Prepared {
         p.weight = Weight::Normal;
     }
     p
+}
+
+/// POSTs a template's warm request (`port/path`) to the guest at `ip` with the build's token,
+/// twice (the second runs what the first's translation left cold).
+async fn warm_service(ip: Ipv4Addr, warm: &str, token: Option<&str>) -> anyhow::Result<()> {
+    let (port, path) = warm
+        .split_once('/')
+        .context("a warm request is port/path")?;
+    let port: u16 = port.parse().context("a warm request's port")?;
+    let addr = SocketAddr::new(IpAddr::V4(ip), port);
+    let path = format!("/{path}");
+    let mut headers = vec![("content-type", "application/json".to_string())];
+    if let Some(t) = token {
+        headers.push(("x-access-token", t.to_string()));
+    }
+    for _ in 0..2 {
+        let (status, _) = envd_client::request(
+            addr,
+            "POST",
+            &path,
+            &headers,
+            b"{}".to_vec(),
+            Duration::from_secs(60),
+        )
+        .await?;
+        if !(200..300).contains(&status) {
+            bail!("{path} answered {status}");
+        }
+    }
+    Ok(())
 }

@@ -163,6 +163,7 @@ impl Node {
                 envd_token: Some(token.clone()),
                 resume_generation: 0,
                 created_unix: now_unix(),
+                warm_request: spec.warm_request.clone(),
                 paused_from: None,
             };
             if let Some(vm) = live.vm.take() {

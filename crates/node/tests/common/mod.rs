@@ -129,6 +129,7 @@ pub async fn build_plain(node: &Node, build_id: &str, memory_mb: u32) {
         disk_mb: 0,
         start_cmd: None,
         ready_cmd: None,
+        warm_request: None,
         env_vars: Default::default(),
         image: None,
     })

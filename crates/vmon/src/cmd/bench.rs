@@ -472,6 +472,7 @@ async fn snapshot(data_dir: &Path, a: SnapshotArgs) -> anyhow::Result<()> {
         disk_mb: 0,
         start_cmd: None,
         ready_cmd: None,
+        warm_request: None,
         env_vars: Default::default(),
         image: None,
     })
