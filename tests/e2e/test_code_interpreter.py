@@ -50,6 +50,21 @@ def test_default_template_and_value(sbx):
     assert isinstance(ex.execution_count, int)
 
 
+def test_a_new_sandbox_shows_no_trace_of_the_pools_warm_cell(sbx):
+    # A sandbox claimed from the pool ran an uncounted cell during its warm-up (the template's
+    # warm request): its first cell is still number 1 and `_` is still empty. (`sbx` first, so
+    # the pool has refilled by now.)
+    s = Sandbox.create(timeout=120)
+    try:
+        ex = s.run_code("repr(_)")
+        assert ex.error is None, ex.error
+        assert ex.execution_count == 1 and ex.text == "''", ex
+        ex = s.run_code("40 + 2")
+        assert ex.execution_count == 2 and ex.text == "42", ex
+    finally:
+        s.kill()
+
+
 # Reads, as root in the guest, the CPU time (in ticks of 1/100 s) each of `user`'s processes
 # used over 2 s: the code interpreter's server, its kernel and its Node.js worker.
 USER_CPU_OVER_2S = r"""
