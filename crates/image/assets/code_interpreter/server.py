@@ -131,6 +131,15 @@ class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "vmon-code-interpreter/1"
 
+    def setup(self):
+        super().setup()
+        # A cell's answer is several small writes (headers, then a chunk per message): without
+        # this, Nagle holds each write after the first until the client's delayed ACK (~40 ms).
+        try:
+            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            pass
+
     def log_message(self, fmt, *args):
         if os.environ.get("VMON_CI_LOG"):
             sys.stderr.write("%s %s\n" % (self.address_string(), fmt % args))
