@@ -7,11 +7,15 @@
 //! `/proc/PID/mem`, are the layer. A restore writes each layer into the new process's mapping at
 //! the same offsets before the device state is loaded.
 //!
-//! Layer file: a header, the runs `(first page, page count)`, one xxh3 hash per page (so the next
-//! capture can skip pages that did not change), the pages, and an xxh3 checksum of all that.
+//! Layer file (version 2): a 32-byte header (magic, page size, run count, page count, index
+//! offset) padded to one page, the pages (page-aligned), the index: the runs `(first page, page
+//! count)` and one xxh3 hash per page (so the next capture can skip pages that did not change),
+//! then an xxh3 checksum of the pages, the index and the header, in that order. The index comes
+//! after the pages so a capture writes each page once, straight into the layer, while the disk
+//! already writes back what came before. Version 1 layers (header, index, pages, checksum of the
+//! file in order) are still read.
 
 use std::fs::File;
-use std::io::{BufReader, BufWriter, Read, Write};
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
@@ -19,7 +23,12 @@ use anyhow::{bail, Context};
 use xxhash_rust::xxh3::{xxh3_64, Xxh3};
 
 pub const PAGE: u64 = 4096;
-const MAGIC: &[u8; 8] = b"VMONLAY1";
+const MAGIC_V1: &[u8; 8] = b"VMONLAY1";
+const MAGIC: &[u8; 8] = b"VMONLAY2";
+/// A version 2 layer's header bytes; its pages start at [`PAGE`].
+const HEADER_V2: u64 = 32;
+/// A capture asks the kernel to start writing back every this many bytes it wrote.
+const WRITEBACK_STEP: u64 = 32 << 20;
 /// Copy at most this much per read/write syscall pair.
 const CHUNK_PAGES: u64 = 256;
 
@@ -167,12 +176,11 @@ fn capture_into(
     let runs = private_runs(pid, &maps)?;
     let mem = File::open(format!("/proc/{pid}/mem"))
         .with_context(|| format!("opening /proc/{pid}/mem"))?;
-    // Read the pages first (the hashes decide what is kept), into a spool file so memory stays
-    // bounded whatever the delta size.
+    let file = File::create(out)?;
+    // The pages go straight to their place after the header's page; the index follows them.
+    let mut w = LayerWriter::new(&file, PAGE);
     let mut kept_runs: Vec<(u64, u64)> = Vec::new();
     let mut hashes: Vec<u64> = Vec::new();
-    let spool_path = out.with_extension("spool");
-    let mut spool = BufWriter::with_capacity(1 << 20, File::create(&spool_path)?);
     let mut stats = LayerStats::default();
     let mut buf = vec![0u8; (CHUNK_PAGES * PAGE) as usize];
     for &(start, count) in &runs {
@@ -198,68 +206,102 @@ fn capture_into(
                     _ => kept_runs.push((idx, 1)),
                 }
                 hashes.push(h);
-                spool.write_all(page)?;
+                w.write(page)?;
             }
             done += n;
         }
     }
-    spool.flush()?;
-    drop(spool);
-
-    let mut w = Checksummed::new(BufWriter::with_capacity(1 << 20, File::create(out)?));
-    w.write_all(MAGIC)?;
-    w.write_all(&(PAGE as u32).to_le_bytes())?;
-    w.write_all(&(kept_runs.len() as u32).to_le_bytes())?;
-    w.write_all(&(hashes.len() as u64).to_le_bytes())?;
+    let index_offset = w.offset();
     for &(s, c) in &kept_runs {
-        w.write_all(&s.to_le_bytes())?;
-        w.write_all(&c.to_le_bytes())?;
+        w.write(&s.to_le_bytes())?;
+        w.write(&c.to_le_bytes())?;
     }
     for h in &hashes {
-        w.write_all(&h.to_le_bytes())?;
+        w.write(&h.to_le_bytes())?;
     }
-    let mut spool = BufReader::with_capacity(1 << 20, File::open(&spool_path)?);
-    std::io::copy(&mut spool, &mut w)?;
-    let _ = std::fs::remove_file(&spool_path);
-    let sum = w.digest();
-    let mut inner = w.into_inner();
-    inner.write_all(&sum.to_le_bytes())?;
-    let f = inner.into_inner().map_err(|e| e.into_error())?;
-    f.sync_all()?;
+    let mut header = [0u8; HEADER_V2 as usize];
+    header[..8].copy_from_slice(MAGIC);
+    header[8..12].copy_from_slice(&(PAGE as u32).to_le_bytes());
+    header[12..16].copy_from_slice(&(kept_runs.len() as u32).to_le_bytes());
+    header[16..24].copy_from_slice(&(hashes.len() as u64).to_le_bytes());
+    header[24..32].copy_from_slice(&index_offset.to_le_bytes());
+    w.finish(&header)?;
+    file.write_all_at(&header, 0)?;
+    file.sync_all()?;
     stats.pages = hashes.len() as u64;
     stats.runs = kept_runs.len() as u64;
     stats.bytes = stats.pages * PAGE;
     Ok(stats)
 }
 
-struct Checksummed<W> {
-    inner: W,
+/// Writes a layer's body sequentially from an offset, checksumming it, and has the kernel start
+/// writing back each [`WRITEBACK_STEP`] once it is complete, so the disk works while the capture
+/// still reads the guest (the final `fsync` then waits only for the tail).
+struct LayerWriter<'a> {
+    file: &'a File,
+    buf: Vec<u8>,
+    /// File offset of `buf[0]`.
+    at: u64,
+    /// Up to here writeback has been started.
+    started: u64,
     hasher: Xxh3,
 }
 
-impl<W: Write> Checksummed<W> {
-    fn new(inner: W) -> Self {
-        Checksummed {
-            inner,
+impl<'a> LayerWriter<'a> {
+    fn new(file: &'a File, at: u64) -> Self {
+        LayerWriter {
+            file,
+            buf: Vec::with_capacity(1 << 20),
+            at,
+            started: at,
             hasher: Xxh3::new(),
         }
     }
-    fn digest(&self) -> u64 {
-        self.hasher.digest()
+
+    /// The file offset the next byte goes to.
+    fn offset(&self) -> u64 {
+        self.at + self.buf.len() as u64
     }
-    fn into_inner(self) -> W {
-        self.inner
+
+    fn write(&mut self, bytes: &[u8]) -> anyhow::Result<()> {
+        self.hasher.update(bytes);
+        self.buf.extend_from_slice(bytes);
+        if self.buf.len() >= 1 << 20 {
+            self.flush()?;
+        }
+        Ok(())
+    }
+
+    fn flush(&mut self) -> anyhow::Result<()> {
+        self.file.write_all_at(&self.buf, self.at)?;
+        self.at += self.buf.len() as u64;
+        self.buf.clear();
+        if self.at - self.started >= WRITEBACK_STEP {
+            start_writeback(self.file, self.started, self.at - self.started);
+            self.started = self.at;
+        }
+        Ok(())
+    }
+
+    /// Writes what is buffered and the checksum (over the body, then `header`) after it.
+    fn finish(mut self, header: &[u8]) -> anyhow::Result<()> {
+        self.hasher.update(header);
+        let sum = self.hasher.digest();
+        self.buf.extend_from_slice(&sum.to_le_bytes());
+        self.flush()
     }
 }
 
-impl<W: Write> Write for Checksummed<W> {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        let n = self.inner.write(buf)?;
-        self.hasher.update(&buf[..n]);
-        Ok(n)
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        self.inner.flush()
+/// Asks the kernel to start writing `len` bytes at `offset` of `file` back to its device,
+/// without waiting. Only a hint: a failure changes nothing but the timing.
+fn start_writeback(file: &File, offset: u64, len: u64) {
+    use std::os::fd::AsRawFd;
+    let (Ok(off), Ok(n)) = (i64::try_from(offset), i64::try_from(len)) else {
+        return;
+    };
+    // SAFETY: a plain syscall on a descriptor `file` owns; no memory is passed.
+    unsafe {
+        libc::sync_file_range(file.as_raw_fd(), off, n, libc::SYNC_FILE_RANGE_WRITE);
     }
 }
 
@@ -288,32 +330,50 @@ impl LayerIndex {
 }
 
 fn read_index(f: &File, len: u64) -> anyhow::Result<LayerIndex> {
-    let mut hdr = [0u8; 24];
-    f.read_exact_at(&mut hdr, 0).context("layer header")?;
-    if &hdr[..8] != MAGIC {
-        bail!("not a vmon memory layer (bad magic)");
-    }
-    let page = u32::from_le_bytes([hdr[8], hdr[9], hdr[10], hdr[11]]) as u64;
-    let nruns = u32::from_le_bytes([hdr[12], hdr[13], hdr[14], hdr[15]]) as u64;
-    let mut pb = [0u8; 8];
-    pb.copy_from_slice(&hdr[16..24]);
-    let npages = u64::from_le_bytes(pb);
-    if page != PAGE {
-        bail!("layer page size {page} is not {PAGE}");
-    }
-    let index_len = nruns * 16 + npages * 8;
-    let data_offset = 24 + index_len;
-    if data_offset + npages * PAGE + 8 != len {
-        bail!("layer is truncated or has trailing bytes");
-    }
-    let mut idx = vec![0u8; index_len as usize];
-    f.read_exact_at(&mut idx, 24)?;
-    let mut runs = Vec::with_capacity(nruns as usize);
+    let mut hdr = [0u8; HEADER_V2 as usize];
+    f.read_exact_at(&mut hdr[..24], 0).context("layer header")?;
+    let version = match &hdr[..8] {
+        m if m == MAGIC => 2,
+        m if m == MAGIC_V1 => 1,
+        _ => bail!("not a vmon memory layer (bad magic)"),
+    };
     let word = |b: &[u8]| {
         let mut a = [0u8; 8];
         a.copy_from_slice(b);
         u64::from_le_bytes(a)
     };
+    let page = u32::from_le_bytes([hdr[8], hdr[9], hdr[10], hdr[11]]) as u64;
+    let nruns = u32::from_le_bytes([hdr[12], hdr[13], hdr[14], hdr[15]]) as u64;
+    let npages = word(&hdr[16..24]);
+    if page != PAGE {
+        bail!("layer page size {page} is not {PAGE}");
+    }
+    let index_len = nruns
+        .checked_mul(16)
+        .and_then(|r| npages.checked_mul(8).and_then(|h| r.checked_add(h)));
+    let data_len = npages.checked_mul(PAGE);
+    let (Some(index_len), Some(data_len)) = (index_len, data_len) else {
+        bail!("layer header counts overflow");
+    };
+    let (data_offset, index_offset) = if version == 1 {
+        (24 + index_len, 24)
+    } else {
+        f.read_exact_at(&mut hdr[24..], 24).context("layer header")?;
+        (PAGE, word(&hdr[24..32]))
+    };
+    let expected = if version == 1 {
+        data_offset.checked_add(data_len)
+    } else if index_offset != PAGE.saturating_add(data_len) {
+        bail!("layer index offset {index_offset} does not follow its pages");
+    } else {
+        index_offset.checked_add(index_len)
+    };
+    if expected.and_then(|e| e.checked_add(8)) != Some(len) {
+        bail!("layer is truncated or has trailing bytes");
+    }
+    let mut idx = vec![0u8; index_len as usize];
+    f.read_exact_at(&mut idx, index_offset)?;
+    let mut runs = Vec::with_capacity(nruns as usize);
     let mut total = 0u64;
     for r in idx[..(nruns * 16) as usize].chunks_exact(16) {
         let (s, c) = (word(&r[..8]), word(&r[8..]));
@@ -350,15 +410,26 @@ pub fn verify(path: &Path) -> anyhow::Result<()> {
     if len < 32 {
         bail!("memory layer {} is truncated", path.display());
     }
-    let mut r = BufReader::with_capacity(1 << 20, (&f).take(len - 8));
+    let mut magic = [0u8; 8];
+    f.read_exact_at(&mut magic, 0)?;
     let mut h = Xxh3::new();
     let mut buf = vec![0u8; 1 << 20];
-    loop {
-        let n = r.read(&mut buf)?;
-        if n == 0 {
-            break;
-        }
+    // Version 2 sums the body first and its header last (the header is written last).
+    let body = if &magic == MAGIC { PAGE } else { 0 };
+    if body > len - 8 {
+        bail!("memory layer {} is truncated", path.display());
+    }
+    let mut off = body;
+    while off < len - 8 {
+        let n = ((len - 8 - off) as usize).min(buf.len());
+        f.read_exact_at(&mut buf[..n], off)?;
         h.update(&buf[..n]);
+        off += n as u64;
+    }
+    if body > 0 {
+        let mut header = [0u8; HEADER_V2 as usize];
+        f.read_exact_at(&mut header, 0)?;
+        h.update(&header);
     }
     let mut tail = [0u8; 8];
     f.read_exact_at(&mut tail, len - 8)?;
@@ -538,6 +609,48 @@ mod tests {
     }
 
     #[test]
+    fn a_version_1_layer_still_goes_in() {
+        // Layers written before version 2 (paused sandboxes on an upgraded node): header,
+        // index, pages, checksum over the file in order.
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (ram, file) = ram_file(dir.path(), 16);
+        let pages: Vec<Vec<u8>> = (0..3u8).map(|i| vec![i + 1; PAGE as usize]).collect();
+        let runs: [(u64, u64); 2] = [(2, 2), (9, 1)];
+        let mut bytes = Vec::new();
+        bytes.extend_from_slice(MAGIC_V1);
+        bytes.extend_from_slice(&(PAGE as u32).to_le_bytes());
+        bytes.extend_from_slice(&(runs.len() as u32).to_le_bytes());
+        bytes.extend_from_slice(&(pages.len() as u64).to_le_bytes());
+        for (s, c) in runs {
+            bytes.extend_from_slice(&s.to_le_bytes());
+            bytes.extend_from_slice(&c.to_le_bytes());
+        }
+        for p in &pages {
+            bytes.extend_from_slice(&xxh3_64(p).to_le_bytes());
+        }
+        for p in &pages {
+            bytes.extend_from_slice(p);
+        }
+        let sum = xxh3_64(&bytes);
+        bytes.extend_from_slice(&sum.to_le_bytes());
+        let layer = dir.path().join("v1");
+        std::fs::write(&layer, &bytes).expect("write");
+        verify(&layer).expect("a version 1 layer verifies");
+        let idx = read_layer_index(&layer).expect("index");
+        assert_eq!(idx.runs, runs.to_vec());
+        let len = (16 * PAGE) as usize;
+        let m = map_private(&file, len);
+        write_in(std::process::id(), &ram, &layer).expect("write in");
+        for (page, want) in [(2u64, 1u8), (3, 2), (9, 3), (4, 0)] {
+            // SAFETY: inside the `len` bytes mapped at `m`.
+            let got = unsafe { *m.add((page * PAGE + 17) as usize) };
+            assert_eq!(got, want, "page {page}");
+        }
+        // SAFETY: unmapping what we mapped above.
+        unsafe { libc::munmap(m.cast(), len) };
+    }
+
+    #[test]
     fn layer_roundtrip_on_own_process() {
         // A private mapping of a file in this very process stands in for QEMU's RAM: write
         // some pages, capture them, then check index, checksum and corruption detection.
@@ -560,6 +673,7 @@ mod tests {
         verify(&out).expect("verify");
         let idx = read_layer_index(&out).expect("index");
         assert_eq!(idx.runs, vec![(3, 2), (10, 1)]);
+        assert_eq!(idx.data_offset, PAGE, "the pages start page-aligned");
         // Unchanged pages are skipped against the previous hashes.
         let st2 = capture(pid, &ram, &dir.path().join("l2"), Some(&idx.page_hashes()))
             .expect("capture 2");
@@ -572,6 +686,12 @@ mod tests {
         bad[n - 20] ^= 0xff;
         std::fs::write(dir.path().join("bad"), &bad).expect("write");
         assert!(verify(&dir.path().join("bad")).is_err());
+        // A header that disagrees with the file (one run more) is refused before any page.
+        let mut bad = bytes.clone();
+        bad[12] ^= 1;
+        std::fs::write(dir.path().join("bad-hdr"), &bad).expect("write");
+        assert!(read_layer_index(&dir.path().join("bad-hdr")).is_err());
+        assert!(verify(&dir.path().join("bad-hdr")).is_err());
         // SAFETY: unmapping what we mapped above.
         unsafe {
             libc::munmap(p, len);
