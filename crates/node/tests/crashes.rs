@@ -225,3 +225,67 @@ fn node_killed_mid_pause_leaves_a_running_or_a_paused_sandbox() {
         node.delete_build(&newest.id).await.expect("delete");
     });
 }
+
+#[test]
+fn node_killed_between_a_disk_switch_and_its_record_keeps_the_guests_writes() {
+    if std::env::var_os("VMON_CRASH_CHILD").is_some() {
+        return;
+    }
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    // Killed after QEMU switched to a fresh overlay, before the state file named it.
+    let (id, exec, token) = run_child("pause:switched");
+    let dir = crash_dir();
+    runtime().block_on(async {
+        let node = open(&dir).await;
+        let running = node.list_running().await;
+        assert!(
+            running
+                .iter()
+                .any(|s| s.sandbox_id == id && s.execution_id == exec),
+            "re-adopted as running"
+        );
+        assert_eq!(
+            sh(&node, &id, READ_TOKEN).await,
+            token,
+            "its process survived"
+        );
+        // Written after the restart: it lands in the overlay the crash left unrecorded, which
+        // the restart's sweep must not have taken.
+        sh(
+            &node,
+            &id,
+            "echo kept-$((6*7)) > /root/after-switch && sync",
+        )
+        .await;
+        // A pause with memory switches the disk again (QEMU refused it while the state named
+        // the layer under the one it writes).
+        let b1 = node
+            .pause(&id, &exec, true)
+            .await
+            .expect("pause with memory after the restart");
+        let r = start(&node, &id, &b1.build_id, false).await;
+        assert_eq!(
+            sh(&node, &id, READ_TOKEN).await,
+            token,
+            "resumed with its RAM"
+        );
+        assert_eq!(sh(&node, &id, "cat /root/after-switch").await, "kept-42");
+        // Disk only, then a cold boot: the build's disk holds the write.
+        let b2 = node
+            .pause(&id, &r.execution_id, false)
+            .await
+            .expect("disk-only pause");
+        assert!(!b2.has_memory);
+        let r2 = start(&node, &id, &b2.build_id, true).await;
+        assert_eq!(
+            sh(&node, &id, "cat /root/after-switch").await,
+            "kept-42",
+            "the disk-only build has the write made after the restart"
+        );
+        node.kill(&id, &r2.execution_id).await.expect("kill");
+        for b in [&b2.build_id, &b1.build_id] {
+            let _ = node.delete_build(b).await;
+        }
+        node.drain_pool().await;
+    });
+}

@@ -14,6 +14,8 @@ use crate::accel::Accel;
 /// PCI slots the devices are pinned to (a snapshot's device state names them).
 const NET_ADDR: &str = "0x3";
 const BLK_ADDR: &str = "0x4";
+/// The qdev id of the sandbox's disk device.
+pub const DISK_DEVICE: &str = "vblk0";
 
 /// QEMU's seccomp filter as every guest runs with it.
 pub const SECCOMP: &str = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny";
@@ -171,7 +173,7 @@ impl MachineDesc {
                 "-blockdev".into(),
                 "driver=qcow2,file=f0,node-name=d0".into(),
                 "-device".into(),
-                format!("virtio-blk-pci,drive=d0,id=vblk0,addr={BLK_ADDR}"),
+                format!("virtio-blk-pci,drive=d0,id={DISK_DEVICE},addr={BLK_ADDR}"),
             ]);
         }
         if !p.incoming {
@@ -251,7 +253,7 @@ pub fn disk_attach(disk: &Path) -> Vec<(&'static str, serde_json::Value)> {
             serde_json::json!({
                 "driver": "virtio-blk-pci",
                 "drive": "d0",
-                "id": "vblk0",
+                "id": DISK_DEVICE,
                 "addr": BLK_ADDR,
             }),
         ),

@@ -358,7 +358,8 @@ fn read_index(f: &File, len: u64) -> anyhow::Result<LayerIndex> {
     let (data_offset, index_offset) = if version == 1 {
         (24 + index_len, 24)
     } else {
-        f.read_exact_at(&mut hdr[24..], 24).context("layer header")?;
+        f.read_exact_at(&mut hdr[24..], 24)
+            .context("layer header")?;
         (PAGE, word(&hdr[24..32]))
     };
     let expected = if version == 1 {

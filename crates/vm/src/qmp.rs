@@ -370,6 +370,33 @@ impl Qmp {
         .map(|_| ())
     }
 
+    /// The active (top) layer of the disk behind device `qdev_id`, as QEMU has it: its node name
+    /// and file. `None` when no such device has a medium.
+    pub async fn block_top(&self, qdev_id: &str) -> Result<Option<(String, String)>, QmpError> {
+        #[derive(Deserialize)]
+        struct Inserted {
+            #[serde(rename = "node-name")]
+            node_name: String,
+            file: String,
+        }
+        #[derive(Deserialize)]
+        struct Device {
+            #[serde(default)]
+            qdev: String,
+            #[serde(default)]
+            device: String,
+            inserted: Option<Inserted>,
+        }
+        let devices: Vec<Device> = self.execute("query-block", Value::Null).await?;
+        // A `-device … id=X` disk shows as `/machine/peripheral/X/virtio-backend`.
+        let wanted = format!("/machine/peripheral/{qdev_id}/");
+        Ok(devices
+            .into_iter()
+            .find(|d| d.qdev.starts_with(&wanted) || d.qdev == qdev_id || d.device == qdev_id)
+            .and_then(|d| d.inserted)
+            .map(|i| (i.node_name, i.file)))
+    }
+
     /// Switches the running disk `node` to a new overlay created at `file`; the old image
     /// becomes read-only backing.
     pub async fn blockdev_snapshot_sync(

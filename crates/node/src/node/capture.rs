@@ -17,7 +17,8 @@ use crate::envd_client::{self, InitRequest, ENVD_PORT};
 use crate::sandbox::{Live, RamSource, SandboxState};
 
 /// Crash-test hook: `VMON_FAULT=<point>` aborts the process at that point, as a node crash
-/// would. Points: `pause:captured` (artifacts written, no record), `pause:committed` (record
+/// would. Points: `pause:switched` (QEMU writes to a fresh overlay the sandbox's state file does
+/// not name yet), `pause:captured` (artifacts written, no record), `pause:committed` (record
 /// written, QEMU not yet gone), `checkpoint:committed` (a fork's or snapshot's build record
 /// written, before the api's record names it; the source is still stopped).
 fn fault(point: &str) {
@@ -228,7 +229,9 @@ impl Node {
         l.state.pausing_build = Some(build_id.clone());
         let captured = async {
             let (disk, chain) = if park {
-                self.switch_disk(&mut l).await?
+                let switched = self.switch_disk(&mut l).await?;
+                fault("pause:switched");
+                switched
             } else {
                 (l.state.overlay.clone(), l.state.disk_chain.clone())
             };

@@ -80,6 +80,9 @@ impl Node {
                     slot: slot.clone(),
                     dir: dir.to_path_buf(),
                 };
+                if let Err(e) = Self::reconcile_disk(&mut live).await {
+                    tracing::warn!(sandbox = %live.state.id, "disk layers unclear: {e:#}");
+                }
                 if let Some(b) = live.state.pausing_build.clone() {
                     if self.builds.get(&b)?.is_some() {
                         // The pause was committed: finish it.
@@ -119,6 +122,44 @@ impl Node {
                 vmon_vm::process::clear_files(dir);
                 Ok(None)
             }
+        }
+    }
+
+    /// Makes an adopted sandbox's state name the disk layer its QEMU writes. A crash between a
+    /// capture's switch to a fresh overlay and the state file's save leaves QEMU one layer
+    /// ahead of the file: left so, the sweep would delete the overlay holding the guest's new
+    /// writes, a disk-only pause would freeze the layer under it, and every later switch would
+    /// fail (the recorded node is the new one's backing).
+    async fn reconcile_disk(live: &mut Live) -> anyhow::Result<()> {
+        let Some(vm) = live.vm.as_ref() else {
+            return Ok(());
+        };
+        let Some((node, file)) = vm.qmp.block_top(vmon_vm::machine::DISK_DEVICE).await? else {
+            return Ok(());
+        };
+        let st = &mut live.state;
+        if node == st.disk_node {
+            return Ok(());
+        }
+        let seq = node.strip_prefix('d').and_then(|n| n.parse::<u32>().ok());
+        let name = Path::new(&file)
+            .file_name()
+            .map(|n| n.to_string_lossy().to_string());
+        match (seq, name) {
+            (Some(seq), Some(name)) if seq == st.disk_seq + 1 => {
+                tracing::info!(sandbox = %st.id, node = %node, overlay = %name,
+                    "finishing a disk switch cut by a restart");
+                let frozen = std::mem::replace(&mut st.overlay, name);
+                st.disk_chain.insert(0, frozen);
+                st.disk_node = node;
+                st.disk_seq = seq;
+                Ok(())
+            }
+            _ => anyhow::bail!(
+                "QEMU writes disk node {node} ({file}), its state names {} (seq {})",
+                st.disk_node,
+                st.disk_seq
+            ),
         }
     }
 
