@@ -20,8 +20,18 @@ pub const DISK_DEVICE: &str = "vblk0";
 /// QEMU's seccomp filter as every guest runs with it.
 pub const SECCOMP: &str = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny";
 
-/// TCG translation-block cache size (MiB).
+/// TCG translation-block cache size (MiB) unless `VMON_TCG_TB_MIB` says otherwise.
 const TCG_TB_MIB: u32 = 32;
+
+/// The TCG translation cache a QEMU gets (MiB): `VMON_TCG_TB_MIB` (4 to 512), else
+/// [`TCG_TB_MIB`]. QEMU never gives back what the cache once touched (a flush starts filling it
+/// again from the front), so a long-lived sandbox keeps up to this much resident.
+pub fn tcg_tb_mib() -> u32 {
+    std::env::var("VMON_TCG_TB_MIB")
+        .ok()
+        .and_then(|v| v.trim().parse::<u32>().ok())
+        .map_or(TCG_TB_MIB, |v| v.clamp(4, 512))
+}
 
 /// The guest's fixed MAC: every slot gives its guest the same address, so snapshots move freely.
 pub const GUEST_MAC: &str = "52:54:00:a9:00:15";
@@ -128,7 +138,7 @@ impl MachineDesc {
             match self.accel {
                 // A small translation cache: a sandbox's hot code fits, and every idle sandbox
                 // would otherwise keep a large one resident.
-                Accel::Tcg => format!("tcg,tb-size={TCG_TB_MIB}"),
+                Accel::Tcg => format!("tcg,tb-size={}", tcg_tb_mib()),
                 Accel::Kvm => "kvm".into(),
             },
             "-cpu".into(),
