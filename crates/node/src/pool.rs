@@ -7,6 +7,9 @@
 //! the pool's maximum while the host has memory to spare, and trimmed back to its base once no
 //! claim came for [`IDLE_AFTER`]. Refills yield to restores: they start only while none is in
 //! flight, take a restore turn, and their processes run at background CPU weight until claimed.
+//! While a key still has a process ready, its refill also waits until its last claim is
+//! [`SETTLE_AFTER_CLAIM`] old, so a new sandbox's first commands do not share the CPU with a
+//! warm-up.
 
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
@@ -115,6 +118,18 @@ impl Prepared {
 pub(crate) const DEMAND_WINDOW: Duration = Duration::from_secs(30);
 /// A key with no claim for this long is trimmed back to its base size.
 pub(crate) const IDLE_AFTER: Duration = Duration::from_secs(60);
+/// A refill of a key that still has a process ready waits until its last claim is this old:
+/// the sandbox just claimed has the CPU for its first commands, not a warm-up beside it.
+pub(crate) const SETTLE_AFTER_CLAIM: Duration = Duration::from_secs(1);
+
+/// How long a refill should wait before making one more process: nothing when the pool is
+/// empty (the next create must not miss) or its last claim is older than `settle`.
+fn settle_wait(depth: usize, since_last_claim: Option<Duration>, settle: Duration) -> Duration {
+    match since_last_claim {
+        Some(since) if depth > 0 => settle.saturating_sub(since),
+        _ => Duration::ZERO,
+    }
+}
 
 /// The claims of one key.
 #[derive(Default)]
@@ -218,6 +233,17 @@ impl Pool {
         base.max(recent.min(max))
     }
 
+    /// How long a refill of `key` should wait now (see [`settle_wait`]).
+    fn settle_wait(&self, key: &str) -> Duration {
+        let since = self
+            .demand
+            .lock()
+            .ok()
+            .and_then(|d| d.get(key).and_then(|d| d.last))
+            .map(|t| t.elapsed());
+        settle_wait(self.depth(key), since, SETTLE_AFTER_CLAIM)
+    }
+
     /// Takes a ready process of pool `key`, counting the claim (hit or miss) as demand.
     pub fn take(&self, key: &str) -> Option<Prepared> {
         if let Ok(mut d) = self.demand.lock() {
@@ -293,6 +319,13 @@ impl Pool {
         }
         tokio::spawn(async move {
             while node.pool().depth(&key) < node.pool().target(&key) && node.pool().may_grow(&key) {
+                loop {
+                    let wait = node.pool().settle_wait(&key);
+                    if wait.is_zero() {
+                        break;
+                    }
+                    tokio::time::sleep(wait).await;
+                }
                 while node.restores_in_flight() > 0 {
                     tokio::time::sleep(std::time::Duration::from_millis(20)).await;
                 }
@@ -390,6 +423,19 @@ mod tests {
         p.window = Duration::from_millis(200);
         p.idle_after = Duration::from_millis(200);
         p
+    }
+
+    #[test]
+    fn a_refill_waits_after_a_claim_only_while_a_process_is_ready() {
+        let settle = Duration::from_secs(1);
+        let ms = Duration::from_millis;
+        // A claim 300 ms ago, one process still ready: the rest of the second.
+        assert_eq!(settle_wait(1, Some(ms(300)), settle), ms(700));
+        // The pool is empty: the next create would miss, so no wait.
+        assert_eq!(settle_wait(0, Some(ms(300)), settle), Duration::ZERO);
+        // The last claim is old, or there was none.
+        assert_eq!(settle_wait(2, Some(ms(1500)), settle), Duration::ZERO);
+        assert_eq!(settle_wait(2, None, settle), Duration::ZERO);
     }
 
     #[test]
