@@ -146,6 +146,22 @@ fn run_child(point: &str) -> (String, String, String) {
     )
 }
 
+/// After a restart: sandbox `id` was re-adopted as running execution `exec`, and its process
+/// still serves `token` from memory.
+async fn assert_running_as_before(node: &Node, id: &str, exec: &str, token: &str) {
+    let running = node.list_running().await;
+    let me = running
+        .iter()
+        .find(|s| s.sandbox_id == id)
+        .expect("re-adopted as running");
+    assert_eq!(me.execution_id, exec);
+    assert_eq!(
+        sh(node, id, READ_TOKEN).await,
+        token,
+        "its process survived"
+    );
+}
+
 #[test]
 fn a_failed_pause_leaves_the_sandbox_running() {
     if std::env::var_os("VMON_CRASH_CHILD").is_some() {
@@ -184,17 +200,7 @@ fn node_killed_mid_pause_leaves_a_running_or_a_paused_sandbox() {
     let dir = crash_dir();
     runtime().block_on(async {
         let node = open(&dir).await;
-        let running = node.list_running().await;
-        let me = running
-            .iter()
-            .find(|s| s.sandbox_id == id)
-            .expect("re-adopted as running");
-        assert_eq!(me.execution_id, exec);
-        assert_eq!(
-            sh(&node, &id, READ_TOKEN).await,
-            token,
-            "its process survived"
-        );
+        assert_running_as_before(&node, &id, &exec, &token).await;
         node.kill(&id, &exec).await.expect("kill");
         node.drain_pool().await;
     });
@@ -237,18 +243,7 @@ fn node_killed_between_a_disk_switch_and_its_record_keeps_the_guests_writes() {
     let dir = crash_dir();
     runtime().block_on(async {
         let node = open(&dir).await;
-        let running = node.list_running().await;
-        assert!(
-            running
-                .iter()
-                .any(|s| s.sandbox_id == id && s.execution_id == exec),
-            "re-adopted as running"
-        );
-        assert_eq!(
-            sh(&node, &id, READ_TOKEN).await,
-            token,
-            "its process survived"
-        );
+        assert_running_as_before(&node, &id, &exec, &token).await;
         // Written after the restart: it lands in the overlay the crash left unrecorded, which
         // the restart's sweep must not have taken.
         sh(

@@ -26,11 +26,15 @@ const TCG_TB_MIB: u32 = 32;
 /// The TCG translation cache a QEMU gets (MiB): `VMON_TCG_TB_MIB` (4 to 512), else
 /// [`TCG_TB_MIB`]. QEMU never gives back what the cache once touched (a flush starts filling it
 /// again from the front), so a long-lived sandbox keeps up to this much resident.
+/// Read once per process, like the node's other knobs.
 pub fn tcg_tb_mib() -> u32 {
-    std::env::var("VMON_TCG_TB_MIB")
-        .ok()
-        .and_then(|v| v.trim().parse::<u32>().ok())
-        .map_or(TCG_TB_MIB, |v| v.clamp(4, 512))
+    static MIB: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *MIB.get_or_init(|| {
+        std::env::var("VMON_TCG_TB_MIB")
+            .ok()
+            .and_then(|v| v.trim().parse::<u32>().ok())
+            .map_or(TCG_TB_MIB, |v| v.clamp(4, 512))
+    })
 }
 
 /// The guest's fixed MAC: every slot gives its guest the same address, so snapshots move freely.

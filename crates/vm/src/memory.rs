@@ -151,7 +151,7 @@ pub type PageHashes = std::collections::HashMap<u64, u64>;
 
 /// Captures the private pages of a stopped `pid` into `out`. Pages whose hash equals the one in
 /// `previous` (the effective content under this process) are left out. A capture that fails
-/// (a full disk) leaves neither `out` nor its spool behind.
+/// (a full disk) leaves no `out` behind.
 pub fn capture(
     pid: u32,
     ram_file: &Path,
@@ -160,7 +160,6 @@ pub fn capture(
 ) -> anyhow::Result<LayerStats> {
     let captured = capture_into(pid, ram_file, out, previous);
     if captured.is_err() {
-        let _ = std::fs::remove_file(out.with_extension("spool"));
         let _ = std::fs::remove_file(out);
     }
     captured
