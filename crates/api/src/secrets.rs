@@ -249,7 +249,8 @@ pub(crate) async fn list_secrets(
     let pairs = query_pairs(raw)?;
     let get = |name: &str| crate::state::query_one(&pairs, name);
     let limit = match get("limit")? {
-        None | Some("") => DEFAULT_LIMIT,
+        None => DEFAULT_LIMIT,
+        // An empty value is not an integer: refused like any other (as `GET /v2/sandboxes` does).
         Some(v) => match v.parse::<i64>() {
             Ok(n) if (1..=MAX_LIMIT).contains(&n) => n,
             _ => {

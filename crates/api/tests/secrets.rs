@@ -160,6 +160,7 @@ async fn secret_lists_page_with_x_next_token() {
         "limit=0",
         "limit=1001",
         "limit=x",
+        "limit=",
         "limit=x&limit=",
         "limit=%C2%9D&limit=2",
         "nextToken=a%20b",

@@ -246,10 +246,24 @@ async fn the_content_plane_reads_writes_and_answers_errors_as_the_sdk_parses_the
     assert_eq!(paths, ["/a", "/a/b.txt", "/x", "/x/y", "/x/y/z"]);
     let shallow = content(&h, "GET", &format!("{base}/dir?path=%2F"), t, b"").await;
     assert_eq!(shallow.json().as_array().map(Vec::len), Some(2));
-    for bad in ["depth=0", "depth=11", "depth=x"] {
+    for bad in ["depth=0", "depth=11", "depth=x", "depth="] {
         let r = content(&h, "GET", &format!("{base}/dir?path=%2F&{bad}"), t, b"").await;
         assert_eq!(r.status, StatusCode::BAD_REQUEST, "{bad}");
     }
+    // A parameter given empty is not the parameter left out: refused, nothing made.
+    for bad in ["mode=", "uid=", "force="] {
+        let r = content(
+            &h,
+            "POST",
+            &format!("{base}/dir?path=%2Fempty&{bad}"),
+            t,
+            b"",
+        )
+        .await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{bad}");
+    }
+    let none = content(&h, "GET", &format!("{base}/dir?path=%2F"), t, b"").await;
+    assert_eq!(none.json().as_array().map(Vec::len), Some(2), "no /empty");
 
     let patched = content(
         &h,

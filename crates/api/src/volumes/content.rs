@@ -191,8 +191,9 @@ impl Query {
         Ok(VolumePath::parse(raw)?)
     }
     fn number(&self, name: &str, max: u32) -> ContentResult<Option<u32>> {
+        // Present means a value: an empty one is not a number (the SDKs omit what is unset).
         match self.get(name) {
-            None | Some("") => Ok(None),
+            None => Ok(None),
             Some(v) => match v.parse::<u32>() {
                 Ok(n) if n <= max => Ok(Some(n)),
                 _ => Err(ContentError::bad(format!(
@@ -203,7 +204,7 @@ impl Query {
     }
     fn flag(&self, name: &str) -> ContentResult<bool> {
         match self.get(name) {
-            None | Some("") | Some("false") => Ok(false),
+            None | Some("false") => Ok(false),
             Some("true") => Ok(true),
             Some(v) => Err(ContentError::bad(format!(
                 "{name} must be true or false, not {v:?}"
@@ -242,7 +243,7 @@ pub(crate) async fn list_dir(
     let q = Query::parse(raw)?;
     let path = q.path()?;
     let depth = match q.get("depth") {
-        None | Some("") => 1,
+        None => 1,
         Some(v) => match v.parse::<u32>() {
             Ok(d) if (1..=MAX_LIST_DEPTH).contains(&d) => d,
             _ => {
