@@ -184,21 +184,17 @@ fn event_query(team_id: &str, raw: Option<String>) -> ApiResult<EventQuery> {
             .iter()
             .rev()
             .find(|(k, _)| k == name)
-            .map(|(_, v)| v.trim())
+            .map(|(_, v)| v.as_str())
     };
     let offset = match last("offset") {
         None => 0,
-        Some(v) => v
-            .parse::<i64>()
-            .ok()
+        Some(v) => crate::state::query_int::<i64>(v)
             .filter(|o| *o >= 0)
             .ok_or_else(|| ApiError::bad_request("offset must be a non-negative integer"))?,
     };
     let limit = match last("limit") {
         None => 10,
-        Some(v) => v
-            .parse::<i64>()
-            .ok()
+        Some(v) => crate::state::query_int::<i64>(v)
             .filter(|l| (1..=100).contains(l))
             .ok_or_else(|| ApiError::bad_request("limit must be between 1 and 100"))?,
     };
@@ -595,10 +591,7 @@ async fn deliveries(
     let get = |name: &str, default: i64, max: i64| -> ApiResult<i64> {
         match crate::state::query_one(&pairs, name)? {
             None => Ok(default),
-            Some(v) => v
-                .trim()
-                .parse::<i64>()
-                .ok()
+            Some(v) => crate::state::query_int::<i64>(v)
                 .filter(|n| (0..=max).contains(n))
                 .ok_or_else(|| {
                     ApiError::bad_request(format!("{name} must be between 0 and {max}"))

@@ -511,9 +511,7 @@ async fn list_snapshots(
 fn paging(q: &[(String, String)]) -> ApiResult<(usize, usize)> {
     let limit = match query_value(q, "limit")? {
         None => 100,
-        Some(v) => v
-            .parse::<usize>()
-            .ok()
+        Some(v) => crate::state::query_int::<usize>(v)
             .filter(|l| (1..=1000).contains(l))
             .ok_or_else(|| ApiError::bad_request("limit must be between 1 and 1000"))?,
     };
@@ -653,9 +651,7 @@ async fn list_v2(
     let template = query_value(&q, "template")?.filter(|v| !v.is_empty());
     let limit = match query_value(&q, "limit")? {
         None => 100,
-        Some(v) => v
-            .parse::<usize>()
-            .ok()
+        Some(v) => crate::state::query_int::<usize>(v)
             .filter(|l| (1..=1000).contains(l))
             .ok_or_else(|| ApiError::bad_request("limit must be between 1 and 1000"))?,
     };

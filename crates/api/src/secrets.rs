@@ -251,8 +251,8 @@ pub(crate) async fn list_secrets(
     let limit = match get("limit")? {
         None => DEFAULT_LIMIT,
         // An empty value is not an integer: refused like any other (as `GET /v2/sandboxes` does).
-        Some(v) => match v.parse::<i64>() {
-            Ok(n) if (1..=MAX_LIMIT).contains(&n) => n,
+        Some(v) => match crate::state::query_int::<i64>(v) {
+            Some(n) if (1..=MAX_LIMIT).contains(&n) => n,
             _ => {
                 return Err(ApiError::bad_request(format!(
                     "limit must be between 1 and {MAX_LIMIT}"

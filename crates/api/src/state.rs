@@ -84,6 +84,16 @@ pub(crate) fn body<T: DeserializeOwned>(bytes: &Bytes) -> ApiResult<T> {
         .map_err(|e| ApiError::bad_request(format!("invalid request body: {e}")))
 }
 
+/// An integer query value as the document types it: an optional `-` and ASCII digits, nothing
+/// else (no `+`, no spaces, no empty value), parsed into `T` (out of `T`'s range: `None`).
+pub(crate) fn query_int<T: std::str::FromStr>(v: &str) -> Option<T> {
+    let digits = v.strip_prefix('-').unwrap_or(v);
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    v.parse().ok()
+}
+
 /// The one value of a scalar query parameter: a key given twice with different values is a
 /// 400 (a later valid value must not hide an earlier invalid one).
 pub(crate) fn query_one<'a>(
@@ -108,4 +118,25 @@ pub(crate) fn query_one<'a>(
 pub(crate) fn query_pairs(raw: Option<String>) -> ApiResult<Vec<(String, String)>> {
     serde_urlencoded::from_str::<Vec<(String, String)>>(raw.as_deref().unwrap_or(""))
         .map_err(|e| ApiError::bad_request(format!("invalid query: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::query_int;
+
+    #[test]
+    fn only_plain_decimal_integers_are_query_integers() {
+        assert_eq!(query_int::<i64>("42"), Some(42));
+        assert_eq!(query_int::<i64>("-7"), Some(-7));
+        assert_eq!(query_int::<u32>("0"), Some(0));
+        for bad in ["", "-", "+1", " 1", "1 ", "1.5", "1e3", "0x10", "x", "--1"] {
+            assert_eq!(query_int::<i64>(bad), None, "{bad:?}");
+        }
+        assert_eq!(query_int::<u32>("-1"), None, "a negative u32");
+        assert_eq!(
+            query_int::<i64>("99999999999999999999"),
+            None,
+            "out of range"
+        );
+    }
 }

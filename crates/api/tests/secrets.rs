@@ -161,6 +161,8 @@ async fn secret_lists_page_with_x_next_token() {
         "limit=1001",
         "limit=x",
         "limit=",
+        "limit=%2B2",
+        "limit=%202",
         "limit=x&limit=",
         "limit=%C2%9D&limit=2",
         "nextToken=a%20b",

@@ -303,7 +303,7 @@ impl Query {
             .iter()
             .rev()
             .find(|(k, _)| k == name)
-            .map(|(_, v)| v.trim())
+            .map(|(_, v)| v.as_str())
     }
 
     fn all<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a str> + 'a {
@@ -316,8 +316,8 @@ impl Query {
     fn int(&self, name: &str) -> ApiResult<Option<i64>> {
         self.get(name)
             .map(|v| {
-                v.parse::<i64>()
-                    .map_err(|_| ApiError::bad_request(format!("{name} must be an integer")))
+                crate::state::query_int::<i64>(v)
+                    .ok_or_else(|| ApiError::bad_request(format!("{name} must be an integer")))
             })
             .transpose()
     }

@@ -33,10 +33,7 @@ pub(crate) async fn status(
     let pairs = query_pairs(query)?;
     let num = |name: &str, default: i64| -> ApiResult<i64> {
         match crate::state::query_one(&pairs, name)? {
-            Some(v) => v
-                .trim()
-                .parse::<i64>()
-                .ok()
+            Some(v) => crate::state::query_int::<i64>(v)
                 .filter(|n| *n >= 0)
                 .ok_or_else(|| ApiError::bad_request(format!("{name} must be a number ≥ 0"))),
             None => Ok(default),

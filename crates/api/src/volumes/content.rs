@@ -194,8 +194,8 @@ impl Query {
         // Present means a value: an empty one is not a number (the SDKs omit what is unset).
         match self.get(name) {
             None => Ok(None),
-            Some(v) => match v.parse::<u32>() {
-                Ok(n) if n <= max => Ok(Some(n)),
+            Some(v) => match crate::state::query_int::<u32>(v) {
+                Some(n) if n <= max => Ok(Some(n)),
                 _ => Err(ContentError::bad(format!(
                     "{name} must be a decimal number of at most {max}"
                 ))),
@@ -244,8 +244,8 @@ pub(crate) async fn list_dir(
     let path = q.path()?;
     let depth = match q.get("depth") {
         None => 1,
-        Some(v) => match v.parse::<u32>() {
-            Ok(d) if (1..=MAX_LIST_DEPTH).contains(&d) => d,
+        Some(v) => match crate::state::query_int::<u32>(v) {
+            Some(d) if (1..=MAX_LIST_DEPTH).contains(&d) => d,
             _ => {
                 return Err(ContentError::bad(format!(
                     "depth must be between 1 and {MAX_LIST_DEPTH}"
