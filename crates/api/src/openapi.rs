@@ -218,10 +218,32 @@ pub fn document() -> utoipa::openapi::OpenApi {
 fn document_json() -> &'static str {
     static JSON: OnceLock<String> = OnceLock::new();
     JSON.get_or_init(|| {
-        document()
-            .to_pretty_json()
+        serde_json::to_value(document())
+            .map(|mut doc| {
+                unsigned_formats(&mut doc);
+                doc
+            })
+            .and_then(|doc| serde_json::to_string_pretty(&doc))
             .unwrap_or_else(|e| format!("{{\"error\": \"serializing the document: {e}\"}}"))
     })
+}
+
+/// Unsigned fields are documented as what serde takes (`non_strict_integers`: a u32 is not an
+/// `int32`, whose range ends at 2^31 - 1), under the registry's names: utoipa spells them
+/// `u-int32`, `u-int64`, …
+fn unsigned_formats(v: &mut serde_json::Value) {
+    match v {
+        serde_json::Value::Object(map) => {
+            if let Some(serde_json::Value::String(f)) = map.get_mut("format") {
+                if let Some(bits) = f.strip_prefix("u-int") {
+                    *f = format!("uint{bits}");
+                }
+            }
+            map.values_mut().for_each(unsigned_formats);
+        }
+        serde_json::Value::Array(items) => items.iter_mut().for_each(unsigned_formats),
+        _ => {}
+    }
 }
 
 /// `/openapi.json`, `/docs` and its script; they need no state.

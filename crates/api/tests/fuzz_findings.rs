@@ -46,11 +46,101 @@ async fn empty_typed_query_values_are_400s() {
         format!("/sandboxes/{id}/metrics?start="),
         format!("/v2/sandboxes/{id}/logs?level="),
         format!("/v2/sandboxes/{id}/logs?cursor="),
+        "/secrets?limit=".to_string(),
+        "/secrets?limit=%2B5".to_string(),
+        "/v2/sandboxes?limit=%205".to_string(),
+        "/events/sandboxes?offset=%2B1".to_string(),
     ] {
         let r = h.req("GET", &path, None).await;
         assert_eq!(r.status, StatusCode::BAD_REQUEST, "{path}: {:?}", r.json);
         assert_eq!(r.json["code"], 400, "{path}");
     }
+}
+
+/// A u32 field was documented `int32`, so 2147483648 was "schema-violating" yet taken: unsigned
+/// fields are documented as what the server takes (`uint32`, `uint64`), and a value beyond that
+/// is a 400 that makes nothing.
+#[tokio::test]
+async fn unsigned_fields_are_documented_as_the_server_takes_them() {
+    let h = harness(TeamLimits::default()).await;
+    let doc = h.call("GET", "/openapi.json", None, None, &[]).await.json;
+    let limits = &doc["components"]["schemas"]["TeamLimits"]["properties"];
+    assert_eq!(limits["max_vcpus"]["format"], "uint32", "{limits}");
+    assert_eq!(limits["max_lifetime_secs"]["format"], "uint64", "{limits}");
+    let teams = |r: &common::Reply| r.json.as_array().map(Vec::len);
+    let before = h.call("GET", "/admin/teams", None, None, ADMIN).await;
+    let too_big = r#"{"name": "Big", "limits": {"max_vcpus": 4294967296}}"#;
+    let r = h
+        .call("POST", "/admin/teams", None, Some(too_big), ADMIN)
+        .await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST, "{:?}", r.json);
+    assert_eq!(r.json["code"], 400);
+    let after = h.call("GET", "/admin/teams", None, None, ADMIN).await;
+    assert_eq!(teams(&after), teams(&before), "no team made");
+    let fits = r#"{"name": "Big", "limits": {"max_vcpus": 2147483648}}"#;
+    let r = h
+        .call("POST", "/admin/teams", None, Some(fits), ADMIN)
+        .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{:?}", r.json);
+    assert_eq!(r.json["team"]["limits"]["max_vcpus"], 2147483648u64);
+}
+
+/// A team whose lifetime cap is beyond what a date can hold: its sandboxes are created (the cap
+/// is no cap), never a panic on the end-time arithmetic.
+#[tokio::test]
+async fn a_lifetime_cap_beyond_any_date_is_no_cap() {
+    let h = harness(TeamLimits::default()).await;
+    let body = format!(
+        r#"{{"name": "Forever", "limits": {{"max_lifetime_secs": {}}}}}"#,
+        u64::MAX
+    );
+    let r = h
+        .call("POST", "/admin/teams", None, Some(&body), ADMIN)
+        .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{:?}", r.json);
+    let key = r.json["apiKey"].as_str().unwrap().to_string();
+    let r = h
+        .call(
+            "POST",
+            "/sandboxes",
+            Some(&key),
+            Some(r#"{"templateID": "base", "timeout": 60}"#),
+            &[],
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{:?}", r.json);
+    let id = r.json["sandboxID"].as_str().unwrap().to_string();
+    // A new timeout and a resume both clamp the end to the cap.
+    let timeout = h
+        .call(
+            "POST",
+            &format!("/sandboxes/{id}/timeout"),
+            Some(&key),
+            Some(r#"{"timeout": 120}"#),
+            &[],
+        )
+        .await;
+    assert_eq!(timeout.status, StatusCode::NO_CONTENT, "{:?}", timeout.json);
+    let pause = h
+        .call(
+            "POST",
+            &format!("/sandboxes/{id}/pause"),
+            Some(&key),
+            None,
+            &[],
+        )
+        .await;
+    assert_eq!(pause.status, StatusCode::NO_CONTENT, "{:?}", pause.json);
+    let resume = h
+        .call(
+            "POST",
+            &format!("/sandboxes/{id}/resume"),
+            Some(&key),
+            Some(r#"{"timeout": 60}"#),
+            &[],
+        )
+        .await;
+    assert_eq!(resume.status, StatusCode::CREATED, "{:?}", resume.json);
 }
 
 /// Metrics ranges at the ends of i64 (schemathesis found an `end` near i64::MIN overflowing

@@ -444,8 +444,15 @@ impl Control {
     }
 
     /// The latest end time the team's lifetime cap allows for a run that started at `started`.
+    /// A cap beyond what a date holds (an admin may give any u64) is no cap: the last instant
+    /// of year 9999, never an overflow.
     pub(crate) fn lifetime_cap(team: &Team, started: OffsetDateTime) -> OffsetDateTime {
-        started + Duration::from_secs(team.limits.max_lifetime_secs)
+        i64::try_from(team.limits.max_lifetime_secs)
+            .ok()
+            .and_then(|secs| started.checked_add(time::Duration::seconds(secs)))
+            .unwrap_or_else(|| {
+                time::PrimitiveDateTime::new(time::Date::MAX, time::Time::MAX).assume_utc()
+            })
     }
 }
 
