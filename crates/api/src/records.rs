@@ -70,9 +70,9 @@ pub struct ApiKeyInfo {
     pub team_id: String,
     /// The first characters of the key, to recognise it in a list.
     pub mask: String,
-    /// `time`'s compact form: year, day of year, hour, minute, second, nanosecond, offset
-    /// hours, minutes, seconds.
-    #[schema(value_type = Vec<i64>)]
+    /// RFC 3339.
+    #[serde(with = "time::serde::rfc3339")]
+    #[schema(value_type = String, format = DateTime)]
     pub created_at: OffsetDateTime,
     pub revoked: bool,
 }

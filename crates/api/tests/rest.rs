@@ -523,6 +523,13 @@ async fn admin_routes_need_the_admin_token() {
     let key = r.json["apiKey"].as_str().unwrap().to_string();
     let key_id = r.json["key"]["id"].as_str().unwrap().to_string();
     let ops_team = r.json["team"]["id"].as_str().unwrap().to_string();
+    let created = r.json["key"]["created_at"].as_str().unwrap_or_default();
+    assert!(
+        time::OffsetDateTime::parse(created, &time::format_description::well_known::Rfc3339)
+            .is_ok(),
+        "a key's created_at is RFC 3339: {:?}",
+        r.json["key"]
+    );
     let c = h
         .call(
             "POST",
