@@ -508,13 +508,18 @@ async fn list_snapshots(
     Ok(resp)
 }
 
-fn paging(q: &[(String, String)]) -> ApiResult<(usize, usize)> {
-    let limit = match query_value(q, "limit")? {
-        None => 100,
+/// A list's `limit`: 1-1000, default 100.
+fn page_limit(q: &[(String, String)]) -> ApiResult<usize> {
+    match query_value(q, "limit")? {
+        None => Ok(100),
         Some(v) => crate::state::query_int::<usize>(v)
             .filter(|l| (1..=1000).contains(l))
-            .ok_or_else(|| ApiError::bad_request("limit must be between 1 and 1000"))?,
-    };
+            .ok_or_else(|| ApiError::bad_request("limit must be between 1 and 1000")),
+    }
+}
+
+fn paging(q: &[(String, String)]) -> ApiResult<(usize, usize)> {
+    let limit = page_limit(q)?;
     let offset = match query_value(q, "nextToken")?.filter(|t| !t.is_empty()) {
         None => 0,
         Some(t) => t
@@ -649,12 +654,7 @@ async fn list_v2(
         ),
     };
     let template = query_value(&q, "template")?.filter(|v| !v.is_empty());
-    let limit = match query_value(&q, "limit")? {
-        None => 100,
-        Some(v) => crate::state::query_int::<usize>(v)
-            .filter(|l| (1..=1000).contains(l))
-            .ok_or_else(|| ApiError::bad_request("limit must be between 1 and 1000"))?,
-    };
+    let limit = page_limit(&q)?;
     let cursor = match query_value(&q, "nextToken")?.filter(|t| !t.is_empty()) {
         None => None,
         Some(t) => Some(parse_cursor(t).ok_or_else(|| ApiError::bad_request("invalid nextToken"))?),

@@ -229,8 +229,8 @@ fn document_json() -> &'static str {
 }
 
 /// Unsigned fields are documented as what serde takes (`non_strict_integers`: a u32 is not an
-/// `int32`, whose range ends at 2^31 - 1), under the registry's names: utoipa spells them
-/// `u-int32`, `u-int64`, …
+/// `int32`, whose range ends at 2^31 - 1), spelled `uint32`, `uint64`, … (utoipa writes
+/// `u-int32`).
 fn unsigned_formats(v: &mut serde_json::Value) {
     match v {
         serde_json::Value::Object(map) => {

@@ -99,48 +99,30 @@ async fn a_lifetime_cap_beyond_any_date_is_no_cap() {
         .await;
     assert_eq!(r.status, StatusCode::CREATED, "{:?}", r.json);
     let key = r.json["apiKey"].as_str().unwrap().to_string();
-    let r = h
-        .call(
-            "POST",
-            "/sandboxes",
-            Some(&key),
-            Some(r#"{"templateID": "base", "timeout": 60}"#),
-            &[],
-        )
-        .await;
+    let post = |path: String, body: Option<&'static str>| {
+        let (h, key) = (&h, key.clone());
+        async move { h.call("POST", &path, Some(&key), body, &[]).await }
+    };
+    let r = post(
+        "/sandboxes".into(),
+        Some(r#"{"templateID": "base", "timeout": 60}"#),
+    )
+    .await;
     assert_eq!(r.status, StatusCode::CREATED, "{:?}", r.json);
     let id = r.json["sandboxID"].as_str().unwrap().to_string();
     // A new timeout and a resume both clamp the end to the cap.
-    let timeout = h
-        .call(
-            "POST",
-            &format!("/sandboxes/{id}/timeout"),
-            Some(&key),
+    for (action, body, want) in [
+        (
+            "timeout",
             Some(r#"{"timeout": 120}"#),
-            &[],
-        )
-        .await;
-    assert_eq!(timeout.status, StatusCode::NO_CONTENT, "{:?}", timeout.json);
-    let pause = h
-        .call(
-            "POST",
-            &format!("/sandboxes/{id}/pause"),
-            Some(&key),
-            None,
-            &[],
-        )
-        .await;
-    assert_eq!(pause.status, StatusCode::NO_CONTENT, "{:?}", pause.json);
-    let resume = h
-        .call(
-            "POST",
-            &format!("/sandboxes/{id}/resume"),
-            Some(&key),
-            Some(r#"{"timeout": 60}"#),
-            &[],
-        )
-        .await;
-    assert_eq!(resume.status, StatusCode::CREATED, "{:?}", resume.json);
+            StatusCode::NO_CONTENT,
+        ),
+        ("pause", None, StatusCode::NO_CONTENT),
+        ("resume", Some(r#"{"timeout": 60}"#), StatusCode::CREATED),
+    ] {
+        let r = post(format!("/sandboxes/{id}/{action}"), body).await;
+        assert_eq!(r.status, want, "{action}: {:?}", r.json);
+    }
 }
 
 /// Metrics ranges at the ends of i64 (schemathesis found an `end` near i64::MIN overflowing
