@@ -30,6 +30,10 @@ pub struct NodeConfig {
     pub spare_slots: usize,
     /// How long a cold boot may take to reach envd.
     pub boot_timeout: Duration,
+    /// A cold-booted guest that has not written its disk this long after its start (it writes
+    /// as its root is mounted, seconds into a boot) is stuck: it is started again once
+    /// (`VMON_BOOT_STALL_SECS`).
+    pub boot_stall_after: Duration,
     /// How long a restored guest may take to answer `/init`.
     pub restore_timeout: Duration,
     /// Which block of slot addresses and namespace names this node owns (several nodes may
@@ -85,6 +89,7 @@ impl NodeConfig {
             pool_min_available_mb: env_or("VMON_POOL_MIN_AVAILABLE_MB", 2048),
             spare_slots: 2,
             boot_timeout: Duration::from_secs(240),
+            boot_stall_after: Duration::from_secs(env_or("VMON_BOOT_STALL_SECS", 60)),
             restore_timeout: Duration::from_secs(60),
             slot_block: None,
             park_max: env_or("VMON_PARK_MAX", 4),

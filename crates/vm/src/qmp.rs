@@ -264,6 +264,39 @@ impl Qmp {
         Ok(v.into_iter().map(|c| c.name).collect())
     }
 
+    /// Write requests the guest has completed, summed over its block devices. A booting guest
+    /// writes its root file system's superblock as the root is mounted read-write, before its
+    /// init runs: no write yet is a boot that has not reached its root.
+    pub async fn disk_writes(&self) -> Result<u64, QmpError> {
+        let v = self
+            .execute_raw("query-blockstats", Value::Null, Duration::from_secs(10))
+            .await?;
+        Ok(v.as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|d| d["stats"]["wr_operations"].as_u64())
+            .sum())
+    }
+
+    /// Where each vCPU is (`CPU#n` and its `RIP=… HLT=…` line from the human monitor's
+    /// `info registers -a`): a report of a guest that stopped making progress.
+    pub async fn cpu_positions(&self) -> Result<Vec<String>, QmpError> {
+        let v = self
+            .execute_raw(
+                "human-monitor-command",
+                json!({"command-line": "info registers -a"}),
+                Duration::from_secs(10),
+            )
+            .await?;
+        Ok(v.as_str()
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| l.starts_with("CPU#") || l.starts_with("RIP="))
+            .take(2 * 64)
+            .map(|l| l.chars().take(200).collect())
+            .collect())
+    }
+
     /// Writes every device's state (no RAM) to `path`.
     pub async fn save_devices_state(&self, path: &Path) -> Result<(), QmpError> {
         self.exec_unit(

@@ -31,7 +31,54 @@ pub(super) enum BootDisk<'a> {
     NewRaw(&'a Path),
 }
 
+/// How the wait for a cold-booted guest's envd ended.
+enum Booted {
+    Up,
+    /// No disk write by the time the stall check ran; the vCPUs' positions.
+    Stalled(String),
+    Failed(anyhow::Error),
+}
+
+/// Empties a RAM file and gives it back its size: every page reads as zero again.
+fn zero_file(path: &Path) -> std::io::Result<()> {
+    let f = std::fs::OpenOptions::new().write(true).open(path)?;
+    let len = f.metadata()?.len();
+    f.set_len(0)?;
+    f.set_len(len)
+}
+
 impl Node {
+    /// Waits up to the boot timeout for envd in the guest at `addr` to answer. With
+    /// `stall_after`, a guest that by then has not written its disk (its root is mounted
+    /// read-write before its init runs, in seconds) is reported stalled instead of waited for:
+    /// a boot wedged in the kernel or the initramfs, rare under TCG, which a new QEMU gets past.
+    async fn wait_booted(
+        &self,
+        vm: &Vm,
+        addr: SocketAddr,
+        stall_after: Option<Duration>,
+    ) -> Booted {
+        let healthy = envd_client::wait_healthy(addr, self.cfg.boot_timeout);
+        tokio::pin!(healthy);
+        if let Some(after) = stall_after.filter(|a| *a < self.cfg.boot_timeout) {
+            tokio::select! {
+                r = &mut healthy => return r.map_or_else(Booted::Failed, |()| Booted::Up),
+                () = tokio::time::sleep(after) => {}
+            }
+            if let Ok(0) = vm.qmp.disk_writes().await {
+                let cpus = vm.qmp.cpu_positions().await.unwrap_or_default();
+                return Booted::Stalled(cpus.join("; "));
+            }
+        }
+        healthy.await.map_or_else(Booted::Failed, |()| Booted::Up)
+    }
+
+    /// Cold boots this node started again because their first QEMU made no progress.
+    pub fn boot_restarts(&self) -> u64 {
+        self.boot_restarts
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     pub(super) fn machine(
         &self,
         image: &vmon_image::Image,
@@ -155,13 +202,12 @@ impl Node {
                     .map(String::as_str)
                     .chain([overlay.as_str(), ram.as_str()]),
             )?;
-            let tag = new_id("");
-            let vm = Vm::launch(&LaunchSpec {
-                tag: tag.clone(),
+            let mut spec = LaunchSpec {
+                tag: new_id(""),
                 machine: machine.clone(),
                 run_dir: run_dir.to_path_buf(),
                 console_log: run_dir.join("console.log"),
-                ram_file: ram_path,
+                ram_file: ram_path.clone(),
                 ram: RamSharing::Shared,
                 disk: Some(self.builds.artifact(&overlay)),
                 net: Some(NetDevice { tap: TAP.into() }),
@@ -173,8 +219,43 @@ impl Node {
                 user: self.qemu_user(&slot),
                 ram_fd: None,
                 view,
-            })
-            .await?;
+            };
+            let addr = SocketAddr::new(IpAddr::V4(slot.addr()), ENVD_PORT);
+            let mut vm = Vm::launch(&spec).await?;
+            let mut up = self
+                .wait_booted(&vm, addr, Some(self.cfg.boot_stall_after))
+                .await;
+            if let Booted::Stalled(report) = up {
+                // Once: a guest stuck before its root is started again over the same, still
+                // unwritten overlay and a zeroed RAM file. The second wait has the whole
+                // timeout.
+                tracing::warn!(
+                    sandbox = id,
+                    after = ?self.cfg.boot_stall_after,
+                    cpus = %report,
+                    "cold boot made no progress: the guest never wrote its disk; booting it again"
+                );
+                self.boot_restarts
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                vm.kill().await;
+                if let Err(e) = zero_file(&ram_path) {
+                    tracing::warn!(error = %e, "zeroing {}", ram_path.display());
+                }
+                spec.tag = new_id("");
+                if !volumes.is_empty() {
+                    // A share's daemon serves one QEMU connection: new ones for the new QEMU.
+                    std::mem::replace(&mut daemons, super::volumes::ShareDaemons::none())
+                        .kill()
+                        .await;
+                    daemons = self
+                        .start_share_daemons(run_dir, volumes, self.qemu_user(&slot).as_ref())
+                        .await?;
+                    spec.fs_shares = daemons.shares.clone();
+                }
+                vm = Vm::launch(&spec).await?;
+                up = self.wait_booted(&vm, addr, None).await;
+            }
+            let tag = spec.tag.clone();
             let mut live = Live {
                 state: SandboxState {
                     id: id.to_string(),
@@ -200,9 +281,15 @@ impl Node {
                 slot: slot.clone(),
                 dir: run_dir.to_path_buf(),
             };
-            let addr = SocketAddr::new(IpAddr::V4(slot.addr()), ENVD_PORT);
             let ready = async {
-                envd_client::wait_healthy(addr, self.cfg.boot_timeout).await?;
+                match up {
+                    Booted::Up => {}
+                    Booted::Failed(e) => return Err(e),
+                    Booted::Stalled(report) => bail!(
+                        "the guest made no progress (no disk write) in {:?}: {report}",
+                        self.cfg.boot_timeout
+                    ),
+                }
                 envd_client::init(addr, init, Duration::from_secs(60)).await
             };
             if let Err(e) = ready.await {

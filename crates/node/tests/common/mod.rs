@@ -45,6 +45,12 @@ pub fn envd_binary() -> PathBuf {
 }
 
 pub fn node() -> Arc<Node> {
+    node_with(|_| {})
+}
+
+/// The test binary's node, its configuration changed by `tweak` when this call opens it (a
+/// binary's first call does; later calls get that node).
+pub fn node_with(tweak: impl FnOnce(&mut NodeConfig)) -> Arc<Node> {
     static NODE: OnceLock<Arc<Node>> = OnceLock::new();
     NODE.get_or_init(|| {
         let _ = tracing_subscriber_init();
@@ -57,6 +63,7 @@ pub fn node() -> Arc<Node> {
                 .ok()
                 .and_then(|v| v.parse().ok())
                 .unwrap_or(0);
+            tweak(&mut cfg);
             // The previous test binary's node may still be letting go of the data dir (a
             // child it forked holds the lock until it execs): wait a bounded while for it.
             let mut waited = 0;
