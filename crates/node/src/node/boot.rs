@@ -31,14 +31,6 @@ pub(super) enum BootDisk<'a> {
     NewRaw(&'a Path),
 }
 
-/// How the wait for a cold-booted guest's envd ended.
-enum Booted {
-    Up,
-    /// No disk write by the time the stall check ran; the vCPUs' positions.
-    Stalled(String),
-    Failed(anyhow::Error),
-}
-
 /// Empties a RAM file and gives it back its size: every page reads as zero again.
 fn zero_file(path: &Path) -> std::io::Result<()> {
     let f = std::fs::OpenOptions::new().write(true).open(path)?;
@@ -48,29 +40,19 @@ fn zero_file(path: &Path) -> std::io::Result<()> {
 }
 
 impl Node {
-    /// Waits up to the boot timeout for envd in the guest at `addr` to answer. With
-    /// `stall_after`, a guest that by then has not written its disk (its root is mounted
-    /// read-write before its init runs, in seconds) is reported stalled instead of waited for:
-    /// a boot wedged in the kernel or the initramfs, rare under TCG, which a new QEMU gets past.
-    async fn wait_booted(
-        &self,
-        vm: &Vm,
-        addr: SocketAddr,
-        stall_after: Option<Duration>,
-    ) -> Booted {
-        let healthy = envd_client::wait_healthy(addr, self.cfg.boot_timeout);
-        tokio::pin!(healthy);
-        if let Some(after) = stall_after.filter(|a| *a < self.cfg.boot_timeout) {
-            tokio::select! {
-                r = &mut healthy => return r.map_or_else(Booted::Failed, |()| Booted::Up),
-                () = tokio::time::sleep(after) => {}
-            }
-            if let Ok(0) = vm.qmp.disk_writes().await {
-                let cpus = vm.qmp.cpu_positions().await.unwrap_or_default();
-                return Booted::Stalled(cpus.join("; "));
-            }
+    /// Whether the guest just launched at `addr` is stuck: it has neither answered nor written
+    /// its disk `boot_stall_after` into its boot (its root is mounted read-write before its init
+    /// runs, seconds in). Stuck: the vCPUs' positions, for the log. A boot wedged in the kernel
+    /// or the initramfs is rare under TCG, and a new QEMU gets past it.
+    async fn stalled(&self, vm: &Vm, addr: SocketAddr) -> Option<String> {
+        let after = self.cfg.boot_stall_after;
+        if after >= self.cfg.boot_timeout
+            || envd_client::wait_healthy(addr, after).await.is_ok()
+            || !matches!(vm.qmp.disk_writes().await, Ok(0))
+        {
+            return None;
         }
-        healthy.await.map_or_else(Booted::Failed, |()| Booted::Up)
+        Some(vm.qmp.cpu_positions().await.unwrap_or_default().join("; "))
     }
 
     /// Cold boots this node started again because their first QEMU made no progress.
@@ -222,10 +204,8 @@ impl Node {
             };
             let addr = SocketAddr::new(IpAddr::V4(slot.addr()), ENVD_PORT);
             let mut vm = Vm::launch(&spec).await?;
-            let mut up = self
-                .wait_booted(&vm, addr, Some(self.cfg.boot_stall_after))
-                .await;
-            if let Booted::Stalled(report) = up {
+            let mut launched = tokio::time::Instant::now();
+            if let Some(report) = self.stalled(&vm, addr).await {
                 // Once: a guest stuck before its root is started again over the same, still
                 // unwritten overlay and a zeroed RAM file. The second wait has the whole
                 // timeout.
@@ -253,7 +233,7 @@ impl Node {
                     spec.fs_shares = daemons.shares.clone();
                 }
                 vm = Vm::launch(&spec).await?;
-                up = self.wait_booted(&vm, addr, None).await;
+                launched = tokio::time::Instant::now();
             }
             let tag = spec.tag.clone();
             let mut live = Live {
@@ -282,14 +262,8 @@ impl Node {
                 dir: run_dir.to_path_buf(),
             };
             let ready = async {
-                match up {
-                    Booted::Up => {}
-                    Booted::Failed(e) => return Err(e),
-                    Booted::Stalled(report) => bail!(
-                        "the guest made no progress (no disk write) in {:?}: {report}",
-                        self.cfg.boot_timeout
-                    ),
-                }
+                let left = self.cfg.boot_timeout.saturating_sub(launched.elapsed());
+                envd_client::wait_healthy(addr, left).await?;
                 envd_client::init(addr, init, Duration::from_secs(60)).await
             };
             if let Err(e) = ready.await {
