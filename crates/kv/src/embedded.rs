@@ -253,9 +253,26 @@ impl EmbeddedEngine {
     }
 }
 
+/// How long an open waits for the lock of a database whose owner just died: a child it forked
+/// shares the lock's open file until it execs (descriptors close on exec), and a restart after a
+/// crash can come sooner than that. A live owner keeps it: the open fails after this.
+const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+fn create_waiting(path: &Path) -> Result<Database, KvError> {
+    let start = std::time::Instant::now();
+    loop {
+        match Database::create(path) {
+            Err(redb::DatabaseError::DatabaseAlreadyOpen) if start.elapsed() < LOCK_WAIT => {
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+            r => return r.map_err(db_error),
+        }
+    }
+}
+
 fn load(dir: &Path) -> Result<State, KvError> {
     std::fs::create_dir_all(dir).map_err(|e| KvError::Embedded(Box::new(e)))?;
-    let db = Database::create(dir.join("kv.redb")).map_err(db_error)?;
+    let db = create_waiting(&dir.join("kv.redb"))?;
     {
         // Make sure the tables exist so the read below never sees "table does not exist".
         let txn = db.begin_write().map_err(db_error)?;

@@ -524,3 +524,59 @@ async fn embedded_survives_reopen() {
         "revisions continue"
     );
 }
+
+/// A crashed owner's forked child shares the database's lock until it execs: an open waits a
+/// bounded while for such a lock to go, and still refuses one that stays.
+#[tokio::test]
+async fn embedded_open_waits_a_bounded_while_for_a_held_lock() {
+    use std::os::fd::AsRawFd;
+    let dir = tempfile::tempdir().unwrap();
+    let config = vmon_kv::EmbeddedConfig::new(dir.path());
+    drop(Kv::open_embedded(&config).await.unwrap());
+    let file = dir.path().join("kv.redb");
+    assert!(file.is_file(), "the store lives in {}", file.display());
+    let hold = || {
+        let f = std::fs::File::open(&file).unwrap();
+        // SAFETY: flock on a descriptor this test owns.
+        let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+        (rc == 0).then_some(f)
+    };
+    // The first handle's sweeper may still hold the file briefly.
+    let mut held = None;
+    for _ in 0..50 {
+        held = hold();
+        if held.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let held = held.expect("lock the store's file");
+    let start = std::time::Instant::now();
+    let release = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(1500));
+        drop(held);
+    });
+    let kv = Kv::open_embedded(&config)
+        .await
+        .expect("opens once the lock is let go");
+    assert!(
+        start.elapsed() >= Duration::from_millis(1400),
+        "it waited for the lock"
+    );
+    release.join().unwrap();
+    kv.put("k", "v").await.unwrap();
+    drop(kv);
+    let mut held = None;
+    for _ in 0..50 {
+        held = hold();
+        if held.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let _held = held.expect("lock the store's file again");
+    assert!(
+        Kv::open_embedded(&config).await.is_err(),
+        "a lock that stays is refused"
+    );
+}

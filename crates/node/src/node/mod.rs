@@ -140,7 +140,12 @@ fn host_memory_mb() -> u64 {
     total.map(|kb| kb / 1024).unwrap_or(0)
 }
 
-/// One node per data dir: `flock` on `<data>/node.lock`, failing fast when another holds it.
+/// How long a node start waits for the data dir's lock: a node that just died may have left a
+/// forked child that shares the lock's open file until it execs.
+const DATA_LOCK_WAIT: Duration = Duration::from_secs(10);
+
+/// One node per data dir: `flock` on `<data>/node.lock`, failing when another still holds it
+/// after [`DATA_LOCK_WAIT`].
 fn lock_data_dir(data_dir: &Path) -> anyhow::Result<std::fs::File> {
     use std::os::fd::AsRawFd;
     let f = std::fs::OpenOptions::new()
@@ -148,8 +153,14 @@ fn lock_data_dir(data_dir: &Path) -> anyhow::Result<std::fs::File> {
         .truncate(false)
         .write(true)
         .open(data_dir.join("node.lock"))?;
+    let start = std::time::Instant::now();
     // SAFETY: flock on a descriptor we own; no memory is passed.
-    let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    let take = || unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    let mut rc = take();
+    while rc != 0 && start.elapsed() < DATA_LOCK_WAIT {
+        std::thread::sleep(Duration::from_millis(100));
+        rc = take();
+    }
     if rc != 0 {
         bail!(
             "another vmon node is running on {} (one node per data dir){}",
@@ -314,7 +325,8 @@ impl Node {
     /// (reporting to `cfg.progress`); boots and template builds wait for it.
     pub async fn open(cfg: NodeConfig) -> anyhow::Result<Arc<Node>> {
         std::fs::create_dir_all(&cfg.data_dir)?;
-        let data_lock = lock_data_dir(&cfg.data_dir)?;
+        let dir = cfg.data_dir.clone();
+        let data_lock = tokio::task::spawn_blocking(move || lock_data_dir(&dir)).await??;
         let accel = vmon_vm::probe_accel(cfg.accel).map_err(|e| anyhow::anyhow!(e))?;
         tracing::info!(accel = accel.accel.as_str(), reason = %accel.reason, "accelerator");
         let qemu_version = qemu_version(&cfg.qemu_binary)?;
