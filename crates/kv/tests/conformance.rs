@@ -529,28 +529,12 @@ async fn embedded_survives_reopen() {
 /// bounded while for such a lock to go, and still refuses one that stays.
 #[tokio::test]
 async fn embedded_open_waits_a_bounded_while_for_a_held_lock() {
-    use std::os::fd::AsRawFd;
     let dir = tempfile::tempdir().unwrap();
     let config = vmon_kv::EmbeddedConfig::new(dir.path());
     drop(Kv::open_embedded(&config).await.unwrap());
     let file = dir.path().join("kv.redb");
     assert!(file.is_file(), "the store lives in {}", file.display());
-    let hold = || {
-        let f = std::fs::File::open(&file).unwrap();
-        // SAFETY: flock on a descriptor this test owns.
-        let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
-        (rc == 0).then_some(f)
-    };
-    // The first handle's sweeper may still hold the file briefly.
-    let mut held = None;
-    for _ in 0..50 {
-        held = hold();
-        if held.is_some() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    let held = held.expect("lock the store's file");
+    let held = lock_file(&file).await;
     let start = std::time::Instant::now();
     let release = std::thread::spawn(move || {
         std::thread::sleep(Duration::from_millis(1500));
@@ -566,17 +550,24 @@ async fn embedded_open_waits_a_bounded_while_for_a_held_lock() {
     release.join().unwrap();
     kv.put("k", "v").await.unwrap();
     drop(kv);
-    let mut held = None;
-    for _ in 0..50 {
-        held = hold();
-        if held.is_some() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    let _held = held.expect("lock the store's file again");
+    let _held = lock_file(&file).await;
     assert!(
         Kv::open_embedded(&config).await.is_err(),
         "a lock that stays is refused"
     );
+}
+
+/// Takes an exclusive `flock` on `file` as another process would (the last handle's sweeper may
+/// still hold it briefly).
+async fn lock_file(file: &std::path::Path) -> std::fs::File {
+    use std::os::fd::AsRawFd;
+    for _ in 0..50 {
+        let f = std::fs::File::open(file).unwrap();
+        // SAFETY: flock on a descriptor this test owns.
+        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+            return f;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("cannot lock {}", file.display());
 }
