@@ -20,10 +20,17 @@
 # PORT+1 for host-1, proxy2 on PORT+2 for host-2): E2B_SANDBOX_URL is host-1's proxy, which
 # hands traffic for sandboxes on host-2 to proxy2, as proxies on separate machines would.
 #
+# The cluster's parts authenticate each other, always: `vmon cert` makes the cluster's CA in
+# DIR/tls and a certificate per process. etcd speaks TLS only, between its members and to its
+# clients, and takes only clients with a certificate of the CA (--client-cert-auth: the nodes,
+# the api replicas, and DIR/tls/client.pem for the operator's tools and tests). Node RPC is TLS
+# only; each node's certificate names its id (node1.node.vmon), which the api replicas and the
+# other nodes check against the registry entry's id (vmon_node::tls::node_name), so an entry
+# pointing elsewhere gets neither calls nor the node token.
+#
 # VMON_CLUSTER_TLS=1 (given to `up`, remembered for later commands; `up` with 0 turns it off)
-# runs node RPC, the api replicas (and with them the admin token the proxy presents) and
-# PostgreSQL over TLS: `vmon cert` makes a CA in DIR/tls and a certificate per process, the
-# nodes serve https (TLS only), the api replicas serve https and verify nodes and PostgreSQL
+# also runs the api replicas (and with them the admin token the proxy presents) and
+# PostgreSQL over TLS: the api replicas serve https and verify PostgreSQL
 # (sslmode=verify-full) against the CA, PostgreSQL takes only TLS connections over TCP, the
 # proxy verifies its api. The printed exports then say https and trust the CA
 # (SSL_CERT_FILE, REQUESTS_CA_BUNDLE: the system's CAs plus the cluster's).
@@ -43,7 +50,7 @@ PG_PORT=$((P + 40))
 TLS_DIR=$DIR/tls
 if [ -n "${VMON_CLUSTER_TLS:-}" ]; then TLS=$VMON_CLUSTER_TLS; elif [ -f "$TLS_DIR/on" ]; then TLS=1; else TLS=0; fi
 [ "$TLS" = 1 ] && SCHEME=https || SCHEME=http
-ETCD_ENDPOINTS="http://127.0.0.1:$((P + 31)),http://127.0.0.1:$((P + 33)),http://127.0.0.1:$((P + 35))"
+ETCD_ENDPOINTS="https://127.0.0.1:$((P + 31)),https://127.0.0.1:$((P + 33)),https://127.0.0.1:$((P + 35))"
 STORE_URL="postgres://postgres@127.0.0.1:$PG_PORT/postgres"
 if [ "$TLS" = 1 ]; then
   STORE_URL+="?sslmode=verify-full&sslrootcert=$TLS_DIR/ca.pem"
@@ -98,17 +105,30 @@ wait_ready() {
 # The CA file clients verify the cluster's https with (empty without TLS).
 api_ca() { if [ "$TLS" = 1 ]; then echo "$TLS_DIR/ca.pem"; fi; }
 
-# make_certs: the cluster's CA and a certificate (127.0.0.1, localhost) per TLS server.
+# make_certs: the cluster's CA and a certificate (127.0.0.1, localhost) per process, valid
+# for client TLS too (etcd's members and clients); a node's also names its id.
 make_certs() {
-  local part
+  local part names
   "$(vmon_bin)" cert ca --dir "$TLS_DIR" >/dev/null
-  for part in node1 node2 api1 api2 pg; do
+  # Certificates of an older layout (no client use, no node names) are made again.
+  if [ ! -f "$TLS_DIR/v2" ]; then
+    rm -f "$TLS_DIR"/{node1,node2,api1,api2,pg}.{pem,key}
+    touch "$TLS_DIR/v2"
+  fi
+  for part in etcd1 etcd2 etcd3 node1 node2 api1 api2 pg client; do
     [ -s "$TLS_DIR/$part.pem" ] && [ -s "$TLS_DIR/$part.key" ] && continue
-    "$(vmon_bin)" cert issue --dir "$TLS_DIR" --out "$TLS_DIR/$part" 127.0.0.1 localhost >/dev/null
+    names=(127.0.0.1 localhost)
+    case "$part" in node[12]) names+=("$part.node.vmon") ;; esac
+    "$(vmon_bin)" cert issue --client --dir "$TLS_DIR" --out "$TLS_DIR/$part" "${names[@]}" >/dev/null
   done
   # PostgreSQL reads its key as its own user and wants it owner-only.
   chown postgres:postgres "$TLS_DIR/pg.key"
-  touch "$TLS_DIR/on"
+}
+
+# etcd_client PART: the environment of a process that is a client of the cluster's etcd.
+etcd_client() {
+  echo "VMON_ETCD_ENDPOINTS=$ETCD_ENDPOINTS" "VMON_ETCD_CA_FILE=$TLS_DIR/ca.pem" \
+    "VMON_ETCD_CERT_FILE=$TLS_DIR/$1.pem" "VMON_ETCD_KEY_FILE=$TLS_DIR/$1.key"
 }
 
 wait_port() {
@@ -129,18 +149,23 @@ node_token() {
   cat "$DIR/node-token"
 }
 
+# etcd: TLS only, to clients and between members, each side with a certificate of the CA.
 start_etcd() {
   local i=$1 initial="" n
   for n in 1 2 3; do
-    initial+="etcd$n=http://127.0.0.1:$((P + 30 + 2 * n)),"
+    initial+="etcd$n=https://127.0.0.1:$((P + 30 + 2 * n)),"
   done
   run "etcd$i" etcd --name "etcd$i" --data-dir "$DIR/etcd$i" \
-    --listen-client-urls "http://127.0.0.1:$((P + 29 + 2 * i))" \
-    --advertise-client-urls "http://127.0.0.1:$((P + 29 + 2 * i))" \
-    --listen-peer-urls "http://127.0.0.1:$((P + 30 + 2 * i))" \
-    --initial-advertise-peer-urls "http://127.0.0.1:$((P + 30 + 2 * i))" \
+    --listen-client-urls "https://127.0.0.1:$((P + 29 + 2 * i))" \
+    --advertise-client-urls "https://127.0.0.1:$((P + 29 + 2 * i))" \
+    --listen-peer-urls "https://127.0.0.1:$((P + 30 + 2 * i))" \
+    --initial-advertise-peer-urls "https://127.0.0.1:$((P + 30 + 2 * i))" \
     --initial-cluster "${initial%,}" --initial-cluster-state new \
-    --initial-cluster-token vmon-local
+    --initial-cluster-token vmon-local \
+    --cert-file "$TLS_DIR/etcd$i.pem" --key-file "$TLS_DIR/etcd$i.key" \
+    --trusted-ca-file "$TLS_DIR/ca.pem" --client-cert-auth \
+    --peer-cert-file "$TLS_DIR/etcd$i.pem" --peer-key-file "$TLS_DIR/etcd$i.key" \
+    --peer-trusted-ca-file "$TLS_DIR/ca.pem" --peer-client-cert-auth
 }
 
 start_pg() {
@@ -185,30 +210,29 @@ start_node() {
     # shellcheck disable=SC1091
     . "$DIR/s3.env"
   fi
-  local tls=()
-  if [ "$TLS" = 1 ]; then
-    # TLS only; it advertises https://<listen> in the registry.
-    # The CA verifies the other nodes when this one sends them a live migration.
-    tls=(--tls-cert "$TLS_DIR/node$i.pem" --tls-key "$TLS_DIR/node$i.key" --node-ca "$TLS_DIR/ca.pem")
-  fi
-  VMON_NODE_TOKEN=$(node_token) run "node$i" "$(vmon_bin)" --data-dir "$d" node \
-    --listen "127.0.0.1:$((P + 20 + i))" --etcd "$ETCD_ENDPOINTS" --node-id "node$i" \
-    --host "host-$i" --ingress "http://127.0.0.1:$(proxy_port "$i")" "${tls[@]}"
+  # TLS only (a certificate naming node$i); it advertises https://<listen> in the registry.
+  # The CA verifies the other nodes when this one sends them a live migration.
+  # shellcheck disable=SC2046
+  run "node$i" env VMON_NODE_TOKEN="$(node_token)" $(etcd_client "node$i") "$(vmon_bin)" \
+    --data-dir "$d" node --listen "127.0.0.1:$((P + 20 + i))" --node-id "node$i" \
+    --host "host-$i" --ingress "http://127.0.0.1:$(proxy_port "$i")" \
+    --tls-cert "$TLS_DIR/node$i.pem" --tls-key "$TLS_DIR/node$i.key" --node-ca "$TLS_DIR/ca.pem"
 }
 
 start_api() {
   local i=$1 port
   port=$(api_port "$i")
   mkdir -p "$DIR/api"
-  local cert="" key="" node_ca=()
+  local cert="" key=""
   if [ "$TLS" = 1 ]; then
-    cert="$TLS_DIR/api$i.pem" key="$TLS_DIR/api$i.key" node_ca=(--node-ca "$TLS_DIR/ca.pem")
+    cert="$TLS_DIR/api$i.pem" key="$TLS_DIR/api$i.key"
   fi
-  VMON_API_LISTEN="127.0.0.1:$port" VMON_API_URL="$SCHEME://127.0.0.1:$port" \
+  # shellcheck disable=SC2046
+  run "api$i" env VMON_API_LISTEN="127.0.0.1:$port" VMON_API_URL="$SCHEME://127.0.0.1:$port" \
     VMON_API_TLS_CERT="$cert" VMON_API_TLS_KEY="$key" \
     VMON_PROXY_LISTEN="127.0.0.1:$PROXY_PORT" VMON_CLIENT_ID="api$i" \
-    VMON_STORE_URL="$STORE_URL" VMON_NODE_TOKEN=$(node_token) \
-    run "api$i" "$(vmon_bin)" --data-dir "$DIR/api" api --etcd "$ETCD_ENDPOINTS" "${node_ca[@]}"
+    VMON_STORE_URL="$STORE_URL" VMON_NODE_TOKEN="$(node_token)" $(etcd_client "api$i") \
+    "$(vmon_bin)" --data-dir "$DIR/api" api --node-ca "$TLS_DIR/ca.pem"
 }
 
 start_proxy() {
@@ -266,6 +290,11 @@ export E2B_API_KEY=$(cat "$DIR/api/api-key")
 export E2B_VOLUME_API_URL=$SCHEME://127.0.0.1:$(api_port 1)
 # the second api replica (any replica answers any request):
 export VMON_API_URL_B=$SCHEME://127.0.0.1:$(api_port 2)
+# etcd (TLS only, client certificate required), for the operator's tools:
+export VMON_ETCD_ENDPOINTS=$ETCD_ENDPOINTS
+export VMON_ETCD_CA_FILE=$TLS_DIR/ca.pem
+export VMON_ETCD_CERT_FILE=$TLS_DIR/client.pem
+export VMON_ETCD_KEY_FILE=$TLS_DIR/client.key
 EOF
   if [ "$TLS" = 1 ]; then
     cat <<EOF
@@ -286,11 +315,8 @@ up() {
     mkdir -p "$DIR/build"
     ln -s "$IMAGES" "$DIR/build/images"
   fi
-  if [ "$TLS" = 1 ]; then
-    make_certs
-  else
-    rm -f "$TLS_DIR/on"
-  fi
+  make_certs
+  if [ "$TLS" = 1 ]; then touch "$TLS_DIR/on"; else rm -f "$TLS_DIR/on"; fi
   echo "vmon cluster: guest image (cached in $IMAGES)" >&2
   "$(vmon_bin)" --data-dir "$DIR/build" image build >&2
   for i in 1 2 3; do alive "etcd$i" || start_etcd "$i"; done

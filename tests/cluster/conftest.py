@@ -141,13 +141,25 @@ class Cluster:
                 continue
         return False
 
-    def etcd_status(self, i: int) -> dict:
+    def etcd_context(self, client_cert: bool = True) -> ssl.SSLContext:
+        """TLS to etcd: its members verified against the cluster's CA, with the operator's
+        client certificate (`DIR/tls/client.pem`) unless `client_cert` is false."""
+        ctx = ssl.create_default_context(cafile=str(self.ca))
+        if client_cert:
+            ctx.load_cert_chain(str(DIR / "tls" / "client.pem"), str(DIR / "tls" / "client.key"))
+        return ctx
+
+    def etcd(self, i: int, path: str, body: dict, client_cert: bool = True) -> dict:
+        """A call to etcd member i's JSON gateway (`/v3/...`) over TLS."""
         port = PORT + 29 + 2 * i
         req = urllib.request.Request(
-            f"http://127.0.0.1:{port}/v3/maintenance/status", data=b"{}", method="POST"
+            f"https://127.0.0.1:{port}{path}", data=json.dumps(body).encode(), method="POST"
         )
-        with urllib.request.urlopen(req, timeout=5) as r:
+        with urllib.request.urlopen(req, timeout=5, context=self.etcd_context(client_cert)) as r:
             return json.loads(r.read())
+
+    def etcd_status(self, i: int) -> dict:
+        return self.etcd(i, "/v3/maintenance/status", {})
 
 
 def _zombie(pid: int) -> bool:

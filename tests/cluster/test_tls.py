@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import base64
 import http.client
-import json
 import os
 import socket
 import ssl
 import subprocess
-import urllib.request
 
 import certifi
 import httpx
@@ -64,13 +62,8 @@ def test_node_rpc_speaks_only_tls_with_the_cluster_certificate(cluster):
         # Over TLS with the token the node answers.
         assert isinstance(cluster.node_rpc(i, "list_running"), list)
     # Each node advertises its https URL in the registry, which the replicas dial.
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{PORT + 31}/v3/kv/range",
-        data=json.dumps({"key": base64.b64encode(b"\0").decode(), "range_end": base64.b64encode(b"\0").decode()}).encode(),
-        method="POST",
-    )
-    with urllib.request.urlopen(req, timeout=10) as r:
-        values = [base64.b64decode(kv.get("value", "")) for kv in json.loads(r.read()).get("kvs", [])]
+    got = cluster.etcd(1, "/v3/kv/range", {"key": base64.b64encode(b"\0").decode(), "range_end": base64.b64encode(b"\0").decode()})
+    values = [base64.b64decode(kv.get("value", "")) for kv in got.get("kvs", [])]
     for i in (1, 2):
         want = f'"rpc_url":"https://127.0.0.1:{cluster.node_port(i)}"'.encode()
         assert any(want in v for v in values), f"node{i} does not advertise https"

@@ -53,6 +53,11 @@ pub struct Config {
     /// (`VMON_INSECURE_REGISTRIES`, comma-separated). Default: the loopback addresses; every
     /// other registry is spoken to over verified TLS.
     pub insecure_registries: Vec<String>,
+    /// Ranges a `from_image(...)` pull may reach although they are private, loopback,
+    /// link-local or this host's (`VMON_REGISTRY_ALLOW`, comma-separated CIDRs), e.g.
+    /// `["127.0.0.1/32"]` for a registry on this machine. Empty by default: such a registry,
+    /// or a redirect of a pull to such an address, is refused before anything connects.
+    pub registry_allow: Vec<String>,
     /// PEM certificate chain (leaf first) the proxy serves TLS with, on the same port as
     /// plain HTTP (`VMON_PROXY_TLS_CERT`): a certificate for `*.{domain}`. Without one,
     /// `vmon up` serves certificates of a local CA it creates in `<data dir>/tls`.
@@ -209,6 +214,7 @@ impl Default for Config {
                 .iter()
                 .map(|s| s.to_string())
                 .collect(),
+            registry_allow: Vec::new(),
             proxy_tls_cert: None,
             proxy_tls_key: None,
             api_tls_cert: None,
@@ -316,6 +322,17 @@ impl Config {
                 .map(|s| s.trim().to_string())
                 .filter(|s| !s.is_empty())
                 .collect();
+        }
+        if let Some(v) = var("VMON_REGISTRY_ALLOW") {
+            self.registry_allow = v
+                .split(',')
+                .map(|s| s.trim().to_string())
+                .filter(|s| !s.is_empty())
+                .collect();
+        }
+        for c in &self.registry_allow {
+            c.parse::<vmon_proto::addrs::Cidr>()
+                .map_err(|e| anyhow::anyhow!("registry_allow: {e}"))?;
         }
         if let Some(v) = var("VMON_WEBHOOK_CA_FILE") {
             self.webhook_ca_file = (!v.is_empty()).then(|| v.into());

@@ -42,9 +42,15 @@ pub struct ClusterNodes {
     kv: Kv,
     /// The node RPC token every node of the cluster accepts.
     token: String,
-    /// The CA the nodes' certificates are verified against (then node RPC is TLS-only).
-    tls: Option<vmon_node::tls::ClientTls>,
+    /// The cluster's CA: a node's certificate must chain to it and name the node's id.
+    tls: vmon_node::tls::ClientTls,
     members: Mutex<Option<(Instant, Vec<NodeInfo>)>>,
+    /// Registry entries whose node refused to prove itself (http, another CA, another
+    /// node's name), by id, with the URL and when: left out of the members until
+    /// [`REFUSED_RECHECK`] has passed or the URL changes.
+    refused: Mutex<HashMap<String, (String, Instant)>>,
+    /// Entries whose node proved its id (id and URL), so not handshaken again.
+    verified: Mutex<HashSet<(String, String)>>,
     /// Starts this process placed lately, which the nodes' heartbeats may not show yet.
     placed: Mutex<Vec<(Instant, String)>>,
     clients: Mutex<HashMap<String, (String, Arc<RemoteNode>)>>,
@@ -54,16 +60,20 @@ pub struct ClusterNodes {
 
 /// How long a template build is waited for in the object store before it is spread.
 const SPREAD_WAIT: Duration = Duration::from_secs(1800);
+/// How long a registry entry whose node's certificate was refused stays left out.
+const REFUSED_RECHECK: Duration = Duration::from_secs(30);
 
 impl ClusterNodes {
-    /// `tls`: the CA file's client configuration when node RPC runs over TLS
-    /// ([`RemoteNode::with_tls`]).
-    pub fn new(kv: Kv, token: String, tls: Option<vmon_node::tls::ClientTls>) -> Arc<ClusterNodes> {
+    /// `tls`: the cluster CA's client configuration ([`RemoteNode::cluster_node`]); it must
+    /// be a CA file's (pinned), which [`RemoteNode::cluster_node`] checks on every client.
+    pub fn new(kv: Kv, token: String, tls: vmon_node::tls::ClientTls) -> Arc<ClusterNodes> {
         Arc::new_cyclic(|me| ClusterNodes {
             kv,
             token,
             tls,
             members: Mutex::new(None),
+            refused: Mutex::new(HashMap::new()),
+            verified: Mutex::new(HashSet::new()),
             placed: Mutex::new(Vec::new()),
             clients: Mutex::new(HashMap::new()),
             me: me.clone(),
@@ -126,6 +136,7 @@ impl ClusterNodes {
         }
         match registry::members(&self.kv).await {
             Ok(ms) => {
+                let ms = self.proven(ms).await;
                 *self.members.lock().unwrap_or_else(|p| p.into_inner()) =
                     Some((Instant::now(), ms.clone()));
                 ms
@@ -137,6 +148,58 @@ impl ClusterNodes {
         }
     }
 
+    /// The entries of `members` whose node proves its id over TLS (or could not be reached
+    /// to try: a node restarting stays a member). An entry that fails the proof is logged
+    /// and left out, so a forged or stale entry gets no calls (and never the token).
+    async fn proven(&self, members: Vec<NodeInfo>) -> Vec<NodeInfo> {
+        let checks = members.into_iter().map(|n| async move {
+            let key = (n.id.clone(), n.rpc_url.clone());
+            if self.verified.lock().unwrap_or_else(|p| p.into_inner()).contains(&key) {
+                return Some(n);
+            }
+            if let Some((url, at)) = self
+                .refused
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get(&n.id)
+            {
+                if *url == n.rpc_url && at.elapsed() < REFUSED_RECHECK {
+                    return None;
+                }
+            }
+            let verdict = match RemoteNode::cluster_node(&n.rpc_url, &n.id, String::new(), &self.tls) {
+                Ok(c) => c.verify().await,
+                Err(e) => {
+                    tracing::warn!(node_id = %n.id, error = %e, "a node entry is refused");
+                    Ok(false)
+                }
+            };
+            match verdict {
+                Ok(true) => {
+                    self.verified.lock().unwrap_or_else(|p| p.into_inner()).insert(key);
+                    Some(n)
+                }
+                Ok(false) => {
+                    tracing::warn!(node_id = %n.id, rpc_url = %n.rpc_url, "a node entry's certificate does not prove its id (not the cluster's CA, or another node's name): left out");
+                    self.refused
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .insert(n.id.clone(), (n.rpc_url.clone(), Instant::now()));
+                    None
+                }
+                Err(e) => {
+                    tracing::debug!(node_id = %n.id, error = %e, "a node could not be reached to prove its id");
+                    Some(n)
+                }
+            }
+        });
+        futures::future::join_all(checks)
+            .await
+            .into_iter()
+            .flatten()
+            .collect()
+    }
+
     fn client(&self, node: &NodeInfo) -> Result<Arc<RemoteNode>, NodeError> {
         let mut clients = self.clients.lock().unwrap_or_else(|p| p.into_inner());
         if let Some((url, c)) = clients.get(&node.id) {
@@ -145,7 +208,7 @@ impl ClusterNodes {
             }
         }
         let c = Arc::new(
-            RemoteNode::with_tls(&node.rpc_url, self.token.clone(), self.tls.as_ref())
+            RemoteNode::cluster_node(&node.rpc_url, &node.id, self.token.clone(), &self.tls)
                 .map_err(|e| NodeError::Failed(format!("node {}: {e:#}", node.id)))?,
         );
         clients.insert(node.id.clone(), (node.rpc_url.clone(), c.clone()));

@@ -15,6 +15,7 @@
 mod apt;
 mod build;
 pub mod oci;
+pub mod registry_net;
 
 pub use apt::{host_apt_source, AptSource};
 pub use build::{build, build_with, find, Image, Manifest, Recipe};

@@ -54,6 +54,9 @@ pub struct Pull<'a> {
     pub credentials: Option<&'a vmon_proto::node::RegistryCredentials>,
     /// `false`: plain HTTP and unverified TLS are allowed.
     pub tls_verify: bool,
+    /// CIDRs of private, loopback or link-local addresses (or this host's own) the pull may
+    /// reach: the operator's `registry_allow` ([`crate::registry_net`]).
+    pub registry_allow: &'a [String],
 }
 
 /// Why a registry operation failed, as a sentence that names the registry and the image.
@@ -146,9 +149,14 @@ pub async fn make_disk(
 /// The auth file's path as skopeo sees it (fd 3 is the memfd, see [`skopeo`]).
 const AUTH_FD_PATH: &str = "/proc/self/fd/3";
 
-/// Runs skopeo with the auth file of `pull` on fd 3; stdout on success, else the failure as
-/// a sentence about the registry.
+/// Runs skopeo with the auth file of `pull` on fd 3, in a network namespace that reaches only
+/// vetted addresses ([`crate::registry_net::PullNet`]; the registry is vetted before skopeo
+/// starts); stdout on success, else the failure as a sentence about the registry.
 async fn skopeo(pull: &Pull<'_>, args: &[&str]) -> Result<Vec<u8>, RegistryError> {
+    let policy =
+        crate::registry_net::RegistryPolicy::new(pull.registry_allow).map_err(RegistryError)?;
+    let net = crate::registry_net::PullNet::open(policy, pull.registry).await?;
+    let netns = net.netns_fd();
     let auth = auth_memfd(pull).map_err(|e| {
         RegistryError(format!(
             "preparing the login for the registry {}: {e}",
@@ -157,16 +165,26 @@ async fn skopeo(pull: &Pull<'_>, args: &[&str]) -> Result<Vec<u8>, RegistryError
     })?;
     let fd = std::os::fd::AsRawFd::as_raw_fd(&auth);
     let mut cmd = tokio::process::Command::new("skopeo");
+    for var in ["NO_PROXY", "no_proxy", "ALL_PROXY", "all_proxy"] {
+        cmd.env_remove(var);
+    }
+    for var in ["HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy"] {
+        cmd.env(var, net.proxy_url());
+    }
     cmd.args(args)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .kill_on_drop(true);
-    // SAFETY: between fork and exec only dup2 runs, which is async-signal-safe; it puts the
-    // memfd (close-on-exec in this process) at fd 3 of the child without close-on-exec.
+    // SAFETY: between fork and exec only dup2 and setns run, both async-signal-safe system
+    // calls: dup2 puts the memfd (close-on-exec in this process) at fd 3 of the child without
+    // close-on-exec, setns moves the child into the pull's network namespace.
     unsafe {
         cmd.pre_exec(move || {
             if libc::dup2(fd, 3) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            if libc::setns(netns, libc::CLONE_NEWNET) != 0 {
                 return Err(std::io::Error::last_os_error());
             }
             Ok(())
@@ -189,6 +207,12 @@ async fn skopeo(pull: &Pull<'_>, args: &[&str]) -> Result<Vec<u8>, RegistryError
     drop(auth);
     if out.status.success() {
         return Ok(out.stdout);
+    }
+    if let Some(refused) = net.refusal() {
+        return Err(RegistryError(format!(
+            "pulling {} from the registry {} went to a refused destination: {refused}",
+            pull.reference, pull.registry
+        )));
     }
     Err(RegistryError(explain(
         pull,
@@ -628,6 +652,7 @@ mod tests {
             registry: "127.0.0.1:5000",
             credentials: Some(&creds),
             tls_verify: false,
+            registry_allow: &[],
         };
         let m = explain(
             &pull,

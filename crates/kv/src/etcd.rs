@@ -9,13 +9,13 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use etcd_client::{
-    Client, Compare, CompareOp, ConnectOptions, Error as EtcdError, GetOptions, KeyValue,
-    PutOptions, Txn, TxnOp, WatchOptions,
+    Certificate, Client, Compare, CompareOp, ConnectOptions, Error as EtcdError, GetOptions,
+    Identity, KeyValue, PutOptions, TlsOptions, Txn, TxnOp, WatchOptions,
 };
 use tokio::time::Instant;
 
 use crate::engine::{Cmp, Engine, Op, TxnOutcome};
-use crate::{Entry, EtcdConfig, KvError, LeaseId, Revision};
+use crate::{Entry, EtcdConfig, EtcdTls, KvError, LeaseId, Revision};
 
 pub(crate) struct EtcdEngine {
     client: Client,
@@ -51,6 +51,21 @@ fn lease_not_found(error: &EtcdError) -> bool {
     }
 }
 
+/// The CA (the only roots trusted) and client identity of an etcd TLS configuration.
+fn tls_options(tls: &EtcdTls) -> Result<TlsOptions, KvError> {
+    let read = |p: &std::path::Path| {
+        std::fs::read(p).map_err(|e| {
+            KvError::InvalidArgument(format!("etcd TLS: reading {}: {e}", p.display()))
+        })
+    };
+    Ok(TlsOptions::new()
+        .ca_certificate(Certificate::from_pem(read(&tls.ca_file)?))
+        .identity(Identity::from_pem(
+            read(&tls.cert_file)?,
+            read(&tls.key_file)?,
+        )))
+}
+
 impl EtcdEngine {
     /// After a failed watch, waits a little (never past `deadline`) so a caller that re-reads
     /// and watches again does not spin while etcd is unreachable.
@@ -62,10 +77,18 @@ impl EtcdEngine {
         if config.endpoints.is_empty() {
             return Err(KvError::InvalidArgument("no etcd endpoints".to_owned()));
         }
-        let options = ConnectOptions::new()
+        let mut options = ConnectOptions::new()
             .with_connect_timeout(Duration::from_secs(2))
             .with_timeout(Duration::from_secs(3))
             .with_keep_alive(Duration::from_secs(2), Duration::from_secs(2));
+        if let Some(tls) = &config.tls {
+            if let Some(plain) = config.endpoints.iter().find(|e| !e.starts_with("https://")) {
+                return Err(KvError::InvalidArgument(format!(
+                    "etcd endpoint {plain:?} is not https://, but etcd TLS is configured"
+                )));
+            }
+            options = options.with_tls(tls_options(tls)?);
+        }
         let client = Client::connect(&config.endpoints, Some(options))
             .await
             .map_err(|e| KvError::Etcd(Box::new(e)))?;

@@ -230,7 +230,8 @@ impl EmbeddedConfig {
 /// etcd backend settings.
 #[derive(Clone, Debug)]
 pub struct EtcdConfig {
-    /// `http://host:port` client URLs of the members.
+    /// `http://host:port` (or with [`EtcdConfig::tls`] `https://host:port`) client URLs of
+    /// the members.
     pub endpoints: Vec<String>,
     /// Prefix of every key this crate writes, so several clusters can share one etcd.
     pub prefix: String,
@@ -238,6 +239,18 @@ pub struct EtcdConfig {
     pub session_ttl: Duration,
     /// How long a request retries transient failures (a member down, a leader change).
     pub retry_for: Duration,
+    /// TLS with a client certificate (`https://` endpoints); `None` is plain http.
+    pub tls: Option<EtcdTls>,
+}
+
+/// The files of etcd client TLS: the CA the members' certificates are verified against
+/// (nothing else is trusted) and this client's certificate and key, which etcd requires
+/// (`--client-cert-auth`).
+#[derive(Clone, Debug)]
+pub struct EtcdTls {
+    pub ca_file: std::path::PathBuf,
+    pub cert_file: std::path::PathBuf,
+    pub key_file: std::path::PathBuf,
 }
 
 impl EtcdConfig {
@@ -248,6 +261,7 @@ impl EtcdConfig {
             prefix: "/vmon/".to_owned(),
             session_ttl: Duration::from_secs(10),
             retry_for: Duration::from_secs(10),
+            tls: None,
         }
     }
 }

@@ -430,6 +430,66 @@ impl RemoteNode {
         })
     }
 
+    /// A cluster's node `id` at `url`: TLS only, verified against the cluster's CA (`tls`
+    /// must be pinned: no system CAs) and against the node's name
+    /// ([`crate::tls::node_name`]), not the URL's host. A plain `http://` URL, a
+    /// certificate of another CA or one naming another node gets no request and so never the
+    /// token.
+    pub fn cluster_node(
+        url: &str,
+        id: &str,
+        token: String,
+        tls: &ClientTls,
+    ) -> anyhow::Result<RemoteNode> {
+        if !tls.pinned() {
+            anyhow::bail!("node RPC in a cluster verifies nodes against the cluster's CA only");
+        }
+        let Some(rest) = url.strip_prefix("https://") else {
+            anyhow::bail!(
+                "node {id}'s RPC URL {url:?} is not https://: a cluster's nodes are reached over \
+                 TLS only"
+            );
+        };
+        let addr = rest.trim_end_matches('/').to_string();
+        if addr.is_empty() || addr.contains('/') {
+            anyhow::bail!("node URL {url:?} must look like https://host:port");
+        }
+        Ok(RemoteNode {
+            addr,
+            token,
+            tls: Some((
+                tokio_rustls::TlsConnector::from(tls.config()),
+                crate::tls::node_name(id)?,
+            )),
+        })
+    }
+
+    /// A TLS handshake with the node and nothing more (no request, no token): `Ok(true)` when
+    /// its certificate verifies, `Ok(false)` when it is refused (another CA, another name) or
+    /// the node is not reached over TLS, `Err` when it could not be reached at all.
+    pub async fn verify(&self) -> anyhow::Result<bool> {
+        let Some((connector, name)) = &self.tls else {
+            return Ok(false);
+        };
+        let stream = tokio::time::timeout(
+            Duration::from_secs(3),
+            tokio::net::TcpStream::connect(&self.addr),
+        )
+        .await
+        .map_err(|_| anyhow::anyhow!("connecting to {} timed out", self.addr))??;
+        match tokio::time::timeout(
+            Duration::from_secs(3),
+            connector.connect(name.clone(), stream),
+        )
+        .await
+        {
+            Ok(Ok(_)) => Ok(true),
+            Ok(Err(e)) if crate::tls::certificate_refused(&e) => Ok(false),
+            Ok(Err(e)) => Err(anyhow::anyhow!("TLS with {}: {e}", self.addr)),
+            Err(_) => Err(anyhow::anyhow!("TLS with {} timed out", self.addr)),
+        }
+    }
+
     /// [`NodeControl::list_running`] that says when the node did not answer (an empty list
     /// would read as "runs nothing").
     pub async fn list_running_checked(&self) -> Result<Vec<Running>, NodeError> {

@@ -126,6 +126,42 @@ fn client_config(roots: rustls::RootCertStore) -> anyhow::Result<Arc<ClientConfi
     Ok(Arc::new(config))
 }
 
+/// The DNS name a cluster node's certificate carries to prove it is node `id`
+/// (`<id>.node.vmon`, beside its addresses). In a cluster the api and the other nodes verify
+/// a node against this name, never against the address in its registry entry: an entry
+/// pointing at another host cannot borrow that host's certificate.
+pub fn node_name(id: &str) -> anyhow::Result<rustls::pki_types::ServerName<'static>> {
+    let valid = !id.is_empty()
+        && id.len() <= 63
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !id.starts_with('-')
+        && !id.ends_with('-');
+    if !valid {
+        anyhow::bail!(
+            "node id {id:?} cannot be named in a certificate (lower-case letters, digits and \
+             inner '-', at most 63)"
+        );
+    }
+    rustls::pki_types::ServerName::try_from(format!("{id}.node.vmon"))
+        .map_err(|e| anyhow::anyhow!("node id {id:?}: {e}"))
+}
+
+/// Whether `error` (from a TLS handshake) is the peer's certificate refused: it does not
+/// chain to the trusted CA, or does not carry the expected name.
+pub fn certificate_refused(error: &std::io::Error) -> bool {
+    error
+        .get_ref()
+        .and_then(|e| e.downcast_ref::<rustls::Error>())
+        .is_some_and(|e| {
+            matches!(
+                e,
+                rustls::Error::InvalidCertificate(_) | rustls::Error::NoCertificatesPresented
+            )
+        })
+}
+
 /// The TLS server name of `host:port` (a DNS name or an IP address, IPv6 in brackets).
 pub fn server_name(addr: &str) -> anyhow::Result<rustls::pki_types::ServerName<'static>> {
     let host = match addr.rsplit_once(':') {
@@ -153,6 +189,26 @@ mod tests {
             assert_eq!(name.to_str(), want, "{addr}");
         }
         assert!(server_name("bad name:1").is_err());
+    }
+
+    #[test]
+    fn node_names_are_dns_names_of_the_id() {
+        assert_eq!(
+            node_name("node1").expect("name").to_str(),
+            "node1.node.vmon"
+        );
+        for bad in [
+            "",
+            "Node1",
+            "a.b",
+            "a b",
+            "-a",
+            "a-",
+            "x/y",
+            &"a".repeat(64),
+        ] {
+            assert!(node_name(bad).is_err(), "{bad:?}");
+        }
     }
 
     #[test]

@@ -6,6 +6,7 @@
 //!
 //! This crate holds types only: it must never do I/O.
 
+pub mod addrs;
 pub mod cluster;
 pub mod egress;
 pub mod node;

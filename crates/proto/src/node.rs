@@ -207,6 +207,11 @@ pub struct OciImage {
     /// `false` for a registry allowed plain HTTP (and unverified TLS): a loopback address or
     /// one the operator listed as insecure.
     pub tls_verify: bool,
+    /// Private, loopback or link-local ranges (CIDRs) the pull may reach: the operator's
+    /// `registry_allow`. Every other such address is refused, the registry's and those it
+    /// sends the pull on to.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub registry_allow: Vec<String>,
 }
 
 impl OciImage {
@@ -387,6 +392,10 @@ pub struct MigrateOut {
     pub execution_id: String,
     /// The target's node RPC URL (`http(s)://host:port`).
     pub target_url: String,
+    /// The target's node id: with the cluster's CA the source verifies the target's
+    /// certificate against it (`vmon_node::tls::node_name`) before sending the token.
+    #[serde(default)]
+    pub target_id: Option<String>,
     pub migration_id: String,
     /// The longest pause of the guest QEMU may plan for the last copy round (ms).
     pub downtime_ms: u64,

@@ -121,6 +121,18 @@ pub fn issue_server_cert(
     names: &[String],
     days: i64,
 ) -> Result<(String, String), TlsError> {
+    issue_cert(ca_pem, ca_key_pem, names, days, false)
+}
+
+/// [`issue_server_cert`], valid also as a TLS client certificate when `client` (etcd's
+/// members and clients, which authenticate with certificates of the cluster's CA).
+pub fn issue_cert(
+    ca_pem: &str,
+    ca_key_pem: &str,
+    names: &[String],
+    days: i64,
+    client: bool,
+) -> Result<(String, String), TlsError> {
     let issuer = Issuer::new(ca_params(), KeyPair::from_pem(ca_key_pem)?);
     let mut params = CertificateParams::new(names.to_vec())?;
     let mut dn = DistinguishedName::new();
@@ -135,6 +147,11 @@ pub fn issue_server_cert(
         KeyUsagePurpose::KeyEncipherment,
     ];
     params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+    if client {
+        params
+            .extended_key_usages
+            .push(ExtendedKeyUsagePurpose::ClientAuth);
+    }
     params.use_authority_key_identifier_extension = true;
     let now = time::OffsetDateTime::now_utc();
     params.not_before = now - time::Duration::hours(1);

@@ -308,6 +308,7 @@ impl Control {
             &self.config.insecure_registries,
         )
         .map_err(|e| fail("base", e))?;
+        oci.registry_allow = self.config.registry_allow.clone();
         log.info(
             Some("base"),
             format!("Resolving {reference} in the registry {registry}"),

@@ -104,6 +104,7 @@ pub fn image(
         digest: None,
         credentials: credentials(registry_login)?,
         tls_verify: true,
+        registry_allow: Vec::new(),
     };
     let (registry, _) = image
         .qualified()

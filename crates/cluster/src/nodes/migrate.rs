@@ -141,6 +141,7 @@ impl ClusterNodes {
                 sandbox_id: sandbox_id.to_string(),
                 execution_id: execution_id.to_string(),
                 target_url: to.rpc_url.clone(),
+                target_id: Some(to.id.clone()),
                 migration_id: migration_id.clone(),
                 downtime_ms,
                 timeout_secs: COPY_TIMEOUT_SECS,

@@ -416,8 +416,14 @@ impl Node {
         let peers = self.peers.get().cloned().ok_or_else(|| {
             NodeError::InvalidArgument("this node has no cluster peers to migrate to".into())
         })?;
-        let target =
-            RemoteNode::with_tls(&spec.target_url, peers.token, peers.tls.as_ref()).map_err(err)?;
+        // In a cluster the target proves its id with the cluster CA's certificate.
+        let target = match (&spec.target_id, peers.tls.as_ref()) {
+            (Some(id), Some(tls)) if tls.pinned() => {
+                RemoteNode::cluster_node(&spec.target_url, id, peers.token, tls)
+            }
+            _ => RemoteNode::with_tls(&spec.target_url, peers.token, peers.tls.as_ref()),
+        }
+        .map_err(err)?;
         let l = self
             .live_execution(&spec.sandbox_id, &spec.execution_id)
             .await?;

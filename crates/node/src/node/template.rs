@@ -211,6 +211,7 @@ impl Node {
             registry: &registry,
             credentials: oci.credentials.as_ref(),
             tls_verify: oci.tls_verify,
+            registry_allow: &oci.registry_allow,
         };
         vmon_image::oci::make_disk(
             &pull,
@@ -237,6 +238,7 @@ impl Node {
             registry: &registry,
             credentials: oci.credentials.as_ref(),
             tls_verify: oci.tls_verify,
+            registry_allow: &oci.registry_allow,
         })
         .await
         .map_err(|e| NodeError::InvalidArgument(e.0))

@@ -19,10 +19,12 @@ pub struct Args {
     /// is TLS-only: every node must serve TLS and be reached at an `https://` URL.
     #[arg(long, env = "VMON_NODE_CA_FILE")]
     pub node_ca: Option<std::path::PathBuf>,
-    /// etcd client URLs (comma-separated): be a replica of this cluster. The KV is then etcd,
-    /// the nodes are those registered there, and records must be in PostgreSQL (`store_url`).
-    #[arg(long, env = "VMON_ETCD_ENDPOINTS", value_delimiter = ',')]
-    pub etcd: Vec<String>,
+    /// etcd (comma-separated client URLs and client TLS): be a replica of this cluster. The
+    /// KV is then etcd, the nodes are those registered there (reached over TLS only, each
+    /// verified against `--node-ca` and its id), and records must be in PostgreSQL
+    /// (`store_url`).
+    #[command(flatten)]
+    pub etcd: super::etcd::EtcdArgs,
 }
 
 pub async fn run(data_dir: &Path, args: Args) -> anyhow::Result<()> {
@@ -34,7 +36,7 @@ pub async fn run(data_dir: &Path, args: Args) -> anyhow::Result<()> {
         ),
         None => None,
     };
-    if !args.etcd.is_empty() {
+    if !args.etcd.endpoints.is_empty() {
         return replica(data_dir, config, args, node_tls).await;
     }
     let remote_node = match args.node {
@@ -69,7 +71,6 @@ async fn replica(
     args: Args,
     node_tls: Option<vmon_node::tls::ClientTls>,
 ) -> anyhow::Result<()> {
-    use anyhow::Context;
     if config.store_url.is_none() {
         anyhow::bail!(
             "a cluster replica keeps its records in PostgreSQL: set store_url (VMON_STORE_URL)"
@@ -79,9 +80,13 @@ async fn replica(
         .node_token
         .filter(|t| !t.trim().is_empty())
         .ok_or_else(|| anyhow::anyhow!("--etcd needs the nodes' --node-token (VMON_NODE_TOKEN)"))?;
-    let kv = vmon_kv::Kv::connect_etcd(&vmon_kv::EtcdConfig::new(args.etcd.clone()))
-        .await
-        .context("connecting to etcd")?;
+    let node_tls = node_tls.ok_or_else(|| {
+        anyhow::anyhow!(
+            "a cluster replica reaches nodes over TLS verified against the cluster's CA only: \
+             set --node-ca (VMON_NODE_CA_FILE)"
+        )
+    })?;
+    let kv = args.etcd.connect().await?;
     let nodes = vmon_cluster::ClusterNodes::new(kv.clone(), token.trim().to_string(), node_tls);
     super::up::serve(
         data_dir,

@@ -3,8 +3,9 @@
 //!
 //! - `vmon cert ca --dir D`: `D/ca.pem`, `D/ca.key` (0600), made once (a second run keeps
 //!   them), and `D/bundle.pem`: the system's CAs and this one, for `SSL_CERT_FILE`.
-//! - `vmon cert issue --dir D --out P NAME...`: `P.pem` (the certificate for the names, DNS
-//!   names or IP addresses, then the CA) and `P.key` (0600), signed by `D`'s CA.
+//! - `vmon cert issue --dir D --out P [--client] NAME...`: `P.pem` (the certificate for the
+//!   names, DNS names or IP addresses, then the CA) and `P.key` (0600), signed by `D`'s CA;
+//!   with `--client` also a TLS client certificate (etcd's members and clients).
 
 use std::path::{Path, PathBuf};
 
@@ -33,6 +34,9 @@ enum CertCmd {
         /// Days the certificate is valid.
         #[arg(long, default_value_t = 365)]
         days: i64,
+        /// Valid as a TLS client certificate too (etcd's members and clients).
+        #[arg(long)]
+        client: bool,
         #[arg(required = true)]
         names: Vec<String>,
     },
@@ -50,12 +54,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             dir,
             out,
             days,
+            client,
             names,
-        } => issue(&dir, &out, days, &names),
+        } => issue(&dir, &out, days, client, &names),
     }
 }
 
-fn issue(dir: &Path, out: &Path, days: i64, names: &[String]) -> anyhow::Result<()> {
+fn issue(dir: &Path, out: &Path, days: i64, client: bool, names: &[String]) -> anyhow::Result<()> {
     let read = |p: PathBuf| {
         std::fs::read_to_string(&p).with_context(|| {
             format!(
@@ -67,7 +72,7 @@ fn issue(dir: &Path, out: &Path, days: i64, names: &[String]) -> anyhow::Result<
     };
     let ca = read(dir.join("ca.pem"))?;
     let ca_key = read(dir.join("ca.key"))?;
-    let (chain, key) = vmon_proxy::tls::issue_server_cert(&ca, &ca_key, names, days)
+    let (chain, key) = vmon_proxy::tls::issue_cert(&ca, &ca_key, names, days, client)
         .context("issuing the certificate")?;
     let with_ext = |ext: &str| {
         let mut p = out.as_os_str().to_owned();
@@ -99,7 +104,7 @@ mod tests {
         })
         .expect("ca");
         let out = dir.path().join("node1");
-        issue(&ca_dir, &out, 10, &["127.0.0.1".into()]).expect("issue");
+        issue(&ca_dir, &out, 10, false, &["127.0.0.1".into()]).expect("issue");
         let key = dir.path().join("node1.key");
         let mode = std::fs::metadata(&key).expect("meta").permissions().mode() & 0o777;
         assert_eq!(mode, 0o600);

@@ -3,6 +3,7 @@ pub mod api;
 pub mod bench;
 pub mod cert;
 pub mod doctor;
+pub mod etcd;
 pub mod image;
 pub mod node;
 pub mod proxy;

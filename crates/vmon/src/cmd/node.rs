@@ -84,9 +84,9 @@ struct RunArgs {
 /// Joining a cluster: the node registers itself in etcd and heartbeats its load.
 #[derive(clap::Args)]
 struct ClusterArgs {
-    /// etcd client URLs (comma-separated): register in this cluster.
-    #[arg(long, env = "VMON_ETCD_ENDPOINTS", value_delimiter = ',')]
-    etcd: Vec<String>,
+    /// etcd (comma-separated client URLs and client TLS): register in this cluster.
+    #[command(flatten)]
+    etcd: super::etcd::EtcdArgs,
     /// This node's id in the cluster (default: `<data dir>/node-id`, made on first start).
     #[arg(long, env = "VMON_NODE_ID")]
     node_id: Option<String>,
@@ -167,7 +167,7 @@ async fn serve(data_dir: &Path, args: RunArgs) -> anyhow::Result<()> {
         let _ = tokio::signal::ctrl_c().await;
         c.cancel();
     });
-    if !args.cluster.etcd.is_empty() {
+    if !args.cluster.etcd.endpoints.is_empty() {
         join_cluster(data_dir, &args, scheme, node.clone(), cancel.clone()).await?;
     }
     println!(
@@ -222,13 +222,20 @@ async fn join_cluster(
 ) -> anyhow::Result<()> {
     use vmon_proto::node::NodeControl;
     let c = &args.cluster;
-    let kv = vmon_kv::Kv::connect_etcd(&vmon_kv::EtcdConfig::new(c.etcd.clone()))
-        .await
-        .context("connecting to etcd")?;
+    if scheme != "https" || args.node_ca.is_none() {
+        anyhow::bail!(
+            "a cluster's node serves RPC over TLS with a certificate of the cluster's CA naming \
+             its id, and verifies its peers against that CA: set --tls-cert, --tls-key and \
+             --node-ca"
+        );
+    }
+    let kv = c.etcd.connect().await?;
     let id = match &c.node_id {
         Some(id) => id.clone(),
         None => persistent_id(&data_dir.join("node-id"))?,
     };
+    // The api replicas verify this node against its id's name: say so now, not in their logs.
+    vmon_node::tls::node_name(&id).context("--node-id")?;
     let facts = vmon_cluster::registry::host_facts(data_dir);
     let rpc_url = c
         .advertise
@@ -276,7 +283,10 @@ async fn join_cluster(
             }
         }
     };
-    println!("vmon node {id} joins the cluster at {}", c.etcd.join(","));
+    println!(
+        "vmon node {id} joins the cluster at {}",
+        c.etcd.endpoints.join(",")
+    );
     tokio::spawn(vmon_cluster::registry::register(kv, id, info, cancel));
     Ok(())
 }

@@ -1,0 +1,107 @@
+//! Address ranges and the ones no outside-controlled destination may reach by default: what
+//! webhook deliveries (the api) and registry pulls (the node) vet their destinations with.
+//! Pure functions over addresses; the host's own addresses are the callers' to add.
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+
+/// An address range: network and prefix length.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cidr {
+    pub addr: IpAddr,
+    pub len: u8,
+}
+
+impl std::str::FromStr for Cidr {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Cidr, String> {
+        let s = s.trim();
+        let (a, l) = match s.split_once('/') {
+            Some((a, l)) => (a, Some(l)),
+            None => (s, None),
+        };
+        let addr: IpAddr = a
+            .parse()
+            .map_err(|_| format!("{s:?} is not an IP or CIDR"))?;
+        let max = if addr.is_ipv4() { 32 } else { 128 };
+        let len = match l {
+            Some(l) => l
+                .parse::<u8>()
+                .ok()
+                .filter(|n| *n <= max)
+                .ok_or_else(|| format!("{s:?} has a bad prefix length"))?,
+            None => max,
+        };
+        Ok(Cidr { addr, len })
+    }
+}
+
+impl Cidr {
+    pub fn contains(&self, ip: IpAddr) -> bool {
+        match (self.addr, canonical(ip)) {
+            (IpAddr::V4(n), IpAddr::V4(a)) => {
+                let mask = if self.len == 0 {
+                    0
+                } else {
+                    u32::MAX << (32 - u32::from(self.len))
+                };
+                u32::from(n) & mask == u32::from(a) & mask
+            }
+            (IpAddr::V6(n), IpAddr::V6(a)) => {
+                let mask = if self.len == 0 {
+                    0
+                } else {
+                    u128::MAX << (128 - u32::from(self.len))
+                };
+                u128::from(n) & mask == u128::from(a) & mask
+            }
+            _ => false,
+        }
+    }
+}
+
+/// An IPv4-mapped IPv6 address is the IPv4 address it maps.
+pub fn canonical(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => IpAddr::V6(v6),
+        },
+        v4 => v4,
+    }
+}
+
+const REFUSED_V4: [(Ipv4Addr, u8); 12] = [
+    (Ipv4Addr::new(0, 0, 0, 0), 8),
+    (Ipv4Addr::new(10, 0, 0, 0), 8),
+    (Ipv4Addr::new(100, 64, 0, 0), 10),
+    (Ipv4Addr::new(127, 0, 0, 0), 8),
+    (Ipv4Addr::new(169, 254, 0, 0), 16),
+    (Ipv4Addr::new(172, 16, 0, 0), 12),
+    (Ipv4Addr::new(192, 0, 0, 0), 24),
+    (Ipv4Addr::new(192, 168, 0, 0), 16),
+    (Ipv4Addr::new(198, 18, 0, 0), 15),
+    (Ipv4Addr::new(224, 0, 0, 0), 4),
+    (Ipv4Addr::new(240, 0, 0, 0), 4),
+    (Ipv4Addr::new(255, 255, 255, 255), 32),
+];
+
+/// True for addresses in the fixed refused ranges (not counting this host's own addresses).
+pub fn special(ip: IpAddr) -> bool {
+    match canonical(ip) {
+        IpAddr::V4(a) => REFUSED_V4.iter().any(|(n, l)| {
+            Cidr {
+                addr: IpAddr::V4(*n),
+                len: *l,
+            }
+            .contains(IpAddr::V4(a))
+        }),
+        IpAddr::V6(a) => {
+            a.is_loopback()
+                || a.is_unspecified()
+                || a.is_multicast()
+                || (a.segments()[0] & 0xfe00) == 0xfc00
+                || (a.segments()[0] & 0xffc0) == 0xfe80
+                || a == Ipv6Addr::new(0x64, 0xff9b, 0, 0, 0, 0, 0, 0)
+        }
+    }
+}
