@@ -45,12 +45,9 @@ pub struct ClusterNodes {
     /// The cluster's CA: a node's certificate must chain to it and name the node's id.
     tls: vmon_node::tls::ClientTls,
     members: Mutex<Option<(Instant, Vec<NodeInfo>)>>,
-    /// Registry entries whose node refused to prove itself (http, another CA, another
-    /// node's name), by id, with the URL and when: left out of the members until
-    /// [`REFUSED_RECHECK`] has passed or the URL changes.
-    refused: Mutex<HashMap<String, (String, Instant)>>,
-    /// Entries whose node proved its id (id and URL), so not handshaken again.
-    verified: Mutex<HashSet<(String, String)>>,
+    /// What the last proof of each registry entry's id gave ([`ClusterNodes::proven`]), by
+    /// node id: the URL it was tried at, the outcome and when.
+    proofs: Mutex<HashMap<String, (String, Proof, Instant)>>,
     /// Starts this process placed lately, which the nodes' heartbeats may not show yet.
     placed: Mutex<Vec<(Instant, String)>>,
     clients: Mutex<HashMap<String, (String, Arc<RemoteNode>)>>,
@@ -62,6 +59,20 @@ pub struct ClusterNodes {
 const SPREAD_WAIT: Duration = Duration::from_secs(1800);
 /// How long a registry entry whose node's certificate was refused stays left out.
 const REFUSED_RECHECK: Duration = Duration::from_secs(30);
+/// How long a node that could not be reached to prove its id is taken as it is (a member)
+/// before it is tried again: a host that drops packets must not stall every members read.
+const UNREACHED_RECHECK: Duration = Duration::from_secs(5);
+
+/// The outcome of a node's TLS handshake with its registry entry's id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Proof {
+    /// Its certificate chains to the cluster's CA and names the id.
+    Proven,
+    /// Plain http, another CA or another node's name: no calls go to it.
+    Refused,
+    /// Not reached (down, restarting): a member as before, its calls fail on their own.
+    Unreached,
+}
 
 impl ClusterNodes {
     /// `tls`: the cluster CA's client configuration ([`RemoteNode::cluster_node`]); it must
@@ -72,8 +83,7 @@ impl ClusterNodes {
             token,
             tls,
             members: Mutex::new(None),
-            refused: Mutex::new(HashMap::new()),
-            verified: Mutex::new(HashSet::new()),
+            proofs: Mutex::new(HashMap::new()),
             placed: Mutex::new(Vec::new()),
             clients: Mutex::new(HashMap::new()),
             me: me.clone(),
@@ -153,51 +163,55 @@ impl ClusterNodes {
     /// and left out, so a forged or stale entry gets no calls (and never the token).
     async fn proven(&self, members: Vec<NodeInfo>) -> Vec<NodeInfo> {
         let checks = members.into_iter().map(|n| async move {
-            let key = (n.id.clone(), n.rpc_url.clone());
-            if self.verified.lock().unwrap_or_else(|p| p.into_inner()).contains(&key) {
-                return Some(n);
-            }
-            if let Some((url, at)) = self
-                .refused
+            let last = self
+                .proofs
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .get(&n.id)
-            {
-                if *url == n.rpc_url && at.elapsed() < REFUSED_RECHECK {
-                    return None;
-                }
-            }
-            let verdict = match RemoteNode::cluster_node(&n.rpc_url, &n.id, String::new(), &self.tls) {
-                Ok(c) => c.verify().await,
-                Err(e) => {
-                    tracing::warn!(node_id = %n.id, error = %e, "a node entry is refused");
-                    Ok(false)
-                }
-            };
-            match verdict {
-                Ok(true) => {
-                    self.verified.lock().unwrap_or_else(|p| p.into_inner()).insert(key);
-                    Some(n)
-                }
-                Ok(false) => {
-                    tracing::warn!(node_id = %n.id, rpc_url = %n.rpc_url, "a node entry's certificate does not prove its id (not the cluster's CA, or another node's name): left out");
-                    self.refused
+                .filter(|(url, _, _)| *url == n.rpc_url)
+                .map(|(_, proof, at)| (*proof, at.elapsed()));
+            let proof = match last {
+                Some((Proof::Proven, _)) => Proof::Proven,
+                Some((Proof::Refused, age)) if age < REFUSED_RECHECK => Proof::Refused,
+                Some((Proof::Unreached, age)) if age < UNREACHED_RECHECK => Proof::Unreached,
+                _ => {
+                    let proof = self.prove(&n).await;
+                    self.proofs
                         .lock()
                         .unwrap_or_else(|p| p.into_inner())
-                        .insert(n.id.clone(), (n.rpc_url.clone(), Instant::now()));
-                    None
+                        .insert(n.id.clone(), (n.rpc_url.clone(), proof, Instant::now()));
+                    proof
                 }
-                Err(e) => {
-                    tracing::debug!(node_id = %n.id, error = %e, "a node could not be reached to prove its id");
-                    Some(n)
-                }
-            }
+            };
+            (proof != Proof::Refused).then_some(n)
         });
         futures::future::join_all(checks)
             .await
             .into_iter()
             .flatten()
             .collect()
+    }
+
+    /// A TLS handshake (no request, no token) with the node of `n` as `n.id`.
+    async fn prove(&self, n: &NodeInfo) -> Proof {
+        let verdict = match RemoteNode::cluster_node(&n.rpc_url, &n.id, String::new(), &self.tls) {
+            Ok(c) => c.verify().await,
+            Err(e) => {
+                tracing::warn!(node_id = %n.id, error = %e, "a node entry is refused");
+                return Proof::Refused;
+            }
+        };
+        match verdict {
+            Ok(true) => Proof::Proven,
+            Ok(false) => {
+                tracing::warn!(node_id = %n.id, rpc_url = %n.rpc_url, "a node entry's certificate does not prove its id (not the cluster's CA, or another node's name): left out");
+                Proof::Refused
+            }
+            Err(e) => {
+                tracing::debug!(node_id = %n.id, error = %e, "a node could not be reached to prove its id");
+                Proof::Unreached
+            }
+        }
     }
 
     fn client(&self, node: &NodeInfo) -> Result<Arc<RemoteNode>, NodeError> {
