@@ -15,6 +15,8 @@
 mod apt;
 mod build;
 pub mod oci;
+mod rootfs;
+pub mod tree;
 
 pub use apt::{host_apt_source, AptSource};
 pub use build::{build, build_with, find, Image, Manifest, Recipe};
