@@ -7,6 +7,9 @@ use std::path::{Path, PathBuf};
 
 use super::*;
 
+/// Each canary's contents (files), mode, owner and mtime.
+type Canaries = BTreeMap<PathBuf, (Vec<u8>, u32, u32, u32, i64, i64)>;
+
 /// A tree and, outside it, a canary directory with a file and a subdirectory.
 struct Scene {
     _tmp: tempfile::TempDir,
@@ -68,7 +71,7 @@ impl Scene {
     }
 
     /// Every name under the canary directory with its contents, mode, owner and mtime.
-    fn canaries(&self) -> BTreeMap<PathBuf, (Vec<u8>, u32, u32, u32, i64, i64)> {
+    fn canaries(&self) -> Canaries {
         let mut out = BTreeMap::new();
         let mut todo = vec![self.canary.clone()];
         while let Some(d) = todo.pop() {
