@@ -2,7 +2,7 @@
 //! with `skopeo` (by digest), flattened with `umoci unpack`, given what vmon's guest needs, and
 //! made into a sparse raw ext4 like the base image's rootfs.
 //!
-//! What the image is given is [`crate::rootfs`]'s; it is written through [`crate::tree::Tree`]
+//! What the image is given is `rootfs.rs`'s; it is written through [`crate::tree::Tree`]
 //! only. `umoci unpack` runs as root and makes device nodes and setuid files as the layers say,
 //! so the work directory it unpacks into is root's only (0700): no local user reaches them.
 //! umoci resolves every layer path inside the bundle itself (hard links' targets and whiteouts
