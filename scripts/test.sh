@@ -25,6 +25,10 @@ rm -rf "$VMON_TEST_DATA_DIR"/{builds,artifacts,sandboxes,pool,crash-test}
 
 # The scripts themselves: a fresh machine runs them first, so they are checked first.
 shellcheck scripts/*.sh .ci/run
+# The lints the workspace declares, enforced: formatting, then clippy with warnings as errors
+# (before the build, so a lint failure is reported in minutes, not after the VM tests).
+cargo fmt --all --check
+cargo clippy --workspace --all-targets -- -D warnings
 
 cargo build --workspace --bins
 cargo test --workspace --no-fail-fast -- --test-threads 2

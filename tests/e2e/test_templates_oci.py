@@ -70,7 +70,23 @@ def _rootfs(d: Path) -> Path:
 
 def _oci_layout(d: Path) -> Path:
     """An OCI layout holding the image as `img:1` (umoci, no Docker)."""
+    return _pack(d, _rootfs(d))
+
+
+def _hostile_layout(d: Path, canary: Path) -> Path:
+    """The test image with `/etc/passwd` a chain of 41 links (one past the kernel's budget)
+    that ends at `canary`, a file of the host: the build must not write it."""
     root = _rootfs(d)
+    etc = root / "etc"
+    (etc / "passwd").unlink()
+    for i in range(40):
+        (etc / f"c{i}").symlink_to(f"c{i + 1}")
+    (etc / "c40").symlink_to(canary)
+    (etc / "passwd").symlink_to("/etc/c0")
+    return _pack(d, root)
+
+
+def _pack(d: Path, root: Path) -> Path:
     layout = d / "layout"
     bundle = d / "bundle"
     _run("umoci", "init", "--layout", str(layout))
@@ -226,3 +242,24 @@ def test_an_unreachable_registry_or_unknown_image_fails_the_build_at_its_base(vm
     with pytest.raises(BuildException) as e:
         Template.build(Template().from_image(f"{registry.host}/test/never-pushed:1"), _name("oci-unknown"))
     assert f"the registry {registry.host} has no image" in str(e.value), e.value
+
+
+def test_an_image_whose_links_lead_to_the_host_fails_cleanly_and_touches_nothing(vmon, registry, tmp_path):
+    canary_dir = tmp_path / "canary"
+    canary_dir.mkdir()
+    canary = canary_dir / "passwd"
+    canary.write_text("canary\n")
+    before = canary.stat()
+    ref = registry.push(_hostile_layout(tmp_path / "img", canary), "test/hostile:1")
+    with pytest.raises(BuildException) as e:
+        Template.build(Template().from_image(ref), _name("oci-hostile"))
+    assert "/etc/passwd goes through more than 40 symbolic links" in str(e.value), e.value
+    after = canary.stat()
+    assert canary.read_text() == "canary\n"
+    assert (after.st_mode, after.st_uid, after.st_gid, after.st_mtime_ns) == (
+        before.st_mode,
+        before.st_uid,
+        before.st_gid,
+        before.st_mtime_ns,
+    )
+    assert [p.name for p in canary_dir.iterdir()] == ["passwd"]

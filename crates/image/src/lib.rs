@@ -10,12 +10,16 @@
 //! pulled, flattened, given envd (with its own libraries), the kernel's modules and the `user`
 //! account, and made into the same kind of disk.
 //!
-//! This crate only makes files; it never starts a VM.
+//! This crate only makes files; it never starts a VM. It runs as root and a registry image's
+//! tree is a tenant's: it never reads or writes in one but through [`tree::Tree`], so no link
+//! in it ever leads vmon to a host file.
 
 mod apt;
 mod build;
 pub mod oci;
 pub mod registry_net;
+mod rootfs;
+pub mod tree;
 
 pub use apt::{host_apt_source, AptSource};
 pub use build::{build, build_with, find, Image, Manifest, Recipe};

@@ -2,25 +2,18 @@
 //! with `skopeo` (by digest), flattened with `umoci unpack`, given what vmon's guest needs, and
 //! made into a sparse raw ext4 like the base image's rootfs.
 //!
-//! What a foreign root filesystem is given:
-//! - envd as `/usr/local/bin/envd` (the kernel's `init=`). envd is linked against the host's
-//!   glibc, which the image may not have (Alpine, an older Debian) or have in another version,
-//!   so it comes with its own loader and libraries in [`RUNTIME_DIR`] (`patchelf` points its
-//!   interpreter and rpath there); the image's own programs keep their own libraries.
-//! - `ip`, which envd's init configures the network with, the same way when the image has none.
-//! - the modules of the kernel vmon boots, from the base image's rootfs (`debugfs rdump`).
-//! - the `user` account (uid 1000 unless taken) with a home, written into `/etc/passwd`,
-//!   `/etc/group` and `/etc/shadow` directly (the image may have no `useradd`); sudo rights only
-//!   when the image has sudo, since nothing vmon does needs it (envd runs as root and switches
-//!   users itself).
-//! - the host name, `/etc/hosts`, `/etc/resolv.conf` and `/etc/fstab` the base image has.
+//! What the image is given is `rootfs.rs`'s; it is written through [`crate::tree::Tree`]
+//! only. `umoci unpack` runs as root and makes device nodes and setuid files as the layers say,
+//! so the work directory it unpacks into is root's only (0700): no local user reaches them.
+//! umoci resolves every layer path inside the bundle itself (hard links' targets and whiteouts
+//! included), and `du` and `mkfs.ext4 -d` only read the tree, never following its links.
 //!
 //! Registry credentials reach skopeo in an auth file that exists only in memory (a `memfd`
 //! handed to the child as fd 3), never on its command line, in a log or on disk.
 
 use std::io::Write;
 use std::os::unix::fs::PermissionsExt;
-use std::path::{Component, Path, PathBuf};
+use std::path::Path;
 use std::process::Stdio;
 use std::time::Duration;
 
@@ -30,17 +23,8 @@ use sha2::{Digest, Sha256};
 
 use crate::Image;
 
-/// Where a foreign rootfs keeps envd's loader and libraries (and a bundled `ip`'s).
-pub const RUNTIME_DIR: &str = "/usr/local/lib/vmon/runtime";
-/// Directories envd's init finds `ip` in (its `PATH`).
-const INIT_PATH: &[&str] = &[
-    "/usr/local/sbin",
-    "/usr/local/bin",
-    "/usr/sbin",
-    "/usr/bin",
-    "/sbin",
-    "/bin",
-];
+pub use crate::rootfs::{prepare_rootfs, RUNTIME_DIR};
+
 /// How long one registry operation may take (a pull of a large image included).
 const REGISTRY_TIMEOUT: Duration = Duration::from_secs(1800);
 
@@ -92,6 +76,8 @@ pub async fn make_disk(
         std::fs::remove_dir_all(work)?;
     }
     std::fs::create_dir_all(work)?;
+    // umoci makes the layers' device nodes and setuid files in here, as root.
+    std::fs::set_permissions(work, std::fs::Permissions::from_mode(0o700))?;
     let r = async {
         let layout = work.join("layout");
         let tls = format!("--src-tls-verify={}", pull.tls_verify);
@@ -122,7 +108,7 @@ pub async fn make_disk(
         .await?;
         let _ = std::fs::remove_dir_all(&layout);
         let root = bundle.join("rootfs");
-        prepare_rootfs(&root, base, envd).await?;
+        prepare_rootfs(&root, &work.join("stage"), base, envd).await?;
         let used_mb = du_mb(&root).await?;
         // Room for what the template's steps install, like the base image's disk.
         let disk_mb = min_disk_mb.max((used_mb * 2 + 1024).min(u64::from(u32::MAX)) as u32);
@@ -302,7 +288,7 @@ fn auth_memfd(pull: &Pull<'_>) -> std::io::Result<std::fs::File> {
     Ok(f)
 }
 
-async fn run(cmd: &mut tokio::process::Command, what: &str) -> anyhow::Result<Vec<u8>> {
+pub(crate) async fn run(cmd: &mut tokio::process::Command, what: &str) -> anyhow::Result<Vec<u8>> {
     let out = cmd
         .stdin(Stdio::null())
         .kill_on_drop(true)
@@ -321,7 +307,7 @@ async fn run(cmd: &mut tokio::process::Command, what: &str) -> anyhow::Result<Ve
 
 async fn du_mb(root: &Path) -> anyhow::Result<u64> {
     let out = run(
-        tokio::process::Command::new("du").args(["-sxm"]).arg(root),
+        tokio::process::Command::new("du").args(["-sxmP"]).arg(root),
         "du",
     )
     .await?;
@@ -332,314 +318,9 @@ async fn du_mb(root: &Path) -> anyhow::Result<u64> {
         .unwrap_or(0))
 }
 
-/// `path` (absolute, in the guest) inside `root`, with symlinks resolved as the guest would
-/// (an absolute link is relative to `root`, `..` stops at it), so nothing written into an
-/// image's tree ever lands outside it.
-pub fn inside(root: &Path, path: &str) -> PathBuf {
-    let mut todo: Vec<String> = Path::new(path)
-        .components()
-        .rev()
-        .filter_map(|c| match c {
-            Component::Normal(s) => Some(s.to_string_lossy().into_owned()),
-            Component::ParentDir => Some("..".into()),
-            _ => None,
-        })
-        .collect();
-    let mut cur: Vec<String> = Vec::new();
-    let mut links = 0;
-    while let Some(c) = todo.pop() {
-        if c == ".." {
-            cur.pop();
-            continue;
-        }
-        let here: PathBuf = cur.iter().fold(root.to_path_buf(), |p, s| p.join(s));
-        let next = here.join(&c);
-        match std::fs::read_link(&next) {
-            Ok(target) if links < 40 => {
-                links += 1;
-                if target.is_absolute() {
-                    cur.clear();
-                }
-                for t in target.components().rev() {
-                    match t {
-                        Component::Normal(s) => todo.push(s.to_string_lossy().into_owned()),
-                        Component::ParentDir => todo.push("..".into()),
-                        _ => {}
-                    }
-                }
-            }
-            _ => cur.push(c),
-        }
-    }
-    cur.iter().fold(root.to_path_buf(), |p, s| p.join(s))
-}
-
-/// Gives the unpacked image at `root` what vmon's guest needs (see the module's doc).
-pub async fn prepare_rootfs(root: &Path, base: &Image, envd: &Path) -> anyhow::Result<()> {
-    let bash = inside(root, "/bin/bash");
-    if !bash.is_file() {
-        bail!(
-            "the image has no /bin/bash: sandboxes and template steps run every command with \
-             bash, so the image must have it"
-        );
-    }
-    for (dir, mode) in [
-        ("/proc", 0o555),
-        ("/sys", 0o555),
-        ("/dev", 0o755),
-        ("/run", 0o755),
-        ("/root", 0o700),
-        ("/tmp", 0o1777),
-        ("/etc", 0o755),
-        ("/home", 0o755),
-    ] {
-        let p = inside(root, dir);
-        if !p.is_dir() {
-            std::fs::create_dir_all(&p)?;
-            std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode))?;
-        }
-    }
-    install_runtime(root, envd).await?;
-    install_modules(root, base).await?;
-    add_user(root)?;
-    let etc = |p: &str| inside(root, p);
-    if etc("/etc/sudoers.d").is_dir() {
-        let sudoers = etc("/etc/sudoers.d/90-vmon-user");
-        std::fs::write(&sudoers, "user ALL=(ALL:ALL) NOPASSWD: ALL\n")?;
-        std::fs::set_permissions(&sudoers, std::fs::Permissions::from_mode(0o440))?;
-    }
-    std::fs::write(etc("/etc/hostname"), "sandbox\n")?;
-    std::fs::write(
-        etc("/etc/hosts"),
-        "127.0.0.1\tlocalhost\n127.0.1.1\tsandbox\n::1\tlocalhost ip6-localhost ip6-loopback\n",
-    )?;
-    std::fs::write(etc("/etc/fstab"), "# mounts are made by envd init\n")?;
-    // Often a link into /run (systemd-resolved) in images: a file of its own here.
-    let resolv = inside(root, "/etc").join("resolv.conf");
-    let _ = std::fs::remove_file(&resolv);
-    std::fs::write(&resolv, "nameserver 8.8.8.8\n")?;
-    Ok(())
-}
-
-/// envd (and `ip` when the image has none) with their own loader and libraries.
-async fn install_runtime(root: &Path, envd: &Path) -> anyhow::Result<()> {
-    let rt = inside(root, RUNTIME_DIR);
-    std::fs::create_dir_all(&rt)?;
-    let mut programs: Vec<(PathBuf, &str)> = vec![(envd.to_path_buf(), "/usr/local/bin/envd")];
-    let has_ip = INIT_PATH.iter().any(|d| {
-        let p = inside(root, &format!("{d}/ip"));
-        p.is_file()
-    });
-    if !has_ip {
-        let host_ip = ["/usr/bin/ip", "/usr/sbin/ip", "/sbin/ip", "/bin/ip"]
-            .into_iter()
-            .map(PathBuf::from)
-            .find(|p| p.is_file())
-            .context("the host has no `ip` to give the image (apt-get install iproute2)")?;
-        programs.push((host_ip, "/usr/local/sbin/ip"));
-    }
-    let mut interpreter = None;
-    for (src, _) in &programs {
-        for (lib, is_loader) in shared_libraries(src).await? {
-            let name = lib
-                .file_name()
-                .context("a library without a file name")?
-                .to_owned();
-            let dst = rt.join(&name);
-            if !dst.exists() {
-                std::fs::copy(&lib, &dst).with_context(|| format!("copying {}", lib.display()))?;
-            }
-            if is_loader {
-                interpreter = Some(Path::new(RUNTIME_DIR).join(&name));
-            }
-            // glibc loads its NSS modules (getpwnam's `files`, `compat`) at run time.
-            if name.to_string_lossy().starts_with("libc.so") {
-                if let Some(dir) = lib.parent() {
-                    for nss in ["libnss_files.so.2", "libnss_compat.so.2"] {
-                        let p = dir.join(nss);
-                        if p.is_file() && !rt.join(nss).exists() {
-                            std::fs::copy(&p, rt.join(nss))?;
-                        }
-                    }
-                }
-            }
-        }
-    }
-    let interpreter = interpreter.context("envd names no ELF interpreter")?;
-    for (src, dst) in &programs {
-        let to = inside(root, dst);
-        if let Some(d) = to.parent() {
-            std::fs::create_dir_all(d)?;
-        }
-        let _ = std::fs::remove_file(&to);
-        std::fs::copy(src, &to).with_context(|| format!("copying {}", src.display()))?;
-        std::fs::set_permissions(&to, std::fs::Permissions::from_mode(0o755))?;
-        run(
-            tokio::process::Command::new("patchelf")
-                .arg("--set-interpreter")
-                .arg(&interpreter)
-                .arg("--force-rpath")
-                .arg("--set-rpath")
-                .arg(RUNTIME_DIR)
-                .arg(&to),
-            "patchelf (apt-get install patchelf)",
-        )
-        .await?;
-    }
-    Ok(())
-}
-
-/// The shared libraries `program` loads, as `ldd` finds them on this host (where envd was
-/// built), and whether each is the ELF interpreter.
-async fn shared_libraries(program: &Path) -> anyhow::Result<Vec<(PathBuf, bool)>> {
-    let out = run(tokio::process::Command::new("ldd").arg(program), "ldd").await?;
-    let mut libs = Vec::new();
-    for line in String::from_utf8_lossy(&out).lines() {
-        let line = line.trim();
-        if let Some((_, rest)) = line.split_once("=> ") {
-            if let Some(path) = rest
-                .split_whitespace()
-                .next()
-                .filter(|p| p.starts_with('/'))
-            {
-                libs.push((PathBuf::from(path), false));
-            }
-        } else if line.starts_with('/') {
-            if let Some(path) = line.split_whitespace().next() {
-                libs.push((PathBuf::from(path), true));
-            }
-        }
-    }
-    Ok(libs)
-}
-
-/// The booted kernel's modules, from the base image's rootfs, unless the image has them.
-async fn install_modules(root: &Path, base: &Image) -> anyhow::Result<()> {
-    let v = &base.manifest.kernel_version;
-    let modules = inside(root, "/lib/modules");
-    if modules.join(v).is_dir() {
-        return Ok(());
-    }
-    std::fs::create_dir_all(&modules)?;
-    let mut last = String::new();
-    for from in [format!("/usr/lib/modules/{v}"), format!("/lib/modules/{v}")] {
-        let out = tokio::process::Command::new("debugfs")
-            .arg("-R")
-            .arg(format!("rdump {from} {}", modules.display()))
-            .arg(&base.rootfs)
-            .stdin(Stdio::null())
-            .output()
-            .await
-            .context("running debugfs (apt-get install e2fsprogs)")?;
-        if modules.join(v).is_dir() {
-            return Ok(());
-        }
-        last = String::from_utf8_lossy(&out.stderr).trim().to_string();
-    }
-    bail!(
-        "the kernel's modules ({v}) could not be taken from {}: {last}",
-        base.rootfs.display()
-    )
-}
-
-/// The `user` account (uid 1000 unless the image uses it) with its group and home.
-fn add_user(root: &Path) -> anyhow::Result<()> {
-    let passwd_path = inside(root, "/etc/passwd");
-    let group_path = inside(root, "/etc/group");
-    let shadow_path = inside(root, "/etc/shadow");
-    let mut passwd = std::fs::read_to_string(&passwd_path).unwrap_or_default();
-    let mut group = std::fs::read_to_string(&group_path).unwrap_or_default();
-    let field = |l: &str, i: usize| l.split(':').nth(i).map(str::to_string);
-    if !passwd.lines().any(|l| l.starts_with("root:")) {
-        passwd.insert_str(0, "root:x:0:0:root:/root:/bin/bash\n");
-    }
-    if !group.lines().any(|l| l.starts_with("root:")) {
-        group.insert_str(0, "root:x:0:\n");
-    }
-    let (uid, gid) = match passwd.lines().find(|l| l.starts_with("user:")) {
-        Some(l) => (
-            field(l, 2).and_then(|u| u.parse().ok()).unwrap_or(1000u32),
-            field(l, 3).and_then(|g| g.parse().ok()).unwrap_or(1000u32),
-        ),
-        None => {
-            let taken = |text: &str, id: u32| {
-                text.lines()
-                    .any(|l| field(l, 2).is_some_and(|f| f == id.to_string()))
-            };
-            let uid = (1000..60000)
-                .find(|u| !taken(&passwd, *u) && !taken(&group, *u))
-                .unwrap_or(1000);
-            if !passwd.is_empty() && !passwd.ends_with('\n') {
-                passwd.push('\n');
-            }
-            passwd.push_str(&format!("user:x:{uid}:{uid}::/home/user:/bin/bash\n"));
-            if !group.lines().any(|l| l.starts_with("user:")) {
-                if !group.is_empty() && !group.ends_with('\n') {
-                    group.push('\n');
-                }
-                group.push_str(&format!("user:x:{uid}:\n"));
-            }
-            let mut shadow = std::fs::read_to_string(&shadow_path).unwrap_or_default();
-            if !shadow.lines().any(|l| l.starts_with("user:")) {
-                if !shadow.lines().any(|l| l.starts_with("root:")) {
-                    shadow.insert_str(0, "root:*:19000:0:99999:7:::\n");
-                }
-                if !shadow.is_empty() && !shadow.ends_with('\n') {
-                    shadow.push('\n');
-                }
-                shadow.push_str("user:!:19000:0:99999:7:::\n");
-                std::fs::write(&shadow_path, shadow)?;
-                std::fs::set_permissions(&shadow_path, std::fs::Permissions::from_mode(0o640))?;
-            }
-            (uid, uid)
-        }
-    };
-    std::fs::write(&passwd_path, passwd)?;
-    std::fs::set_permissions(&passwd_path, std::fs::Permissions::from_mode(0o644))?;
-    std::fs::write(&group_path, group)?;
-    std::fs::set_permissions(&group_path, std::fs::Permissions::from_mode(0o644))?;
-    let home = inside(root, "/home/user");
-    if !home.is_dir() {
-        std::fs::create_dir_all(&home)?;
-        let skel = inside(root, "/etc/skel");
-        if let Ok(rd) = std::fs::read_dir(&skel) {
-            for e in rd.flatten() {
-                if e.file_type().is_ok_and(|t| t.is_file()) {
-                    let _ = std::fs::copy(e.path(), home.join(e.file_name()));
-                }
-            }
-        }
-    }
-    chown_tree(&home, uid, gid)?;
-    Ok(())
-}
-
-fn chown_tree(p: &Path, uid: u32, gid: u32) -> std::io::Result<()> {
-    std::os::unix::fs::lchown(p, Some(uid), Some(gid))?;
-    if p.is_dir() && !p.is_symlink() {
-        for e in std::fs::read_dir(p)?.flatten() {
-            chown_tree(&e.path(), uid, gid)?;
-        }
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn paths_inside_an_image_never_leave_it() {
-        let root = std::env::temp_dir().join(format!("vmon-inside-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&root);
-        std::fs::create_dir_all(root.join("usr/lib")).expect("test setup");
-        std::os::unix::fs::symlink("/usr/lib", root.join("lib")).expect("test setup");
-        std::os::unix::fs::symlink("../../../../etc", root.join("usr/lib/up")).expect("test setup");
-        assert_eq!(inside(&root, "/lib/modules"), root.join("usr/lib/modules"));
-        assert_eq!(inside(&root, "/usr/lib/up/passwd"), root.join("etc/passwd"));
-        assert_eq!(inside(&root, "/../../x"), root.join("x"));
-        std::fs::remove_dir_all(&root).expect("test setup");
-    }
 
     #[test]
     fn registry_failures_name_the_registry_and_the_image() {
