@@ -69,7 +69,7 @@ class Recorder:
 
 
 def _etcd_key(node_id: str) -> str:
-    return base64.b64encode(f"/vmon/nodes/{node_id}".encode()).decode()
+    return base64.b64encode(f"/vmon/k/nodes/{node_id}".encode()).decode()
 
 
 def _real_entry(cluster) -> dict:

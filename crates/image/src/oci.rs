@@ -162,15 +162,20 @@ async fn skopeo(pull: &Pull<'_>, args: &[&str]) -> Result<Vec<u8>, RegistryError
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .kill_on_drop(true);
-    // SAFETY: between fork and exec only dup2 and setns run, both async-signal-safe system
-    // calls: dup2 puts the memfd (close-on-exec in this process) at fd 3 of the child without
-    // close-on-exec, setns moves the child into the pull's network namespace.
+    // SAFETY: between fork and exec only setns, dup2 and fcntl run, all async-signal-safe
+    // system calls: setns moves the child into the pull's network namespace (first: its fd may
+    // be 3), then the memfd (close-on-exec in this process) goes to fd 3 of the child without
+    // close-on-exec (dup2 onto itself keeps the flag, so it is cleared by hand).
     unsafe {
         cmd.pre_exec(move || {
-            if libc::dup2(fd, 3) < 0 {
+            if libc::setns(netns, libc::CLONE_NEWNET) != 0 {
                 return Err(std::io::Error::last_os_error());
             }
-            if libc::setns(netns, libc::CLONE_NEWNET) != 0 {
+            if fd == 3 {
+                if libc::fcntl(3, libc::F_SETFD, 0) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            } else if libc::dup2(fd, 3) < 0 {
                 return Err(std::io::Error::last_os_error());
             }
             Ok(())

@@ -74,6 +74,8 @@ impl Suite {
             registry: &self.registry.host,
             credentials: None,
             tls_verify: false,
+            // The test's registry is on this machine: the operator's setting lists it.
+            registry_allow: &["127.0.0.1/32".to_string()],
         };
         let disk = dir.join("disk.img");
         let r = vmon_image::oci::make_disk(
