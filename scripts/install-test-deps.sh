@@ -22,6 +22,8 @@ BINS=(
   htpasswd:apache2-utils
   busybox:busybox-static
   bash-static:bash-static
+  # The cluster's forged-node test makes a self-signed certificate.
+  openssl:openssl
   # The disk-full test: a small ext4 (mkfs.ext4 comes with vmon's own packages) on a loop mount.
   fallocate:util-linux
   mount:mount
