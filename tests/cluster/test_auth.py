@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from e2b import Sandbox
 
-from conftest import DIR, PORT
+from conftest import DIR, PORT, wait_for
 
 
 class Recorder:
@@ -196,7 +196,8 @@ def test_a_forged_node_entry_gets_no_token_and_the_cluster_keeps_working(cluster
 
 NS = "vmt-cl-beyond"
 HOST_IF = "vmt-cl0"
-PUBLIC, PUBLIC_HOST = "203.0.113.42", "203.0.113.41"
+# The upper half of TEST-NET-3 (the e2e suite's namespace uses the lower one).
+PUBLIC, PUBLIC_HOST = "203.0.113.202", "203.0.113.201"
 
 
 def _sh(script: str) -> None:
@@ -211,17 +212,20 @@ def beyond():
     _sh(
         f"""ip netns add {NS}
 ip link add {HOST_IF} type veth peer name eth0 netns {NS}
-ip addr add {PUBLIC_HOST}/24 dev {HOST_IF}
+ip addr add {PUBLIC_HOST}/25 dev {HOST_IF}
 ip link set {HOST_IF} up
 ip -n {NS} link set lo up
-ip -n {NS} addr add {PUBLIC}/24 dev eth0
+ip -n {NS} addr add {PUBLIC}/25 dev eth0
 ip -n {NS} link set eth0 up"""
     )
     server = subprocess.Popen(
         ["ip", "netns", "exec", NS, "python3", "-c",
-         "import socket\ns=socket.socket();s.bind(('0.0.0.0',8080));s.listen(16)\n"
+         "import socket\ns=socket.socket();s.bind(('0.0.0.0',8080));s.listen(16)\nprint('up',flush=True)\n"
          "while True:\n    c,_=s.accept();c.close()\n"],
+        stdout=subprocess.PIPE,
+        text=True,
     )
+    assert server.stdout is not None and server.stdout.readline().strip() == "up"
     try:
         yield PUBLIC, 8080
     finally:
@@ -264,8 +268,10 @@ def test_a_guest_allowed_everywhere_reaches_no_cluster_service(cluster, beyond):
         assert gateway, "the guest has no default route"
         hosts = sorted({gateway, *_host_addresses()})
         targets = [(h, p) for h in hosts for ports in services.values() for p in ports]
+        # The probe works: the allowed server beyond the host answers it (the guest's rules
+        # may take a moment after the create).
+        wait_for(lambda: _probe(sbx, [beyond])[beyond] == "reached", 30, 1, "the guest to reach the server beyond")
         got = _probe(sbx, [beyond, *targets])
-        # The probe works: the allowed server beyond the host answers it.
         assert got[beyond] == "reached", got
         reached = [t for t in targets if got.get(t) != "blocked"]
         assert not reached, f"a guest reached cluster services: {reached}"
