@@ -89,8 +89,8 @@ impl RegistryPolicy {
     }
 
     /// A connection to `host:port` at one of its vetted addresses.
-    async fn connect(&self, host: &str, port: u16) -> Result<TcpStream, String> {
-        let addrs = self.vet(host).await?;
+    async fn connect(&self, host: &str, port: u16) -> Result<TcpStream, Failure> {
+        let addrs = self.vet(host).await.map_err(Failure::Refused)?;
         let mut last = format!("{host}:{port} is unreachable");
         for ip in addrs {
             let to = SocketAddr::new(ip, port);
@@ -100,8 +100,17 @@ impl RegistryPolicy {
                 Err(_) => last = format!("connecting to {to} timed out"),
             }
         }
-        Err(last)
+        Err(Failure::Unreachable(last))
     }
+}
+
+/// Why a connection of the pull's was not made.
+#[derive(Debug)]
+enum Failure {
+    /// The policy refuses the destination: what the build's error says.
+    Refused(String),
+    /// Allowed, but it did not answer (skopeo reports that itself).
+    Unreachable(String),
 }
 
 /// `host[:port]` of a registry or a proxy target: the host (brackets kept off) and the port.
@@ -277,9 +286,15 @@ async fn serve(
                 Some((host, port)) => forward_to(conn, &policy, &host, port).await,
                 None => proxy(conn, &policy).await,
             };
-            if let Err(e) = r {
-                tracing::info!(error = %e, "a registry pull's connection was refused");
-                refusals.lock().unwrap_or_else(|p| p.into_inner()).push(e);
+            match r {
+                Ok(()) => {}
+                Err(Failure::Refused(e)) => {
+                    tracing::info!(error = %e, "a registry pull's connection was refused");
+                    refusals.lock().unwrap_or_else(|p| p.into_inner()).push(e);
+                }
+                Err(Failure::Unreachable(e)) => {
+                    tracing::debug!(error = %e, "a registry pull's destination did not answer");
+                }
             }
         });
     }
@@ -290,7 +305,7 @@ async fn forward_to(
     policy: &RegistryPolicy,
     host: &str,
     port: u16,
-) -> Result<(), String> {
+) -> Result<(), Failure> {
     let mut up = policy.connect(host, port).await?;
     let _ = tokio::io::copy_bidirectional(&mut conn, &mut up).await;
     Ok(())
@@ -299,11 +314,11 @@ async fn forward_to(
 /// One proxy connection: `CONNECT host:port`, or one absolute-form `http://` request (sent on
 /// with `Connection: close`, so the next request, maybe to another host, comes on a new
 /// connection and is vetted again).
-async fn proxy(mut conn: TcpStream, policy: &RegistryPolicy) -> Result<(), String> {
+async fn proxy(mut conn: TcpStream, policy: &RegistryPolicy) -> Result<(), Failure> {
     let (head, rest) = match tokio::time::timeout(HEAD_TIMEOUT, read_head(&mut conn)).await {
         Ok(Ok(h)) => h,
-        Ok(Err(e)) => return Err(format!("a bad proxy request: {e}")),
-        Err(_) => return Err("a proxy request's head timed out".into()),
+        Ok(Err(e)) => return Err(Failure::Refused(format!("a bad proxy request: {e}"))),
+        Err(_) => return Err(Failure::Refused("a proxy request's head timed out".into())),
     };
     let text = String::from_utf8_lossy(&head).into_owned();
     let mut words = text.lines().next().unwrap_or("").split_whitespace();
@@ -316,36 +331,41 @@ async fn proxy(mut conn: TcpStream, policy: &RegistryPolicy) -> Result<(), Strin
         let _ = conn
             .write_all(b"HTTP/1.1 400 Bad Request\r\nconnection: close\r\n\r\n")
             .await;
-        return Err(format!("a proxy request for {target:?}"));
+        return Err(Failure::Refused(format!("a proxy request for {target:?}")));
     };
     let (host, port) = split_host_port(&authority);
     let port = port.unwrap_or(default_port);
     let mut up = match policy.connect(&host, port).await {
         Ok(s) => s,
-        Err(e) => {
-            let body = format!("refused by vmon: {e}\n");
+        Err(failure) => {
+            let (status, e) = match &failure {
+                Failure::Refused(e) => ("403 Forbidden", e),
+                Failure::Unreachable(e) => ("502 Bad Gateway", e),
+            };
+            let body = format!("vmon: {e}\n");
             let _ = conn
                 .write_all(
                     format!(
-                        "HTTP/1.1 403 Forbidden\r\ncontent-type: text/plain\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                        "HTTP/1.1 {status}\r\ncontent-type: text/plain\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
                         body.len()
                     )
                     .as_bytes(),
                 )
                 .await;
-            return Err(e);
+            return Err(failure);
         }
     };
+    let gone = |e: io::Error| Failure::Unreachable(e.to_string());
     if rewrite {
         up.write_all(&close_after(&text).into_bytes())
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(gone)?;
     } else {
         conn.write_all(b"HTTP/1.1 200 Connection established\r\n\r\n")
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(gone)?;
     }
-    up.write_all(&rest).await.map_err(|e| e.to_string())?;
+    up.write_all(&rest).await.map_err(gone)?;
     let _ = tokio::io::copy_bidirectional(&mut conn, &mut up).await;
     Ok(())
 }
