@@ -372,7 +372,17 @@ fn only_vmon_opens_connections_to_guests() {
             .await
             .expect("server in the guest");
         assert_eq!(String::from_utf8_lossy(&srv.stdout).trim(), "started");
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        // Python starts slowly under TCG: wait until the guest itself reaches its server.
+        let up = node
+            .exec(
+                &id,
+                "root",
+                "for i in $(seq 150); do (echo > /dev/tcp/127.0.0.1/8000) 2>/dev/null && echo up && break; sleep 0.2; done",
+                Duration::from_secs(60),
+            )
+            .await
+            .expect("wait for the server");
+        assert_eq!(String::from_utf8_lossy(&up.stdout).trim(), "up");
         let nobody = Some(65534);
         let host = listen(None, Ipv4Addr::LOCALHOST);
         let ctr_host = listen(None, CTR_HOST);
