@@ -342,7 +342,7 @@ impl Drop for Container {
         let _ = std::process::Command::new("sh")
             .args([
                 "-c",
-                &format!("ip netns del {CTR_NS}; ip link del {CTR_IF}"),
+                &format!("ip netns del {CTR_NS}; ip link del {CTR_IF} 2>/dev/null; true"),
             ])
             .status();
     }
