@@ -481,6 +481,24 @@ mod tests {
     }
 
     #[test]
+    fn private_allow_is_empty_by_default_and_takes_cidrs_only() {
+        let mut c = Config::default();
+        assert!(c.private_allow.is_empty());
+        c.apply_env(|k| (k == "VMON_PRIVATE_ALLOW").then(|| " 10.9.0.0/16, 192.168.7.7 ".into()))
+            .expect("env");
+        assert_eq!(c.private_allow, ["10.9.0.0/16", "192.168.7.7"]);
+        for bad in ["db.internal", "10.0.0.0/40"] {
+            let mut c = Config::default();
+            let e = c
+                .apply_env(|k| (k == "VMON_PRIVATE_ALLOW").then(|| bad.to_string()))
+                .expect_err(bad);
+            assert!(e.to_string().contains("private_allow"), "{e}");
+        }
+        let c: Config = toml::from_str("private_allow = [\"10.0.0.0/24\"]\n").expect("toml");
+        assert_eq!(c.private_allow, ["10.0.0.0/24"]);
+    }
+
+    #[test]
     fn an_api_with_a_certificate_is_https() {
         let mut c = Config::default();
         let env = |pairs: &'static [(&'static str, &'static str)]| {
