@@ -190,12 +190,34 @@ mod tests {
     }
 
     #[test]
-    fn the_host_s_own_addresses_are_read() {
+    fn the_host_s_own_addresses_and_the_endpoints_are_protected() {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .expect("runtime");
         let addrs = rt.block_on(host_addresses()).expect("ip addr");
         assert!(addrs.contains(&Ipv4Addr::LOCALHOST), "{addrs:?}");
+        // The gathered set holds the endpoints' addresses and every host address outside
+        // NEVER (so the egress proxy, which connects from the host, never reaches the host).
+        let p = rt
+            .block_on(Perimeter::gather(
+                vec![],
+                &[
+                    "http://10.77.0.9:2379".into(),
+                    "postgres://u:p@10.77.0.10:5432/db".into(),
+                ],
+                &["192.0.2.0/24".into()],
+            ))
+            .expect("gather");
+        for a in ["10.77.0.9", "10.77.0.10", "192.0.2.77"] {
+            assert!(
+                p.protects(a.parse().expect("addr")),
+                "{a}: {:?}",
+                p.protected
+            );
+        }
+        for a in addrs.iter().filter(|a| !within(&a.to_string(), &NEVER)) {
+            assert!(p.protects(*a), "host address {a}: {:?}", p.protected);
+        }
     }
 }
