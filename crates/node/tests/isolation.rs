@@ -117,6 +117,27 @@ fn slot_names(addr: Ipv4Addr) -> (String, String) {
     )
 }
 
+/// A private range the operator's `private_allow` does not list is refused, before anything
+/// boots, with a message naming the entry and the setting.
+async fn refuses_private_ranges_it_does_not_list(node: &vmon_node::Node) {
+    for entry in ["10.231.78.2", "192.168.0.0/16", "10.0.0.0/8"] {
+        let refused = NetworkPolicy {
+            allow_internet_access: true,
+            allow_out: vec![entry.to_string()],
+            deny_out: vec![],
+        };
+        match node.boot_image(&unique("isor"), 1, 384, &refused).await {
+            Err(vmon_proto::node::NodeError::InvalidArgument(m)) => {
+                assert!(m.contains(entry) && m.contains("private_allow"), "{m}")
+            }
+            other => panic!(
+                "allowOut {entry} outside private_allow: {:?}",
+                other.map(|r| r.sandbox_id)
+            ),
+        }
+    }
+}
+
 #[test]
 fn a_guest_reaches_only_the_internet_and_what_allow_out_opens() {
     let node = node();
@@ -128,21 +149,7 @@ fn a_guest_reaches_only_the_internet_and_what_allow_out_opens() {
             allow_internet_access: true,
             ..Default::default()
         };
-        // A private range the operator's private_allow does not list is refused, before
-        // anything boots.
-        for entry in ["10.231.78.2", "192.168.0.0/16", "10.0.0.0/8"] {
-            let refused = NetworkPolicy {
-                allow_internet_access: true,
-                allow_out: vec![entry.to_string()],
-                deny_out: vec![],
-            };
-            match node.boot_image(&unique("isor"), 1, 384, &refused).await {
-                Err(vmon_proto::node::NodeError::InvalidArgument(m)) => {
-                    assert!(m.contains(entry) && m.contains("private_allow"), "{m}")
-                }
-                other => panic!("allowOut {entry} outside private_allow: {:?}", other.map(|r| r.sandbox_id)),
-            }
-        }
+        refuses_private_ranges_it_does_not_list(&node).await;
         // B: no internet, but its allowOut names the private server's range (which
         // private_allow lists; the protected address inside it stays closed).
         let closed = NetworkPolicy {
