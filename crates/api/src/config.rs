@@ -39,6 +39,12 @@ pub struct Config {
     /// Ranges webhooks may be delivered to although they are on this host or a private
     /// network (`VMON_WEBHOOK_ALLOW`, comma-separated CIDRs), e.g. `["127.0.0.1/32"]`.
     pub webhook_allow: Vec<String>,
+    /// Ranges inside the private and shared networks (10/8, 100.64/10, 172.16/12,
+    /// 192.0.0/24, 192.168/16, 198.18/15) a sandbox's `allowOut` may open
+    /// (`VMON_PRIVATE_ALLOW`, comma-separated CIDRs). Empty (the default): an `allowOut` entry
+    /// there, or a host name resolving there, is a 400. The node of `vmon up` takes the same
+    /// list; a `vmon node` reads `VMON_PRIVATE_ALLOW` and checks again.
+    pub private_allow: Vec<String>,
     /// A PEM file of CA certificates trusted for `https://` webhooks besides the system's
     /// (`VMON_WEBHOOK_CA_FILE`).
     pub webhook_ca_file: Option<std::path::PathBuf>,
@@ -201,6 +207,7 @@ impl Default for Config {
             store_url: None,
             webhook_key_file: None,
             webhook_allow: Vec::new(),
+            private_allow: Vec::new(),
             webhook_ca_file: None,
             quotas: Quotas::default(),
             template_files_dir: None,
@@ -310,6 +317,15 @@ impl Config {
                 .filter(|s| !s.is_empty())
                 .collect();
         }
+        if let Some(v) = var("VMON_PRIVATE_ALLOW") {
+            self.private_allow = v
+                .split(',')
+                .map(|s| s.trim().to_string())
+                .filter(|s| !s.is_empty())
+                .collect();
+        }
+        vmon_proto::ranges::check_ranges(&self.private_allow)
+            .map_err(|e| anyhow::anyhow!("private_allow: {e}"))?;
         if let Some(v) = var("VMON_INSECURE_REGISTRIES") {
             self.insecure_registries = v
                 .split(',')
@@ -462,6 +478,24 @@ mod tests {
             .apply_env(|k| (k == "VMON_API_LISTEN").then(|| "nope".to_string()))
             .is_err());
         assert_eq!(c.api_url(), "http://127.0.0.1:4000");
+    }
+
+    #[test]
+    fn private_allow_is_empty_by_default_and_takes_cidrs_only() {
+        let mut c = Config::default();
+        assert!(c.private_allow.is_empty());
+        c.apply_env(|k| (k == "VMON_PRIVATE_ALLOW").then(|| " 10.9.0.0/16, 192.168.7.7 ".into()))
+            .expect("env");
+        assert_eq!(c.private_allow, ["10.9.0.0/16", "192.168.7.7"]);
+        for bad in ["db.internal", "10.0.0.0/40"] {
+            let mut c = Config::default();
+            let e = c
+                .apply_env(|k| (k == "VMON_PRIVATE_ALLOW").then(|| bad.to_string()))
+                .expect_err(bad);
+            assert!(e.to_string().contains("private_allow"), "{e}");
+        }
+        let c: Config = toml::from_str("private_allow = [\"10.0.0.0/24\"]\n").expect("toml");
+        assert_eq!(c.private_allow, ["10.0.0.0/24"]);
     }
 
     #[test]

@@ -118,6 +118,17 @@ pub async fn serve(data_dir: &Path, config: Config, parts: Parts) -> anyhow::Res
             tracing::info!(data_dir = %data_dir.display(), "starting the node");
             let mut node_config = vmon_node::NodeConfig::new(data_dir.to_path_buf());
             node_config.progress = Some(startup.clone());
+            // The same private_allow at the api and the node; no guest reaches the parts.
+            node_config.private_allow = config.private_allow.clone();
+            node_config.cluster_endpoints.extend([
+                config.api_listen.to_string(),
+                config.proxy_listen.to_string(),
+                config.api_url(),
+                config.sandbox_url(),
+            ]);
+            node_config
+                .cluster_endpoints
+                .extend(config.store_url.iter().cloned());
             // Opening is quick: the guest image builds in the background.
             let n = vmon_node::Node::open(node_config)
                 .await
