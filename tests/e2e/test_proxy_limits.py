@@ -7,11 +7,9 @@ several loopback addresses so that each is a client of its own."""
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 from e2b import Sandbox
