@@ -102,22 +102,50 @@ const REFUSED_V4: [(Ipv4Addr, u8); 12] = [
 /// True for addresses in the fixed refused ranges (not counting this host's own addresses).
 pub fn special(ip: IpAddr) -> bool {
     match canonical(ip) {
-        IpAddr::V4(a) => REFUSED_V4.iter().any(|(n, l)| {
-            Cidr {
-                addr: IpAddr::V4(*n),
-                len: *l,
-            }
-            .contains(IpAddr::V4(a))
-        }),
+        IpAddr::V4(a) => special_v4(a),
         IpAddr::V6(a) => {
+            let s = a.segments();
             a.is_loopback()
                 || a.is_unspecified()
                 || a.is_multicast()
-                || (a.segments()[0] & 0xfe00) == 0xfc00
-                || (a.segments()[0] & 0xffc0) == 0xfe80
-                || a == Ipv6Addr::new(0x64, 0xff9b, 0, 0, 0, 0, 0, 0)
+                || (s[0] & 0xfe00) == 0xfc00
+                || (s[0] & 0xffc0) == 0xfe80
+                // Site-local (deprecated, but some stacks still route it).
+                || (s[0] & 0xffc0) == 0xfec0
+                // IPv4-compatible ::a.b.c.d (deprecated): whatever IPv4 it carries.
+                || s[..6] == [0; 6]
+                // NAT64, well-known and local-use prefixes: a translator turns these into any
+                // IPv4 address, the operator's private ones and this host's included.
+                || s[..6] == [0x64, 0xff9b, 0, 0, 0, 0]
+                || s[..3] == [0x64, 0xff9b, 1]
+                // Teredo carries an obfuscated IPv4 peer.
+                || s[..2] == [0x2001, 0]
+                || six_to_four(a).is_some_and(special_v4)
         }
     }
+}
+
+fn special_v4(a: Ipv4Addr) -> bool {
+    REFUSED_V4.iter().any(|(n, l)| {
+        Cidr {
+            addr: IpAddr::V4(*n),
+            len: *l,
+        }
+        .contains(IpAddr::V4(a))
+    })
+}
+
+/// The IPv4 address a 6to4 address (2002:V4ADDR::/48) embeds.
+fn six_to_four(a: Ipv6Addr) -> Option<Ipv4Addr> {
+    let s = a.segments();
+    (s[0] == 0x2002).then(|| {
+        Ipv4Addr::new(
+            (s[1] >> 8) as u8,
+            (s[1] & 0xff) as u8,
+            (s[2] >> 8) as u8,
+            (s[2] & 0xff) as u8,
+        )
+    })
 }
 
 /// The addresses of this host's interfaces.
@@ -176,7 +204,16 @@ impl WebhookTargets {
             return true;
         }
         let ip = canonical(ip);
-        !special(ip) && !host_addresses().into_iter().any(|h| canonical(h) == ip)
+        // A 6to4 address reaches the IPv4 address it embeds: that must not be this host's.
+        let embedded = match ip {
+            IpAddr::V6(v6) => six_to_four(v6).map(IpAddr::V4),
+            IpAddr::V4(_) => None,
+        };
+        !special(ip)
+            && !host_addresses()
+                .into_iter()
+                .map(canonical)
+                .any(|h| h == ip || Some(h) == embedded)
     }
 
     /// Why `url`'s host may not receive webhooks (it is, or resolves to, a refused address);
@@ -269,15 +306,56 @@ mod tests {
             "fd00::1",
             "::ffff:127.0.0.1",
             "::ffff:10.0.0.1",
+            // NAT64: every embedded IPv4, public ones too (the translator decides where).
+            "64:ff9b::7f00:1",
+            "64:ff9b::a00:1",
+            "64:ff9b::808:808",
+            "64:ff9b:1::a00:1",
+            // 6to4 embedding private, loopback, link-local IPv4.
+            "2002:7f00:1::1",
+            "2002:a00:1::",
+            "2002:c0a8:101::1",
+            "2002:a9fe:a9fe::1",
+            "2002:ac10:1::1",
+            // Site-local, IPv4-compatible, Teredo.
+            "fec0::1",
+            "feff::1",
+            "::a00:1",
+            "::7f00:1",
+            "2001:0:4136:e378::1",
         ] {
             assert!(!t.allowed(bad.parse().expect("ip")), "{bad} allowed");
         }
-        for good in ["8.8.8.8", "93.184.216.34", "2606:4700::1111"] {
+        for good in [
+            "8.8.8.8",
+            "93.184.216.34",
+            "2606:4700::1111",
+            // 6to4 of a public IPv4 address.
+            "2002:808:808::1",
+            "2001:db9::1",
+        ] {
             assert!(t.allowed(good.parse().expect("ip")), "{good} refused");
         }
         // This host's own addresses, whatever they are.
         for own in host_addresses() {
             assert!(!t.allowed(own), "{own} (this host) allowed");
+            if let IpAddr::V4(v4) = own {
+                let [a, b, c, d] = v4.octets();
+                let wrapped = Ipv6Addr::new(
+                    0x2002,
+                    u16::from_be_bytes([a, b]),
+                    u16::from_be_bytes([c, d]),
+                    0,
+                    0,
+                    0,
+                    0,
+                    1,
+                );
+                assert!(
+                    !t.allowed(IpAddr::V6(wrapped)),
+                    "{wrapped} (6to4 of {v4}) allowed"
+                );
+            }
         }
     }
 
