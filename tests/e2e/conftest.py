@@ -198,6 +198,8 @@ def vmon():
         VMON_WEBHOOK_ALLOW="127.0.0.1/32",
         # The OCI tests' registry listens on this machine too.
         VMON_REGISTRY_ALLOW="127.0.0.1/32",
+        # test_isolation.py's private server: the one private address allowOut may open.
+        VMON_PRIVATE_ALLOW="10.231.78.2/32",
         VMON_WEBHOOK_CA_FILE=str(_test_ca(DATA_DIR / "webhook-tls")),
         # Idle auto-suspend (test_idle.py): look for idle sandboxes every second, so a
         # 60 s window is acted on soon after it passes.

@@ -15,7 +15,7 @@ import subprocess
 import threading
 
 import pytest
-from e2b import Sandbox
+from e2b import Sandbox, SandboxException
 
 from conftest import DATA_DIR
 
@@ -125,6 +125,14 @@ def probe(sbx: Sandbox, targets: list[tuple[str, int]]) -> list[str]:
     return [got[f"{ip}:{port}"] for ip, port in targets]
 
 
+def connects_as(uid: int | None, ip: str, port: int) -> bool:
+    """Whether a TCP connection from this host to ip:port opens within 5 s, made by a process
+    running as `uid` (None: this one, root)."""
+    code = f"import socket; socket.create_connection(({ip!r}, {port}), timeout=5).close()"
+    extra = {} if uid is None else {"user": uid, "group": uid, "extra_groups": []}
+    return subprocess.run(["python3", "-c", code], capture_output=True, **extra).returncode == 0
+
+
 def host_end(addr: str) -> str:
     return str(ipaddress.IPv4Address(int(ipaddress.IPv4Address(addr)) - 1))
 
@@ -167,6 +175,11 @@ def test_a_guest_reaches_nothing_of_another_team_or_the_host(vmon, beyond):
         assert everywhere.hits == 0 and private.hits == 0
         # B's server is there: its own guest reaches it.
         assert b.commands.run("(echo > /dev/tcp/127.0.0.1/8000) && echo up").stdout.strip() == "up"
+        # From the host, only vmon (root) opens connections to a guest: another local user
+        # reaches neither its server nor envd (the SDK's calls above went through the proxy).
+        nobody = 65534
+        got = [connects_as(None, b_addr, 8000), connects_as(nobody, b_addr, 8000), connects_as(nobody, b_addr, 49983)]
+        assert got == [True, False, False], "(root to the server, nobody to the server, nobody to envd)"
         everywhere.close()
     finally:
         a.kill()
@@ -175,6 +188,11 @@ def test_a_guest_reaches_nothing_of_another_team_or_the_host(vmon, beyond):
 
 def test_allow_out_opens_what_it_names_and_nothing_else(vmon, beyond):
     public, private = beyond
+    # A private address the operator's private_allow (conftest: 10.231.78.2/32) does not list
+    # is refused before anything starts.
+    for entry in ["10.231.78.3", "192.168.0.0/16"]:
+        with pytest.raises(SandboxException, match="private_allow"):
+            Sandbox.create(timeout=300, network={"allow_out": [entry]})
     closed = Sandbox.create(timeout=300, allow_internet_access=False, network={"allow_out": [PRIVATE]})
     try:
         before = private.hits

@@ -4,6 +4,7 @@ and after it is killed."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import httpx
 from e2b import Sandbox
@@ -58,8 +59,12 @@ def test_metrics_and_logs_while_running_and_after_kill(new_sandbox, vmon):
         )
         assert latest.status_code == 200, latest.text
         assert sbx.sandbox_id in latest.json()["sandboxes"]
-        prom = c.get("/metrics")
-        assert prom.status_code == 200
+        # The platform's metrics are the operator's: 401 without the admin token.
+        denied = c.get("/metrics", headers={"X-API-Key": vmon.api_key})
+        assert denied.status_code == 401 and denied.json()["code"] == 401, denied.text
+        admin = (Path(vmon.env["VMON_DATA_DIR"]) / "admin-token").read_text().strip()
+        prom = c.get("/metrics", headers={"Authorization": f"Bearer {admin}"})
+        assert prom.status_code == 200, prom.text
         assert 'vmon_sandboxes{state="running"}' in prom.text
 
     assert sbx.kill() is True

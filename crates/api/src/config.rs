@@ -39,9 +39,18 @@ pub struct Config {
     /// Ranges webhooks may be delivered to although they are on this host or a private
     /// network (`VMON_WEBHOOK_ALLOW`, comma-separated CIDRs), e.g. `["127.0.0.1/32"]`.
     pub webhook_allow: Vec<String>,
+    /// Ranges inside the private and shared networks (10/8, 100.64/10, 172.16/12,
+    /// 192.0.0/24, 192.168/16, 198.18/15) a sandbox's `allowOut` may open
+    /// (`VMON_PRIVATE_ALLOW`, comma-separated CIDRs). Empty (the default): an `allowOut` entry
+    /// there, or a host name resolving there, is a 400. The node of `vmon up` takes the same
+    /// list; a `vmon node` reads `VMON_PRIVATE_ALLOW` and checks again.
+    pub private_allow: Vec<String>,
     /// A PEM file of CA certificates trusted for `https://` webhooks besides the system's
     /// (`VMON_WEBHOOK_CA_FILE`).
     pub webhook_ca_file: Option<std::path::PathBuf>,
+    /// A token that reads `GET /metrics` (as `Authorization: Bearer`) besides the admin token,
+    /// for a Prometheus that should not hold the admin token (`VMON_METRICS_TOKEN`).
+    pub metrics_token: Option<String>,
     /// What one team may keep, beyond its concurrency and lifetime limits.
     pub quotas: Quotas,
     /// Where template build uploads are kept (default `<data dir>/template-files`).
@@ -91,6 +100,55 @@ pub struct Config {
     pub migration_downtime_ms: u64,
     /// Idle auto-suspend: the teams' defaults and how often the leader looks.
     pub idle: IdleConfig,
+    /// The proxy's caps and timeouts towards guests (`[proxy_limits]`).
+    pub proxy_limits: ProxyLimits,
+}
+
+/// What one sandbox or one client may hold of the proxy, and how long a guest may keep a
+/// request waiting (`vmon_proxy::GuestLimits`; docs/operations.md).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(default, deny_unknown_fields)]
+pub struct ProxyLimits {
+    /// Requests (and upgraded connections) open to one sandbox at once; past it, 503
+    /// (`VMON_PROXY_MAX_PER_SANDBOX`).
+    pub max_per_sandbox: usize,
+    /// Requests open from one client address (IPv6: its /64) at once; past it, 429
+    /// (`VMON_PROXY_MAX_PER_CLIENT`).
+    pub max_per_client: usize,
+    /// Seconds a guest has to send response headers after a request's last byte; past them,
+    /// 504 (`VMON_PROXY_HEADER_TIMEOUT_SECS`; 0 = no bound).
+    pub header_timeout_secs: u64,
+    /// Seconds a response body may send nothing before it is cut off; upgraded connections
+    /// are exempt (`VMON_PROXY_IDLE_BODY_SECS`; 0 = no bound).
+    pub idle_body_secs: u64,
+    /// Signed `/files` URLs matching no sandbox that one client may send per minute
+    /// (`VMON_PROXY_SIGNED_MISSES_PER_MINUTE`).
+    pub signed_misses_per_minute: u32,
+}
+
+impl Default for ProxyLimits {
+    fn default() -> Self {
+        let d = vmon_proxy::GuestLimits::default();
+        Self {
+            max_per_sandbox: d.per_sandbox,
+            max_per_client: d.per_client,
+            header_timeout_secs: d.response_header_timeout.as_secs(),
+            idle_body_secs: d.idle_body_timeout.as_secs(),
+            signed_misses_per_minute: d.signed_misses_per_minute,
+        }
+    }
+}
+
+impl ProxyLimits {
+    pub fn guest_limits(&self) -> vmon_proxy::GuestLimits {
+        vmon_proxy::GuestLimits {
+            per_sandbox: self.max_per_sandbox.max(1),
+            per_client: self.max_per_client.max(1),
+            response_header_timeout: Duration::from_secs(self.header_timeout_secs),
+            idle_body_timeout: Duration::from_secs(self.idle_body_secs),
+            signed_misses_per_minute: self.signed_misses_per_minute,
+        }
+    }
 }
 
 /// Idle auto-suspend (seed 004's IdlePolicy) for sandboxes whose create names none (no
@@ -206,7 +264,9 @@ impl Default for Config {
             store_url: None,
             webhook_key_file: None,
             webhook_allow: Vec::new(),
+            private_allow: Vec::new(),
             webhook_ca_file: None,
+            metrics_token: None,
             quotas: Quotas::default(),
             template_files_dir: None,
             max_template_builds: 2,
@@ -226,6 +286,7 @@ impl Default for Config {
             prebuild_code_interpreter: true,
             migration_downtime_ms: 300,
             idle: IdleConfig::default(),
+            proxy_limits: ProxyLimits::default(),
         }
     }
 }
@@ -316,6 +377,15 @@ impl Config {
                 .filter(|s| !s.is_empty())
                 .collect();
         }
+        if let Some(v) = var("VMON_PRIVATE_ALLOW") {
+            self.private_allow = v
+                .split(',')
+                .map(|s| s.trim().to_string())
+                .filter(|s| !s.is_empty())
+                .collect();
+        }
+        vmon_proto::ranges::check_ranges(&self.private_allow)
+            .map_err(|e| anyhow::anyhow!("private_allow: {e}"))?;
         if let Some(v) = var("VMON_INSECURE_REGISTRIES") {
             self.insecure_registries = v
                 .split(',')
@@ -333,6 +403,9 @@ impl Config {
         for c in &self.registry_allow {
             c.parse::<vmon_proto::addrs::Cidr>()
                 .map_err(|e| anyhow::anyhow!("registry_allow: {e}"))?;
+        }
+        if let Some(v) = var("VMON_METRICS_TOKEN") {
+            self.metrics_token = (!v.trim().is_empty()).then(|| v.trim().to_string());
         }
         if let Some(v) = var("VMON_WEBHOOK_CA_FILE") {
             self.webhook_ca_file = (!v.is_empty()).then(|| v.into());
@@ -393,6 +466,22 @@ impl Config {
                 max_idle_seconds: secs,
                 ..self.idle.default.clone().unwrap_or_default()
             });
+        }
+        let limits = &mut self.proxy_limits;
+        if let Some(v) = var("VMON_PROXY_MAX_PER_SANDBOX") {
+            limits.max_per_sandbox = parse("VMON_PROXY_MAX_PER_SANDBOX", v)?;
+        }
+        if let Some(v) = var("VMON_PROXY_MAX_PER_CLIENT") {
+            limits.max_per_client = parse("VMON_PROXY_MAX_PER_CLIENT", v)?;
+        }
+        if let Some(v) = var("VMON_PROXY_HEADER_TIMEOUT_SECS") {
+            limits.header_timeout_secs = parse("VMON_PROXY_HEADER_TIMEOUT_SECS", v)?;
+        }
+        if let Some(v) = var("VMON_PROXY_IDLE_BODY_SECS") {
+            limits.idle_body_secs = parse("VMON_PROXY_IDLE_BODY_SECS", v)?;
+        }
+        if let Some(v) = var("VMON_PROXY_SIGNED_MISSES_PER_MINUTE") {
+            limits.signed_misses_per_minute = parse("VMON_PROXY_SIGNED_MISSES_PER_MINUTE", v)?;
         }
         if let Some(v) = var("VMON_IDLE_SCAN_MS") {
             self.idle.scan_interval_ms = parse("VMON_IDLE_SCAN_MS", v)?;
@@ -479,6 +568,50 @@ mod tests {
             .apply_env(|k| (k == "VMON_API_LISTEN").then(|| "nope".to_string()))
             .is_err());
         assert_eq!(c.api_url(), "http://127.0.0.1:4000");
+    }
+
+    #[test]
+    fn private_allow_is_empty_by_default_and_takes_cidrs_only() {
+        let mut c = Config::default();
+        assert!(c.private_allow.is_empty());
+        c.apply_env(|k| (k == "VMON_PRIVATE_ALLOW").then(|| " 10.9.0.0/16, 192.168.7.7 ".into()))
+            .expect("env");
+        assert_eq!(c.private_allow, ["10.9.0.0/16", "192.168.7.7"]);
+        for bad in ["db.internal", "10.0.0.0/40"] {
+            let mut c = Config::default();
+            let e = c
+                .apply_env(|k| (k == "VMON_PRIVATE_ALLOW").then(|| bad.to_string()))
+                .expect_err(bad);
+            assert!(e.to_string().contains("private_allow"), "{e}");
+        }
+        let c: Config = toml::from_str("private_allow = [\"10.0.0.0/24\"]\n").expect("toml");
+        assert_eq!(c.private_allow, ["10.0.0.0/24"]);
+    }
+
+    #[test]
+    fn proxy_limits_and_the_metrics_token_from_toml_and_env() {
+        let mut c: Config =
+            toml::from_str("[proxy_limits]\nmax_per_sandbox = 5\nidle_body_secs = 0\n")
+                .expect("toml");
+        let vars = [
+            ("VMON_PROXY_MAX_PER_CLIENT", "9"),
+            ("VMON_PROXY_HEADER_TIMEOUT_SECS", "7"),
+            ("VMON_METRICS_TOKEN", " scrape "),
+        ];
+        c.apply_env(|k| {
+            vars.iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| v.to_string())
+        })
+        .expect("env");
+        let g = c.proxy_limits.guest_limits();
+        assert_eq!((g.per_sandbox, g.per_client), (5, 9));
+        assert_eq!(g.response_header_timeout, Duration::from_secs(7));
+        assert!(g.idle_body_timeout.is_zero());
+        assert_eq!(c.metrics_token.as_deref(), Some("scrape"));
+        assert!(c
+            .apply_env(|k| (k == "VMON_PROXY_MAX_PER_SANDBOX").then(|| "-1".to_string()))
+            .is_err());
     }
 
     #[test]

@@ -156,6 +156,19 @@ impl Modify for Conventions {
             ))),
         );
         components.add_security_scheme(
+            "MetricsToken",
+            SecurityScheme::Http({
+                let mut http = utoipa::openapi::security::Http::new(
+                    utoipa::openapi::security::HttpAuthScheme::Bearer,
+                );
+                http.description = Some(
+                    "`GET /metrics` only: the admin token or the config's `metrics_token`"
+                        .to_string(),
+                );
+                http
+            }),
+        );
+        components.add_security_scheme(
             "VolumeToken",
             SecurityScheme::Http({
                 let mut http = utoipa::openapi::security::Http::new(

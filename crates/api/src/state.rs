@@ -72,6 +72,48 @@ impl FromRequestParts<AppState> for Admin {
     }
 }
 
+/// A reader of the platform's Prometheus metrics (`GET /metrics`): the operator's token in
+/// `X-Admin-Token`, or it or the config's `metrics_token` as `Authorization: Bearer` (what
+/// Prometheus' `authorization` block sends). Without either token set the route answers 404.
+pub(crate) struct MetricsReader;
+
+impl FromRequestParts<AppState> for MetricsReader {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> ApiResult<Self> {
+        let metrics = state.control.config().metrics_token.as_deref();
+        let tokens: Vec<&str> = [state.admin_token.as_deref(), metrics]
+            .into_iter()
+            .flatten()
+            .filter(|t| !t.is_empty())
+            .collect();
+        if tokens.is_empty() {
+            return Err(ApiError::not_found("no such endpoint"));
+        }
+        let header = |name: &str| parts.headers.get(name).and_then(|v| v.to_str().ok());
+        let bearer = header("authorization").and_then(|v| {
+            v.split_once(' ')
+                .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+                .map(|(_, t)| t.trim())
+        });
+        // Hashed before comparing, as for the admin token: the time taken says nothing of it.
+        let admin_sent = header("x-admin-token").map(ids::hash_key);
+        let bearer_sent = bearer.map(ids::hash_key);
+        let admin = state.admin_token.as_deref().map(ids::hash_key);
+        let ok = tokens
+            .iter()
+            .any(|t| bearer_sent.as_deref() == Some(&ids::hash_key(t)))
+            || (admin.is_some() && admin_sent == admin);
+        if ok {
+            Ok(MetricsReader)
+        } else {
+            Err(ApiError::unauthorized(
+                "the metrics need the admin token (X-Admin-Token) or a metrics token (Authorization: Bearer)",
+            ))
+        }
+    }
+}
+
 /// Parses a JSON body leniently (unknown keys ignored; an empty body is `{}`) and answers
 /// type errors with an E2B 400 instead of axum's plain-text rejection.
 pub(crate) fn body<T: DeserializeOwned>(bytes: &Bytes) -> ApiResult<T> {

@@ -654,6 +654,74 @@ async fn webhooks_are_validated_and_owned() {
     assert_eq!(h.records.webhooks(&h.team_id).await.unwrap().len(), 0);
 }
 
+/// A private or shared range in `allowOut` is the operator's to open (`private_allow`): a 400
+/// naming the entry at create and at a network update otherwise; `0.0.0.0/0` stays the
+/// internet; inside `private_allow` it is accepted.
+#[tokio::test]
+async fn private_allow_out_is_refused_unless_the_operator_lists_it() {
+    let h = harness(limits()).await;
+    for entry in [
+        "10.1.2.3",
+        "192.168.0.0/16",
+        "100.64.0.1",
+        "172.16.5.0/24",
+        "198.18.0.1",
+    ] {
+        let body =
+            format!(r#"{{"templateID":"base","network":{{"allowOut":["8.8.8.8","{entry}"]}}}}"#);
+        let r = h.req("POST", "/v2/sandboxes", Some(&body)).await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{entry}: {:?}", r.json);
+        let m = r.json["message"].as_str().unwrap_or_default();
+        assert!(m.contains(entry) && m.contains("private_allow"), "{m}");
+        assert_eq!(r.json["code"], 400, "{:?}", r.json);
+    }
+    let id = h
+        .create(r#"{"templateID":"base","network":{"allowOut":["0.0.0.0/0","8.8.8.8"]}}"#)
+        .await;
+    let r = h
+        .req(
+            "PUT",
+            &format!("/sandboxes/{id}/network"),
+            Some(r#"{"allowOut":["10.9.9.9"]}"#),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST, "{:?}", r.json);
+    assert!(
+        r.json["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("10.9.9.9"),
+        "{:?}",
+        r.json
+    );
+    assert!(
+        h.node.networks.lock().unwrap().is_empty(),
+        "a refused update never reaches the node"
+    );
+
+    // The operator lists 10.9.0.0/16: entries inside it stand, others still do not.
+    let h = common::harness_configured(limits(), |c| c.private_allow = vec!["10.9.0.0/16".into()])
+        .await;
+    let id = h
+        .create(r#"{"templateID":"base","network":{"allowOut":["10.9.1.0/24"]}}"#)
+        .await;
+    let r = h
+        .req(
+            "PUT",
+            &format!("/sandboxes/{id}/network"),
+            Some(r#"{"allowOut":["10.9.9.9"]}"#),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::NO_CONTENT, "{:?}", r.json);
+    for outside in ["10.8.0.1", "10.0.0.0/8"] {
+        let body = format!(r#"{{"allowOut":["{outside}"]}}"#);
+        let r = h
+            .req("PUT", &format!("/sandboxes/{id}/network"), Some(&body))
+            .await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{outside}: {:?}", r.json);
+    }
+}
+
 #[tokio::test]
 async fn network_updates_reach_the_node_and_emit_updated() {
     let h = harness(limits()).await;

@@ -206,7 +206,7 @@ async fn errors_are_code_and_message_and_credentials_are_named() {
                 );
             }
             let secured = op["security"].as_array().is_some_and(|s| !s.is_empty());
-            let public = ["/health", "/metrics", "/openapi.json"].contains(&path.as_str())
+            let public = ["/health", "/openapi.json"].contains(&path.as_str())
                 || path.starts_with("/docs")
                 || path.starts_with("/dashboard")
                 // Authorized by the URL's signature: the SDK sends no key there.

@@ -327,7 +327,36 @@ async fn prometheus_text_reports_the_platform() {
     h.create(r#"{"templateID":"base"}"#).await;
     vmon_api::telemetry::platform()
         .webhook_delivery(vmon_api::telemetry::WebhookOutcome::Delivered);
-    let r = h.call("GET", "/metrics", None, None, &[]).await;
+    // Only for the operator: a team's key or no credential is a 401.
+    for (key, extra) in [
+        (None, &[][..]),
+        (Some(h.key.as_str()), &[][..]),
+        (None, &[("x-admin-token", "wrong")][..]),
+        (None, &[("authorization", "Bearer wrong")][..]),
+    ] {
+        let r = h.call("GET", "/metrics", key, None, extra).await;
+        assert_eq!(r.status, StatusCode::UNAUTHORIZED, "{extra:?}");
+        assert_eq!(r.json["code"], 401);
+    }
+    let r = h
+        .call(
+            "GET",
+            "/metrics",
+            None,
+            None,
+            &[("authorization", "Bearer admintoken")],
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK);
+    let r = h
+        .call(
+            "GET",
+            "/metrics",
+            None,
+            None,
+            &[("x-admin-token", "admintoken")],
+        )
+        .await;
     assert_eq!(r.status, StatusCode::OK);
     let text = r.json.as_str().expect("text");
     assert!(

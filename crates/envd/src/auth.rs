@@ -7,9 +7,9 @@ use sha2::{Digest, Sha256};
 use crate::agent::Agent;
 use crate::connect::{self, Body};
 
-/// Compares without leaking where the first difference is.
-fn same(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+/// Compares without leaking where the first difference is (only whether the lengths differ).
+pub fn same(a: &[u8], b: &[u8]) -> bool {
+    bool::from(subtle::ConstantTimeEq::ct_eq(a, b))
 }
 
 pub fn header_token(headers: &HeaderMap) -> Option<&str> {
@@ -114,5 +114,14 @@ mod tests {
         assert!(!s.ends_with('='));
         assert_ne!(s, signature("/a", "write", "", "tok", None));
         assert_ne!(s, signature("/a", "read", "", "tok", Some(1)));
+    }
+
+    #[test]
+    fn same_is_equality() {
+        assert!(same(b"s3cret", b"s3cret"));
+        assert!(same(b"", b""));
+        for other in [&b"s3creT"[..], b"s3cre", b"s3crett", b""] {
+            assert!(!same(b"s3cret", other), "{other:?}");
+        }
     }
 }

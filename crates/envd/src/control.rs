@@ -113,8 +113,11 @@ pub async fn init(agent: Arc<Agent>, req: Request<Incoming>) -> Response<Body> {
     // Once a token is set, only its holder may change it: the same token in the body (a retry, or
     // a restore that keeps it) or in X-Access-Token (rotation by the node).
     if let Some(current) = agent.token() {
-        let in_body = msg.access_token.as_deref() == Some(current.as_str());
-        let in_header = header_token.as_deref() == Some(current.as_str());
+        // Both compared in constant time: the time taken says nothing about the token.
+        let held =
+            |t: Option<&str>| t.is_some_and(|t| auth::same(t.as_bytes(), current.as_bytes()));
+        let in_body = held(msg.access_token.as_deref());
+        let in_header = held(header_token.as_deref());
         if !in_body && !in_header {
             return error(StatusCode::UNAUTHORIZED, "access token validation failed");
         }

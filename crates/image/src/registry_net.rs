@@ -22,7 +22,7 @@ use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use vmon_proto::addrs::{canonical, special, Cidr};
+use vmon_proto::addrs::{canonical, six_to_four, special, Cidr};
 
 use crate::oci::RegistryError;
 
@@ -56,7 +56,16 @@ impl RegistryPolicy {
             return true;
         }
         let ip = canonical(ip);
-        !special(ip) && !host_addresses().into_iter().any(|h| canonical(h) == ip)
+        // A 6to4 address reaches the IPv4 address it embeds: that must not be this host's.
+        let embedded = match ip {
+            IpAddr::V6(v6) => six_to_four(v6).map(IpAddr::V4),
+            IpAddr::V4(_) => None,
+        };
+        !special(ip)
+            && !host_addresses()
+                .into_iter()
+                .map(canonical)
+                .any(|h| h == ip || Some(h) == embedded)
     }
 
     /// The addresses of `host` (a name or an IP literal, IPv6 in brackets or not), all of

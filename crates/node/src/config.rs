@@ -70,6 +70,19 @@ pub struct NodeConfig {
     /// `base` (`VMON_QEMU_UID_BASE`, default 1900000000; 0 runs them as root, for debugging
     /// only). No account needs to exist for these ids.
     pub qemu_uid_base: Option<u32>,
+    /// Ranges inside the private and shared networks (10/8, 100.64/10, 172.16/12, 192.0.0/24,
+    /// 192.168/16, 198.18/15) that a sandbox's `allowOut` may open (`VMON_PRIVATE_ALLOW`,
+    /// comma-separated CIDRs; the api's `private_allow`). Empty: none; an `allowOut` entry
+    /// inside one is refused.
+    pub private_allow: Vec<String>,
+    /// The cluster's own parts, as URLs, `host:port`s or addresses: no guest reaches their
+    /// addresses, whatever `allowOut` and `private_allow` say. Gathered from the settings
+    /// (etcd, the store URL, the object store, the node's, api's and proxy's addresses);
+    /// `vmon up` and `vmon node` add the ones they use.
+    pub cluster_endpoints: Vec<String>,
+    /// Further addresses or CIDRs no guest reaches (`VMON_PROTECTED`, comma-separated): other
+    /// nodes, a management network.
+    pub protected: Vec<String>,
 }
 
 impl NodeConfig {
@@ -111,8 +124,41 @@ impl NodeConfig {
                 0 => None,
                 b => Some(b),
             },
+            private_allow: env_list("VMON_PRIVATE_ALLOW"),
+            cluster_endpoints: env_endpoints(),
+            protected: env_list("VMON_PROTECTED"),
         }
     }
+}
+
+/// A comma-separated list from the environment (empty when unset).
+pub(crate) fn env_list(name: &str) -> Vec<String> {
+    std::env::var(name)
+        .unwrap_or_default()
+        .split(',')
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+        .collect()
+}
+
+/// The cluster's endpoints the environment names (a guest reaches none of them).
+fn env_endpoints() -> Vec<String> {
+    let mut v = Vec::new();
+    for name in [
+        "VMON_ETCD_ENDPOINTS",
+        "VMON_STORE_URL",
+        "VMON_S3_ENDPOINT",
+        "VMON_NODE_LISTEN",
+        "VMON_NODE_ADVERTISE",
+        "VMON_NODE_INGRESS",
+        "VMON_API_LISTEN",
+        "VMON_PROXY_LISTEN",
+        "VMON_API_URL",
+        "VMON_SANDBOX_URL",
+    ] {
+        v.extend(env_list(name));
+    }
+    v
 }
 
 /// Far above the ids distributions hand to accounts and to user namespaces' sub-id ranges.

@@ -77,6 +77,8 @@ pub struct Slots {
     /// The base id of unprivileged QEMUs ([`Slot::qemu_uid`]): each slot's tap is owned by its
     /// QEMU's uid, so QEMU attaches to it without privileges.
     qemu_ids: Option<u32>,
+    /// The operator's `private_allow` and the protected addresses, in every slot's rules.
+    perimeter: Perimeter,
 }
 
 /// The policy every slot is made with: egress allowed, no lists.
@@ -107,14 +109,21 @@ pub use vmon_proto::node::is_host_name;
 mod egress;
 pub use egress::allow_out_reaches;
 
+mod host;
+pub use host::remove_legacy;
+
+mod perimeter;
+pub use perimeter::{endpoint_hosts, Perimeter};
+
 mod policy;
 pub use policy::*;
 
 impl Slots {
     /// The slots of block `block` (taken modulo [`BLOCKS`]).
-    pub fn new(block: u32, qemu_ids: Option<u32>) -> Slots {
+    pub fn new(block: u32, qemu_ids: Option<u32>, perimeter: Perimeter) -> Slots {
         Slots {
             qemu_ids,
+            perimeter,
             block: block % BLOCKS,
             used: Mutex::new(BTreeSet::new()),
             spares: Mutex::new(Vec::new()),
@@ -184,21 +193,16 @@ impl Slots {
         }
     }
 
-    /// Host-wide setup: forwarding, the masquerade for slot egress and the host-side isolation
-    /// rules ([`host_ruleset`]). Idempotent: the hooked chains are rewritten; the per-slot
-    /// chains and their map entries belong to live slots and are kept.
-    pub async fn prepare_host() -> anyhow::Result<()> {
-        sh(
-            &format!(
-                "sysctl -qw net.ipv4.ip_forward=1
-nft -f - <<'EOF'
-{}
-EOF",
-                host_ruleset()
-            ),
-            "host network setup",
-        )
-        .await
+    /// The operator's side of this node's slots.
+    pub fn perimeter(&self) -> &Perimeter {
+        &self.perimeter
+    }
+
+    /// Checks a policy before anything starts: its entries ([`validate_policy`]) and, with
+    /// host names resolved, that it opens no private range `private_allow` does not list.
+    pub async fn vet(&self, p: &NetworkPolicy) -> Result<(), String> {
+        validate_policy(p)?;
+        self.perimeter.check(p).await
     }
 
     /// Removes every slot namespace and host veth not in `keep` (crash leftovers).
@@ -275,7 +279,7 @@ EOF",
         let spare = self.spares.lock().ok().and_then(|mut s| s.pop());
         if let Some(slot) = spare {
             if *policy != open_policy() {
-                if let Err(e) = slot.set_policy(policy).await {
+                if let Err(e) = slot.set_policy(policy, &self.perimeter).await {
                     let _ = self.release(&slot).await;
                     return Err(e);
                 }
@@ -298,7 +302,7 @@ EOF",
             i
         };
         let slot = self.slot(index);
-        if let Err(e) = slot.create(policy, self.qemu_ids).await {
+        if let Err(e) = slot.create(policy, self.qemu_ids, &self.perimeter).await {
             let _ = slot.destroy().await;
             self.forget(index);
             return Err(e);
@@ -321,8 +325,13 @@ EOF",
 }
 
 impl Slot {
-    async fn create(&self, policy: &NetworkPolicy, qemu_ids: Option<u32>) -> anyhow::Result<()> {
-        let policy = resolve_names(policy, system_resolve).await;
+    async fn create(
+        &self,
+        policy: &NetworkPolicy,
+        qemu_ids: Option<u32>,
+        perimeter: &Perimeter,
+    ) -> anyhow::Result<()> {
+        let policy = resolved_within(policy, perimeter).await?;
         let owner = match qemu_ids {
             Some(base) => format!(" user {} group {base}", self.qemu_uid(base)),
             None => String::new(),
@@ -333,7 +342,8 @@ impl Slot {
         let addr = self.addr();
         // Two `ip` runs in batch mode, one shell in the namespace for the sysctls and its
         // ruleset, one nft run for the host's side: a burst of forks creates several slots at
-        // once. IPv6 is off in the namespace (the rules are IPv4's).
+        // once. IPv6 is off in the namespace (the rules are IPv4's): when the kernel has IPv6,
+        // turning it off must work and read back, or the slot is not made.
         let script = format!(
             "ip -b - <<'EOF'
 netns add {ns}
@@ -351,17 +361,15 @@ link set {TAP} up
 route add default via {host_ip}
 EOF
 ip netns exec {ns} sh -e -c 'echo 1 > /proc/sys/net/ipv4/ip_forward
-for f in /proc/sys/net/ipv6/conf/all/disable_ipv6 /proc/sys/net/ipv6/conf/default/disable_ipv6; do
-  if [ -w $f ]; then echo 1 > $f; fi
-done
+{IPV6_OFF}
 exec nft -f -' <<'EOF'
 {}
 EOF
 nft -f - <<'EOF'
 {}
 EOF",
-            self.ruleset(&policy),
-            self.host_rules(&policy)
+            self.ruleset(&policy, perimeter),
+            self.host_rules(&policy, perimeter)
         );
         sh(&script, &format!("creating network slot {}", self.index)).await
     }
@@ -372,7 +380,7 @@ EOF",
     }
 
     /// The host's side of this slot: its chain, rewritten, and its entry in the map.
-    fn host_rules(&self, policy: &NetworkPolicy) -> String {
+    fn host_rules(&self, policy: &NetworkPolicy, perimeter: &Perimeter) -> String {
         let chain = self.host_chain();
         let hif = self.host_if();
         let mut r = format!(
@@ -381,7 +389,7 @@ flush chain ip vmon {chain}
 add element ip vmon slot_chain {{ \"{hif}\" : jump {chain} }}
 "
         );
-        let allows = private_allows(policy);
+        let allows = private_allows(policy, &perimeter.private_allow);
         if !allows.is_empty() {
             r += &format!(
                 "add rule ip vmon {chain} ip daddr {{ {} }} accept\n",
@@ -392,7 +400,7 @@ add element ip vmon slot_chain {{ \"{hif}\" : jump {chain} }}
     }
 
     /// The slot namespace's table. Entries of `policy` must be resolved.
-    fn ruleset(&self, policy: &NetworkPolicy) -> String {
+    fn ruleset(&self, policy: &NetworkPolicy, perimeter: &Perimeter) -> String {
         let addr = self.addr();
         let host_ip = self.host_ip();
         format!(
@@ -416,14 +424,17 @@ add element ip vmon slot_chain {{ \"{hif}\" : jump {chain} }}
     iifname \"veth0\" oifname \"{TAP}\" ip saddr {host_ip} ip daddr {GUEST_IP} accept
 {}  }}
 }}",
-            egress_rules(policy)
+            egress_rules(policy, perimeter)
         )
     }
 
     /// Replaces the egress policy of a live slot (in its namespace and on the host).
-    pub async fn set_policy(&self, policy: &NetworkPolicy) -> anyhow::Result<()> {
-        validate_policy(policy).map_err(|e| anyhow::anyhow!(e))?;
-        let policy = resolve_names(policy, system_resolve).await;
+    pub async fn set_policy(
+        &self,
+        policy: &NetworkPolicy,
+        perimeter: &Perimeter,
+    ) -> anyhow::Result<()> {
+        let policy = resolved_within(policy, perimeter).await?;
         let ns = self.netns();
         let script = format!(
             "ip netns exec {ns} nft -f - <<'EOF'
@@ -433,8 +444,8 @@ EOF
 nft -f - <<'EOF'
 {}
 EOF",
-            self.ruleset(&policy),
-            self.host_rules(&policy)
+            self.ruleset(&policy, perimeter),
+            self.host_rules(&policy, perimeter)
         );
         sh(&script, "updating egress policy").await
     }
@@ -458,44 +469,28 @@ nft delete chain ip vmon {chain} 2>/dev/null || true"
     }
 }
 
-/// Removes namespaces and host links named by vmon's first scheme (`vmon-s<n>`, `vmh<n>`),
-/// which predates slot blocks and would shadow block 0's addresses.
-pub async fn remove_legacy() {
-    let Ok(out) = tokio::process::Command::new("ip")
-        .args(["netns", "list"])
-        .output()
-        .await
-    else {
-        return;
-    };
-    for line in String::from_utf8_lossy(&out.stdout).lines() {
-        let name = line.split_whitespace().next().unwrap_or("");
-        if name
-            .strip_prefix("vmon-s")
-            .is_some_and(|n| n.parse::<u32>().is_ok())
-        {
-            let _ = sh(&format!("ip netns del {name}"), "remove legacy namespace").await;
-        }
+/// The shell lines that turn IPv6 off in a slot's namespace, failing (under `sh -e`) when the
+/// kernel has IPv6 and a write fails or does not read back.
+const IPV6_OFF: &str = "if [ -d /proc/sys/net/ipv6 ]; then
+  for f in /proc/sys/net/ipv6/conf/all/disable_ipv6 /proc/sys/net/ipv6/conf/default/disable_ipv6; do
+    echo 1 > $f
+    [ \"$(cat $f)\" = 1 ]
+  done
+fi";
+
+/// `policy` with its host names resolved, checked again against `private_allow` (names are
+/// resolved anew at every write of the rules, so an address a name moved to is checked too).
+async fn resolved_within(
+    policy: &NetworkPolicy,
+    perimeter: &Perimeter,
+) -> anyhow::Result<NetworkPolicy> {
+    validate_policy(policy).map_err(|e| anyhow::anyhow!(e))?;
+    let resolved = resolve_names(policy, system_resolve).await;
+    for e in &resolved.allow_out {
+        vmon_proto::ranges::check_private(e, e, &perimeter.private_allow)
+            .map_err(|m| anyhow::anyhow!(m))?;
     }
-    let Ok(links) = tokio::process::Command::new("ip")
-        .args(["-o", "link", "show"])
-        .output()
-        .await
-    else {
-        return;
-    };
-    for line in String::from_utf8_lossy(&links.stdout).lines() {
-        let Some(name) = line.split(':').nth(1).map(|s| s.trim()) else {
-            continue;
-        };
-        let name = name.split('@').next().unwrap_or(name);
-        if name
-            .strip_prefix("vmh")
-            .is_some_and(|n| n.parse::<u32>().is_ok())
-        {
-            let _ = sh(&format!("ip link del {name}"), "remove legacy veth").await;
-        }
-    }
+    Ok(resolved)
 }
 
 #[cfg(test)]
@@ -559,48 +554,103 @@ mod tests {
             .unwrap_or_else(|| panic!("no rule with {needle:?} in\n{rules}"))
     }
 
+    /// The operator opens 10.250.0.0/16 to `allowOut`; 10.250.9.9 (say, etcd) and
+    /// 203.0.113.5 (the host's public address) are protected.
+    fn perimeter() -> Perimeter {
+        Perimeter::new(
+            vec!["10.250.0.0/16".into()],
+            vec!["10.250.9.9".into(), "203.0.113.5".into()],
+        )
+    }
+
     #[test]
     fn egress_rules_drop_the_host_slots_and_private_ranges_first() {
-        let r = egress_rules(&open_policy());
+        let r = egress_rules(&open_policy(), &perimeter());
         let spoof = position(&r, &format!("ip saddr != {GUEST_IP} drop"));
         let never = position(&r, "169.254.0.0/16");
+        let protected = position(&r, "10.250.9.9");
         let private = position(&r, "10.0.0.0/8");
         let internet = position(&r, "oifname \"veth0\" accept");
         assert!(
-            spoof < never && never < private && private < internet,
+            spoof < never && never < protected && protected < private && private < internet,
             "{r}"
         );
+        assert!(r
+            .lines()
+            .nth(protected)
+            .is_some_and(|l| l.ends_with("drop") && l.contains("203.0.113.5")));
         assert!(r.lines().nth(private).is_some_and(|l| l.ends_with("drop")));
         for range in NEVER.iter().chain(PRIVATE.iter()) {
             assert!(r.contains(range), "{range} missing:\n{r}");
         }
         // No internet: nothing accepts what the lists do not name.
-        let closed = egress_rules(&policy(&[], &[], false));
+        let closed = egress_rules(&policy(&[], &[], false), &perimeter());
         assert!(!closed.contains("accept"), "{closed}");
     }
 
     #[test]
-    fn allow_out_opens_a_private_range_only_when_it_names_one() {
-        // An entry inside a private range is accepted before the private drop.
-        let p = policy(&["10.250.0.2", "8.8.8.8"], &[], false);
-        let r = egress_rules(&p);
+    fn allow_out_opens_a_private_range_only_when_it_names_one_the_operator_lists() {
+        // An entry inside a private range (and inside private_allow) is accepted before the
+        // private drop, after the protected one; one outside private_allow is not opened.
+        let p = policy(&["10.250.0.2", "10.251.0.2", "8.8.8.8"], &[], false);
+        let r = egress_rules(&p, &perimeter());
         let open = position(&r, "10.250.0.2");
         let private_drop = position(&r, "192.168.0.0/16");
-        assert!(open < private_drop, "{r}");
-        assert_eq!(private_allows(&p), vec!["10.250.0.2".to_string()]);
+        assert!(
+            open < private_drop && position(&r, "10.250.9.9") < open,
+            "{r}"
+        );
+        assert!(!r.contains("10.251.0.2"), "{r}");
+        let allow = perimeter().private_allow;
+        assert_eq!(private_allows(&p, &allow), vec!["10.250.0.2".to_string()]);
+        assert!(
+            private_allows(&p, &[]).is_empty(),
+            "nothing without private_allow"
+        );
         // "Everything" is the internet, not the host's local networks.
         let p = policy(&["0.0.0.0/0"], &[], false);
-        assert!(private_allows(&p).is_empty());
-        let r = egress_rules(&p);
+        assert!(private_allows(&p, &allow).is_empty());
+        let r = egress_rules(&p, &perimeter());
         assert!(
             position(&r, "0.0.0.0/0") > position(&r, "192.168.0.0/16"),
             "{r}"
         );
         // Another slot or the host can never be opened.
         let p = policy(&["169.254.128.6", "127.0.0.1"], &[], true);
-        assert!(private_allows(&p).is_empty());
+        assert!(private_allows(&p, &allow).is_empty());
         assert!(public_entries(&p.allow_out).is_empty());
-        assert!(!egress_rules(&p).contains("169.254.128.6"));
+        assert!(!egress_rules(&p, &perimeter()).contains("169.254.128.6"));
+    }
+
+    #[test]
+    fn the_host_lets_only_root_open_connections_to_guests() {
+        for was_off in [false, true] {
+            let r = host_ruleset(&perimeter(), was_off);
+            let body = &r[r.rfind("chain output").expect("output chain")..];
+            let established =
+                position(body, "oifname \"vmh*\" ct state established,related accept");
+            let root = position(body, "oifname \"vmh*\" meta skuid 0 accept");
+            let drop = position(body, "oifname \"vmh*\" drop");
+            assert!(established < root && root < drop, "{body}");
+            // Forwarded: only replies go into a slot veth.
+            let fwd = &r[r.rfind("chain forward").expect("forward chain")..];
+            assert!(
+                position(
+                    fwd,
+                    "    oifname \"vmh*\" ct state established,related accept"
+                ) < position(fwd, "    oifname \"vmh*\" drop"),
+                "{fwd}"
+            );
+            assert!(
+                position(fwd, "10.250.9.9") < position(fwd, "@slot_chain"),
+                "{fwd}"
+            );
+            assert_eq!(
+                fwd.contains("iifname != \"vmh*\" oifname != \"vmh*\" drop"),
+                was_off,
+                "forwarding that is not vmon's is dropped only when vmon turned it on:\n{fwd}"
+            );
+        }
     }
 
     #[test]
@@ -626,6 +676,46 @@ mod tests {
         assert!(!resolved.allow_internet_access);
     }
 
+    /// Runs [`IPV6_OFF`] under `sh -e` in a new network and mount namespace, with `all`'s
+    /// setting made read-only first when `read_only`: the status and what `all` reads.
+    fn ipv6_off_in_a_fresh_namespace(read_only: bool) -> (bool, String) {
+        let f = "/proc/sys/net/ipv6/conf/all/disable_ipv6";
+        let ro = if read_only {
+            format!("mount --bind {f} {f}; mount -o remount,ro,bind {f}\n")
+        } else {
+            String::new()
+        };
+        let out = std::process::Command::new("unshare")
+            .args(["-m", "-n", "--propagation", "private", "sh", "-c"])
+            .arg(format!(
+                "{ro}sh -e -c '{IPV6_OFF}' && st=0 || st=1; echo $st $(cat {f})"
+            ))
+            .output()
+            .expect("unshare");
+        let text = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        let (st, v) = text.split_once(' ').unwrap_or(("?", ""));
+        (st == "0", v.to_string())
+    }
+
+    #[test]
+    fn turning_ipv6_off_fails_closed() {
+        assert!(
+            std::path::Path::new("/proc/sys/net/ipv6").exists(),
+            "this host's kernel has no IPv6: nothing to turn off, nothing to test"
+        );
+        assert_eq!(
+            ipv6_off_in_a_fresh_namespace(false),
+            (true, "1".to_string())
+        );
+        // A write that does not take makes the slot's setup fail, not go on with IPv6 on.
+        let (ok, v) = ipv6_off_in_a_fresh_namespace(true);
+        assert!(
+            !ok,
+            "IPv6 could not be turned off, yet the setup went on (reads {v:?})"
+        );
+        assert_eq!(v, "0");
+    }
+
     #[test]
     fn rulesets_are_valid_nft() {
         // `nft -c` parses and checks without changing anything; it needs nft and root, which
@@ -644,9 +734,11 @@ mod tests {
             false,
         );
         for text in [
-            host_ruleset(),
-            slot.ruleset(&p),
-            slot.ruleset(&open_policy()),
+            host_ruleset(&perimeter(), true),
+            host_ruleset(&Perimeter::default(), false),
+            slot.ruleset(&p, &perimeter()),
+            slot.ruleset(&open_policy(), &perimeter()),
+            slot.ruleset(&open_policy(), &Perimeter::default()),
             egress::intercept_ruleset(
                 &[Ipv4Addr::new(198, 51, 100, 42), Ipv4Addr::new(8, 8, 8, 8)],
                 slot.addr(),

@@ -5,15 +5,18 @@
 
 mod common;
 
-use std::net::{Ipv4Addr, SocketAddr, TcpListener};
-use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::net::Ipv4Addr;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use common::{host_lock, node, runtime, unique};
-use serde_json::Value;
+use common::net::{
+    chain_policy, chain_rules, daddr_set, listen, nft_json, run, saddr_not, verdict,
+};
+use common::{host_lock, node_with, runtime, unique};
 use vmon_proto::node::{NetworkPolicy, NodeControl};
+
+/// envd's port in every guest.
+const ENVD: u16 = 49983;
 
 /// A namespace standing in for the network beyond the host: a "public" address (TEST-NET-3,
 /// never routed on the internet) and a private one, behind a veth whose host end has an address
@@ -27,17 +30,18 @@ const HOST_IF: &str = "vmt-by0";
 const PUBLIC: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 2);
 const PUBLIC_HOST: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 1);
 const PRIVATE: Ipv4Addr = Ipv4Addr::new(10, 231, 77, 2);
+/// Stands in for a part of the cluster (etcd, say): inside the private range the operator opens,
+/// and in the node's protected list.
+const PROTECTED: Ipv4Addr = Ipv4Addr::new(10, 231, 77, 3);
+/// What the operator's `private_allow` opens: the private server's /24 (PROTECTED included).
+const PRIVATE_ALLOW: &str = "10.231.77.0/24";
 
-fn run(script: &str) {
-    let out = std::process::Command::new("sh")
-        .args(["-e", "-c", script])
-        .output()
-        .expect("sh");
-    assert!(
-        out.status.success(),
-        "{script}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+/// This binary's node: `private_allow` opens [`PRIVATE_ALLOW`], [`PROTECTED`] is protected.
+fn node() -> std::sync::Arc<vmon_node::Node> {
+    node_with(|c| {
+        c.private_allow = vec![PRIVATE_ALLOW.to_string()];
+        c.protected = vec![PROTECTED.to_string()];
+    })
 }
 
 impl Beyond {
@@ -57,6 +61,7 @@ ip link set {HOST_IF} up
 ip -n {NS} link set lo up
 ip -n {NS} addr add {PUBLIC}/24 dev eth0
 ip -n {NS} addr add {PRIVATE}/24 dev eth0
+ip -n {NS} addr add {PROTECTED}/24 dev eth0
 ip -n {NS} link set eth0 up"
         ));
         Beyond { ns: NS.into() }
@@ -72,36 +77,6 @@ impl Drop for Beyond {
             ])
             .status();
     }
-}
-
-/// A listener that counts the connections it accepts, bound in `netns` (None: the host's).
-struct Listener {
-    port: u16,
-    hits: Arc<AtomicUsize>,
-}
-
-fn listen(netns: Option<&str>, ip: Ipv4Addr) -> Listener {
-    let (tx, rx) = std::sync::mpsc::channel();
-    let hits = Arc::new(AtomicUsize::new(0));
-    let h = hits.clone();
-    let netns = netns.map(String::from);
-    std::thread::spawn(move || {
-        if let Some(ns) = netns {
-            let f = std::fs::File::open(format!("/run/netns/{ns}")).expect("netns");
-            // SAFETY: setns on a descriptor we own; it moves only this thread.
-            let rc = unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) };
-            assert_eq!(rc, 0, "setns");
-        }
-        let l = TcpListener::bind(SocketAddr::from((ip, 0))).expect("bind");
-        tx.send(l.local_addr().expect("addr").port()).expect("send");
-        for c in l.incoming() {
-            if c.is_ok() {
-                h.fetch_add(1, Ordering::SeqCst);
-            }
-        }
-    });
-    let port = rx.recv_timeout(Duration::from_secs(10)).expect("port");
-    Listener { port, hits }
 }
 
 /// One probe per target from inside the guest: "reached" or "blocked" per line.
@@ -142,88 +117,25 @@ fn slot_names(addr: Ipv4Addr) -> (String, String) {
     )
 }
 
-fn nft_json(netns: Option<&str>, what: &[&str]) -> Value {
-    let mut cmd = match netns {
-        Some(ns) => {
-            let mut c = std::process::Command::new("ip");
-            c.args(["netns", "exec", ns, "nft", "-j"]);
-            c
-        }
-        None => {
-            let mut c = std::process::Command::new("nft");
-            c.arg("-j");
-            c
-        }
-    };
-    let out = cmd.args(what).output().expect("nft -j");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).expect("nft json")
-}
-
-/// The rules of `chain` as their expression lists, in order.
-fn chain_rules(doc: &Value, chain: &str) -> Vec<Vec<Value>> {
-    doc["nftables"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(|o| o.get("rule"))
-        .filter(|r| r["chain"] == chain)
-        .map(|r| r["expr"].as_array().cloned().unwrap_or_default())
-        .collect()
-}
-
-fn chain_policy(doc: &Value, chain: &str) -> Option<String> {
-    doc["nftables"]
-        .as_array()?
-        .iter()
-        .filter_map(|o| o.get("chain"))
-        .find(|c| c["name"] == chain)
-        .and_then(|c| c["policy"].as_str().map(String::from))
-}
-
-/// The prefixes and addresses a rule's `ip daddr` matches, as "a.b.c.d/len" strings.
-fn daddr_set(expr: &[Value]) -> Vec<String> {
-    let mut out = Vec::new();
-    for e in expr {
-        let m = &e["match"];
-        if m["left"]["payload"]["field"] != "daddr" {
-            continue;
-        }
-        let items: Vec<Value> = match &m["right"] {
-            Value::Object(o) if o.contains_key("set") => {
-                o["set"].as_array().cloned().unwrap_or_default()
-            }
-            other => vec![other.clone()],
+/// A private range the operator's `private_allow` does not list is refused, before anything
+/// boots, with a message naming the entry and the setting.
+async fn refuses_private_ranges_it_does_not_list(node: &vmon_node::Node) {
+    for entry in ["10.231.78.2", "192.168.0.0/16", "10.0.0.0/8"] {
+        let refused = NetworkPolicy {
+            allow_internet_access: true,
+            allow_out: vec![entry.to_string()],
+            deny_out: vec![],
         };
-        for it in items {
-            match it {
-                Value::String(s) => out.push(format!("{s}/32")),
-                Value::Object(o) if o.contains_key("prefix") => out.push(format!(
-                    "{}/{}",
-                    o["prefix"]["addr"].as_str().unwrap_or(""),
-                    o["prefix"]["len"]
-                )),
-                _ => {}
+        match node.boot_image(&unique("isor"), 1, 384, &refused).await {
+            Err(vmon_proto::node::NodeError::InvalidArgument(m)) => {
+                assert!(m.contains(entry) && m.contains("private_allow"), "{m}")
             }
+            other => panic!(
+                "allowOut {entry} outside private_allow: {:?}",
+                other.map(|r| r.sandbox_id)
+            ),
         }
     }
-    out
-}
-
-fn verdict(expr: &[Value]) -> Option<&'static str> {
-    expr.iter().find_map(|e| {
-        if e.get("drop").is_some() {
-            Some("drop")
-        } else if e.get("accept").is_some() {
-            Some("accept")
-        } else {
-            None
-        }
-    })
 }
 
 #[test]
@@ -237,10 +149,12 @@ fn a_guest_reaches_only_the_internet_and_what_allow_out_opens() {
             allow_internet_access: true,
             ..Default::default()
         };
-        // B: no internet, but its allowOut names the private server.
+        refuses_private_ranges_it_does_not_list(&node).await;
+        // B: no internet, but its allowOut names the private server's range (which
+        // private_allow lists; the protected address inside it stays closed).
         let closed = NetworkPolicy {
             allow_internet_access: false,
-            allow_out: vec![PRIVATE.to_string()],
+            allow_out: vec![PRIVATE_ALLOW.to_string()],
             deny_out: vec![],
         };
         let (ra, rb) = tokio::join!(
@@ -257,6 +171,7 @@ fn a_guest_reaches_only_the_internet_and_what_allow_out_opens() {
 
         let public = listen(Some(&beyond.ns), PUBLIC);
         let private = listen(Some(&beyond.ns), PRIVATE);
+        let protected = listen(Some(&beyond.ns), PROTECTED);
         let host_end = listen(None, a_host_end);
         let host_other = listen(None, PUBLIC_HOST);
         // A server in guest B, on a port of its own.
@@ -297,15 +212,25 @@ fn a_guest_reaches_only_the_internet_and_what_allow_out_opens() {
         let got = probe(
             &node,
             &b_id,
-            &[(PRIVATE, private.port), (PUBLIC, public.port), (a_addr, 49983)],
+            &[
+                (PRIVATE, private.port),
+                (PROTECTED, protected.port),
+                (PUBLIC, public.port),
+                (a_addr, 49983),
+            ],
         )
         .await;
-        assert_eq!(got, ["reached", "blocked", "blocked"], "from B: private (allowed), public, A");
+        assert_eq!(
+            got,
+            ["reached", "blocked", "blocked", "blocked"],
+            "from B: private (allowed), protected (in the allowed range), public, A"
+        );
         // What the guests reached, the listeners saw; nothing else.
         assert!(public.hits.load(Ordering::SeqCst) >= 1);
         assert!(private.hits.load(Ordering::SeqCst) >= 1);
         assert_eq!(host_end.hits.load(Ordering::SeqCst), 0, "host end of A's veth");
         assert_eq!(host_other.hits.load(Ordering::SeqCst), 0, "another host address");
+        assert_eq!(protected.hits.load(Ordering::SeqCst), 0, "the protected address");
 
         // Ranges a test cannot host: read the installed rules back.
         let ns_doc = nft_json(Some(&slot_names(a_addr).0), &["list", "ruleset"]);
@@ -340,7 +265,7 @@ fn a_guest_reaches_only_the_internet_and_what_allow_out_opens() {
             .filter(|r| verdict(r) == Some("drop"))
             .flat_map(|r| daddr_set(r))
             .collect();
-        for range in ["169.254.0.0/16", "10.0.0.0/8", "192.168.0.0/16"] {
+        for range in ["169.254.0.0/16", "10.0.0.0/8", "192.168.0.0/16", "10.231.77.3/32"] {
             assert!(host_dropped.iter().any(|d| d == range), "{range} not dropped on the host: {host_dropped:?}");
         }
 
@@ -367,6 +292,162 @@ fn a_guest_reaches_only_the_internet_and_what_allow_out_opens() {
         }
     });
     drop(beyond);
+}
+
+/// Whether a TCP connection to `ip:port` opens within 5 s from a `bash` started under
+/// `prefix` (e.g. `ip netns exec <ns>`), as `uid` (and the same gid) when given.
+fn connects(prefix: &[&str], uid: Option<u32>, ip: Ipv4Addr, port: u16) -> bool {
+    use std::os::unix::process::CommandExt;
+    let probe = format!("echo x > /dev/tcp/{ip}/{port}");
+    let argv: Vec<&str> = prefix
+        .iter()
+        .copied()
+        .chain(["timeout", "5", "bash", "-c", &probe])
+        .collect();
+    let mut cmd = std::process::Command::new(argv[0]);
+    cmd.args(&argv[1..]).stderr(std::process::Stdio::null());
+    if let Some(u) = uid {
+        cmd.uid(u).gid(u);
+    }
+    cmd.status().expect("bash").success()
+}
+
+/// A namespace standing in for a container on the host: a veth to the host, its default
+/// route through it.
+struct Container;
+
+const CTR_NS: &str = "vmt-ctr";
+const CTR_IF: &str = "vmt-ct0";
+const CTR_HOST: Ipv4Addr = Ipv4Addr::new(10, 231, 79, 1);
+
+impl Container {
+    fn make() -> Container {
+        let _ = std::process::Command::new("sh")
+            .args([
+                "-c",
+                &format!(
+                    "ip netns del {CTR_NS} 2>/dev/null; ip link del {CTR_IF} 2>/dev/null; true"
+                ),
+            ])
+            .status();
+        run(&format!(
+            "ip netns add {CTR_NS}
+ip link add {CTR_IF} type veth peer name eth0 netns {CTR_NS}
+ip addr add {CTR_HOST}/24 dev {CTR_IF}
+ip link set {CTR_IF} up
+ip -n {CTR_NS} link set lo up
+ip -n {CTR_NS} addr add 10.231.79.2/24 dev eth0
+ip -n {CTR_NS} link set eth0 up
+ip -n {CTR_NS} route add default via {CTR_HOST}"
+        ));
+        Container
+    }
+}
+
+impl Drop for Container {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("sh")
+            .args([
+                "-c",
+                &format!("ip netns del {CTR_NS}; ip link del {CTR_IF} 2>/dev/null; true"),
+            ])
+            .status();
+    }
+}
+
+/// The local-user suite: a guest's ports answer vmon (root: the node's envd client, the proxy)
+/// and nobody else on the host, neither another local user nor a container's namespace.
+#[test]
+fn only_vmon_opens_connections_to_guests() {
+    let node = node();
+    let _exclusive = host_lock().write();
+    let ctr = Container::make();
+    runtime().block_on(async {
+        let id = unique("local");
+        let r = boot_open(&node, &id, 1).await;
+        let addr = match r.guest_ip {
+            std::net::IpAddr::V4(v) => v,
+            other => panic!("{other}"),
+        };
+        let srv = node
+            .exec(
+                &id,
+                "root",
+                "nohup python3 -c 'import socket,time\ns=socket.socket();s.bind((\"0.0.0.0\",8000));s.listen();time.sleep(600)' >/dev/null 2>&1 & echo started",
+                Duration::from_secs(60),
+            )
+            .await
+            .expect("server in the guest");
+        assert_eq!(String::from_utf8_lossy(&srv.stdout).trim(), "started");
+        // Python starts slowly under TCG: wait until the guest itself reaches its server.
+        let up = node
+            .exec(
+                &id,
+                "root",
+                "for i in $(seq 150); do (echo > /dev/tcp/127.0.0.1/8000) 2>/dev/null && echo up && break; sleep 0.2; done",
+                Duration::from_secs(60),
+            )
+            .await
+            .expect("wait for the server");
+        assert_eq!(String::from_utf8_lossy(&up.stdout).trim(), "up");
+        let nobody = Some(65534);
+        let host = listen(None, Ipv4Addr::LOCALHOST);
+        let ctr_host = listen(None, CTR_HOST);
+        // What each caller reaches; the last column is the control (the caller can connect
+        // at all).
+        let got = tokio::task::spawn_blocking(move || {
+            let ns: &[&str] = &["ip", "netns", "exec", CTR_NS];
+            [
+                (
+                    "root",
+                    connects(&[], None, addr, ENVD),
+                    connects(&[], None, addr, 8000),
+                    true,
+                ),
+                (
+                    "nobody",
+                    connects(&[], nobody, addr, ENVD),
+                    connects(&[], nobody, addr, 8000),
+                    connects(&[], nobody, Ipv4Addr::LOCALHOST, host.port),
+                ),
+                (
+                    "container",
+                    connects(ns, None, addr, ENVD),
+                    connects(ns, None, addr, 8000),
+                    connects(ns, None, CTR_HOST, ctr_host.port),
+                ),
+            ]
+        })
+        .await
+        .expect("probes");
+        assert_eq!(
+            got,
+            [
+                ("root", true, true, true),
+                ("nobody", false, false, true),
+                ("container", false, false, true)
+            ],
+            "(who, envd, a guest server, control)"
+        );
+        // The node's own envd client (root) still reaches the guest.
+        let out = node
+            .exec(&id, "user", "echo still", Duration::from_secs(60))
+            .await
+            .expect("exec after the probes");
+        assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "still");
+        // The rules that did it, read back: only uid 0 opens connections into slot veths, and
+        // nothing is forwarded into them but replies.
+        let host_doc = nft_json(None, &["list", "table", "ip", "vmon"]);
+        let output = chain_rules(&host_doc, "output");
+        let text = serde_json::to_string(&output).expect("json");
+        assert!(text.contains("skuid"), "{text}");
+        assert!(
+            output.last().is_some_and(|r| verdict(r) == Some("drop")),
+            "the output chain ends in a drop for slot veths: {text}"
+        );
+        node.kill(&id, &r.execution_id).await.expect("kill");
+    });
+    drop(ctr);
 }
 
 /// Boots a guest with internet access, `vcpus` vCPUs and 384 MiB.
@@ -427,6 +508,28 @@ fn read_num(p: std::path::PathBuf) -> String {
         .to_string()
 }
 
+/// A guest cannot send with another source address: the slot's forward chain drops what
+/// comes from `tap0` with a source other than the guest's, and the host's drops what comes
+/// from a slot veth with a source outside the slot range (both read back as JSON).
+fn assert_spoofing_dropped(ns: &str) {
+    let ns_doc = nft_json(Some(ns), &["list", "table", "ip", "vmon"]);
+    let fwd = chain_rules(&ns_doc, "forward");
+    assert!(
+        fwd.iter().any(|r| verdict(r) == Some("drop")
+            && saddr_not(r, "169.254.0.21")
+            && r.iter().any(|e| e["match"]["right"] == "tap0")),
+        "no anti-spoofing drop in {ns}: {fwd:?}"
+    );
+    let host_doc = nft_json(None, &["list", "table", "ip", "vmon"]);
+    let hfwd = chain_rules(&host_doc, "forward");
+    assert!(
+        hfwd.iter().any(|r| verdict(r) == Some("drop")
+            && saddr_not(r, "169.254.128.0/17")
+            && r.iter().any(|e| e["match"]["right"] == "vmh*")),
+        "no anti-spoofing drop on the host: {hfwd:?}"
+    );
+}
+
 #[test]
 fn qemu_runs_under_seccomp_in_cgroups_of_its_own() {
     let node = node();
@@ -466,6 +569,52 @@ fn qemu_runs_under_seccomp_in_cgroups_of_its_own() {
         );
         assert_eq!(field("CapEff:"), "0000000000000000");
         assert_eq!(field("CapPrm:"), "0000000000000000");
+        // The seccomp policy QEMU was started with: no spawning, no privilege changes.
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).expect("cmdline");
+        let args: Vec<String> = cmdline
+            .split(|b| *b == 0)
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect();
+        let sandbox = args
+            .iter()
+            .position(|a| a == "-sandbox")
+            .and_then(|i| args.get(i + 1))
+            .unwrap_or_else(|| panic!("no -sandbox in {args:?}"));
+        let opts: Vec<&str> = sandbox.split(',').collect();
+        for want in [
+            "on",
+            "spawn=deny",
+            "elevateprivileges=deny",
+            "obsolete=deny",
+            "resourcecontrol=deny",
+        ] {
+            assert!(opts.contains(&want), "-sandbox {sandbox} lacks {want}");
+        }
+        // The slot's anti-spoofing rules and IPv6, read back.
+        let (ns, _) = slot_names(addr);
+        assert_spoofing_dropped(&ns);
+        for conf in ["all", "default", "veth0", "tap0"] {
+            let out = std::process::Command::new("ip")
+                .args(["netns", "exec", &ns, "cat"])
+                .arg(format!("/proc/sys/net/ipv6/conf/{conf}/disable_ipv6"))
+                .output()
+                .expect("ip netns exec cat");
+            assert_eq!(
+                String::from_utf8_lossy(&out.stdout).trim(),
+                "1",
+                "IPv6 is off in {ns} ({conf}): {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        let v6 = std::process::Command::new("ip")
+            .args(["-n", &ns, "-6", "-o", "addr", "show"])
+            .output()
+            .expect("ip -6 addr");
+        assert_eq!(
+            String::from_utf8_lossy(&v6.stdout).trim(),
+            "",
+            "no IPv6 address in {ns}"
+        );
         let overhead = vmon_vm::cgroup::settings().overhead_mib;
         let want_mem = ((2 * 384 + overhead) * 1024 * 1024).to_string();
         let want_pids = vmon_vm::cgroup::settings().pids.to_string();

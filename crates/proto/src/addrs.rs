@@ -88,20 +88,48 @@ const REFUSED_V4: [(Ipv4Addr, u8); 12] = [
 /// True for addresses in the fixed refused ranges (not counting this host's own addresses).
 pub fn special(ip: IpAddr) -> bool {
     match canonical(ip) {
-        IpAddr::V4(a) => REFUSED_V4.iter().any(|(n, l)| {
-            Cidr {
-                addr: IpAddr::V4(*n),
-                len: *l,
-            }
-            .contains(IpAddr::V4(a))
-        }),
+        IpAddr::V4(a) => special_v4(a),
         IpAddr::V6(a) => {
+            let s = a.segments();
             a.is_loopback()
                 || a.is_unspecified()
                 || a.is_multicast()
-                || (a.segments()[0] & 0xfe00) == 0xfc00
-                || (a.segments()[0] & 0xffc0) == 0xfe80
-                || a == Ipv6Addr::new(0x64, 0xff9b, 0, 0, 0, 0, 0, 0)
+                || (s[0] & 0xfe00) == 0xfc00
+                || (s[0] & 0xffc0) == 0xfe80
+                // Site-local (deprecated, but some stacks still route it).
+                || (s[0] & 0xffc0) == 0xfec0
+                // IPv4-compatible ::a.b.c.d (deprecated): whatever IPv4 it carries.
+                || s[..6] == [0; 6]
+                // NAT64, well-known and local-use prefixes: a translator turns these into any
+                // IPv4 address, the operator's private ones and this host's included.
+                || s[..6] == [0x64, 0xff9b, 0, 0, 0, 0]
+                || s[..3] == [0x64, 0xff9b, 1]
+                // Teredo carries an obfuscated IPv4 peer.
+                || s[..2] == [0x2001, 0]
+                || six_to_four(a).is_some_and(special_v4)
         }
     }
+}
+
+fn special_v4(a: Ipv4Addr) -> bool {
+    REFUSED_V4.iter().any(|(n, l)| {
+        Cidr {
+            addr: IpAddr::V4(*n),
+            len: *l,
+        }
+        .contains(IpAddr::V4(a))
+    })
+}
+
+/// The IPv4 address a 6to4 address (2002:V4ADDR::/48) embeds.
+pub fn six_to_four(a: Ipv6Addr) -> Option<Ipv4Addr> {
+    let s = a.segments();
+    (s[0] == 0x2002).then(|| {
+        Ipv4Addr::new(
+            (s[1] >> 8) as u8,
+            (s[1] & 0xff) as u8,
+            (s[2] >> 8) as u8,
+            (s[2] & 0xff) as u8,
+        )
+    })
 }

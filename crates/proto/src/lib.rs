@@ -11,3 +11,4 @@ pub mod cluster;
 pub mod egress;
 pub mod node;
 pub mod progress;
+pub mod ranges;

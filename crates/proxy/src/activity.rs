@@ -220,15 +220,27 @@ impl Activity {
     }
 }
 
-/// A body that stamps its sandbox's activity with every frame it passes on.
+/// A body that stamps its sandbox's activity (and its request's beat, when it has one) with
+/// every frame it passes on.
 pub struct Stamped<B> {
     inner: B,
     stamp: Arc<Stamp>,
+    beat: Option<Arc<crate::limits::Beat>>,
 }
 
 impl<B> Stamped<B> {
     pub fn new(inner: B, stamp: Arc<Stamp>) -> Stamped<B> {
-        Stamped { inner, stamp }
+        Stamped {
+            inner,
+            stamp,
+            beat: None,
+        }
+    }
+
+    /// Also touches `beat` with every frame.
+    pub fn with_beat(mut self, beat: Arc<crate::limits::Beat>) -> Stamped<B> {
+        self.beat = Some(beat);
+        self
     }
 }
 
@@ -244,6 +256,9 @@ impl<B: http_body::Body + Unpin> http_body::Body for Stamped<B> {
         let r = std::pin::Pin::new(&mut this.inner).poll_frame(cx);
         if let std::task::Poll::Ready(Some(Ok(_))) = &r {
             this.stamp.touch();
+            if let Some(b) = &this.beat {
+                b.touch();
+            }
         }
         r
     }

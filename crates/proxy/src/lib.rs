@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{header, HeaderValue, Method, Request, Response, StatusCode};
+use http::{header, HeaderValue, Request, Response, StatusCode};
 use http_body_util::{combinators::BoxBody, BodyExt, Full};
 use hyper::body::Incoming;
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
@@ -24,15 +24,22 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 pub mod activity;
+mod headers;
+pub mod limits;
 pub mod listen;
 mod pool;
 pub mod signed;
 pub mod target;
 pub mod tls;
+mod watched;
 
 pub use activity::Activity;
 use activity::{InFlight, Stamp, Stamped, StampedIo};
+use headers::{envd_keepalive_within, is_upgrade, keep_host, strip_hop_by_hop, upstream_uri};
+pub use limits::GuestLimits;
+use limits::{Beat, Slot};
 pub use target::Target;
+use watched::Watched;
 
 /// The port envd listens on inside every guest.
 pub const ENVD_PORT: u16 = 49983;
@@ -92,51 +99,6 @@ type ProxyBody = BoxBody<Bytes, BoxError>;
 /// How often a response in flight checks that its sandbox still runs where it did.
 const WATCH_EVERY: Duration = Duration::from_secs(1);
 
-/// A response body that ends with an error once its sandbox is gone or has moved (killed or
-/// paused): a stream from a dead guest would otherwise wait for bytes that never come, and
-/// the client (the SDK) learns the sandbox ended only when its own timeout fires.
-struct Watched {
-    inner: ProxyBody,
-    gone: Option<tokio::sync::oneshot::Receiver<String>>,
-    stamp: Arc<Stamp>,
-}
-
-impl http_body::Body for Watched {
-    type Data = Bytes;
-    type Error = BoxError;
-
-    fn poll_frame(
-        self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, BoxError>>> {
-        use std::future::Future;
-        let this = self.get_mut();
-        if let Some(gone) = this.gone.as_mut() {
-            match std::pin::Pin::new(gone).poll(cx) {
-                std::task::Poll::Ready(Ok(why)) => {
-                    this.gone = None;
-                    return std::task::Poll::Ready(Some(Err(why.into())));
-                }
-                std::task::Poll::Ready(Err(_)) => this.gone = None,
-                std::task::Poll::Pending => {}
-            }
-        }
-        let r = std::pin::Pin::new(&mut this.inner).poll_frame(cx);
-        if let std::task::Poll::Ready(Some(Ok(_))) = &r {
-            this.stamp.touch();
-        }
-        r
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> http_body::SizeHint {
-        self.inner.size_hint()
-    }
-}
-
 /// The ingress. Cheap to clone.
 #[derive(Clone)]
 pub struct Proxy {
@@ -147,6 +109,9 @@ pub struct Proxy {
     pooled_port: u16,
     tls: Option<Arc<rustls::ServerConfig>>,
     activity: Arc<Activity>,
+    limits: GuestLimits,
+    slots: Arc<limits::Slots>,
+    misses: Arc<limits::Misses>,
 }
 
 impl Proxy {
@@ -181,7 +146,16 @@ impl Proxy {
             },
             tls: None,
             activity: Activity::new(),
+            limits: GuestLimits::default(),
+            slots: Arc::default(),
+            misses: Arc::default(),
         }
+    }
+
+    /// Caps and timeouts towards guests other than the defaults.
+    pub fn with_limits(mut self, limits: GuestLimits) -> Self {
+        self.limits = limits;
+        self
     }
 
     /// Keep connections alive to `port` instead of envd's (tests run their guest elsewhere).
@@ -238,18 +212,25 @@ impl Proxy {
             .and_then(|h| h.to_str().ok())
             .map(str::to_string)
             .or_else(|| req.uri().authority().map(|a| a.to_string()));
+        let client = req
+            .extensions()
+            .get::<listen::ClientAddr>()
+            .map(|c| c.0.ip());
         let target = match target::resolve(host.as_deref(), req.headers()) {
             Ok(t) => t,
-            Err(target::TargetError::Missing) => match self.signed_files_target(&req).await {
-                Some(t) => t,
-                None => {
-                    return error(
-                        StatusCode::BAD_REQUEST,
-                        &target::TargetError::Missing.to_string(),
-                        None,
-                    )
+            Err(target::TargetError::Missing) => {
+                match self.signed_files_target(&req, client).await {
+                    Ok(Some(t)) => t,
+                    Ok(None) => {
+                        return error(
+                            StatusCode::BAD_REQUEST,
+                            &target::TargetError::Missing.to_string(),
+                            None,
+                        )
+                    }
+                    Err(resp) => return resp,
                 }
-            },
+            }
             Err(e) => return error(StatusCode::BAD_REQUEST, &e.to_string(), None),
         };
         if target.port == ENVD_PORT && is_init_path(req.uri().path()) {
@@ -278,45 +259,18 @@ impl Proxy {
                 }
             }
         }
+        // Counted from here until the response ends: resumes and waits for the guest included.
+        let slot = match self.slots.take(&self.limits, id, client) {
+            Ok(s) => s,
+            Err(full) => return self.busy(full, &target),
+        };
         let forwarded = req.headers().contains_key(FORWARDED_HEADER);
         let stamp = self.activity.stamp(id);
         stamp.touch();
-        let mut in_flight = stamp.enter();
-        let mut route = route;
-        if stamp.suspending() {
-            // An idle suspend is deciding or under way and holds the sandbox's lock: the
-            // resume waits for it, then resumes (or finds it still running).
-            drop(in_flight);
-            if let Err(resp) = self.resume(id, &target).await {
-                return resp;
-            }
-            route = match self.routes.lookup(id).await {
-                Some(r) => r,
-                None => return not_found(&target),
-            };
-            in_flight = stamp.enter();
-        }
-        let guest_ip = match route.guest_ip {
-            Some(ip) => ip,
-            None if !route.auto_resume => {
-                return error(
-                    StatusCode::BAD_GATEWAY,
-                    &format!("The sandbox {id} is paused; connect to it to resume it"),
-                    Some(&target),
-                )
-            }
-            None => match self.resume(id, &target).await {
-                Ok(ip) => ip,
-                Err(resp) => return resp,
-            },
+        let (guest_ip, route, in_flight) = match self.running(id, &target, route, &stamp).await {
+            Ok(r) => r,
+            Err(resp) => return resp,
         };
-        if route.guest_ip.is_none() {
-            // Just resumed: it may run on another host now.
-            match self.routes.lookup(id).await {
-                Some(r) => route = r,
-                None => return not_found(&target),
-            }
-        }
         let mut req = req;
         let addr = match route.via {
             Some(_) if forwarded => {
@@ -338,10 +292,16 @@ impl Proxy {
             }
             None => SocketAddr::new(guest_ip, target.port),
         };
-        let req = req.map(|b| Stamped::new(b, stamp.clone()));
+        let beat = Beat::new();
+        let req = req.map(|b| Stamped::new(b, stamp.clone()).with_beat(beat.clone()));
+        let held = Held {
+            in_flight,
+            stamp,
+            slot,
+            beat,
+        };
         if is_upgrade(&req) {
-            self.forward_upgrade(req, addr, &target, in_flight, stamp)
-                .await
+            self.forward_upgrade(req, addr, &target, held).await
         } else {
             // Envd's requests of a known run go over kept-alive connections; other ports
             // (users' servers, whose idle timeouts are theirs) get a connection each.
@@ -351,9 +311,51 @@ impl Proxy {
                 }
                 _ => Upstream::Fresh(addr),
             };
-            self.forward(req, upstream, guest_ip, &target, in_flight, stamp)
-                .await
+            self.forward(req, upstream, guest_ip, &target, held).await
         }
+    }
+
+    /// The guest's address and route once the sandbox runs (resumed for this request when it
+    /// was paused, or being suspended, and allows it), with the request counted in flight.
+    async fn running(
+        &self,
+        id: &str,
+        target: &Target,
+        route: SandboxRoute,
+        stamp: &Arc<Stamp>,
+    ) -> Result<(IpAddr, SandboxRoute, InFlight), Response<ProxyBody>> {
+        let mut in_flight = stamp.enter();
+        let mut route = route;
+        if stamp.suspending() {
+            // An idle suspend is deciding or under way and holds the sandbox's lock: the
+            // resume waits for it, then resumes (or finds it still running).
+            drop(in_flight);
+            self.resume(id, target).await?;
+            route = match self.routes.lookup(id).await {
+                Some(r) => r,
+                None => return Err(not_found(target)),
+            };
+            in_flight = stamp.enter();
+        }
+        let guest_ip = match route.guest_ip {
+            Some(ip) => ip,
+            None if !route.auto_resume => {
+                return Err(error(
+                    StatusCode::BAD_GATEWAY,
+                    &format!("The sandbox {id} is paused; connect to it to resume it"),
+                    Some(target),
+                ))
+            }
+            None => self.resume(id, target).await?,
+        };
+        if route.guest_ip.is_none() {
+            // Just resumed: it may run on another host now.
+            match self.routes.lookup(id).await {
+                Some(r) => route = r,
+                None => return Err(not_found(target)),
+            }
+        }
+        Ok((guest_ip, route, in_flight))
     }
 
     /// Resumes a paused sandbox for this request; the answer to send when that fails.
@@ -374,14 +376,75 @@ impl Proxy {
     }
 
     /// A signed `/files` request that names no sandbox goes to envd of the sandbox that
-    /// signed it.
-    async fn signed_files_target(&self, req: &Request<Incoming>) -> Option<Target> {
-        let signed = signed::SignedFiles::parse(req.method(), req.uri())?;
-        let id = self.routes.find_signer(&signed).await?;
-        Some(Target {
-            sandbox_id: id,
-            port: ENVD_PORT,
-        })
+    /// signed it. A client whose signed URLs keep matching nothing is answered 429 for the
+    /// rest of the minute, without a lookup.
+    async fn signed_files_target(
+        &self,
+        req: &Request<Incoming>,
+        client: Option<IpAddr>,
+    ) -> Result<Option<Target>, Response<ProxyBody>> {
+        let Some(signed) = signed::SignedFiles::parse(req.method(), req.uri()) else {
+            return Ok(None);
+        };
+        let per_minute = self.limits.signed_misses_per_minute;
+        if client.is_some_and(|c| !self.misses.allows(c, per_minute)) {
+            return Err(error(
+                StatusCode::TOO_MANY_REQUESTS,
+                &format!("more than {per_minute} signed URLs from this client matched no sandbox in the last minute; try again later"),
+                None,
+            ));
+        }
+        match self.routes.find_signer(&signed).await {
+            Some(id) => Ok(Some(Target {
+                sandbox_id: id,
+                port: ENVD_PORT,
+            })),
+            None => {
+                if let Some(c) = client {
+                    self.misses.missed(c);
+                }
+                Ok(None)
+            }
+        }
+    }
+
+    /// The answer to a request past a cap: at once, never queued.
+    fn busy(&self, full: limits::Full, target: &Target) -> Response<ProxyBody> {
+        let mut resp = match full {
+            limits::Full::Client => error(
+                StatusCode::TOO_MANY_REQUESTS,
+                &format!(
+                    "this client has {} requests to sandboxes open, its limit; try again when some finish",
+                    self.limits.per_client
+                ),
+                Some(target),
+            ),
+            limits::Full::Sandbox => error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                &format!(
+                    "The sandbox {} has {} requests open, its limit; try again when some finish",
+                    target.sandbox_id, self.limits.per_sandbox
+                ),
+                Some(target),
+            ),
+        };
+        resp.headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        resp
+    }
+
+    /// 504: the guest sent no response headers within the timeout.
+    fn header_timeout(&self, target: &Target) -> Response<ProxyBody> {
+        error(
+            StatusCode::GATEWAY_TIMEOUT,
+            &format!(
+                "The sandbox {} did not answer on port {} within {} s",
+                target.sandbox_id,
+                target.port,
+                self.limits.response_header_timeout.as_secs()
+            ),
+            Some(target),
+        )
     }
 
     async fn forward(
@@ -390,9 +453,14 @@ impl Proxy {
         upstream: Upstream,
         guest_ip: IpAddr,
         target: &Target,
-        in_flight: InFlight,
-        stamp: Arc<Stamp>,
+        held: Held,
     ) -> Response<ProxyBody> {
+        let Held {
+            in_flight,
+            stamp,
+            slot,
+            beat,
+        } = held;
         let (mut parts, body) = req.into_parts();
         let authority = match &upstream {
             Upstream::Kept(run) => run.clone(),
@@ -410,6 +478,9 @@ impl Proxy {
         parts.version = http::Version::HTTP_11;
         keep_host(&mut parts.headers, target);
         strip_hop_by_hop(&mut parts.headers);
+        if target.port == ENVD_PORT {
+            envd_keepalive_within(&mut parts.headers, self.limits.idle_body_timeout);
+        }
         // Watched from the start: a guest paused or killed while this request waits for its
         // answer (a stopped VM answers nothing) gets an answer within a second, not a timeout.
         let mut gone = self.watch(&target.sandbox_id, guest_ip);
@@ -424,17 +495,22 @@ impl Proxy {
                 let why = why.unwrap_or_else(|_| "the sandbox went away".to_string());
                 return error(StatusCode::BAD_GATEWAY, &why, Some(target));
             }
+            _ = beat.quiet_for(self.limits.response_header_timeout) => {
+                return self.header_timeout(target);
+            }
         };
         drop(in_flight);
         match upstream {
             Ok(resp) => {
                 let (mut parts, body) = resp.into_parts();
                 strip_hop_by_hop(&mut parts.headers);
-                let body = Watched {
-                    inner: body.map_err(BoxError::from).boxed(),
-                    gone: Some(gone),
+                let body = Watched::new(
+                    body.map_err(BoxError::from).boxed(),
+                    Some(gone),
                     stamp,
-                };
+                    self.limits.idle_body_timeout,
+                    Some(slot),
+                );
                 Response::from_parts(parts, body.boxed())
             }
             Err(e) if e.is_connect() => port_not_open(target),
@@ -456,9 +532,14 @@ impl Proxy {
         mut req: Request<Stamped<Incoming>>,
         addr: SocketAddr,
         target: &Target,
-        in_flight: InFlight,
-        stamp: Arc<Stamp>,
+        held: Held,
     ) -> Response<ProxyBody> {
+        let Held {
+            in_flight,
+            stamp,
+            slot,
+            beat,
+        } = held;
         let stream = match tokio::time::timeout(
             Duration::from_secs(10),
             tokio::net::TcpStream::connect(addr),
@@ -493,7 +574,13 @@ impl Proxy {
         };
         parts.version = http::Version::HTTP_11;
         keep_host(&mut parts.headers, target);
-        let mut resp = match sender.send_request(Request::from_parts(parts, body)).await {
+        let sent = tokio::select! {
+            r = sender.send_request(Request::from_parts(parts, body)) => r,
+            _ = beat.quiet_for(self.limits.response_header_timeout) => {
+                return self.header_timeout(target);
+            }
+        };
+        let mut resp = match sent {
             Ok(r) => r,
             Err(e) => {
                 return error(
@@ -504,9 +591,13 @@ impl Proxy {
             }
         };
         drop(in_flight);
-        if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
+        // An upgraded connection has no idle bound (a WebSocket may be quiet for as long as
+        // its peers like); it holds its slot until either side closes.
+        let slot = if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
             let upstream_upgrade = hyper::upgrade::on(&mut resp);
+            let stamp = stamp.clone();
             tokio::spawn(async move {
+                let _slot = slot;
                 let (Ok(client), Ok(upstream)) = (client_upgrade.await, upstream_upgrade.await)
                 else {
                     return;
@@ -515,9 +606,19 @@ impl Proxy {
                 let mut upstream = TokioIo::new(upstream);
                 let _ = tokio::io::copy_bidirectional(&mut client, &mut upstream).await;
             });
-        }
+            None
+        } else {
+            Some(slot)
+        };
         let (parts, body) = resp.into_parts();
-        Response::from_parts(parts, body.map_err(BoxError::from).boxed())
+        let body = Watched::new(
+            body.map_err(BoxError::from).boxed(),
+            None,
+            stamp,
+            self.limits.idle_body_timeout,
+            slot,
+        );
+        Response::from_parts(parts, body.boxed())
     }
 
     /// Fires (with the reason) once `sandbox_id` no longer runs at `ip`; ends by itself when
@@ -547,71 +648,21 @@ impl Proxy {
     }
 }
 
+/// What a request holds while it is forwarded: its count in flight (until the guest's
+/// headers), its sandbox's activity stamp, its slot (until its response ends) and the beat of
+/// its request body (the header timeout counts from its last byte).
+struct Held {
+    in_flight: InFlight,
+    stamp: Arc<Stamp>,
+    slot: Slot,
+    beat: Arc<Beat>,
+}
+
 /// Where a request goes: over a kept connection of a sandbox run (its pooled authority,
 /// [`pool::authority`]), or over a connection of its own to an address.
 enum Upstream {
     Kept(String),
     Fresh(SocketAddr),
-}
-
-fn upstream_uri(authority: &str, uri: &http::Uri) -> Result<http::Uri, http::Error> {
-    let pq = uri.path_and_query().map(|p| p.as_str()).unwrap_or("/");
-    http::Uri::builder()
-        .scheme("http")
-        .authority(authority)
-        .path_and_query(pq)
-        .build()
-}
-
-/// HTTP/2 requests carry no Host; services in the guest still expect one.
-fn keep_host(headers: &mut http::HeaderMap, target: &Target) {
-    if !headers.contains_key(header::HOST) {
-        if let Ok(v) = HeaderValue::from_str(&format!("{}-{}", target.port, target.sandbox_id)) {
-            headers.insert(header::HOST, v);
-        }
-    }
-}
-
-fn strip_hop_by_hop(headers: &mut http::HeaderMap) {
-    // Headers named by Connection are hop-by-hop too.
-    let named: Vec<String> = headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .map(|s| s.trim().to_ascii_lowercase())
-        .filter(|s| !s.is_empty())
-        .collect();
-    for name in named {
-        headers.remove(name.as_str());
-    }
-    for name in [
-        header::CONNECTION,
-        header::PROXY_AUTHENTICATE,
-        header::PROXY_AUTHORIZATION,
-        header::TE,
-        header::TRAILER,
-        header::TRANSFER_ENCODING,
-        header::UPGRADE,
-    ] {
-        headers.remove(name);
-    }
-    headers.remove("keep-alive");
-    headers.remove("proxy-connection");
-}
-
-fn is_upgrade<B>(req: &Request<B>) -> bool {
-    req.method() != Method::CONNECT
-        && req.headers().contains_key(header::UPGRADE)
-        && req
-            .headers()
-            .get_all(header::CONNECTION)
-            .iter()
-            .filter_map(|v| v.to_str().ok())
-            .any(|v| {
-                v.split(',')
-                    .any(|t| t.trim().eq_ignore_ascii_case("upgrade"))
-            })
 }
 
 /// `/init`, `//init/`, `/%69nit`: however it is spelled, it must not reach envd.
@@ -645,7 +696,7 @@ fn hex(b: u8) -> Option<u8> {
 }
 
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    bool::from(subtle::ConstantTimeEq::ct_eq(a, b))
 }
 
 fn not_found(target: &Target) -> Response<ProxyBody> {

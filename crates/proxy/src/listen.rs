@@ -39,6 +39,30 @@ impl Default for Limits {
     }
 }
 
+/// The address of the client a request came from, in every request's extensions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClientAddr(pub std::net::SocketAddr);
+
+/// A connection's service that marks each request with the connection's [`ClientAddr`].
+struct WithClient<S> {
+    inner: S,
+    peer: std::net::SocketAddr,
+}
+
+impl<S> hyper::service::Service<http::Request<hyper::body::Incoming>> for WithClient<S>
+where
+    S: hyper::service::Service<http::Request<hyper::body::Incoming>>,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = S::Future;
+
+    fn call(&self, mut req: http::Request<hyper::body::Incoming>) -> Self::Future {
+        req.extensions_mut().insert(ClientAddr(self.peer));
+        self.inner.call(req)
+    }
+}
+
 /// The first byte of a TLS connection: a handshake record.
 const TLS_HANDSHAKE: u8 = 0x16;
 
@@ -150,7 +174,10 @@ async fn accept_loop<S, B>(
             continue;
         };
         let _ = stream.set_nodelay(true);
-        let service = service.clone();
+        let service = WithClient {
+            inner: service.clone(),
+            peer,
+        };
         let cancel = cancel.clone();
         let acceptor = acceptor.clone();
         tokio::spawn(async move {

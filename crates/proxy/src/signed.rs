@@ -57,6 +57,11 @@ impl SignedFiles {
         })
     }
 
+    /// The signature as sent (`v1_…`).
+    pub fn signature(&self) -> &str {
+        &self.signature
+    }
+
     /// Whether the sandbox with envd access token `token` made this signature.
     pub fn signed_with(&self, token: &str) -> bool {
         let mut raw = format!("{}:{}:{}:{token}", self.path, self.operation, self.username);

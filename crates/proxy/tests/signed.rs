@@ -108,3 +108,71 @@ async fn a_signed_url_finds_its_sandbox() {
         assert!(r.contains("names no sandbox"), "{r}");
     }
 }
+
+/// Counts the lookups it is asked for; knows no sandbox.
+#[derive(Default)]
+struct Counting(std::sync::atomic::AtomicUsize);
+
+#[async_trait::async_trait]
+impl Routes for Counting {
+    async fn lookup(&self, _: &str) -> Option<SandboxRoute> {
+        None
+    }
+    async fn resume_for_traffic(&self, id: &str) -> Result<IpAddr, ResumeError> {
+        Err(ResumeError::NotFound(id.into()))
+    }
+    async fn find_signer(&self, _: &SignedFiles) -> Option<String> {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        None
+    }
+}
+
+#[tokio::test]
+async fn signed_urls_that_find_nothing_are_limited_per_client() {
+    let routes = Arc::new(Counting::default());
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let proxy = l.local_addr().unwrap();
+    let limits = vmon_proxy::GuestLimits {
+        signed_misses_per_minute: 3,
+        ..Default::default()
+    };
+    tokio::spawn(
+        Proxy::new(routes.clone())
+            .with_limits(limits)
+            .serve(l, CancellationToken::new()),
+    );
+    let from = |ip: &'static str, i: usize| async move {
+        let sock = tokio::net::TcpSocket::new_v4().unwrap();
+        sock.bind(SocketAddr::new(ip.parse().unwrap(), 0)).unwrap();
+        let mut s = sock.connect(proxy).await.unwrap();
+        let q = format!(
+            "path=%2Fa{i}&signature={}",
+            sign(&format!("/a{i}:read::made-up"))
+        );
+        s.write_all(
+            format!("GET /files?{q} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+                .as_bytes(),
+        )
+        .await
+        .unwrap();
+        let mut out = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut out)).await;
+        String::from_utf8_lossy(&out).into_owned()
+    };
+    for i in 0..3 {
+        let r = from("127.0.0.2", i).await;
+        assert!(r.starts_with("HTTP/1.1 400"), "{r}");
+    }
+    let r = from("127.0.0.2", 3).await;
+    assert!(r.starts_with("HTTP/1.1 429"), "{r}");
+    assert!(r.contains("\"code\":429"), "{r}");
+    assert_eq!(
+        routes.0.load(std::sync::atomic::Ordering::SeqCst),
+        3,
+        "the fourth was refused without a lookup"
+    );
+    // Another client still gets its lookups.
+    let r = from("127.0.0.3", 4).await;
+    assert!(r.starts_with("HTTP/1.1 400"), "{r}");
+    assert_eq!(routes.0.load(std::sync::atomic::Ordering::SeqCst), 4);
+}

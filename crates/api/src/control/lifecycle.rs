@@ -144,6 +144,16 @@ impl Control {
         // starts (and again at every start, with the values of the moment).
         self.egress_spec(&team.id, &req.network.clone().unwrap_or_default(), true)
             .await?;
+        // A private range in allowOut only where the operator's private_allow lists it (the
+        // node checks again at every start).
+        super::network::check_private(
+            req.network
+                .as_ref()
+                .and_then(|n| n.allow_out.as_deref())
+                .unwrap_or_default(),
+            &self.config.private_allow,
+        )
+        .await?;
         let volume_mounts = req.volume_mounts.clone().unwrap_or_default();
         super::volumes::check_mount_paths(&volume_mounts)?;
         // Unknown names are a 400 before anything starts (and again at every start).

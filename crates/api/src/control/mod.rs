@@ -23,6 +23,7 @@ mod reaper;
 mod recovery;
 mod resume;
 mod routes;
+mod signers;
 mod targets;
 pub mod volumes;
 
@@ -82,6 +83,9 @@ pub struct Control {
     pub(crate) kv: Kv,
     /// What the proxy needs per sandbox, kept in step with every commit.
     routes: RwLock<HashMap<String, SandboxRoute>>,
+    /// Every sandbox's envd token, for signed `/files` URLs that name no sandbox
+    /// (`signers.rs`); kept with the routes.
+    signers: signers::Signers,
     /// Wakes this process's webhook dispatcher after a commit queued deliveries.
     pub(crate) deliveries_due: tokio::sync::Notify,
     pub(crate) delivery_policy: DeliveryPolicy,
@@ -174,6 +178,7 @@ impl Control {
             records,
             kv,
             routes: RwLock::new(HashMap::new()),
+            signers: signers::Signers::default(),
             deliveries_due: tokio::sync::Notify::new(),
             delivery_policy: DeliveryPolicy::default(),
             builtin_builds: tokio::sync::Mutex::new(()),
@@ -183,6 +188,9 @@ impl Control {
             activity: vmon_proxy::Activity::new(),
         });
         control.reconcile().await?;
+        if control.cluster.is_some() {
+            control.reload_signers(true).await;
+        }
         control.end_interrupted_builds().await?;
         Ok(control)
     }
@@ -253,6 +261,7 @@ impl Control {
             Some(Ok(rec)) => self.set_route(&rec),
             Some(Err(id)) => {
                 self.routes_mut().remove(&id);
+                self.signers.remove(&id);
                 self.activity.forget(&id);
                 if self.cluster.is_some() {
                     let _ = self.kv.delete(&format!("activity/{id}")).await;
@@ -265,6 +274,7 @@ impl Control {
 
     fn set_route(&self, rec: &SandboxRecord) {
         self.routes_mut().insert(rec.id.clone(), route_of(rec));
+        self.signers.set(&rec.id, &rec.envd_access_token);
     }
 
     fn routes_mut(&self) -> std::sync::RwLockWriteGuard<'_, HashMap<String, SandboxRoute>> {

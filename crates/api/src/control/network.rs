@@ -56,6 +56,38 @@ pub(crate) fn validate(update: &NetworkUpdate) -> ApiResult<()> {
     Ok(())
 }
 
+/// `allowOut` entries inside a private or shared range stand only inside the operator's
+/// `private_allow` (400 naming the entry); host names are judged by the IPv4 addresses the
+/// host's resolver gives now (the node resolves and checks again whenever it writes rules).
+pub(crate) async fn check_private(allow_out: &[String], private_allow: &[String]) -> ApiResult<()> {
+    use vmon_proto::ranges::{check_private, parse_cidr};
+    for e in allow_out.iter().map(|e| e.trim()) {
+        if parse_cidr(e).is_some() {
+            check_private(e, e, private_allow).map_err(ApiError::bad_request)?;
+        } else if vmon_proto::node::is_host_name(e) {
+            for a in resolve_v4(e).await {
+                check_private(&a.to_string(), e, private_allow).map_err(ApiError::bad_request)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The IPv4 addresses of `name` (5 s bound; none when it does not resolve).
+async fn resolve_v4(name: &str) -> Vec<std::net::Ipv4Addr> {
+    let lookup = tokio::net::lookup_host(format!("{name}:0"));
+    match tokio::time::timeout(std::time::Duration::from_secs(5), lookup).await {
+        Ok(Ok(addrs)) => addrs
+            .filter_map(|a| match a.ip() {
+                IpAddr::V4(v4) => Some(v4),
+                IpAddr::V6(_) => None,
+            })
+            .take(64)
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
 fn trimmed(list: Option<Vec<String>>) -> Option<Vec<String>> {
     list.map(|l| l.into_iter().map(|e| e.trim().to_string()).collect())
 }
@@ -69,6 +101,11 @@ impl Control {
         update: NetworkUpdate,
     ) -> ApiResult<()> {
         validate(&update)?;
+        check_private(
+            update.allow_out.as_deref().unwrap_or_default(),
+            &self.config.private_allow,
+        )
+        .await?;
         self.owned(team, id).await?;
         let guard = self.lock(id).await?;
         let result = async {

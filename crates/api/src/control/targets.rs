@@ -18,7 +18,7 @@ use std::task::{Context, Poll};
 
 use hyper_util::client::legacy::connect::dns::Name;
 
-use vmon_proto::addrs::canonical;
+use vmon_proto::addrs::{canonical, six_to_four};
 pub use vmon_proto::addrs::{special, Cidr};
 
 /// The addresses of this host's interfaces.
@@ -77,7 +77,16 @@ impl WebhookTargets {
             return true;
         }
         let ip = canonical(ip);
-        !special(ip) && !host_addresses().into_iter().any(|h| canonical(h) == ip)
+        // A 6to4 address reaches the IPv4 address it embeds: that must not be this host's.
+        let embedded = match ip {
+            IpAddr::V6(v6) => six_to_four(v6).map(IpAddr::V4),
+            IpAddr::V4(_) => None,
+        };
+        !special(ip)
+            && !host_addresses()
+                .into_iter()
+                .map(canonical)
+                .any(|h| h == ip || Some(h) == embedded)
     }
 
     /// Why `url`'s host may not receive webhooks (it is, or resolves to, a refused address);
@@ -170,15 +179,56 @@ mod tests {
             "fd00::1",
             "::ffff:127.0.0.1",
             "::ffff:10.0.0.1",
+            // NAT64: every embedded IPv4, public ones too (the translator decides where).
+            "64:ff9b::7f00:1",
+            "64:ff9b::a00:1",
+            "64:ff9b::808:808",
+            "64:ff9b:1::a00:1",
+            // 6to4 embedding private, loopback, link-local IPv4.
+            "2002:7f00:1::1",
+            "2002:a00:1::",
+            "2002:c0a8:101::1",
+            "2002:a9fe:a9fe::1",
+            "2002:ac10:1::1",
+            // Site-local, IPv4-compatible, Teredo.
+            "fec0::1",
+            "feff::1",
+            "::a00:1",
+            "::7f00:1",
+            "2001:0:4136:e378::1",
         ] {
             assert!(!t.allowed(bad.parse().expect("ip")), "{bad} allowed");
         }
-        for good in ["8.8.8.8", "93.184.216.34", "2606:4700::1111"] {
+        for good in [
+            "8.8.8.8",
+            "93.184.216.34",
+            "2606:4700::1111",
+            // 6to4 of a public IPv4 address.
+            "2002:808:808::1",
+            "2001:db9::1",
+        ] {
             assert!(t.allowed(good.parse().expect("ip")), "{good} refused");
         }
         // This host's own addresses, whatever they are.
         for own in host_addresses() {
             assert!(!t.allowed(own), "{own} (this host) allowed");
+            if let IpAddr::V4(v4) = own {
+                let [a, b, c, d] = v4.octets();
+                let wrapped = Ipv6Addr::new(
+                    0x2002,
+                    u16::from_be_bytes([a, b]),
+                    u16::from_be_bytes([c, d]),
+                    0,
+                    0,
+                    0,
+                    0,
+                    1,
+                );
+                assert!(
+                    !t.allowed(IpAddr::V6(wrapped)),
+                    "{wrapped} (6to4 of {v4}) allowed"
+                );
+            }
         }
     }
 

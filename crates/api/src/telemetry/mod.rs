@@ -28,7 +28,7 @@ use vmon_proto::node::{LogDirection, LogEntry, LogLevel, LogQuery, MetricSample,
 use crate::control::{record_error, Control};
 use crate::error::{ApiError, ApiResult};
 use crate::records::{EventKind, EventQuery, SandboxState, Team};
-use crate::state::{Admin, AppState, Auth};
+use crate::state::{Admin, AppState, Auth, MetricsReader};
 
 pub use platform::{platform, Platform, WebhookOutcome};
 
@@ -545,11 +545,12 @@ async fn admin_logs(
 #[utoipa::path(
     get, path = "/metrics", tag = "telemetry",
     summary = "The platform's Prometheus metrics",
+    security(("AdminToken" = []), ("MetricsToken" = [])),
     responses(
         (status = 200, description = "Prometheus text exposition", body = String, content_type = "text/plain; version=0.0.4"),
     )
 )]
-async fn prometheus(State(s): State<AppState>) -> Response {
+async fn prometheus(State(s): State<AppState>, _: MetricsReader) -> Response {
     let (mut running, mut paused) = (0u64, 0u64);
     match s.control.sandboxes(None).await {
         Ok(recs) => {

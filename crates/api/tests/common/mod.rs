@@ -358,18 +358,40 @@ pub async fn harness_with(
     h
 }
 
+/// A harness whose config `tweak` changed.
+pub async fn harness_configured(limits: TeamLimits, tweak: impl FnOnce(&mut Config)) -> Harness {
+    let h = harness_starting_with(
+        "127.0.0.1".parse().unwrap(),
+        limits,
+        vmon_api::config::Quotas::default(),
+        tweak,
+    )
+    .await;
+    h.control.ensure_base().await.unwrap();
+    h
+}
+
 /// A harness whose `base` is not built yet (as on a first `vmon up` before the build ends).
 pub async fn harness_starting(
     guest_ip: IpAddr,
     limits: TeamLimits,
     quotas: vmon_api::config::Quotas,
 ) -> Harness {
+    harness_starting_with(guest_ip, limits, quotas, |_| {}).await
+}
+
+async fn harness_starting_with(
+    guest_ip: IpAddr,
+    limits: TeamLimits,
+    quotas: vmon_api::config::Quotas,
+    tweak: impl FnOnce(&mut Config),
+) -> Harness {
     let dir = tempfile::tempdir().unwrap();
     let kv = vmon_kv::Kv::open_embedded(&vmon_kv::EmbeddedConfig::new(dir.path()))
         .await
         .unwrap();
     let node = FakeNode::new(guest_ip);
-    let config = Config {
+    let mut config = Config {
         lock_wait_secs: 5,
         // The tests' webhook receivers listen on loopback.
         webhook_allow: vec!["127.0.0.1/32".into()],
@@ -378,6 +400,7 @@ pub async fn harness_starting(
         volume_key_file: Some(dir.path().join("volume-key")),
         ..Config::default()
     };
+    tweak(&mut config);
     let records = Arc::new(StoreRecords::open(&config, dir.path()).await.unwrap());
     let control = Control::open_with(
         config,

@@ -322,7 +322,10 @@ impl Node {
         }
         let image = self.image().await?;
         let machine = self.machine(image, vcpus, memory_mb)?;
-        crate::slots::validate_policy(policy).map_err(NodeError::InvalidArgument)?;
+        self.slots
+            .vet(policy)
+            .await
+            .map_err(NodeError::InvalidArgument)?;
         let exec = new_id("e");
         let dir = self.sandbox_root(sandbox_id).join(&exec);
         let (live, _held) = self

@@ -145,9 +145,15 @@ impl NodeControl for Node {
         execution_id: &str,
         policy: NetworkPolicy,
     ) -> Result<(), NodeError> {
-        crate::slots::validate_policy(&policy).map_err(NodeError::InvalidArgument)?;
+        self.slots
+            .vet(&policy)
+            .await
+            .map_err(NodeError::InvalidArgument)?;
         let mut l = self.live_execution(sandbox_id, execution_id).await?;
-        l.slot.set_policy(&policy).await.map_err(err)?;
+        l.slot
+            .set_policy(&policy, self.slots.perimeter())
+            .await
+            .map_err(err)?;
         l.state.network = Some(policy);
         let dir = l.dir.clone();
         l.state.save(&dir).map_err(err)

@@ -137,7 +137,7 @@ impl Node {
             let addrs: Vec<Ipv4Addr> = slots::system_resolve(rule.host.clone())
                 .await
                 .into_iter()
-                .filter(|a| slots::allow_out_reaches(&resolved, *a))
+                .filter(|a| slots::allow_out_reaches(&resolved, *a, self.slots.perimeter()))
                 .collect();
             if addrs.is_empty() {
                 tracing::warn!(sandbox = %id, host = %rule.host, "egress rule host resolves to no address the sandbox may reach; nothing is intercepted for it");

@@ -155,7 +155,10 @@ impl Node {
         if !valid_id(&spec.sandbox_id) || !valid_id(&spec.execution_id) || !valid_id(&spec.basis) {
             return Err(NodeError::InvalidArgument("bad migration ids".into()));
         }
-        crate::slots::validate_policy(&spec.network).map_err(NodeError::InvalidArgument)?;
+        self.slots
+            .vet(&spec.network)
+            .await
+            .map_err(NodeError::InvalidArgument)?;
         if self.live(&spec.sandbox_id).is_ok() {
             return Err(NodeError::InvalidArgument(format!(
                 "sandbox {} already runs on this node",
@@ -187,7 +190,7 @@ impl Node {
         let exported = async {
             // The slot's egress rules are in place before the guest runs here.
             if spec.network != crate::slots::open_policy() {
-                p.slot.set_policy(&spec.network).await?;
+                p.slot.set_policy(&spec.network, self.slots.perimeter()).await?;
             }
             p.vm.qmp
                 .execute_raw(

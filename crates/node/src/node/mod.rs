@@ -264,6 +264,20 @@ fn claim_slot_block(cfg: &NodeConfig) -> anyhow::Result<(u32, std::fs::File)> {
 
 /// The `/init` after restoring `rec` for `spec`: its settings, authenticated with the token the
 /// guest holds from the build.
+/// The operator's side of every slot: `private_allow`, and the protected addresses gathered
+/// from the configuration (the cluster's endpoints resolved now, the host's own addresses,
+/// the operator's list).
+async fn perimeter(cfg: &NodeConfig) -> anyhow::Result<crate::slots::Perimeter> {
+    use vmon_proto::ranges::check_ranges;
+    check_ranges(&cfg.private_allow).map_err(|e| anyhow::anyhow!("private_allow: {e}"))?;
+    check_ranges(&cfg.protected).map_err(|e| anyhow::anyhow!("protected: {e}"))?;
+    let mut endpoints = cfg.cluster_endpoints.clone();
+    if let Some(s3) = &cfg.object_store {
+        endpoints.push(s3.endpoint.clone());
+    }
+    crate::slots::Perimeter::gather(cfg.private_allow.clone(), &endpoints, &cfg.protected).await
+}
+
 fn restore_init(spec: &StartSpec, rec: &BuildRecord) -> InitRequest {
     InitRequest {
         env_vars: spec.env_vars.clone(),
@@ -351,7 +365,9 @@ impl Node {
             None => None,
         };
         let egress_room = egress::EgressRoom::open(&cfg)?;
-        Slots::prepare_host().await?;
+        let perimeter = perimeter(&cfg).await?;
+        tracing::info!(private_allow = ?perimeter.private_allow, protected = ?perimeter.protected, "guest network perimeter");
+        Slots::prepare_host(&perimeter).await?;
         let (slot_block, block_lock) = claim_slot_block(&cfg)?;
         tracing::info!(slot_block, "network slot block");
         let qemu_ids = cfg.qemu_uid_base;
@@ -369,7 +385,7 @@ impl Node {
             recipe,
             image: tokio::sync::OnceCell::new(),
             builds,
-            slots: Arc::new(Slots::new(slot_block, qemu_ids)),
+            slots: Arc::new(Slots::new(slot_block, qemu_ids, perimeter)),
             sandboxes: std::sync::Mutex::new(HashMap::new()),
             artifacts_guard: RwLock::new(()),
             held_artifacts: Default::default(),

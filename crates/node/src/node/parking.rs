@@ -106,7 +106,9 @@ impl Node {
                 live.dir = run_dir.clone();
             }
             if live.state.network.as_ref() != Some(&spec.network) {
-                live.slot.set_policy(&spec.network).await?;
+                live.slot
+                    .set_policy(&spec.network, self.slots.perimeter())
+                    .await?;
                 live.state.network = Some(spec.network.clone());
             }
             let vm = live.vm.as_ref().context("parked sandbox has no VM")?;

@@ -49,7 +49,10 @@ impl Node {
                 continue;
             }
             if let Ok(Some(lock)) = try_lock_block(b) {
-                let stale = Slots::new(b, None).reclaim(&[]).await.unwrap_or_default();
+                let stale = Slots::new(b, None, Default::default())
+                    .reclaim(&[])
+                    .await
+                    .unwrap_or_default();
                 if !stale.is_empty() {
                     tracing::info!(
                         block = b,

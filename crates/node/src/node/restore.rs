@@ -337,7 +337,8 @@ impl Node {
                 std::fs::write(run_dir.join("console.skip"), len.to_string())?;
             }
             if spec.network != crate::slots::open_policy() {
-                slot.set_policy(&spec.network).await?;
+                slot.set_policy(&spec.network, self.slots.perimeter())
+                    .await?;
             }
             let t0 = std::time::Instant::now();
             if !loaded {
@@ -417,7 +418,10 @@ impl Node {
                 "sandbox and execution ids must be [A-Za-z0-9_-]".into(),
             ));
         }
-        crate::slots::validate_policy(&spec.network).map_err(NodeError::InvalidArgument)?;
+        self.slots
+            .vet(&spec.network)
+            .await
+            .map_err(NodeError::InvalidArgument)?;
         if self.live(&spec.sandbox_id).is_ok() {
             return Err(NodeError::InvalidArgument(format!(
                 "sandbox {} is already running",

@@ -5,8 +5,10 @@ use std::net::Ipv4Addr;
 
 use vmon_proto::node::NetworkPolicy;
 
+use vmon_proto::ranges::holds;
+
 use super::{
-    parse_cidr, private_allows, sh, within, Slot, EGRESS_PORT, GUEST_IP, NEVER, PRIVATE, TAP,
+    private_allows, sh, within, Perimeter, Slot, EGRESS_PORT, GUEST_IP, NEVER, PRIVATE, TAP,
 };
 
 /// The slot namespace's interception table: TCP/443 from the guest to `addrs` is DNATed to
@@ -28,28 +30,22 @@ table ip vmon_egress {{
 }
 
 /// Whether a guest whose (resolved) policy is `p` reaches `addr` directly: never one of
-/// [`NEVER`]; a private one only when an `allowOut` entry inside a private range holds it; a
-/// public one when an `allowOut` entry holds it. The egress proxy connects to a rule host's
-/// address only when this holds, so it opens nothing the slot's own rules would not.
-pub fn allow_out_reaches(p: &NetworkPolicy, addr: Ipv4Addr) -> bool {
+/// [`NEVER`] or of the protected addresses (the cluster's parts, the host's own addresses); a
+/// private one only when an `allowOut` entry inside a private range and inside the operator's
+/// `private_allow` holds it; a public one when an `allowOut` entry holds it. The egress proxy,
+/// which runs on the host, connects to a rule host's address only when this holds, so it opens
+/// nothing the slot's own rules would not, and never the host itself.
+pub fn allow_out_reaches(p: &NetworkPolicy, addr: Ipv4Addr, perimeter: &Perimeter) -> bool {
     let a = addr.to_string();
-    if within(&a, &NEVER) {
+    if within(&a, &NEVER) || perimeter.protects(addr) {
         return false;
     }
-    let holds = |e: &String| {
-        parse_cidr(e).is_some_and(|(ip, len)| {
-            let mask = if len == 0 {
-                0
-            } else {
-                u32::MAX << (32 - u32::from(len))
-            };
-            (u32::from(ip) & mask) == (u32::from(addr) & mask)
-        })
-    };
     if within(&a, &PRIVATE) {
-        return private_allows(p).iter().any(holds);
+        return private_allows(p, &perimeter.private_allow)
+            .iter()
+            .any(|e| holds(e, addr));
     }
-    p.allow_out.iter().any(holds)
+    p.allow_out.iter().any(|e| holds(e, addr))
 }
 
 impl Slot {
@@ -87,11 +83,19 @@ mod tests {
 
     #[test]
     fn the_egress_proxy_reaches_only_what_the_policy_reaches() {
-        let p = policy(&["10.250.0.2", "8.8.8.0/24", "198.51.100.42"]);
+        let p = policy(&["10.250.0.2", "10.251.0.2", "8.8.8.0/24", "198.51.100.42"]);
+        // The operator opens 10.250.0.0/16; 8.8.8.53 and 198.51.100.0/24 are protected (a
+        // cluster endpoint, the host's own public address).
+        let perimeter = Perimeter::new(
+            vec!["10.250.0.0/16".into()],
+            vec!["8.8.8.53".into(), "198.51.100.0/24".into()],
+        );
         for (addr, ok) in [
             ("8.8.8.8", true),
-            ("198.51.100.42", true),
+            ("8.8.8.53", false),
+            ("198.51.100.42", false),
             ("10.250.0.2", true),
+            ("10.251.0.2", false),
             ("1.1.1.1", false),
             ("10.250.0.3", false),
             ("127.0.0.1", false),
@@ -99,12 +103,25 @@ mod tests {
             ("169.254.128.1", false),
         ] {
             let a: Ipv4Addr = addr.parse().expect("addr");
-            assert_eq!(allow_out_reaches(&p, a), ok, "{addr}");
+            assert_eq!(allow_out_reaches(&p, a, &perimeter), ok, "{addr}");
         }
         // `0.0.0.0/0` is the internet, not the host's networks.
         let open = policy(&["0.0.0.0/0"]);
-        assert!(allow_out_reaches(&open, Ipv4Addr::new(8, 8, 4, 4)));
-        assert!(!allow_out_reaches(&open, Ipv4Addr::new(192, 168, 1, 1)));
+        assert!(allow_out_reaches(
+            &open,
+            Ipv4Addr::new(8, 8, 4, 4),
+            &perimeter
+        ));
+        assert!(!allow_out_reaches(
+            &open,
+            Ipv4Addr::new(192, 168, 1, 1),
+            &perimeter
+        ));
+        assert!(!allow_out_reaches(
+            &open,
+            Ipv4Addr::new(8, 8, 8, 53),
+            &perimeter
+        ));
         let rules = intercept_ruleset(
             &[Ipv4Addr::new(8, 8, 8, 8)],
             Ipv4Addr::new(169, 254, 128, 2),

@@ -7,33 +7,14 @@ use vmon_proto::node::NetworkPolicy;
 
 use super::{is_host_name, GUEST_IP, TAP};
 
-/// Destinations no guest ever reaches, whatever its policy says: this host and every slot
-/// (169.254.0.0/16 holds the slot range and cloud metadata services), loopback, "this network",
-/// multicast, reserved and broadcast.
-pub const NEVER: [&str; 4] = ["0.0.0.0/8", "127.0.0.0/8", "169.254.0.0/16", "224.0.0.0/3"];
+pub(crate) use vmon_proto::ranges::{parse_cidr, within};
+pub use vmon_proto::ranges::{NEVER, PRIVATE};
 
-/// Private and shared ranges beyond the host: dropped unless an `allowOut` entry opens them (an
-/// operator's choice, e.g. a database on the local network).
-pub const PRIVATE: [&str; 6] = [
-    "10.0.0.0/8",
-    "100.64.0.0/10",
-    "172.16.0.0/12",
-    "192.0.0.0/24",
-    "192.168.0.0/16",
-    "198.18.0.0/15",
-];
+use super::Perimeter;
 
 /// The most entries a policy list may hold, and names among them.
 pub(crate) const MAX_ENTRIES: usize = 1000;
 pub(crate) const MAX_NAMES: usize = 64;
-
-pub(crate) fn parse_cidr(s: &str) -> Option<(Ipv4Addr, u8)> {
-    let (ip, len) = match s.split_once('/') {
-        Some((a, l)) => (a, l.parse::<u8>().ok().filter(|n| *n <= 32)?),
-        None => (s, 32),
-    };
-    Some((ip.parse::<Ipv4Addr>().ok()?, len))
-}
 
 pub(crate) fn valid_target(s: &str) -> bool {
     // An IPv4 address or CIDR, or a host name; nothing else reaches nft.
@@ -127,32 +108,14 @@ pub async fn system_resolve(name: String) -> Vec<Ipv4Addr> {
     }
 }
 
-/// True when the CIDR `c` lies inside one of `ranges`.
-pub(crate) fn within(c: &str, ranges: &[&str]) -> bool {
-    let Some((ip, len)) = parse_cidr(c) else {
-        return false;
-    };
-    ranges
-        .iter()
-        .filter_map(|r| parse_cidr(r))
-        .any(|(rip, rlen)| {
-            let mask = |l: u8| {
-                if l == 0 {
-                    0
-                } else {
-                    u32::MAX << (32 - u32::from(l))
-                }
-            };
-            len >= rlen && (u32::from(ip) & mask(rlen)) == (u32::from(rip) & mask(rlen))
-        })
-}
-
 /// The `allowOut` entries (resolved) that open part of a private range: only an entry that
-/// lies inside one does (`0.0.0.0/0` means "the internet", not the host's local networks).
-pub(crate) fn private_allows(p: &NetworkPolicy) -> Vec<String> {
+/// lies inside one does (`0.0.0.0/0` means "the internet", not the host's local networks),
+/// and only where it also lies inside the operator's `private_allow` (the api and the node
+/// refuse other ones; this keeps the rules closed even if a check were skipped).
+pub(crate) fn private_allows(p: &NetworkPolicy, private_allow: &[String]) -> Vec<String> {
     p.allow_out
         .iter()
-        .filter(|e| within(e, &PRIVATE))
+        .filter(|e| within(e, &PRIVATE) && within(e, private_allow))
         .cloned()
         .collect()
 }
@@ -165,15 +128,19 @@ pub(crate) fn public_entries(list: &[String]) -> Vec<&str> {
 }
 
 /// The guest's forward rules inside its namespace, after the established-traffic accept. Order:
-/// spoofed sources, never-reachable ranges, private ranges (unless an `allowOut` entry inside
-/// one opens it), `allowOut`, `denyOut`, the internet switch. Entries must be resolved
-/// ([`resolve_names`]).
-pub(crate) fn egress_rules(p: &NetworkPolicy) -> String {
+/// spoofed sources, never-reachable ranges, the protected set, private ranges (unless an
+/// `allowOut` entry inside one and inside `private_allow` opens it), `allowOut`, `denyOut`,
+/// the internet switch. Entries must be resolved ([`resolve_names`]).
+pub(crate) fn egress_rules(p: &NetworkPolicy, perimeter: &Perimeter) -> String {
     let mut r = String::new();
     let set = |v: &[&str]| format!("{{ {} }}", v.join(", "));
     r += &format!("    iifname \"{TAP}\" ip saddr != {GUEST_IP} drop\n");
     r += &format!("    iifname \"{TAP}\" ip daddr {} drop\n", set(&NEVER));
-    let private = private_allows(p);
+    if !perimeter.protected.is_empty() {
+        let v: Vec<&str> = perimeter.protected.iter().map(|s| s.as_str()).collect();
+        r += &format!("    iifname \"{TAP}\" ip daddr {} drop\n", set(&v));
+    }
+    let private = private_allows(p, &perimeter.private_allow);
     if !private.is_empty() {
         let v: Vec<&str> = private.iter().map(|s| s.as_str()).collect();
         r += &format!(
@@ -200,19 +167,38 @@ pub(crate) fn egress_rules(p: &NetworkPolicy) -> String {
 }
 
 /// The host's own table: the masquerade for slot egress, and the host-side copy of the
-/// isolation rules (a slot veth reaches no host socket, no other slot, and no private range
-/// its slot's `allowOut` did not open: private destinations jump, by the incoming veth, to the
-/// slot's own chain `s-<veth>`, which accepts what its `allowOut` names).
-pub fn host_ruleset() -> String {
+/// isolation rules (a slot veth reaches no host socket, no other slot, no protected address,
+/// and no private range its slot's `allowOut` did not open: private destinations jump, by the
+/// incoming veth, to the slot's own chain `s-<veth>`, which accepts what its `allowOut`
+/// names). Towards the slots: new connections only from uid 0 on this host (vmon's node and
+/// proxy; no other local user), none forwarded from elsewhere (a container on the host).
+/// With `forwarding_was_off` (vmon turned IPv4 forwarding on), the host forwards nothing that
+/// neither enters nor leaves a slot veth.
+pub fn host_ruleset(perimeter: &Perimeter, forwarding_was_off: bool) -> String {
+    let protected = if perimeter.protected.is_empty() {
+        String::new()
+    } else {
+        format!(
+            "    iifname \"vmh*\" ip daddr {{ {} }} drop\n",
+            perimeter.protected.join(", ")
+        )
+    };
+    let not_ours = if forwarding_was_off {
+        "    iifname != \"vmh*\" oifname != \"vmh*\" drop\n"
+    } else {
+        ""
+    };
     format!(
         "table ip vmon {{
   map slot_chain {{ type ifname : verdict; }}
   chain postrouting {{ type nat hook postrouting priority srcnat; policy accept; }}
   chain input {{ type filter hook input priority filter; policy accept; }}
+  chain output {{ type filter hook output priority filter; policy accept; }}
   chain forward {{ type filter hook forward priority filter; policy accept; }}
 }}
 flush chain ip vmon postrouting
 flush chain ip vmon input
+flush chain ip vmon output
 flush chain ip vmon forward
 table ip vmon {{
   chain postrouting {{
@@ -222,11 +208,18 @@ table ip vmon {{
     iifname \"vmh*\" ct state established,related accept
     iifname \"vmh*\" drop
   }}
+  chain output {{
+    oifname \"vmh*\" ct state established,related accept
+    oifname \"vmh*\" meta skuid 0 accept
+    oifname \"vmh*\" drop
+  }}
   chain forward {{
     iifname \"vmh*\" oifname \"vmh*\" drop
-    iifname \"vmh*\" ip saddr != 169.254.128.0/17 drop
+    oifname \"vmh*\" ct state established,related accept
+    oifname \"vmh*\" drop
+{not_ours}    iifname \"vmh*\" ip saddr != 169.254.128.0/17 drop
     iifname \"vmh*\" ip daddr {{ {never} }} drop
-    iifname \"vmh*\" ip daddr {{ {private} }} iifname vmap @slot_chain
+{protected}    iifname \"vmh*\" ip daddr {{ {private} }} iifname vmap @slot_chain
     iifname \"vmh*\" ip daddr {{ {private} }} drop
   }}
 }}",

@@ -134,6 +134,16 @@ async fn serve(data_dir: &Path, args: RunArgs) -> anyhow::Result<()> {
     std::fs::create_dir_all(data_dir)?;
     let mut cfg = vmon_node::NodeConfig::new(data_dir.to_path_buf());
     cfg.pool_size = args.pool_size;
+    // No guest reaches the parts of the cluster this node knows of.
+    cfg.cluster_endpoints.push(args.listen.to_string());
+    cfg.cluster_endpoints
+        .extend(args.cluster.etcd.endpoints.iter().cloned());
+    cfg.cluster_endpoints.extend(
+        [&args.cluster.advertise, &args.cluster.ingress]
+            .into_iter()
+            .flatten()
+            .cloned(),
+    );
     cfg.accel = match args.accel.as_deref() {
         None | Some("auto") => None,
         Some(a) => Some(a.parse().map_err(|e: String| anyhow::anyhow!(e))?),

@@ -217,7 +217,8 @@ pub async fn run(data_dir: &Path, args: Args) -> anyhow::Result<()> {
         c.cancel();
     });
     let routes = Arc::new(routes);
-    let mut proxy = vmon_proxy::Proxy::new(routes.clone());
+    let mut proxy =
+        vmon_proxy::Proxy::new(routes.clone()).with_limits(config.proxy_limits.guest_limits());
     {
         // Traffic reports for the api's idle scan: what had traffic since the last one (and a
         // little more, so a report lost on the way is covered by the next).

@@ -118,6 +118,17 @@ pub async fn serve(data_dir: &Path, config: Config, parts: Parts) -> anyhow::Res
             tracing::info!(data_dir = %data_dir.display(), "starting the node");
             let mut node_config = vmon_node::NodeConfig::new(data_dir.to_path_buf());
             node_config.progress = Some(startup.clone());
+            // The same private_allow at the api and the node; no guest reaches the parts.
+            node_config.private_allow = config.private_allow.clone();
+            node_config.cluster_endpoints.extend([
+                config.api_listen.to_string(),
+                config.proxy_listen.to_string(),
+                config.api_url(),
+                config.sandbox_url(),
+            ]);
+            node_config
+                .cluster_endpoints
+                .extend(config.store_url.iter().cloned());
             // Opening is quick: the guest image builds in the background.
             let n = vmon_node::Node::open(node_config)
                 .await
@@ -144,7 +155,8 @@ pub async fn serve(data_dir: &Path, config: Config, parts: Parts) -> anyhow::Res
             .with_context(|| format!("binding the proxy to {}", config.proxy_listen))?;
         // One traffic table for the proxy and the idle scan: no reports needed.
         let mut proxy = vmon_proxy::Proxy::new(Arc::new(ProxyRoutes(control.clone())))
-            .with_activity(control.activity().clone());
+            .with_activity(control.activity().clone())
+            .with_limits(config.proxy_limits.guest_limits());
         if let Some(tls) = super::proxy_tls::load(&config, data_dir, true)? {
             if let Some(files) = &tls.local_ca {
                 eprintln!("{}", files.hint());
