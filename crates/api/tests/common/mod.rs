@@ -364,6 +364,16 @@ pub async fn harness_starting(
     limits: TeamLimits,
     quotas: vmon_api::config::Quotas,
 ) -> Harness {
+    harness_configured(guest_ip, limits, quotas, |_| {}).await
+}
+
+/// [`harness_starting`] with its configuration changed by `tweak`.
+pub async fn harness_configured(
+    guest_ip: IpAddr,
+    limits: TeamLimits,
+    quotas: vmon_api::config::Quotas,
+    tweak: impl FnOnce(&mut Config),
+) -> Harness {
     let dir = tempfile::tempdir().unwrap();
     let kv = vmon_kv::Kv::open_embedded(&vmon_kv::EmbeddedConfig::new(dir.path()))
         .await
@@ -376,8 +386,11 @@ pub async fn harness_starting(
         quotas,
         volumes_dir: Some(dir.path().join("volumes")),
         volume_key_file: Some(dir.path().join("volume-key")),
+        template_files_dir: Some(dir.path().join("template-files")),
         ..Config::default()
     };
+    let mut config = config;
+    tweak(&mut config);
     let records = Arc::new(StoreRecords::open(&config, dir.path()).await.unwrap());
     let control = Control::open_with(
         config,

@@ -1,17 +1,22 @@
 //! Volumes in a sandbox: one virtiofsd per mounted volume, serving `<volumes dir>/<id>` to
-//! that sandbox's QEMU over a vhost-user socket in the execution's run directory.
+//! that sandbox's QEMU over a vhost-user socket.
 //!
-//! virtiofsd (QEMU 7.2's, `/usr/lib/qemu/virtiofsd`) runs as root but in a sandbox of its own:
-//! new mount, PID and network namespaces with the volume directory `pivot_root`ed as its `/`,
-//! seccomp, and `mknod` dropped from its capabilities. A guest reaches the host's files only
-//! through FUSE requests that daemon serves inside that root, and no network at all. Each
-//! daemon serves one connection and exits when its QEMU does.
+//! virtiofsd (QEMU 7.2's, `/usr/lib/qemu/virtiofsd`) runs unprivileged: in a user namespace
+//! that maps the guest's ids `0..65536` to the volume's own range of host ids
+//! ([`super::volume_owner`]), as that namespace's root, so on the host it is the range's base
+//! uid with no capability, and a file the guest creates as uid `n` is owned by `base + n`
+//! (a guest's setuid-root file is setuid to an unprivileged id). It enters the sandbox's
+//! cgroups before exec, so its CPU and memory count against the sandbox. Inside it sandboxes
+//! itself: new mount, PID and network namespaces with the volume directory (its working
+//! directory, entered as root before the switch: the volumes directory stays root's 0700)
+//! `pivot_root`ed as its `/`, seccomp, and `mknod` dropped. Each daemon serves one
+//! connection and exits when its QEMU does.
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use anyhow::{bail, Context};
+use anyhow::Context;
 use vmon_proto::node::{NodeError, VolumeShare};
 use vmon_vm::FsShare;
 
@@ -54,6 +59,9 @@ impl ShareDaemons {
     pub(super) fn unlink_sockets(&self) {
         for s in &self.shares {
             let _ = std::fs::remove_file(&s.socket);
+            if let Some(dir) = s.socket.parent() {
+                let _ = std::fs::remove_dir(dir);
+            }
         }
     }
 
@@ -103,102 +111,161 @@ pub(super) fn validate(volumes_dir: &Path, shares: &[VolumeShare]) -> Result<(),
     Ok(())
 }
 
+/// A virtiofsd's open-file limit (the guest's open files and directories are its descriptors).
+const NOFILE: libc::rlim_t = 65_536;
+
+/// What a daemon needs from its sandbox: the cgroups its QEMU gets, and that QEMU's user (the
+/// socket is handed to it).
+pub(super) struct ShareContext<'a> {
+    pub qemu_tag: &'a str,
+    pub limits: vmon_vm::cgroup::Limits,
+    pub user: Option<&'a vmon_vm::QemuUser>,
+}
+
 impl Node {
     /// Starts one virtiofsd per share and waits until each listens.
     pub(super) async fn start_share_daemons(
         &self,
         run_dir: &Path,
         shares: &[VolumeShare],
-        user: Option<&vmon_vm::QemuUser>,
+        ctx: &ShareContext<'_>,
     ) -> anyhow::Result<ShareDaemons> {
         let mut daemons = ShareDaemons::none();
+        if shares.is_empty() {
+            return Ok(daemons);
+        }
+        let groups = vmon_vm::cgroup::create(ctx.qemu_tag, &ctx.limits)
+            .with_context(|| format!("cgroups for QEMU {}", ctx.qemu_tag))?;
+        let procs: Vec<std::ffi::CString> = groups.map(|g| g.procs).unwrap_or_default();
         for (i, s) in shares.iter().enumerate() {
-            // A socket path must fit sun_path (108 bytes): run dirs can be longer. The daemon
-            // takes one connection (its QEMU's, at launch); the path is removed after it.
-            let sockets = Path::new(SOCKET_DIR);
-            std::fs::create_dir_all(sockets)?;
-            match user {
-                // QEMUs pass through to their own socket only.
-                Some(u) => vmon_vm::user::traverse_only(sockets, u.gid)?,
-                None => std::fs::set_permissions(sockets, std::fs::Permissions::from_mode(0o700))?,
-            }
-            let socket = sockets.join(format!("{}-{i}.sock", crate::builds::new_id("")));
-            let _ = std::fs::remove_file(&socket);
-            let source: PathBuf = self.cfg.volumes_dir.join(&s.volume_id);
-            let log = std::fs::File::create(run_dir.join(format!("virtiofsd{i}.log")))?;
-            let spawned = tokio::process::Command::new(&self.cfg.virtiofsd)
-                .arg(format!("--socket-path={}", socket.display()))
-                .arg("-o")
-                .arg(format!("source={}", source.display()))
-                // No guest-side caching: every sandbox mounting the volume at once, and the
-                // content plane, see each write when it returns.
-                .args(["-o", "cache=none", "-o", "sandbox=namespace"])
-                .args([
-                    "-o",
-                    "no_posix_lock",
-                    "-o",
-                    "no_flock",
-                    "-o",
-                    "modcaps=-mknod",
-                ])
-                .args(["-o", "log_level=warn"])
-                .stdin(std::process::Stdio::null())
-                .stdout(log.try_clone()?)
-                .stderr(log)
-                // Like QEMU, it outlives a restarting node (the sandbox is re-adopted).
-                .process_group(0)
-                .kill_on_drop(false)
-                .spawn()
-                .with_context(|| format!("starting {}", self.cfg.virtiofsd.display()));
-            let mut child = match spawned {
-                Ok(c) => c,
+            match self.start_share_daemon(run_dir, i, s, ctx, &procs).await {
+                Ok((child, share)) => {
+                    daemons.children.push(child);
+                    daemons.shares.push(share);
+                }
                 Err(e) => {
                     daemons.kill().await;
                     return Err(e);
                 }
-            };
-            let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-            let listening = loop {
-                if socket.exists() {
-                    break Ok(());
-                }
-                if let Ok(Some(status)) = child.try_wait() {
-                    let log = std::fs::read_to_string(run_dir.join(format!("virtiofsd{i}.log")))
-                        .unwrap_or_default();
-                    break Err(anyhow::anyhow!(
-                        "virtiofsd for volume {} exited ({status}): {}",
-                        s.volume_id,
-                        log.chars().take(2000).collect::<String>()
-                    ));
-                }
-                if tokio::time::Instant::now() > deadline {
-                    break Err(anyhow::anyhow!(
-                        "virtiofsd for volume {} did not listen within 10 s",
-                        s.volume_id
-                    ));
-                }
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            };
-            daemons.children.push(child);
-            let listening = match (listening, user) {
-                (Ok(()), Some(u)) => u
-                    .hand(&socket)
-                    .with_context(|| format!("handing {} to QEMU", socket.display())),
-                (r, _) => r,
-            };
-            if let Err(e) = listening {
-                daemons.kill().await;
-                return Err(e);
             }
-            daemons.shares.push(FsShare {
-                socket,
-                tag: tag(i),
-            });
-        }
-        if daemons.shares.len() != shares.len() {
-            daemons.kill().await;
-            bail!("not every volume daemon started");
         }
         Ok(daemons)
+    }
+
+    async fn start_share_daemon(
+        &self,
+        run_dir: &Path,
+        i: usize,
+        s: &VolumeShare,
+        ctx: &ShareContext<'_>,
+        procs: &[std::ffi::CString],
+    ) -> anyhow::Result<(tokio::process::Child, FsShare)> {
+        let (volumes_dir, volume, first) = (
+            self.cfg.volumes_dir.clone(),
+            s.volume_id.clone(),
+            self.cfg.volume_uid_base,
+        );
+        let (base, ns) = tokio::task::spawn_blocking(move || {
+            let base = super::volume_owner::ensure_range(&volumes_dir, &volume, first)?;
+            let ns = vmon_vm::userns::UserNs::new(base)
+                .context("making the volume daemon's user namespace")?;
+            anyhow::Ok((base, ns))
+        })
+        .await??;
+        // A socket path must fit sun_path (108 bytes): run dirs can be longer. The daemon
+        // makes it in a directory of its own (the daemon's to write, QEMU's group's to pass);
+        // it takes one connection (its QEMU's, at launch); the path is removed after it.
+        let sockets = Path::new(SOCKET_DIR);
+        std::fs::create_dir_all(sockets)?;
+        match ctx.user {
+            Some(u) => vmon_vm::user::traverse_only(sockets, u.gid)?,
+            None => std::fs::set_permissions(sockets, std::fs::Permissions::from_mode(0o700))?,
+        }
+        let own = sockets.join(format!("{}-{i}", crate::builds::new_id("")));
+        std::fs::create_dir(&own)?;
+        std::os::unix::fs::chown(&own, Some(base), Some(ctx.user.map_or(base, |u| u.gid)))?;
+        std::fs::set_permissions(&own, std::fs::Permissions::from_mode(0o710))?;
+        let socket = own.join("fs.sock");
+        let source: PathBuf = self.cfg.volumes_dir.join(&s.volume_id);
+        let source_c = std::ffi::CString::new(source.as_os_str().as_encoded_bytes())
+            .context("a volume path holds a NUL byte")?;
+        let log_path = run_dir.join(format!("virtiofsd{i}.log"));
+        let log = std::fs::File::create(&log_path)?;
+        let mut cmd = tokio::process::Command::new(&self.cfg.virtiofsd);
+        cmd.arg(format!("--socket-path={}", socket.display()))
+            // Its working directory, entered before it left the host's root behind.
+            .args(["-o", "source=."])
+            // No guest-side caching: every sandbox mounting the volume at once, and the
+            // content plane, see each write when it returns.
+            .args(["-o", "cache=none", "-o", "sandbox=namespace"])
+            .args(["-o", "no_posix_lock", "-o", "no_flock", "-o", "modcaps=-mknod"])
+            .args(["-o", "log_level=warn", "--rlimit-nofile=0"])
+            .stdin(std::process::Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            // Like QEMU, it outlives a restarting node (the sandbox is re-adopted).
+            .process_group(0)
+            .kill_on_drop(false);
+        let (procs, ns_fd) = (procs.to_vec(), ns.raw_fd());
+        // SAFETY: the closure runs in the forked child before exec and only makes
+        // async-signal-safe system calls on values prepared before the fork.
+        unsafe {
+            cmd.pre_exec(move || {
+                vmon_vm::cgroup::enter(&procs)?;
+                let nofile = libc::rlimit {
+                    rlim_cur: NOFILE,
+                    rlim_max: NOFILE,
+                };
+                if libc::setrlimit(libc::RLIMIT_NOFILE, &nofile) != 0
+                    || libc::chdir(source_c.as_ptr()) != 0
+                {
+                    return Err(std::io::Error::last_os_error());
+                }
+                vmon_vm::userns::enter(ns_fd)
+            });
+        }
+        let mut child = cmd
+            .spawn()
+            .with_context(|| format!("starting {}", self.cfg.virtiofsd.display()))?;
+        drop(ns);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        let listening = loop {
+            if socket.exists() {
+                break Ok(());
+            }
+            if let Ok(Some(status)) = child.try_wait() {
+                let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+                break Err(anyhow::anyhow!(
+                    "virtiofsd for volume {} exited ({status}): {}",
+                    s.volume_id,
+                    log.chars().take(2000).collect::<String>()
+                ));
+            }
+            if tokio::time::Instant::now() > deadline {
+                break Err(anyhow::anyhow!(
+                    "virtiofsd for volume {} did not listen within 10 s",
+                    s.volume_id
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        let listening = match (listening, ctx.user) {
+            (Ok(()), Some(u)) => u
+                .hand(&socket)
+                .with_context(|| format!("handing {} to QEMU", socket.display())),
+            (r, _) => r,
+        };
+        if let Err(e) = listening {
+            let _ = child.kill().await;
+            let _ = std::fs::remove_dir_all(&own);
+            return Err(e);
+        }
+        Ok((
+            child,
+            FsShare {
+                socket,
+                tag: tag(i),
+            },
+        ))
     }
 }
