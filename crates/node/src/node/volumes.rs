@@ -12,11 +12,12 @@
 //! `pivot_root`ed as its `/`, seccomp, and `mknod` dropped. Each daemon serves one
 //! connection and exits when its QEMU does.
 
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use anyhow::Context;
+use anyhow::{bail, Context};
 use vmon_proto::node::{NodeError, VolumeShare};
 use vmon_vm::FsShare;
 
@@ -59,9 +60,6 @@ impl ShareDaemons {
     pub(super) fn unlink_sockets(&self) {
         for s in &self.shares {
             let _ = std::fs::remove_file(&s.socket);
-            if let Some(dir) = s.socket.parent() {
-                let _ = std::fs::remove_dir(dir);
-            }
         }
     }
 
@@ -109,6 +107,39 @@ pub(super) fn validate(volumes_dir: &Path, shares: &[VolumeShare]) -> Result<(),
         }
     }
     Ok(())
+}
+
+/// The descriptor number a daemon gets its listening socket under (`--fd`).
+const LISTEN_FD: i32 = 3;
+
+/// Waits until the daemon `child` waits for its QEMU's connection (blocked in `accept` on its
+/// socket: QEMU 7.2's virtiofsd accepts before it sandboxes itself), or fails with its log.
+async fn accepting(
+    child: &mut tokio::process::Child,
+    log_path: &Path,
+    volume: &str,
+) -> anyhow::Result<()> {
+    let pid = child.id().context("virtiofsd has no pid")?;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Ok(Some(status)) = child.try_wait() {
+            let log = std::fs::read_to_string(log_path).unwrap_or_default();
+            bail!(
+                "virtiofsd for volume {volume} exited ({status}): {}",
+                log.chars().take(2000).collect::<String>()
+            );
+        }
+        // The system call it is blocked in: its number first.
+        let call = std::fs::read_to_string(format!("/proc/{pid}/syscall")).unwrap_or_default();
+        let nr = call.split_whitespace().next().and_then(|n| n.parse::<i64>().ok());
+        if nr == Some(libc::SYS_accept) || nr == Some(libc::SYS_accept4) {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() > deadline {
+            bail!("virtiofsd for volume {volume} did not wait for its QEMU within 10 s");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 /// A virtiofsd's open-file limit (the guest's open files and directories are its descriptors).
@@ -172,27 +203,35 @@ impl Node {
             anyhow::Ok((base, ns))
         })
         .await??;
-        // A socket path must fit sun_path (108 bytes): run dirs can be longer. The daemon
-        // makes it in a directory of its own (the daemon's to write, QEMU's group's to pass);
-        // it takes one connection (its QEMU's, at launch); the path is removed after it.
+        // A socket path must fit sun_path (108 bytes): run dirs can be longer. The node binds
+        // it (the daemon writes nothing on the host) and hands it to QEMU; the daemon gets the
+        // listening descriptor and takes one connection (its QEMU's, at launch); the path is
+        // removed after it.
         let sockets = Path::new(SOCKET_DIR);
         std::fs::create_dir_all(sockets)?;
         match ctx.user {
             Some(u) => vmon_vm::user::traverse_only(sockets, u.gid)?,
             None => std::fs::set_permissions(sockets, std::fs::Permissions::from_mode(0o700))?,
         }
-        let own = sockets.join(format!("{}-{i}", crate::builds::new_id("")));
-        std::fs::create_dir(&own)?;
-        std::os::unix::fs::chown(&own, Some(base), Some(ctx.user.map_or(base, |u| u.gid)))?;
-        std::fs::set_permissions(&own, std::fs::Permissions::from_mode(0o710))?;
-        let socket = own.join("fs.sock");
+        let socket = sockets.join(format!("{}-{i}.sock", crate::builds::new_id("")));
+        let _ = std::fs::remove_file(&socket);
+        let listener = std::os::unix::net::UnixListener::bind(&socket)
+            .with_context(|| format!("binding {}", socket.display()))?;
+        let handed = match ctx.user {
+            Some(u) => u.hand(&socket),
+            None => std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o600)),
+        };
+        if let Err(e) = handed {
+            let _ = std::fs::remove_file(&socket);
+            return Err(e).with_context(|| format!("handing {} to QEMU", socket.display()));
+        }
         let source: PathBuf = self.cfg.volumes_dir.join(&s.volume_id);
         let source_c = std::ffi::CString::new(source.as_os_str().as_encoded_bytes())
             .context("a volume path holds a NUL byte")?;
         let log_path = run_dir.join(format!("virtiofsd{i}.log"));
         let log = std::fs::File::create(&log_path)?;
         let mut cmd = tokio::process::Command::new(&self.cfg.virtiofsd);
-        cmd.arg(format!("--socket-path={}", socket.display()))
+        cmd.arg(format!("--fd={LISTEN_FD}"))
             // Its working directory, entered before it left the host's root behind.
             .args(["-o", "source=."])
             // No guest-side caching: every sandbox mounting the volume at once, and the
@@ -207,11 +246,26 @@ impl Node {
             .process_group(0)
             .kill_on_drop(false);
         let (procs, ns_fd) = (procs.to_vec(), ns.raw_fd());
+        let listen_fd = listener.as_raw_fd();
         // SAFETY: the closure runs in the forked child before exec and only makes
         // async-signal-safe system calls on values prepared before the fork.
         unsafe {
             cmd.pre_exec(move || {
                 vmon_vm::cgroup::enter(&procs)?;
+                // Out of the way of the number the socket goes to (closed at exec).
+                let ns_fd = libc::fcntl(ns_fd, libc::F_DUPFD_CLOEXEC, 200);
+                if ns_fd < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                // The listening socket under the number the daemon is told, inheritable.
+                let moved = if listen_fd == LISTEN_FD {
+                    libc::fcntl(listen_fd, libc::F_SETFD, 0)
+                } else {
+                    libc::dup2(listen_fd, LISTEN_FD)
+                };
+                if moved < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
                 let nofile = libc::rlimit {
                     rlim_cur: NOFILE,
                     rlim_max: NOFILE,
@@ -224,40 +278,20 @@ impl Node {
                 vmon_vm::userns::enter(ns_fd)
             });
         }
-        let mut child = cmd
+        let spawned = cmd
             .spawn()
-            .with_context(|| format!("starting {}", self.cfg.virtiofsd.display()))?;
-        drop(ns);
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-        let listening = loop {
-            if socket.exists() {
-                break Ok(());
+            .with_context(|| format!("starting {}", self.cfg.virtiofsd.display()));
+        drop((ns, listener));
+        let mut child = match spawned {
+            Ok(c) => c,
+            Err(e) => {
+                let _ = std::fs::remove_file(&socket);
+                return Err(e);
             }
-            if let Ok(Some(status)) = child.try_wait() {
-                let log = std::fs::read_to_string(&log_path).unwrap_or_default();
-                break Err(anyhow::anyhow!(
-                    "virtiofsd for volume {} exited ({status}): {}",
-                    s.volume_id,
-                    log.chars().take(2000).collect::<String>()
-                ));
-            }
-            if tokio::time::Instant::now() > deadline {
-                break Err(anyhow::anyhow!(
-                    "virtiofsd for volume {} did not listen within 10 s",
-                    s.volume_id
-                ));
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
         };
-        let listening = match (listening, ctx.user) {
-            (Ok(()), Some(u)) => u
-                .hand(&socket)
-                .with_context(|| format!("handing {} to QEMU", socket.display())),
-            (r, _) => r,
-        };
-        if let Err(e) = listening {
+        if let Err(e) = accepting(&mut child, &log_path, &s.volume_id).await {
             let _ = child.kill().await;
-            let _ = std::fs::remove_dir_all(&own);
+            let _ = std::fs::remove_file(&socket);
             return Err(e);
         }
         Ok((
