@@ -7,10 +7,10 @@
 //! uid with no capability, and a file the guest creates as uid `n` is owned by `base + n`
 //! (a guest's setuid-root file is setuid to an unprivileged id). It enters the sandbox's
 //! cgroups before exec, so its CPU and memory count against the sandbox. Inside it sandboxes
-//! itself: new mount, PID and network namespaces with the volume directory (its working
-//! directory, entered as root before the switch: the volumes directory stays root's 0700)
-//! `pivot_root`ed as its `/`, seccomp, and `mknod` dropped. Each daemon serves one
-//! connection and exits when its QEMU does.
+//! itself: new mount, PID and network namespaces with the volume directory (bound over
+//! [`MOUNT_POINT`] in a mount namespace the node's child makes as root before the switch: the
+//! volumes directory stays root's 0700) `pivot_root`ed as its `/`, seccomp, and `mknod`
+//! dropped. Each daemon serves one connection and exits when its QEMU does.
 
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::PermissionsExt;
@@ -142,6 +142,29 @@ async fn accepting(
     }
 }
 
+/// Where a daemon finds its volume: an empty directory the volume is bound over in the
+/// daemon's own mount namespace (virtiofsd `pivot_root`s into its source, which must be a
+/// mount, and reaches it as the unprivileged uid: every parent is passable by anyone).
+const MOUNT_POINT: &str = "/run/vmon/volume";
+const MOUNT_POINT_C: &std::ffi::CStr = c"/run/vmon/volume";
+
+/// Makes [`MOUNT_POINT`] (root's, 0755, empty) and lets anyone pass `/run/vmon` (not list it).
+fn mount_point() -> std::io::Result<()> {
+    let dir = Path::new(MOUNT_POINT);
+    std::fs::create_dir_all(dir)?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755))?;
+    if let Some(parent) = dir.parent() {
+        let mode = std::fs::metadata(parent)?.permissions().mode();
+        if mode & 0o001 == 0 {
+            std::fs::set_permissions(
+                parent,
+                std::fs::Permissions::from_mode((mode & 0o7777) | 0o001),
+            )?;
+        }
+    }
+    Ok(())
+}
+
 /// A virtiofsd's open-file limit (the guest's open files and directories are its descriptors).
 const NOFILE: libc::rlim_t = 65_536;
 
@@ -228,12 +251,15 @@ impl Node {
         let source: PathBuf = self.cfg.volumes_dir.join(&s.volume_id);
         let source_c = std::ffi::CString::new(source.as_os_str().as_encoded_bytes())
             .context("a volume path holds a NUL byte")?;
+        mount_point()?;
         let log_path = run_dir.join(format!("virtiofsd{i}.log"));
         let log = std::fs::File::create(&log_path)?;
         let mut cmd = tokio::process::Command::new(&self.cfg.virtiofsd);
         cmd.arg(format!("--fd={LISTEN_FD}"))
-            // Its working directory, entered before it left the host's root behind.
-            .args(["-o", "source=."])
+            .arg("-o")
+            // The volume, bound there in a mount namespace of its own before it left the
+            // host's root behind: the volumes directory itself stays root's 0700.
+            .arg(format!("source={MOUNT_POINT}"))
             // No guest-side caching: every sandbox mounting the volume at once, and the
             // content plane, see each write when it returns.
             .args(["-o", "cache=none", "-o", "sandbox=namespace"])
@@ -271,7 +297,21 @@ impl Node {
                     rlim_max: NOFILE,
                 };
                 if libc::setrlimit(libc::RLIMIT_NOFILE, &nofile) != 0
-                    || libc::chdir(source_c.as_ptr()) != 0
+                    || libc::unshare(libc::CLONE_NEWNS) != 0
+                    || libc::mount(
+                        std::ptr::null(),
+                        c"/".as_ptr(),
+                        std::ptr::null(),
+                        libc::MS_REC | libc::MS_PRIVATE,
+                        std::ptr::null(),
+                    ) != 0
+                    || libc::mount(
+                        source_c.as_ptr(),
+                        MOUNT_POINT_C.as_ptr(),
+                        std::ptr::null(),
+                        libc::MS_BIND,
+                        std::ptr::null(),
+                    ) != 0
                 {
                     return Err(std::io::Error::last_os_error());
                 }
