@@ -73,7 +73,10 @@ async fn uploads_past_the_teams_quotas_are_refused_with_the_limit_named() {
     let msg = r.json["message"].as_str().unwrap();
     assert!(msg.contains("quotas.max_template_file_bytes"), "{msg}");
     assert_eq!(r.json["code"], 507);
-    assert!(!present(&h, &tid, &hash(2)).await, "a refused upload is not kept");
+    assert!(
+        !present(&h, &tid, &hash(2)).await,
+        "a refused upload is not kept"
+    );
 
     // Count: a second archive fits, a third does not.
     let r = upload(&h, &tid, &hash(2), &"b".repeat(50)).await;
@@ -120,9 +123,8 @@ async fn unused_uploads_are_collected_after_the_grace_and_named_ones_kept() {
         .unwrap();
 
     let cancel = tokio_util::sync::CancellationToken::new();
-    let collector = tokio::spawn(
-        Arc::clone(&h.control).run_template_files_collector(cancel.clone()),
-    );
+    let collector =
+        tokio::spawn(Arc::clone(&h.control).run_template_files_collector(cancel.clone()));
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     let path = |n: u8| dir.join(&h.team_id).join(hash(n));
     while path(1).exists() {
@@ -132,7 +134,10 @@ async fn unused_uploads_are_collected_after_the_grace_and_named_ones_kept() {
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    assert!(!leftover.exists(), "the start pass takes unfinished uploads");
+    assert!(
+        !leftover.exists(),
+        "the start pass takes unfinished uploads"
+    );
     assert!(path(2).exists(), "an archive a running build names is kept");
     assert!(!present(&h, &tid, &hash(1)).await);
 

@@ -136,8 +136,14 @@ fn volume_daemons_are_unprivileged_in_their_sandboxes_cgroups_and_guests_keep_fu
         // The volume got an id range; what it held moved into it.
         let base = std::fs::metadata(&dir).expect("meta").uid();
         assert!(base >= 65_536, "the volume's root is owned by {base}");
-        assert_eq!(std::fs::metadata(dir.join("before")).expect("meta").uid(), base + 9090);
-        assert_eq!(sh(&node, &ida, "stat -c '%u %g' /mnt/v/before").await, "9090 9090");
+        assert_eq!(
+            std::fs::metadata(dir.join("before")).expect("meta").uid(),
+            base + 9090
+        );
+        assert_eq!(
+            sh(&node, &ida, "stat -c '%u %g' /mnt/v/before").await,
+            "9090 9090"
+        );
 
         // Two daemons (one per sandbox), each unprivileged on the host: the range's base as
         // every uid and gid, no supplementary group, in a user namespace of its own whose map
@@ -183,11 +189,18 @@ fn volume_daemons_are_unprivileged_in_their_sandboxes_cgroups_and_guests_keep_fu
         .await;
         assert_eq!(out, "1000 1000 640\n0 0 4755");
         let g = std::fs::metadata(dir.join("g")).expect("g");
-        assert_eq!((g.uid(), g.gid(), g.mode() & 0o7777), (base + 1000, base + 1000, 0o640));
+        assert_eq!(
+            (g.uid(), g.gid(), g.mode() & 0o7777),
+            (base + 1000, base + 1000, 0o640)
+        );
         assert!(!dir.join("f").exists() && !dir.join("d").exists() && !dir.join("t").exists());
         let suid = std::fs::metadata(dir.join("suid")).expect("suid");
         assert_eq!(suid.mode() & 0o4000, 0o4000, "the guest's mode is kept");
-        assert_eq!(suid.uid(), base, "setuid to the range's base, never to root");
+        assert_eq!(
+            suid.uid(),
+            base,
+            "setuid to the range's base, never to root"
+        );
 
         // The other sandbox sees those writes, and its own are seen.
         assert_eq!(sh(&node, &idb, "cat /mnt/v/g").await, "hello\nmore");
@@ -198,7 +211,10 @@ fn volume_daemons_are_unprivileged_in_their_sandboxes_cgroups_and_guests_keep_fu
         node.kill(&idb, &b.execution_id).await.expect("kill b");
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
         while !daemons_of(base).is_empty() {
-            assert!(std::time::Instant::now() < deadline, "daemons outlived their sandboxes");
+            assert!(
+                std::time::Instant::now() < deadline,
+                "daemons outlived their sandboxes"
+            );
             tokio::time::sleep(std::time::Duration::from_millis(100)).await;
         }
         let _ = std::fs::remove_dir_all(&dir);

@@ -67,10 +67,9 @@ fn sweep(
                 .ok()
                 .and_then(|t| now.duration_since(t).ok())
                 .unwrap_or_default();
-            if (unfinished && at_start) || age >= grace {
-                if std::fs::remove_file(f.path()).is_ok() {
-                    removed.push(f.path());
-                }
+            if ((unfinished && at_start) || age >= grace) && std::fs::remove_file(f.path()).is_ok()
+            {
+                removed.push(f.path());
             }
         }
         // An empty team directory goes too (fails while anything is in it).

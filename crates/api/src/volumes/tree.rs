@@ -724,7 +724,10 @@ mod tests {
             .set_meta(&path("a/f"), owner(Some(0), Some(0)))
             .expect("chown");
         assert_eq!((set.uid, set.gid), (0, 0));
-        assert_eq!(std::fs::metadata(vol.join("a/f")).expect("meta").uid(), base);
+        assert_eq!(
+            std::fs::metadata(vol.join("a/f")).expect("meta").uid(),
+            base
+        );
         assert!(matches!(
             tree.set_meta(&path("a/f"), owner(Some(70_000), None)),
             Err(TreeError::Invalid(_))

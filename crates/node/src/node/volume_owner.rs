@@ -80,7 +80,9 @@ pub(super) fn ensure_range(volumes_dir: &Path, volume: &str, first: u32) -> anyh
 
 /// Whether `uid` is the base of a range that starts at `first`.
 fn in_ranges(uid: u32, first: u32) -> bool {
-    uid >= first && (uid - first) % VOLUME_IDS == 0 && (uid - first) / VOLUME_IDS < MAX_RANGES
+    uid >= first
+        && (uid - first).is_multiple_of(VOLUME_IDS)
+        && (uid - first) / VOLUME_IDS < MAX_RANGES
 }
 
 /// A host id of a volume without a range (its ids are the guest's) in the range at `base`.
@@ -95,7 +97,11 @@ fn host_of(base: u32, id: u32) -> u32 {
 /// `chown` clears setuid and setgid bits of what it moves, as it does for any owner change.
 fn shift_tree(root: &OwnedFd, base: u32) -> anyhow::Result<()> {
     let mut stack: Vec<rfs::Dir> = vec![rfs::Dir::read_from(root)?];
-    while let Some(dir) = stack.last_mut() {
+    loop {
+        let depth = stack.len();
+        let Some(dir) = stack.last_mut() else {
+            break;
+        };
         let Some(entry) = dir.next() else {
             stack.pop();
             continue;
@@ -117,7 +123,7 @@ fn shift_tree(root: &OwnedFd, base: u32) -> anyhow::Result<()> {
             AtFlags::SYMLINK_NOFOLLOW,
         )?;
         if rfs::FileType::from_raw_mode(st.st_mode) == rfs::FileType::Directory {
-            if stack.len() >= MAX_DEPTH {
+            if depth >= MAX_DEPTH {
                 bail!("the volume is nested deeper than {MAX_DEPTH} directories");
             }
             let sub = rfs::openat(
@@ -126,7 +132,8 @@ fn shift_tree(root: &OwnedFd, base: u32) -> anyhow::Result<()> {
                 OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
                 Mode::empty(),
             )?;
-            stack.push(rfs::Dir::read_from(sub.as_fd())?);
+            let sub = rfs::Dir::read_from(sub.as_fd())?;
+            stack.push(sub);
         }
     }
     Ok(())

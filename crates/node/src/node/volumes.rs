@@ -131,7 +131,10 @@ async fn accepting(
         }
         // The system call it is blocked in: its number first.
         let call = std::fs::read_to_string(format!("/proc/{pid}/syscall")).unwrap_or_default();
-        let nr = call.split_whitespace().next().and_then(|n| n.parse::<i64>().ok());
+        let nr = call
+            .split_whitespace()
+            .next()
+            .and_then(|n| n.parse::<i64>().ok());
         if nr == Some(libc::SYS_accept) || nr == Some(libc::SYS_accept4) {
             return Ok(());
         }
@@ -219,11 +222,9 @@ impl Node {
             s.volume_id.clone(),
             self.cfg.volume_uid_base,
         );
-        let (base, ns) = tokio::task::spawn_blocking(move || {
+        let ns = tokio::task::spawn_blocking(move || {
             let base = super::volume_owner::ensure_range(&volumes_dir, &volume, first)?;
-            let ns = vmon_vm::userns::UserNs::new(base)
-                .context("making the volume daemon's user namespace")?;
-            anyhow::Ok((base, ns))
+            vmon_vm::userns::UserNs::new(base).context("making the volume daemon's user namespace")
         })
         .await??;
         // A socket path must fit sun_path (108 bytes): run dirs can be longer. The node binds
@@ -263,7 +264,14 @@ impl Node {
             // No guest-side caching: every sandbox mounting the volume at once, and the
             // content plane, see each write when it returns.
             .args(["-o", "cache=none", "-o", "sandbox=namespace"])
-            .args(["-o", "no_posix_lock", "-o", "no_flock", "-o", "modcaps=-mknod"])
+            .args([
+                "-o",
+                "no_posix_lock",
+                "-o",
+                "no_flock",
+                "-o",
+                "modcaps=-mknod",
+            ])
             .args(["-o", "log_level=warn", "--rlimit-nofile=0"])
             .stdin(std::process::Stdio::null())
             .stdout(log.try_clone()?)
