@@ -93,9 +93,12 @@ impl UserNs {
             let ns = std::fs::File::open(format!("/proc/{pid}/ns/user"))?;
             Ok(OwnedFd::from(ns))
         })();
+        // A byte rather than EOF: a process forked meanwhile elsewhere may hold a copy of the
+        // pipe's write end.
+        let _ = (&done_w).write_all(&[1]);
         drop(done_w);
         let mut status = 0;
-        // SAFETY: waits for the child forked above, which exits once `done_w` is closed.
+        // SAFETY: waits for the child forked above, which exits once it read that byte.
         unsafe { libc::waitpid(pid, &mut status, 0) };
         Ok(UserNs {
             fd: made?,
@@ -141,7 +144,7 @@ mod tests {
         let ns = UserNs::new(1_234_500_000).expect("user namespace");
         let fd = ns.raw_fd();
         let mut cmd = std::process::Command::new("/bin/sh");
-        cmd.args(["-c", "id -u; id -g; id -G; read x"]);
+        cmd.args(["-c", "id -u; id -g; read x || true"]);
         cmd.stdin(std::process::Stdio::piped());
         cmd.stdout(std::process::Stdio::piped());
         // SAFETY: `enter` is made for a pre_exec closure.
