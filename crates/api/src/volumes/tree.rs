@@ -719,7 +719,7 @@ mod tests {
         let m = std::fs::metadata(vol.join("a/f")).expect("meta");
         assert_eq!((m.uid(), m.gid()), (base + 1000, base + DEFAULT_GID));
         let d = std::fs::metadata(vol.join("a")).expect("meta");
-        assert_eq!(d.uid(), base + DEFAULT_UID, "made parents too");
+        assert_eq!(d.uid(), base + 1000, "parents made with the same owner");
         let set = tree
             .set_meta(&path("a/f"), owner(Some(0), Some(0)))
             .expect("chown");
