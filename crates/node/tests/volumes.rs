@@ -116,8 +116,8 @@ fn qemus_in(dir: &Path) -> Vec<u32> {
 fn volume_daemons_are_unprivileged_in_their_sandboxes_cgroups_and_guests_keep_full_use() {
     let node = node();
     let _shared = host_lock().read();
+    let tpl = template(&node);
     runtime().block_on(async {
-        let tpl = template(&node);
         let vol = unique("vol-");
         let vols = volumes_dir();
         std::fs::create_dir_all(&vols).expect("volumes dir");

@@ -279,6 +279,23 @@ impl Node {
             // Like QEMU, it outlives a restarting node (the sandbox is re-adopted).
             .process_group(0)
             .kill_on_drop(false);
+        // Lowered to [`NOFILE`] where the node may go higher; never raised (that takes a
+        // capability the node may not have).
+        let nofile = {
+            let mut cur = libc::rlimit {
+                rlim_cur: 0,
+                rlim_max: 0,
+            };
+            // SAFETY: getrlimit fills the struct it is given.
+            if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut cur) } != 0 {
+                return Err(std::io::Error::last_os_error()).context("reading RLIMIT_NOFILE");
+            }
+            let n = cur.rlim_max.min(NOFILE);
+            libc::rlimit {
+                rlim_cur: n,
+                rlim_max: n,
+            }
+        };
         let (procs, ns_fd) = (procs.to_vec(), ns.raw_fd());
         let listen_fd = listener.as_raw_fd();
         // SAFETY: the closure runs in the forked child before exec and only makes
@@ -300,10 +317,6 @@ impl Node {
                 if moved < 0 {
                     return Err(std::io::Error::last_os_error());
                 }
-                let nofile = libc::rlimit {
-                    rlim_cur: NOFILE,
-                    rlim_max: NOFILE,
-                };
                 if libc::setrlimit(libc::RLIMIT_NOFILE, &nofile) != 0
                     || libc::unshare(libc::CLONE_NEWNS) != 0
                     || libc::mount(
