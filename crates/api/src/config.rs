@@ -53,8 +53,13 @@ pub struct Config {
     pub metrics_token: Option<String>,
     /// What one team may keep, beyond its concurrency and lifetime limits.
     pub quotas: Quotas,
-    /// Where template build uploads are kept (default `<data dir>/template-files`).
+    /// Where template build uploads are kept (`<data dir>/template-files` once loaded; the
+    /// api refuses to start without one).
     pub template_files_dir: Option<std::path::PathBuf>,
+    /// An upload no waiting or running build names is deleted once it is this old (seconds
+    /// since it was written or last named by a files probe or a build start;
+    /// `VMON_TEMPLATE_FILES_GRACE_SECS`, default 3600).
+    pub template_files_grace_secs: u64,
     /// Template builds that run at once; more wait (`waiting`).
     pub max_template_builds: usize,
     /// Registries a `from_image(...)` build may pull from over plain HTTP (or TLS without
@@ -216,6 +221,12 @@ pub struct Quotas {
     pub max_volume_bytes: u64,
     /// Secrets a team may keep (`VMON_MAX_SECRETS`); past it a create is 409, as in infra.
     pub max_secrets: usize,
+    /// Template-file uploads (COPY archives) a team may keep (`VMON_MAX_TEMPLATE_FILES`);
+    /// past it an upload is 429.
+    pub max_template_files: usize,
+    /// Bytes a team's template-file uploads may hold (`VMON_MAX_TEMPLATE_FILE_BYTES`); an
+    /// upload that would pass it is 507.
+    pub max_template_file_bytes: u64,
 }
 
 impl Default for Quotas {
@@ -227,6 +238,8 @@ impl Default for Quotas {
             max_volumes: 100,
             max_volume_bytes: 10 << 30,
             max_secrets: 100,
+            max_template_files: 1000,
+            max_template_file_bytes: 10 << 30,
         }
     }
 }
@@ -269,6 +282,7 @@ impl Default for Config {
             metrics_token: None,
             quotas: Quotas::default(),
             template_files_dir: None,
+            template_files_grace_secs: 3600,
             max_template_builds: 2,
             insecure_registries: crate::templates::image::DEFAULT_INSECURE
                 .iter()
@@ -429,6 +443,15 @@ impl Config {
         }
         if let Some(v) = var("VMON_MAX_SECRETS") {
             self.quotas.max_secrets = parse("VMON_MAX_SECRETS", v)?;
+        }
+        if let Some(v) = var("VMON_MAX_TEMPLATE_FILES") {
+            self.quotas.max_template_files = parse("VMON_MAX_TEMPLATE_FILES", v)?;
+        }
+        if let Some(v) = var("VMON_MAX_TEMPLATE_FILE_BYTES") {
+            self.quotas.max_template_file_bytes = parse("VMON_MAX_TEMPLATE_FILE_BYTES", v)?;
+        }
+        if let Some(v) = var("VMON_TEMPLATE_FILES_GRACE_SECS") {
+            self.template_files_grace_secs = parse("VMON_TEMPLATE_FILES_GRACE_SECS", v)?;
         }
         if let Some(v) = var("VMON_VOLUMES_DIR") {
             self.volumes_dir = (!v.is_empty()).then(|| v.into());

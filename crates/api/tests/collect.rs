@@ -34,6 +34,7 @@ async fn restart(h: &Harness) -> (Arc<Control>, tempfile::TempDir) {
         .unwrap();
     let config = Config {
         lock_wait_secs: 5,
+        template_files_dir: Some(dir.path().join("template-files")),
         ..Config::default()
     };
     let control = Control::open_with(

@@ -83,6 +83,10 @@ pub struct NodeConfig {
     /// Further addresses or CIDRs no guest reaches (`VMON_PROTECTED`, comma-separated): other
     /// nodes, a management network.
     pub protected: Vec<String>,
+    /// The first host id of volumes' id ranges (`VMON_VOLUME_UID_BASE`, default 1000000000):
+    /// volume `k` owns `base + k * 65536` and the 65,535 ids after it, 8,192 ranges in all
+    /// (below the QEMUs' ids by default). No account needs to exist for these ids.
+    pub volume_uid_base: u32,
 }
 
 impl NodeConfig {
@@ -127,6 +131,11 @@ impl NodeConfig {
             private_allow: env_list("VMON_PRIVATE_ALLOW"),
             cluster_endpoints: env_endpoints(),
             protected: env_list("VMON_PROTECTED"),
+            volume_uid_base: match env_or("VMON_VOLUME_UID_BASE", DEFAULT_VOLUME_UID_BASE) {
+                // Ranges start above the guest ids themselves (a base below would read as none).
+                b if b < vmon_proto::node::volume_ids::VOLUME_IDS => DEFAULT_VOLUME_UID_BASE,
+                b => b,
+            },
         }
     }
 }
@@ -163,6 +172,9 @@ fn env_endpoints() -> Vec<String> {
 
 /// Far above the ids distributions hand to accounts and to user namespaces' sub-id ranges.
 pub const DEFAULT_QEMU_UID_BASE: u32 = 1_900_000_000;
+
+/// Volumes' id ranges: 8,192 ranges of 65,536 ids end below [`DEFAULT_QEMU_UID_BASE`].
+pub const DEFAULT_VOLUME_UID_BASE: u32 = 1_000_000_000;
 
 /// A number from the environment, or `default` when unset or not a number.
 pub(crate) fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {

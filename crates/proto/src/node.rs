@@ -71,6 +71,47 @@ pub struct VolumeShare {
     pub path: String,
 }
 
+/// How a volume's files are owned on the host: every volume has a range of
+/// [`VOLUME_IDS`] host ids of its own, starting at the owner of its root directory (the
+/// node gives it one at its first mount). Guest id `n` is host id `base + n`; the volume's
+/// virtiofsd runs in a user namespace with exactly that mapping, so a guest's root is an
+/// unprivileged host uid. A root owned by an id below [`VOLUME_IDS`] (a volume never
+/// mounted since the ranges came) has base 0: host ids are the guest's.
+pub mod volume_ids {
+    /// The ids a range maps (guest ids `0..VOLUME_IDS`).
+    pub const VOLUME_IDS: u32 = 65_536;
+    /// A guest id outside the range reads as `nobody`.
+    pub const OVERFLOW: u32 = 65_534;
+
+    /// The base of a volume whose root directory is owned by `root_uid`.
+    pub fn base_of(root_uid: u32) -> u32 {
+        if root_uid >= VOLUME_IDS {
+            root_uid
+        } else {
+            0
+        }
+    }
+
+    /// The host id of guest id `id`, None when the range has no such id.
+    pub fn to_host(base: u32, id: u32) -> Option<u32> {
+        if base == 0 {
+            return Some(id);
+        }
+        (id < VOLUME_IDS).then(|| base + id)
+    }
+
+    /// The guest id of host id `host` (ids outside the range read as [`OVERFLOW`]).
+    pub fn to_guest(base: u32, host: u32) -> u32 {
+        if base == 0 {
+            return host;
+        }
+        match host.checked_sub(base) {
+            Some(id) if id < VOLUME_IDS => id,
+            _ => OVERFLOW,
+        }
+    }
+}
+
 /// A sandbox that is running on a node.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Running {

@@ -283,12 +283,37 @@ pub fn set_weight(tag: &str, weight: Weight) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Removes the groups of `tag` (they must be empty: the process has exited). Errors are
-/// ignored: a group still in use stays, and the next node start's sweep takes it.
+/// Removes the groups of `tag` once its QEMU has exited. What is still in them belongs to that
+/// sandbox alone (its volumes' daemons, which end with their QEMU's connection anyway) and is
+/// killed first, so the groups go with the sandbox. Errors are ignored: a group still in use
+/// stays, and the next node start's sweep takes it.
 pub fn remove(tag: &str) {
     let Some(layout) = layout() else { return };
     for (_, parent) in &layout.parents {
-        let _ = std::fs::remove_dir(parent.join(tag));
+        let dir = parent.join(tag);
+        if std::fs::remove_dir(&dir).is_ok() {
+            continue;
+        }
+        let Ok(procs) = std::fs::read_to_string(dir.join("cgroup.procs")) else {
+            continue;
+        };
+        let members: Vec<u32> = procs
+            .split_whitespace()
+            .filter_map(|p| p.parse().ok())
+            .collect();
+        if members.is_empty() {
+            continue;
+        }
+        for pid in members {
+            crate::process::signal(pid, libc::SIGKILL);
+        }
+        // Killed processes leave their group within milliseconds; bounded at 0.5 s.
+        for _ in 0..50 {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+            if std::fs::remove_dir(&dir).is_ok() {
+                break;
+            }
+        }
     }
 }
 

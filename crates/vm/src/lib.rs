@@ -17,6 +17,7 @@ pub mod qmp;
 pub mod ram_base;
 pub mod ram_check;
 pub mod user;
+pub mod userns;
 
 pub use accel::{probe as probe_accel, Accel, AccelChoice};
 pub use machine::{FsShare, MachineDesc, NetDevice};

@@ -156,10 +156,13 @@ impl Control {
                 .map_err(|e| anyhow::anyhow!("webhook_allow: {e}"))?,
         );
         let config_builds = config.max_template_builds.max(1);
-        let template_files = config
-            .template_files_dir
-            .clone()
-            .unwrap_or_else(|| std::env::temp_dir().join("vmon-template-files"));
+        // No shared fallback such as /tmp: uploads are tenant bytes, kept where the operator
+        // put the data dir.
+        let template_files = config.template_files_dir.clone().ok_or_else(|| {
+            anyhow::anyhow!(
+                "template_files_dir is not set (Config::load makes it <data dir>/template-files)"
+            )
+        })?;
         let volumes = match (&config.volumes_dir, &config.volume_key_file) {
             (Some(dir), Some(key)) => Some(Arc::new(volumes::Volumes::open(
                 dir,

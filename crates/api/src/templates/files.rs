@@ -3,6 +3,12 @@
 //! that URL is vmon's own `/template-files/{team}/{hash}`, signed (HMAC-SHA256, the `hmac` crate, over team, hash
 //! and expiry) and valid for an hour. Archives are kept per team under the data dir's
 //! `template-files/`, written to a temporary file and renamed once complete, at most 1 GiB.
+//!
+//! A team keeps at most `quotas.max_template_files` archives (429) of at most
+//! `quotas.max_template_file_bytes` in all (507), counted over what it keeps and what its other
+//! uploads are writing. Archives no waiting or running build names are collected once older
+//! than `template_files_grace_secs` (`collect_files.rs`); a probe that finds one, and a build
+//! start that names it, make it new again.
 
 use std::path::{Path as FsPath, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -30,6 +36,22 @@ const URL_LIFETIME_SECS: u64 = 3600;
 pub struct Uploads {
     key: [u8; 32],
     dir: PathBuf,
+    /// Per team: bytes and count of the uploads being written now.
+    writing: std::sync::Mutex<std::collections::HashMap<String, (u64, usize)>>,
+}
+
+/// What a team keeps: archives and their bytes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub files: usize,
+    pub bytes: u64,
+}
+
+/// The quotas an upload is checked against.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    pub files: usize,
+    pub bytes: u64,
 }
 
 fn now() -> u64 {
@@ -63,6 +85,84 @@ impl Uploads {
         Uploads {
             key: rand::thread_rng().gen(),
             dir,
+            writing: Default::default(),
+        }
+    }
+
+    /// The directory every team's uploads are under.
+    pub fn dir(&self) -> &FsPath {
+        &self.dir
+    }
+
+    /// What `team_id` keeps, not counting `except` (the archive an upload replaces) or
+    /// unfinished uploads (`.upload-*`).
+    pub fn usage(&self, team_id: &str, except: Option<&str>) -> Usage {
+        let mut u = Usage::default();
+        let Ok(entries) = std::fs::read_dir(self.dir.join(team_id)) else {
+            return u;
+        };
+        for e in entries.flatten() {
+            let name = e.file_name();
+            let name = name.to_string_lossy();
+            if name.starts_with('.') || Some(name.as_ref()) == except {
+                continue;
+            }
+            if let Ok(m) = e.metadata() {
+                if m.is_file() {
+                    u.files += 1;
+                    u.bytes += m.len();
+                }
+            }
+        }
+        u
+    }
+
+    /// Counts `bytes` more (and, with `new_file`, one file more) against `team_id`'s uploads
+    /// in progress, unless `kept` and those would pass `limits`.
+    fn reserve(
+        &self,
+        team_id: &str,
+        kept: Usage,
+        limits: Limits,
+        bytes: u64,
+        new_file: bool,
+    ) -> ApiResult<()> {
+        let mut writing = self
+            .writing
+            .lock()
+            .map_err(|_| ApiError::internal("upload accounting poisoned"))?;
+        let w = writing.entry(team_id.to_string()).or_default();
+        if new_file && kept.files + w.1 >= limits.files {
+            return Err(ApiError::too_many(format!(
+                "the team already keeps {} template files, its most (quotas.max_template_files); \
+                 they are collected once no build names them",
+                kept.files + w.1
+            )));
+        }
+        if kept.bytes + w.0 + bytes > limits.bytes {
+            return Err(ApiError::new(
+                StatusCode::INSUFFICIENT_STORAGE,
+                format!(
+                    "the team's template files would hold more than {} bytes (quotas.max_template_file_bytes)",
+                    limits.bytes
+                ),
+            ));
+        }
+        w.0 += bytes;
+        w.1 += usize::from(new_file);
+        Ok(())
+    }
+
+    /// Gives back what an upload reserved (it ended: kept on disk, or failed).
+    fn release(&self, team_id: &str, bytes: u64, new_file: bool) {
+        if let Ok(mut writing) = self.writing.lock() {
+            if let Some(w) = writing.get_mut(team_id) {
+                w.0 = w.0.saturating_sub(bytes);
+                w.1 = w.1.saturating_sub(usize::from(new_file));
+                if *w == (0, 0) {
+                    writing.remove(team_id);
+                }
+            }
         }
     }
 
@@ -108,9 +208,56 @@ impl Control {
     pub(crate) fn template_file(&self, team_id: &str, hash: &str) -> PathBuf {
         self.uploads().path(team_id, &hash.to_ascii_lowercase())
     }
+
+    /// Whether the team keeps the archive of `hash`; one it keeps is made new again, so the
+    /// collector's grace starts over for a build about to name it.
+    pub(crate) fn template_file_kept(&self, team_id: &str, hash: &str) -> bool {
+        let path = self.template_file(team_id, hash);
+        match std::fs::OpenOptions::new().write(true).open(&path) {
+            Ok(f) => {
+                if f.metadata().is_ok_and(|m| m.is_file()) {
+                    let _ = f.set_modified(SystemTime::now());
+                    true
+                } else {
+                    false
+                }
+            }
+            Err(_) => false,
+        }
+    }
 }
 
-async fn write_capped(dir: &FsPath, dest: &FsPath, body: Body) -> ApiResult<u64> {
+/// One upload's place in its team's quotas, given back when it ends.
+struct Reservation<'a> {
+    uploads: &'a Uploads,
+    team: &'a str,
+    kept: Usage,
+    limits: Limits,
+    bytes: u64,
+    new_file: bool,
+}
+
+impl Reservation<'_> {
+    fn grow(&mut self, n: u64) -> ApiResult<()> {
+        self.uploads
+            .reserve(self.team, self.kept, self.limits, n, false)?;
+        self.bytes += n;
+        Ok(())
+    }
+}
+
+impl Drop for Reservation<'_> {
+    fn drop(&mut self) {
+        self.uploads.release(self.team, self.bytes, self.new_file);
+    }
+}
+
+async fn write_capped(
+    dir: &FsPath,
+    dest: &FsPath,
+    body: Body,
+    quota: &mut Reservation<'_>,
+) -> ApiResult<u64> {
     tokio::fs::create_dir_all(dir)
         .await
         .map_err(|e| ApiError::internal(format!("making {}: {e}", dir.display())))?;
@@ -129,6 +276,7 @@ async fn write_capped(dir: &FsPath, dest: &FsPath, body: Body) -> ApiResult<u64>
             let chunk =
                 chunk.map_err(|e| ApiError::bad_request(format!("reading the upload: {e}")))?;
             total += chunk.len() as u64;
+            quota.grow(chunk.len() as u64)?;
             if total > MAX_UPLOAD {
                 return Err(ApiError::new(
                     StatusCode::PAYLOAD_TOO_LARGE,
@@ -162,7 +310,9 @@ async fn write_capped(dir: &FsPath, dest: &FsPath, body: Body) -> ApiResult<u64>
         ("signature" = String, Query, description = "The URL's signature")),
     responses((status = 201, description = "Kept"),
         (status = 401, description = "A bad or expired signature", body = crate::wire::ErrorBody),
-        (status = 413, description = "Larger than 1 GiB", body = crate::wire::ErrorBody)))]
+        (status = 413, description = "Larger than 1 GiB", body = crate::wire::ErrorBody),
+        (status = 429, description = "The team keeps quotas.max_template_files uploads", body = crate::wire::ErrorBody),
+        (status = 507, description = "The team's uploads would pass quotas.max_template_file_bytes", body = crate::wire::ErrorBody)))]
 pub(crate) async fn upload(
     State(s): State<AppState>,
     Path((team, hash)): Path<(String, String)>,
@@ -192,7 +342,24 @@ pub(crate) async fn upload(
             .parent()
             .map(FsPath::to_path_buf)
             .ok_or_else(|| ApiError::internal("no upload directory"))?;
-        let n = write_capped(&dir, &dest, body).await?;
+        let quotas = &s.control.config().quotas;
+        let limits = Limits {
+            files: quotas.max_template_files,
+            bytes: quotas.max_template_file_bytes,
+        };
+        let hash = hash.to_ascii_lowercase();
+        let replaces = dest.is_file();
+        let kept = uploads.usage(&team, Some(&hash));
+        uploads.reserve(&team, kept, limits, 0, !replaces)?;
+        let mut quota = Reservation {
+            uploads,
+            team: &team,
+            kept,
+            limits,
+            bytes: 0,
+            new_file: !replaces,
+        };
+        let n = write_capped(&dir, &dest, body, &mut quota).await?;
         tracing::info!(team = %team, hash = %hash, bytes = n, "template files uploaded");
         Ok(StatusCode::CREATED.into_response())
     };

@@ -12,6 +12,7 @@
 
 mod build;
 pub(crate) mod catalog;
+mod collect_files;
 pub(crate) mod files;
 pub mod image;
 pub(crate) mod request;

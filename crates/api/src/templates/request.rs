@@ -209,7 +209,7 @@ pub(crate) async fn start_build(
     let plan = steps::plan(&start)?;
     for (i, (action, _)) in plan.iter().enumerate() {
         if let steps::Action::Copy { files_hash, .. } = action {
-            if !c.template_file(&team.id, files_hash).is_file() {
+            if !c.template_file_kept(&team.id, files_hash) {
                 return Err(ApiError::bad_request(format!(
                     "step {}: the files {files_hash} were never uploaded",
                     i + 1
@@ -274,7 +274,7 @@ pub(crate) async fn files_probe(
         )));
     }
     let hash = hash.to_ascii_lowercase();
-    if c.template_file(&team.id, &hash).is_file() {
+    if c.template_file_kept(&team.id, &hash) {
         return Ok((StatusCode::CREATED, Json(json!({"present": true}))).into_response());
     }
     let url = c.uploads().url(&origin(&headers, c), &team.id, &hash);

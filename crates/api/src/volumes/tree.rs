@@ -15,6 +15,7 @@ use rustix::fs::{self as rfs, AtFlags, FileType, Gid, Mode, OFlags, Stat, Uid, C
 use rustix::io::Errno;
 use serde::Serialize;
 use time::OffsetDateTime;
+use vmon_proto::node::volume_ids;
 
 /// The owner and mode infra gives what the content plane creates when the request names none.
 pub const DEFAULT_UID: u32 = 9090;
@@ -163,6 +164,9 @@ fn kind(st: &Stat) -> &'static str {
 /// A volume's tree, held by a descriptor of its root.
 pub struct Tree {
     root: OwnedFd,
+    /// The volume's id range on the host ([`volume_ids`]): owners given and shown are the
+    /// guest's, stored as `base + id`.
+    base: u32,
 }
 
 impl Tree {
@@ -175,7 +179,39 @@ impl Tree {
             Mode::empty(),
         )
         .map_err(|e| TreeError::Io(format!("opening the volume directory: {e}")))?;
-        Ok(Tree { root })
+        let st = rfs::fstat(&root)
+            .map_err(|e| TreeError::Io(format!("reading the volume directory: {e}")))?;
+        Ok(Tree {
+            root,
+            base: volume_ids::base_of(st.st_uid),
+        })
+    }
+
+    /// `owner` as the host stores it; with `creating`, unset ids are the defaults.
+    fn host(&self, owner: Owner, creating: bool) -> TreeResult<Owner> {
+        let map = |id: Option<u32>, default: u32| -> TreeResult<Option<u32>> {
+            match id.or(creating.then_some(default)) {
+                None => Ok(None),
+                Some(id) => volume_ids::to_host(self.base, id).map(Some).ok_or_else(|| {
+                    TreeError::Invalid(format!(
+                        "uid and gid must be below {}",
+                        volume_ids::VOLUME_IDS
+                    ))
+                }),
+            }
+        };
+        Ok(Owner {
+            uid: map(owner.uid, DEFAULT_UID)?,
+            gid: map(owner.gid, DEFAULT_GID)?,
+            mode: owner.mode,
+        })
+    }
+
+    fn entry(&self, st: &Stat, path: &VolumePath, target: Option<String>) -> EntryStat {
+        let mut e = entry(st, path, target);
+        e.uid = volume_ids::to_guest(self.base, e.uid);
+        e.gid = volume_ids::to_guest(self.base, e.gid);
+        e
     }
 
     /// The directory `parts` name, each component opened without following symlinks.
@@ -220,7 +256,7 @@ impl Tree {
         } else {
             None
         };
-        Ok(entry(&st, path, target))
+        Ok(self.entry(&st, path, target))
     }
 
     /// `GET …/path`.
@@ -228,7 +264,7 @@ impl Tree {
         match path.split() {
             None => {
                 let st = rfs::fstat(&self.root).map_err(|e| io("reading", path, e))?;
-                Ok(entry(&st, path, None))
+                Ok(self.entry(&st, path, None))
             }
             Some((dirs, name)) => {
                 let dir = self.dir(path, dirs, None)?;
@@ -299,6 +335,7 @@ impl Tree {
     /// `POST …/dir`: without `force` the parent must exist and `path` must not; with it,
     /// parents are made and an existing directory is fine.
     pub fn make_dir(&self, path: &VolumePath, owner: Owner, force: bool) -> TreeResult<EntryStat> {
+        let owner = self.host(owner, true)?;
         let Some((dirs, name)) = path.split() else {
             if force {
                 return self.stat(path);
@@ -325,6 +362,7 @@ impl Tree {
     /// `PATCH …/path`: owner and mode of an existing entry (a symlink's mode cannot change;
     /// its owner does, the link itself).
     pub fn set_meta(&self, path: &VolumePath, owner: Owner) -> TreeResult<EntryStat> {
+        let owner = self.host(owner, false)?;
         let (dir, name) = self.parent_of(path)?;
         if owner.uid.is_some() || owner.gid.is_some() {
             rfs::chownat(
@@ -405,6 +443,7 @@ impl Tree {
         owner: Owner,
         force: bool,
     ) -> TreeResult<std::fs::File> {
+        let owner = self.host(owner, true)?;
         let Some((dirs, name)) = path.split() else {
             return Err(TreeError::Invalid("/ is a directory".into()));
         };
@@ -445,7 +484,7 @@ impl Tree {
     pub fn written(&self, path: &VolumePath, file: &std::fs::File) -> TreeResult<EntryStat> {
         rfs::fsync(file).map_err(|e| io("syncing", path, e))?;
         let st = rfs::fstat(file).map_err(|e| io("reading", path, e))?;
-        Ok(entry(&st, path, None))
+        Ok(self.entry(&st, path, None))
     }
 }
 
@@ -655,5 +694,47 @@ mod tests {
             .permissions()
             .mode();
         assert_ne!(mode & 0o777, 0o600, "the chmod did not reach the target");
+    }
+
+    #[test]
+    fn owners_are_the_guests_stored_in_the_volumes_range() {
+        use std::os::unix::fs::MetadataExt;
+        let tmp = tempfile::tempdir().expect("tmp");
+        let vol = tmp.path().join("vol");
+        std::fs::create_dir_all(&vol).expect("vol");
+        let base = 1_000_065_536;
+        std::os::unix::fs::chown(&vol, Some(base), Some(base)).expect("chown");
+        let tree = Tree::open(&vol).expect("open");
+        let path = |s: &str| VolumePath::parse(s).expect("path");
+        let owner = |uid, gid| Owner {
+            uid,
+            gid,
+            mode: None,
+        };
+        let f = tree
+            .create_file(&path("a/f"), owner(Some(1000), None), true)
+            .expect("create");
+        let stat = tree.written(&path("a/f"), &f).expect("written");
+        assert_eq!((stat.uid, stat.gid), (1000, DEFAULT_GID));
+        let m = std::fs::metadata(vol.join("a/f")).expect("meta");
+        assert_eq!((m.uid(), m.gid()), (base + 1000, base + DEFAULT_GID));
+        let d = std::fs::metadata(vol.join("a")).expect("meta");
+        assert_eq!(d.uid(), base + 1000, "parents made with the same owner");
+        let set = tree
+            .set_meta(&path("a/f"), owner(Some(0), Some(0)))
+            .expect("chown");
+        assert_eq!((set.uid, set.gid), (0, 0));
+        assert_eq!(
+            std::fs::metadata(vol.join("a/f")).expect("meta").uid(),
+            base
+        );
+        assert!(matches!(
+            tree.set_meta(&path("a/f"), owner(Some(70_000), None)),
+            Err(TreeError::Invalid(_))
+        ));
+        // A file of an id outside the range (the host's root) reads as nobody.
+        std::os::unix::fs::chown(vol.join("a/f"), Some(0), Some(0)).expect("chown");
+        let st = tree.stat(&path("a/f")).expect("stat");
+        assert_eq!((st.uid, st.gid), (65_534, 65_534));
     }
 }

@@ -380,7 +380,8 @@ pub async fn harness_starting(
     harness_starting_with(guest_ip, limits, quotas, |_| {}).await
 }
 
-async fn harness_starting_with(
+/// [`harness_starting`] with its configuration changed by `tweak`.
+pub async fn harness_starting_with(
     guest_ip: IpAddr,
     limits: TeamLimits,
     quotas: vmon_api::config::Quotas,
@@ -398,6 +399,7 @@ async fn harness_starting_with(
         quotas,
         volumes_dir: Some(dir.path().join("volumes")),
         volume_key_file: Some(dir.path().join("volume-key")),
+        template_files_dir: Some(dir.path().join("template-files")),
         ..Config::default()
     };
     tweak(&mut config);

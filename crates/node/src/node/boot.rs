@@ -134,8 +134,20 @@ impl Node {
         let mut daemons = super::volumes::ShareDaemons::none();
         let r = async {
             std::fs::create_dir_all(run_dir)?;
+            let qemu_user = self.qemu_user(&slot);
+            let limits = vmon_vm::cgroup::Limits::for_guest(machine.vcpus, machine.memory_mb);
+            // The daemons join the cgroups the QEMU will have: chosen before either starts.
+            let mut qemu_tag = new_id("");
             daemons = self
-                .start_share_daemons(run_dir, volumes, self.qemu_user(&slot).as_ref())
+                .start_share_daemons(
+                    run_dir,
+                    volumes,
+                    &super::volumes::ShareContext {
+                        qemu_tag: &qemu_tag,
+                        limits,
+                        user: qemu_user.as_ref(),
+                    },
+                )
                 .await?;
             let mut init = init.clone();
             init.volume_mounts = volumes
@@ -185,7 +197,7 @@ impl Node {
                     .chain([overlay.as_str(), ram.as_str()]),
             )?;
             let mut spec = LaunchSpec {
-                tag: new_id(""),
+                tag: qemu_tag.clone(),
                 machine: machine.clone(),
                 run_dir: run_dir.to_path_buf(),
                 console_log: run_dir.join("console.log"),
@@ -221,14 +233,23 @@ impl Node {
                 if let Err(e) = zero_file(&ram_path) {
                     tracing::warn!(error = %e, "zeroing {}", ram_path.display());
                 }
-                spec.tag = new_id("");
+                qemu_tag = new_id("");
+                spec.tag = qemu_tag.clone();
                 if !volumes.is_empty() {
                     // A share's daemon serves one QEMU connection: new ones for the new QEMU.
                     std::mem::replace(&mut daemons, super::volumes::ShareDaemons::none())
                         .kill()
                         .await;
                     daemons = self
-                        .start_share_daemons(run_dir, volumes, self.qemu_user(&slot).as_ref())
+                        .start_share_daemons(
+                            run_dir,
+                            volumes,
+                            &super::volumes::ShareContext {
+                                qemu_tag: &qemu_tag,
+                                limits,
+                                user: qemu_user.as_ref(),
+                            },
+                        )
                         .await?;
                     spec.fs_shares = daemons.shares.clone();
                 }

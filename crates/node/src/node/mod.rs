@@ -23,6 +23,7 @@ mod recovery;
 mod remote;
 mod restore;
 mod template;
+mod volume_owner;
 mod volumes;
 
 use std::collections::{HashMap, HashSet};

@@ -1,12 +1,18 @@
 //! Volumes in a sandbox: one virtiofsd per mounted volume, serving `<volumes dir>/<id>` to
-//! that sandbox's QEMU over a vhost-user socket in the execution's run directory.
+//! that sandbox's QEMU over a vhost-user socket.
 //!
-//! virtiofsd (QEMU 7.2's, `/usr/lib/qemu/virtiofsd`) runs as root but in a sandbox of its own:
-//! new mount, PID and network namespaces with the volume directory `pivot_root`ed as its `/`,
-//! seccomp, and `mknod` dropped from its capabilities. A guest reaches the host's files only
-//! through FUSE requests that daemon serves inside that root, and no network at all. Each
-//! daemon serves one connection and exits when its QEMU does.
+//! virtiofsd (QEMU 7.2's, `/usr/lib/qemu/virtiofsd`) runs unprivileged: in a user namespace
+//! that maps the guest's ids `0..65536` to the volume's own range of host ids
+//! ([`super::volume_owner`]), as that namespace's root, so on the host it is the range's base
+//! uid with no capability, and a file the guest creates as uid `n` is owned by `base + n`
+//! (a guest's setuid-root file is setuid to an unprivileged id). It enters the sandbox's
+//! cgroups before exec, so its CPU and memory count against the sandbox. Inside it sandboxes
+//! itself: new mount, PID and network namespaces with the volume directory (bound over
+//! [`MOUNT_POINT`] in a mount namespace the node's child makes as root before the switch: the
+//! volumes directory stays root's 0700) `pivot_root`ed as its `/`, seccomp, and `mknod`
+//! dropped. Each daemon serves one connection and exits when its QEMU does.
 
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -103,102 +109,258 @@ pub(super) fn validate(volumes_dir: &Path, shares: &[VolumeShare]) -> Result<(),
     Ok(())
 }
 
+/// The descriptor number a daemon gets its listening socket under (`--fd`).
+const LISTEN_FD: i32 = 3;
+
+/// Waits until the daemon `child` waits for its QEMU's connection (blocked in `accept` on its
+/// socket: QEMU 7.2's virtiofsd accepts before it sandboxes itself), or fails with its log.
+async fn accepting(
+    child: &mut tokio::process::Child,
+    log_path: &Path,
+    volume: &str,
+) -> anyhow::Result<()> {
+    let pid = child.id().context("virtiofsd has no pid")?;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Ok(Some(status)) = child.try_wait() {
+            let log = std::fs::read_to_string(log_path).unwrap_or_default();
+            bail!(
+                "virtiofsd for volume {volume} exited ({status}): {}",
+                log.chars().take(2000).collect::<String>()
+            );
+        }
+        // The system call it is blocked in: its number first.
+        let call = std::fs::read_to_string(format!("/proc/{pid}/syscall")).unwrap_or_default();
+        let nr = call
+            .split_whitespace()
+            .next()
+            .and_then(|n| n.parse::<i64>().ok());
+        if nr == Some(libc::SYS_accept) || nr == Some(libc::SYS_accept4) {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() > deadline {
+            bail!("virtiofsd for volume {volume} did not wait for its QEMU within 10 s");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Where a daemon finds its volume: an empty directory the volume is bound over in the
+/// daemon's own mount namespace (virtiofsd `pivot_root`s into its source, which must be a
+/// mount, and reaches it as the unprivileged uid: every parent is passable by anyone).
+const MOUNT_POINT: &str = "/run/vmon/volume";
+const MOUNT_POINT_C: &std::ffi::CStr = c"/run/vmon/volume";
+
+/// Makes [`MOUNT_POINT`] (root's, 0755, empty) and lets anyone pass `/run/vmon` (not list it).
+fn mount_point() -> std::io::Result<()> {
+    let dir = Path::new(MOUNT_POINT);
+    std::fs::create_dir_all(dir)?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755))?;
+    if let Some(parent) = dir.parent() {
+        let mode = std::fs::metadata(parent)?.permissions().mode();
+        if mode & 0o001 == 0 {
+            std::fs::set_permissions(
+                parent,
+                std::fs::Permissions::from_mode((mode & 0o7777) | 0o001),
+            )?;
+        }
+    }
+    Ok(())
+}
+
+/// A virtiofsd's open-file limit (the guest's open files and directories are its descriptors).
+const NOFILE: libc::rlim_t = 65_536;
+
+/// What a daemon needs from its sandbox: the cgroups its QEMU gets, and that QEMU's user (the
+/// socket is handed to it).
+pub(super) struct ShareContext<'a> {
+    pub qemu_tag: &'a str,
+    pub limits: vmon_vm::cgroup::Limits,
+    pub user: Option<&'a vmon_vm::QemuUser>,
+}
+
 impl Node {
     /// Starts one virtiofsd per share and waits until each listens.
     pub(super) async fn start_share_daemons(
         &self,
         run_dir: &Path,
         shares: &[VolumeShare],
-        user: Option<&vmon_vm::QemuUser>,
+        ctx: &ShareContext<'_>,
     ) -> anyhow::Result<ShareDaemons> {
         let mut daemons = ShareDaemons::none();
+        if shares.is_empty() {
+            return Ok(daemons);
+        }
+        let groups = vmon_vm::cgroup::create(ctx.qemu_tag, &ctx.limits)
+            .with_context(|| format!("cgroups for QEMU {}", ctx.qemu_tag))?;
+        let procs: Vec<std::ffi::CString> = groups.map(|g| g.procs).unwrap_or_default();
         for (i, s) in shares.iter().enumerate() {
-            // A socket path must fit sun_path (108 bytes): run dirs can be longer. The daemon
-            // takes one connection (its QEMU's, at launch); the path is removed after it.
-            let sockets = Path::new(SOCKET_DIR);
-            std::fs::create_dir_all(sockets)?;
-            match user {
-                // QEMUs pass through to their own socket only.
-                Some(u) => vmon_vm::user::traverse_only(sockets, u.gid)?,
-                None => std::fs::set_permissions(sockets, std::fs::Permissions::from_mode(0o700))?,
-            }
-            let socket = sockets.join(format!("{}-{i}.sock", crate::builds::new_id("")));
-            let _ = std::fs::remove_file(&socket);
-            let source: PathBuf = self.cfg.volumes_dir.join(&s.volume_id);
-            let log = std::fs::File::create(run_dir.join(format!("virtiofsd{i}.log")))?;
-            let spawned = tokio::process::Command::new(&self.cfg.virtiofsd)
-                .arg(format!("--socket-path={}", socket.display()))
-                .arg("-o")
-                .arg(format!("source={}", source.display()))
-                // No guest-side caching: every sandbox mounting the volume at once, and the
-                // content plane, see each write when it returns.
-                .args(["-o", "cache=none", "-o", "sandbox=namespace"])
-                .args([
-                    "-o",
-                    "no_posix_lock",
-                    "-o",
-                    "no_flock",
-                    "-o",
-                    "modcaps=-mknod",
-                ])
-                .args(["-o", "log_level=warn"])
-                .stdin(std::process::Stdio::null())
-                .stdout(log.try_clone()?)
-                .stderr(log)
-                // Like QEMU, it outlives a restarting node (the sandbox is re-adopted).
-                .process_group(0)
-                .kill_on_drop(false)
-                .spawn()
-                .with_context(|| format!("starting {}", self.cfg.virtiofsd.display()));
-            let mut child = match spawned {
-                Ok(c) => c,
+            match self.start_share_daemon(run_dir, i, s, ctx, &procs).await {
+                Ok((child, share)) => {
+                    daemons.children.push(child);
+                    daemons.shares.push(share);
+                }
                 Err(e) => {
                     daemons.kill().await;
                     return Err(e);
                 }
-            };
-            let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-            let listening = loop {
-                if socket.exists() {
-                    break Ok(());
-                }
-                if let Ok(Some(status)) = child.try_wait() {
-                    let log = std::fs::read_to_string(run_dir.join(format!("virtiofsd{i}.log")))
-                        .unwrap_or_default();
-                    break Err(anyhow::anyhow!(
-                        "virtiofsd for volume {} exited ({status}): {}",
-                        s.volume_id,
-                        log.chars().take(2000).collect::<String>()
-                    ));
-                }
-                if tokio::time::Instant::now() > deadline {
-                    break Err(anyhow::anyhow!(
-                        "virtiofsd for volume {} did not listen within 10 s",
-                        s.volume_id
-                    ));
-                }
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            };
-            daemons.children.push(child);
-            let listening = match (listening, user) {
-                (Ok(()), Some(u)) => u
-                    .hand(&socket)
-                    .with_context(|| format!("handing {} to QEMU", socket.display())),
-                (r, _) => r,
-            };
-            if let Err(e) = listening {
-                daemons.kill().await;
-                return Err(e);
             }
-            daemons.shares.push(FsShare {
-                socket,
-                tag: tag(i),
-            });
-        }
-        if daemons.shares.len() != shares.len() {
-            daemons.kill().await;
-            bail!("not every volume daemon started");
         }
         Ok(daemons)
+    }
+
+    async fn start_share_daemon(
+        &self,
+        run_dir: &Path,
+        i: usize,
+        s: &VolumeShare,
+        ctx: &ShareContext<'_>,
+        procs: &[std::ffi::CString],
+    ) -> anyhow::Result<(tokio::process::Child, FsShare)> {
+        let (volumes_dir, volume, first) = (
+            self.cfg.volumes_dir.clone(),
+            s.volume_id.clone(),
+            self.cfg.volume_uid_base,
+        );
+        let ns = tokio::task::spawn_blocking(move || {
+            let base = super::volume_owner::ensure_range(&volumes_dir, &volume, first)?;
+            vmon_vm::userns::UserNs::new(base).context("making the volume daemon's user namespace")
+        })
+        .await??;
+        // A socket path must fit sun_path (108 bytes): run dirs can be longer. The node binds
+        // it (the daemon writes nothing on the host) and hands it to QEMU; the daemon gets the
+        // listening descriptor and takes one connection (its QEMU's, at launch); the path is
+        // removed after it.
+        let sockets = Path::new(SOCKET_DIR);
+        std::fs::create_dir_all(sockets)?;
+        match ctx.user {
+            Some(u) => vmon_vm::user::traverse_only(sockets, u.gid)?,
+            None => std::fs::set_permissions(sockets, std::fs::Permissions::from_mode(0o700))?,
+        }
+        let socket = sockets.join(format!("{}-{i}.sock", crate::builds::new_id("")));
+        let _ = std::fs::remove_file(&socket);
+        let listener = std::os::unix::net::UnixListener::bind(&socket)
+            .with_context(|| format!("binding {}", socket.display()))?;
+        let handed = match ctx.user {
+            Some(u) => u.hand(&socket),
+            None => std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o600)),
+        };
+        if let Err(e) = handed {
+            let _ = std::fs::remove_file(&socket);
+            return Err(e).with_context(|| format!("handing {} to QEMU", socket.display()));
+        }
+        let source: PathBuf = self.cfg.volumes_dir.join(&s.volume_id);
+        let source_c = std::ffi::CString::new(source.as_os_str().as_encoded_bytes())
+            .context("a volume path holds a NUL byte")?;
+        mount_point()?;
+        let log_path = run_dir.join(format!("virtiofsd{i}.log"));
+        let log = std::fs::File::create(&log_path)?;
+        let mut cmd = tokio::process::Command::new(&self.cfg.virtiofsd);
+        cmd.arg(format!("--fd={LISTEN_FD}"))
+            .arg("-o")
+            // The volume, bound there in a mount namespace of its own before it left the
+            // host's root behind: the volumes directory itself stays root's 0700.
+            .arg(format!("source={MOUNT_POINT}"))
+            // No guest-side caching: every sandbox mounting the volume at once, and the
+            // content plane, see each write when it returns.
+            .args(["-o", "cache=none", "-o", "sandbox=namespace"])
+            .args([
+                "-o",
+                "no_posix_lock",
+                "-o",
+                "no_flock",
+                "-o",
+                "modcaps=-mknod",
+            ])
+            .args(["-o", "log_level=warn", "--rlimit-nofile=0"])
+            .stdin(std::process::Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            // Like QEMU, it outlives a restarting node (the sandbox is re-adopted).
+            .process_group(0)
+            .kill_on_drop(false);
+        // Lowered to [`NOFILE`] where the node may go higher; never raised (that takes a
+        // capability the node may not have).
+        let nofile = {
+            let mut cur = libc::rlimit {
+                rlim_cur: 0,
+                rlim_max: 0,
+            };
+            // SAFETY: getrlimit fills the struct it is given.
+            if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut cur) } != 0 {
+                return Err(std::io::Error::last_os_error()).context("reading RLIMIT_NOFILE");
+            }
+            let n = cur.rlim_max.min(NOFILE);
+            libc::rlimit {
+                rlim_cur: n,
+                rlim_max: n,
+            }
+        };
+        let (procs, ns_fd) = (procs.to_vec(), ns.raw_fd());
+        let listen_fd = listener.as_raw_fd();
+        // SAFETY: the closure runs in the forked child before exec and only makes
+        // async-signal-safe system calls on values prepared before the fork.
+        unsafe {
+            cmd.pre_exec(move || {
+                vmon_vm::cgroup::enter(&procs)?;
+                // Out of the way of the number the socket goes to (closed at exec).
+                let ns_fd = libc::fcntl(ns_fd, libc::F_DUPFD_CLOEXEC, 200);
+                if ns_fd < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                // The listening socket under the number the daemon is told, inheritable.
+                let moved = if listen_fd == LISTEN_FD {
+                    libc::fcntl(listen_fd, libc::F_SETFD, 0)
+                } else {
+                    libc::dup2(listen_fd, LISTEN_FD)
+                };
+                if moved < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                if libc::setrlimit(libc::RLIMIT_NOFILE, &nofile) != 0
+                    || libc::unshare(libc::CLONE_NEWNS) != 0
+                    || libc::mount(
+                        std::ptr::null(),
+                        c"/".as_ptr(),
+                        std::ptr::null(),
+                        libc::MS_REC | libc::MS_PRIVATE,
+                        std::ptr::null(),
+                    ) != 0
+                    || libc::mount(
+                        source_c.as_ptr(),
+                        MOUNT_POINT_C.as_ptr(),
+                        std::ptr::null(),
+                        libc::MS_BIND,
+                        std::ptr::null(),
+                    ) != 0
+                {
+                    return Err(std::io::Error::last_os_error());
+                }
+                vmon_vm::userns::enter(ns_fd)
+            });
+        }
+        let spawned = cmd
+            .spawn()
+            .with_context(|| format!("starting {}", self.cfg.virtiofsd.display()));
+        drop((ns, listener));
+        let mut child = match spawned {
+            Ok(c) => c,
+            Err(e) => {
+                let _ = std::fs::remove_file(&socket);
+                return Err(e);
+            }
+        };
+        if let Err(e) = accepting(&mut child, &log_path, &s.volume_id).await {
+            let _ = child.kill().await;
+            let _ = std::fs::remove_file(&socket);
+            return Err(e);
+        }
+        Ok((
+            child,
+            FsShare {
+                socket,
+                tag: tag(i),
+            },
+        ))
     }
 }

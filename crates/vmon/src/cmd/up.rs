@@ -171,6 +171,12 @@ pub async fn serve(data_dir: &Path, config: Config, parts: Parts) -> anyhow::Res
         tracing::info!(listen = %config.proxy_listen, "proxy ready");
     }
     tasks.spawn(control.clone().run_reaper(cancel.clone()).then_ok());
+    tasks.spawn(
+        control
+            .clone()
+            .run_template_files_collector(cancel.clone())
+            .then_ok(),
+    );
     let c = cancel.clone();
     let api_control = control.clone();
     let token = Some(admin_token);
