@@ -22,7 +22,7 @@ use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use vmon_proto::addrs::{canonical, six_to_four, special, Cidr};
+use vmon_proto::addrs::{reachable, Cidr};
 
 use crate::oci::RegistryError;
 
@@ -52,20 +52,7 @@ impl RegistryPolicy {
 
     /// Whether a pull may connect to `ip`.
     pub fn allowed(&self, ip: IpAddr) -> bool {
-        if self.allow.iter().any(|c| c.contains(ip)) {
-            return true;
-        }
-        let ip = canonical(ip);
-        // A 6to4 address reaches the IPv4 address it embeds: that must not be this host's.
-        let embedded = match ip {
-            IpAddr::V6(v6) => six_to_four(v6).map(IpAddr::V4),
-            IpAddr::V4(_) => None,
-        };
-        !special(ip)
-            && !host_addresses()
-                .into_iter()
-                .map(canonical)
-                .any(|h| h == ip || Some(h) == embedded)
+        reachable(&self.allow, ip)
     }
 
     /// The addresses of `host` (a name or an IP literal, IPv6 in brackets or not), all of
@@ -415,41 +402,6 @@ fn close_after(head: &str) -> String {
         out.push_str("\r\n");
     }
     out.push_str("Connection: close\r\n\r\n");
-    out
-}
-
-/// The addresses of this host's interfaces (refused unless listed: a registry there would
-/// be this host's own service).
-fn host_addresses() -> Vec<IpAddr> {
-    let mut out = Vec::new();
-    let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
-    // SAFETY: getifaddrs fills `head` with a list we free below with freeifaddrs.
-    if unsafe { libc::getifaddrs(&mut head) } != 0 {
-        return out;
-    }
-    let mut cur = head;
-    while !cur.is_null() {
-        // SAFETY: `cur` is a node of the list getifaddrs returned, valid until freeifaddrs.
-        let ifa = unsafe { &*cur };
-        if !ifa.ifa_addr.is_null() {
-            // SAFETY: ifa_addr points at a sockaddr whose family says which struct it is.
-            let family = i32::from(unsafe { (*ifa.ifa_addr).sa_family });
-            if family == libc::AF_INET {
-                // SAFETY: AF_INET addresses are sockaddr_in.
-                let sin = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in) };
-                out.push(IpAddr::V4(Ipv4Addr::from(u32::from_be(
-                    sin.sin_addr.s_addr,
-                ))));
-            } else if family == libc::AF_INET6 {
-                // SAFETY: AF_INET6 addresses are sockaddr_in6.
-                let sin6 = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in6) };
-                out.push(IpAddr::V6(Ipv6Addr::from(sin6.sin6_addr.s6_addr)));
-            }
-        }
-        cur = ifa.ifa_next;
-    }
-    // SAFETY: `head` came from getifaddrs and is freed once.
-    unsafe { libc::freeifaddrs(head) };
     out
 }
 

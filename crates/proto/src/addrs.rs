@@ -85,6 +85,37 @@ const REFUSED_V4: [(Ipv4Addr, u8); 12] = [
     (Ipv4Addr::new(255, 255, 255, 255), 32),
 ];
 
+/// The addresses on this host's interfaces.
+pub fn host_addresses() -> std::io::Result<Vec<IpAddr>> {
+    Ok(if_addrs::get_if_addrs()?
+        .into_iter()
+        .map(|i| i.ip())
+        .collect())
+}
+
+/// True when `ip` may be reached by a connection vmon opens on a tenant's behalf (a webhook, a
+/// registry pull): inside an operator-listed range of `allow`, or neither in a refused range nor
+/// this host's own (a 6to4 address counts as the IPv4 address it embeds). Interfaces that
+/// cannot be read refuse everything not listed.
+pub fn reachable(allow: &[Cidr], ip: IpAddr) -> bool {
+    if allow.iter().any(|c| c.contains(ip)) {
+        return true;
+    }
+    let ip = canonical(ip);
+    let embedded = match ip {
+        IpAddr::V6(v6) => six_to_four(v6).map(IpAddr::V4),
+        IpAddr::V4(_) => None,
+    };
+    let Ok(host) = host_addresses() else {
+        return false;
+    };
+    !special(ip)
+        && !host
+            .into_iter()
+            .map(canonical)
+            .any(|h| h == ip || Some(h) == embedded)
+}
+
 /// True for addresses in the fixed refused ranges (not counting this host's own addresses).
 pub fn special(ip: IpAddr) -> bool {
     match canonical(ip) {

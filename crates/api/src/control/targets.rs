@@ -11,49 +11,15 @@
 //! on this machine.
 
 use std::future::Future;
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use hyper_util::client::legacy::connect::dns::Name;
 
-use vmon_proto::addrs::{canonical, six_to_four};
-pub use vmon_proto::addrs::{special, Cidr};
-
-/// The addresses of this host's interfaces.
-fn host_addresses() -> Vec<IpAddr> {
-    let mut out = Vec::new();
-    let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
-    // SAFETY: getifaddrs fills `head` with a list we free below with freeifaddrs.
-    if unsafe { libc::getifaddrs(&mut head) } != 0 {
-        return out;
-    }
-    let mut cur = head;
-    while !cur.is_null() {
-        // SAFETY: `cur` is a node of the list getifaddrs returned, valid until freeifaddrs.
-        let ifa = unsafe { &*cur };
-        if !ifa.ifa_addr.is_null() {
-            // SAFETY: ifa_addr points at a sockaddr whose family says which struct it is.
-            let family = i32::from(unsafe { (*ifa.ifa_addr).sa_family });
-            if family == libc::AF_INET {
-                // SAFETY: AF_INET addresses are sockaddr_in.
-                let sin = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in) };
-                out.push(IpAddr::V4(Ipv4Addr::from(u32::from_be(
-                    sin.sin_addr.s_addr,
-                ))));
-            } else if family == libc::AF_INET6 {
-                // SAFETY: AF_INET6 addresses are sockaddr_in6.
-                let sin6 = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in6) };
-                out.push(IpAddr::V6(Ipv6Addr::from(sin6.sin6_addr.s6_addr)));
-            }
-        }
-        cur = ifa.ifa_next;
-    }
-    // SAFETY: `head` came from getifaddrs and is freed once.
-    unsafe { libc::freeifaddrs(head) };
-    out
-}
+use vmon_proto::addrs::reachable;
+pub use vmon_proto::addrs::Cidr;
 
 /// The destinations webhooks may reach.
 #[derive(Debug, Clone, Default)]
@@ -73,20 +39,7 @@ impl WebhookTargets {
 
     /// True when a webhook may be delivered to `ip`.
     pub fn allowed(&self, ip: IpAddr) -> bool {
-        if self.allow.iter().any(|c| c.contains(ip)) {
-            return true;
-        }
-        let ip = canonical(ip);
-        // A 6to4 address reaches the IPv4 address it embeds: that must not be this host's.
-        let embedded = match ip {
-            IpAddr::V6(v6) => six_to_four(v6).map(IpAddr::V4),
-            IpAddr::V4(_) => None,
-        };
-        !special(ip)
-            && !host_addresses()
-                .into_iter()
-                .map(canonical)
-                .any(|h| h == ip || Some(h) == embedded)
+        reachable(&self.allow, ip)
     }
 
     /// Why `url`'s host may not receive webhooks (it is, or resolves to, a refused address);
@@ -159,6 +112,7 @@ impl tower::Service<Name> for VettedResolver {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::net::Ipv6Addr;
 
     #[test]
     fn refused_ranges() {
@@ -210,7 +164,7 @@ mod tests {
             assert!(t.allowed(good.parse().expect("ip")), "{good} refused");
         }
         // This host's own addresses, whatever they are.
-        for own in host_addresses() {
+        for own in vmon_proto::addrs::host_addresses().expect("interfaces") {
             assert!(!t.allowed(own), "{own} (this host) allowed");
             if let IpAddr::V4(v4) = own {
                 let [a, b, c, d] = v4.octets();

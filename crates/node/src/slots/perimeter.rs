@@ -65,7 +65,7 @@ impl Perimeter {
                 }
             }
         }
-        protected.extend(host_addresses().await?.iter().map(|a| a.to_string()));
+        protected.extend(host_addresses()?.iter().map(|a| a.to_string()));
         Ok(Perimeter::new(private_allow, protected))
     }
 
@@ -116,28 +116,13 @@ pub fn endpoint_hosts(endpoint: &str) -> Vec<String> {
         .collect()
 }
 
-/// Every IPv4 address on the host's interfaces (`ip -j -4 addr`), slot veths included (they
-/// are link-local, in [`NEVER`] anyway).
-async fn host_addresses() -> anyhow::Result<Vec<Ipv4Addr>> {
+/// Every IPv4 address on the host's interfaces, slot veths included (they are link-local, in
+/// [`NEVER`] anyway).
+fn host_addresses() -> anyhow::Result<Vec<Ipv4Addr>> {
     use anyhow::Context;
-    let out = tokio::process::Command::new("ip")
-        .args(["-j", "-4", "addr", "show"])
-        .output()
-        .await
-        .context("ip -j -4 addr show")?;
-    anyhow::ensure!(
-        out.status.success(),
-        "ip -j -4 addr show: {}",
-        String::from_utf8_lossy(&out.stderr).trim()
-    );
-    let doc: serde_json::Value =
-        serde_json::from_slice(&out.stdout).context("parsing ip -j -4 addr show")?;
-    Ok(doc
-        .as_array()
+    Ok(vmon_proto::addrs::host_addresses()
+        .context("reading the host's interface addresses")?
         .into_iter()
-        .flatten()
-        .flat_map(|l| l["addr_info"].as_array().cloned().unwrap_or_default())
-        .filter_map(|a| a["local"].as_str()?.parse::<IpAddr>().ok())
         .filter_map(|a| match a {
             IpAddr::V4(v4) => Some(v4),
             IpAddr::V6(_) => None,
@@ -195,7 +180,7 @@ mod tests {
             .enable_all()
             .build()
             .expect("runtime");
-        let addrs = rt.block_on(host_addresses()).expect("ip addr");
+        let addrs = host_addresses().expect("interface addresses");
         assert!(addrs.contains(&Ipv4Addr::LOCALHOST), "{addrs:?}");
         // The gathered set holds the endpoints' addresses and every host address outside
         // NEVER (so the egress proxy, which connects from the host, never reaches the host).
