@@ -256,24 +256,7 @@ impl Vm {
                 }
                 if let Some((view, over)) = &view {
                     // Its own mount namespace, where `over` shows only `view`'s entries.
-                    if libc::unshare(libc::CLONE_NEWNS) != 0
-                        || libc::mount(
-                            std::ptr::null(),
-                            c"/".as_ptr(),
-                            std::ptr::null(),
-                            libc::MS_REC | libc::MS_PRIVATE,
-                            std::ptr::null(),
-                        ) != 0
-                        || libc::mount(
-                            view.as_ptr(),
-                            over.as_ptr(),
-                            std::ptr::null(),
-                            libc::MS_BIND,
-                            std::ptr::null(),
-                        ) != 0
-                    {
-                        return Err(std::io::Error::last_os_error());
-                    }
+                    bind_in_own_mount_namespace(view, over)?;
                 }
                 if let Some(fd) = ram_fd {
                     if fd == RAM_FD {
@@ -485,4 +468,37 @@ pub fn kill_recorded(run_dir: &Path, tag: &str) -> bool {
         return true;
     }
     false
+}
+
+/// In a forked child before exec: gives it a mount namespace of its own (nothing it mounts
+/// propagates back) in which `over` shows `source`. Only async-signal-safe calls.
+///
+/// # Safety
+/// Call only between fork and exec (`pre_exec`): it changes the calling process's namespaces.
+pub unsafe fn bind_in_own_mount_namespace(
+    source: &std::ffi::CStr,
+    over: &std::ffi::CStr,
+) -> std::io::Result<()> {
+    // SAFETY: plain syscalls on NUL-terminated strings that outlive them; no allocation.
+    let failed = unsafe {
+        libc::unshare(libc::CLONE_NEWNS) != 0
+            || libc::mount(
+                std::ptr::null(),
+                c"/".as_ptr(),
+                std::ptr::null(),
+                libc::MS_REC | libc::MS_PRIVATE,
+                std::ptr::null(),
+            ) != 0
+            || libc::mount(
+                source.as_ptr(),
+                over.as_ptr(),
+                std::ptr::null(),
+                libc::MS_BIND,
+                std::ptr::null(),
+            ) != 0
+    };
+    if failed {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
 }

@@ -317,25 +317,10 @@ impl Node {
                 if moved < 0 {
                     return Err(std::io::Error::last_os_error());
                 }
-                if libc::setrlimit(libc::RLIMIT_NOFILE, &nofile) != 0
-                    || libc::unshare(libc::CLONE_NEWNS) != 0
-                    || libc::mount(
-                        std::ptr::null(),
-                        c"/".as_ptr(),
-                        std::ptr::null(),
-                        libc::MS_REC | libc::MS_PRIVATE,
-                        std::ptr::null(),
-                    ) != 0
-                    || libc::mount(
-                        source_c.as_ptr(),
-                        MOUNT_POINT_C.as_ptr(),
-                        std::ptr::null(),
-                        libc::MS_BIND,
-                        std::ptr::null(),
-                    ) != 0
-                {
+                if libc::setrlimit(libc::RLIMIT_NOFILE, &nofile) != 0 {
                     return Err(std::io::Error::last_os_error());
                 }
+                vmon_vm::process::bind_in_own_mount_namespace(&source_c, MOUNT_POINT_C)?;
                 vmon_vm::userns::enter(ns_fd)
             });
         }
