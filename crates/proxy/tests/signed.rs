@@ -25,11 +25,14 @@ use vmon_proxy::{Proxy, ResumeError, Routes, SandboxRoute, ENVD_PORT};
 /// are one server on this machine that says which path and query it was asked for.
 struct Two;
 
+/// The "guest" both sandboxes route to.
+const GUEST: &str = "127.83.0.1";
+
 #[async_trait::async_trait]
 impl Routes for Two {
     async fn lookup(&self, id: &str) -> Option<SandboxRoute> {
         ["ione", "itwo"].contains(&id).then(|| SandboxRoute {
-            guest_ip: Some("127.0.0.1".parse().unwrap()),
+            guest_ip: Some(GUEST.parse().unwrap()),
             auto_resume: false,
             traffic_access_token: None,
             via: None,
@@ -65,11 +68,11 @@ async fn raw(addr: SocketAddr, request: &str) -> String {
 
 #[tokio::test]
 async fn a_signed_url_finds_its_sandbox() {
-    // Only envd's port is ever chosen this way, so the "guest" must listen on it.
-    let Ok(guest) = TcpListener::bind(("127.0.0.1", ENVD_PORT)).await else {
-        eprintln!("port {ENVD_PORT} is taken on this machine; skipping");
-        return;
-    };
+    // Only envd's port is ever chosen this way, so the "guest" must listen on it: on a
+    // loopback address of its own, where nothing else on the machine (a real envd) has it.
+    let guest = TcpListener::bind((GUEST, ENVD_PORT))
+        .await
+        .unwrap_or_else(|e| panic!("binding {GUEST}:{ENVD_PORT}: {e}"));
     tokio::spawn(async move {
         while let Ok((s, _)) = guest.accept().await {
             tokio::spawn(async move {
