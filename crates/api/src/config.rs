@@ -9,6 +9,13 @@ use serde::{Deserialize, Serialize};
 
 use crate::records::TeamLimits;
 
+/// The shortest idle window.
+pub const MIN_IDLE_SECS: u64 = 60;
+
+/// The registries plain HTTP (and unverified TLS) is allowed for when the operator names none:
+/// the loopback addresses, where a test's or a developer's own registry listens.
+pub const DEFAULT_INSECURE: &[&str] = &["localhost", "127.0.0.0/8", "::1"];
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Config {
@@ -284,10 +291,7 @@ impl Default for Config {
             template_files_dir: None,
             template_files_grace_secs: 3600,
             max_template_builds: 2,
-            insecure_registries: crate::templates::image::DEFAULT_INSECURE
-                .iter()
-                .map(|s| s.to_string())
-                .collect(),
+            insecure_registries: DEFAULT_INSECURE.iter().map(|s| s.to_string()).collect(),
             registry_allow: Vec::new(),
             proxy_tls_cert: None,
             proxy_tls_key: None,
@@ -424,8 +428,10 @@ impl Config {
         if let Some(v) = var("VMON_WEBHOOK_CA_FILE") {
             self.webhook_ca_file = (!v.is_empty()).then(|| v.into());
         }
-        crate::control::WebhookTargets::new(&self.webhook_allow)
-            .map_err(|e| anyhow::anyhow!("webhook_allow: {e}"))?;
+        for c in self.webhook_allow.iter().filter(|s| !s.trim().is_empty()) {
+            c.parse::<vmon_proto::addrs::Cidr>()
+                .map_err(|e| anyhow::anyhow!("webhook_allow: {e}"))?;
+        }
         if let Some(v) = var("VMON_MAX_PAUSED") {
             self.quotas.max_paused = parse("VMON_MAX_PAUSED", v)?;
         }
@@ -511,10 +517,10 @@ impl Config {
         }
         let defaults = self.idle.default.iter().chain(self.idle.teams.values());
         for d in defaults {
-            if d.max_idle_seconds != 0 && d.max_idle_seconds < crate::control::MIN_IDLE_SECS {
+            if d.max_idle_seconds != 0 && d.max_idle_seconds < MIN_IDLE_SECS {
                 anyhow::bail!(
                     "idle: max_idle_seconds is at least {} (0 turns it off), not {}",
-                    crate::control::MIN_IDLE_SECS,
+                    MIN_IDLE_SECS,
                     d.max_idle_seconds
                 );
             }

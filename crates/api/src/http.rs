@@ -1,6 +1,4 @@
-//! The REST surface (axum): the route table (merging the routes of [`admin`],
-//! [`events`](crate::events) and [`telemetry`](crate::telemetry)) and the sandbox handlers,
-//! each of which turns one request into one [`Control`](crate::control::Control) call run to
+//! The sandbox handlers of the REST surface (axum), each of which turns one request into one [`Control`](crate::control::Control) call run to
 //! completion in its own task. The state and extractors they share are in [`crate::state`].
 
 use axum::body::Bytes;
@@ -15,9 +13,11 @@ use crate::control::{CreateParams, KillReason};
 use crate::error::{ApiError, ApiResult};
 use crate::records::{SandboxRecord, SandboxState, Team};
 use crate::state::{body, query_pairs, AppState, Auth};
-use crate::{admin, wire};
+use crate::wire;
 
-pub fn router(state: AppState) -> Router {
+/// The sandbox routes (`/sandboxes`, `/v2/sandboxes`, `/snapshots`, `/health`); the whole
+/// table is assembled in [`crate::router`].
+pub fn routes() -> Router<AppState> {
     Router::new()
         .route("/health", get(health))
         .route("/sandboxes", post(create_legacy).get(list_legacy))
@@ -34,20 +34,6 @@ pub fn router(state: AppState) -> Router {
         .route("/sandboxes/{id}/snapshots", post(snapshot))
         .route("/sandboxes/{id}/network", put(update_network))
         .route("/snapshots", get(list_snapshots))
-        .merge(crate::templates::routes())
-        .merge(admin::routes())
-        .merge(crate::telemetry::routes())
-        .layer(axum::middleware::from_fn(
-            crate::telemetry::track_transitions,
-        ))
-        .merge(crate::events::routes())
-        .merge(crate::volumes::routes())
-        .merge(crate::secrets::routes())
-        .merge(crate::dashboard::routes())
-        .merge(crate::openapi::routes())
-        .fallback(|| async { ApiError::not_found("no such endpoint") })
-        .layer(axum::middleware::map_response(crate::error::json_errors))
-        .with_state(state)
 }
 
 /// Runs `f` in its own task so it completes even when the client disconnects.

@@ -1,4 +1,4 @@
-//! vmon-api: the control plane. The E2B REST surface ([`http`]), auth by hashed API keys,
+//! vmon-api: the control plane. The E2B REST surface ([`router`], [`http`]), auth by hashed API keys,
 //! team admission, the per-sandbox state machine ([`control`]), the timeout reaper, and the
 //! route table the proxy reads.
 //!
@@ -30,6 +30,25 @@ pub use config::Config;
 pub use control::{Control, ProxyRoutes};
 pub use error::{ApiError, ApiResult};
 
+/// The whole route table: the sandbox routes ([`http`]) and every other module's, the
+/// transition metrics around the first group, the JSON error body on every answer.
+pub fn router(state: state::AppState) -> axum::Router {
+    axum::Router::new()
+        .merge(http::routes())
+        .merge(templates::routes())
+        .merge(admin::routes())
+        .merge(telemetry::routes())
+        .layer(axum::middleware::from_fn(telemetry::track_transitions))
+        .merge(events::routes())
+        .merge(volumes::routes())
+        .merge(secrets::routes())
+        .merge(dashboard::routes())
+        .merge(openapi::routes())
+        .fallback(|| async { ApiError::not_found("no such endpoint") })
+        .layer(axum::middleware::map_response(error::json_errors))
+        .with_state(state)
+}
+
 /// Serves the REST API on `listener` until `cancel` fires.
 pub async fn serve(
     listener: tokio::net::TcpListener,
@@ -48,7 +67,7 @@ pub async fn serve_with(
     tls: Option<Arc<rustls::ServerConfig>>,
     cancel: tokio_util::sync::CancellationToken,
 ) -> anyhow::Result<()> {
-    let app = http::router(state::AppState {
+    let app = router(state::AppState {
         control,
         admin_token,
     });

@@ -323,9 +323,9 @@ async fn docs_script() -> Response {
 const DOCS_HTML: &str = include_str!("../docs/index.html");
 const DOCS_JS: &str = include_str!("../docs/docs.js");
 
-// Routes served by closures elsewhere (`http::router`, `dashboard::routes`): described here.
+// Routes served by closures elsewhere (`http::routes`, `dashboard::routes`): described here.
 
-/// `GET /health` (a closure in [`http::router`]).
+/// `GET /health` (a closure in [`http::routes`]).
 #[utoipa::path(
     get, path = "/health", tag = "meta",
     summary = "Whether the platform takes creates",

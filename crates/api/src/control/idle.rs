@@ -13,15 +13,14 @@ use std::time::Duration;
 
 use time::OffsetDateTime;
 
-use super::resume::PauseWhy;
+use super::why::PauseWhy;
 use super::{Control, KillReason, MAX_TIMEOUT_SECS};
 use crate::config::IdleConfig;
 use crate::error::{ApiError, ApiResult};
 use crate::records::{IdlePolicy, SandboxRecord, SandboxState, Team};
 use crate::wire::{IdleSettings, StringMap};
 
-/// The shortest idle window.
-pub const MIN_IDLE_SECS: u64 = 60;
+pub use crate::config::MIN_IDLE_SECS;
 /// The window of a policy that names none.
 pub const DEFAULT_IDLE_SECS: u64 = 300;
 /// Metadata keys of the policy start with this (as `vmon.gpus` does for GPUs).

@@ -7,7 +7,10 @@ use time::OffsetDateTime;
 use vmon_kv::IdempotencyOutcome;
 use vmon_proto::node::{BuildInfo, StartSpec};
 
-use super::{admission_key, event, kv_error, network_policy, record_error, timeout_secs, Control};
+use super::{
+    admission_key, concurrency_error, event, kv_error, network_policy, record_error, timeout_secs,
+    Control,
+};
 use crate::error::{ApiError, ApiResult};
 use crate::ids;
 use crate::records::{Change, EventKind, SandboxRecord, SandboxState, Team};
@@ -533,13 +536,6 @@ impl Control {
         let _ = guard.unlock().await;
         result
     }
-}
-
-pub(crate) fn concurrency_error(team: &Team) -> ApiError {
-    ApiError::too_many(format!(
-        "you have reached the maximum number of concurrent sandboxes ({}); kill or pause one first",
-        team.limits.max_concurrent
-    ))
 }
 
 fn check_limits(team: &Team, build: &BuildInfo) -> ApiResult<()> {

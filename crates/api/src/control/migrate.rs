@@ -293,7 +293,7 @@ impl Control {
                 rec,
                 true,
                 guard.fence().token(),
-                super::resume::PauseWhy::Request,
+                super::why::PauseWhy::Request,
             )
             .await?;
             let rec = self.records.sandbox(id).await.map_err(record_error)?;

@@ -26,6 +26,7 @@ mod routes;
 mod signers;
 mod targets;
 pub mod volumes;
+mod why;
 
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
@@ -586,4 +587,12 @@ pub fn check_maps(
         )));
     }
     Ok(())
+}
+
+/// The 429 of a team at its concurrent-sandbox limit.
+pub(crate) fn concurrency_error(team: &Team) -> ApiError {
+    ApiError::too_many(format!(
+        "you have reached the maximum number of concurrent sandboxes ({}); kill or pause one first",
+        team.limits.max_concurrent
+    ))
 }

@@ -149,7 +149,7 @@ impl Control {
                         rec.clone(),
                         rec.auto_pause_memory,
                         fence,
-                        super::resume::PauseWhy::Timeout,
+                        super::why::PauseWhy::Timeout,
                     )
                     .await;
                 report("timeout_pause", paused.is_ok());

@@ -6,48 +6,12 @@ use std::time::Duration;
 use time::OffsetDateTime;
 use vmon_proto::node::{StartKind, StartSpec};
 
-use super::{admission_key, event, kv_error, network_policy, Control};
+use super::why::{PauseWhy, ResumeTrigger};
+use super::{admission_key, concurrency_error, event, kv_error, network_policy, Control};
 use crate::error::{ApiError, ApiResult};
 use crate::ids;
 use crate::records::{Change, EventKind, LastResume, SandboxRecord, SandboxState, Team};
 use crate::wire;
-
-/// Why a sandbox is paused (`reason` of its paused event).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum PauseWhy {
-    Request,
-    Timeout,
-    /// Its idle policy: suspended until then, when it ends.
-    Idle {
-        until: OffsetDateTime,
-    },
-}
-
-impl PauseWhy {
-    fn as_str(self) -> &'static str {
-        match self {
-            PauseWhy::Request => "request",
-            PauseWhy::Timeout => "timeout",
-            PauseWhy::Idle { .. } => "idle",
-        }
-    }
-}
-
-/// What asked for a resume (`trigger` of its resumed event and of the health's last resume).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum ResumeTrigger {
-    Connect,
-    Traffic,
-}
-
-impl ResumeTrigger {
-    fn as_str(self) -> &'static str {
-        match self {
-            ResumeTrigger::Connect => "connect",
-            ResumeTrigger::Traffic => "traffic",
-        }
-    }
-}
 
 impl Control {
     pub async fn pause(&self, team: &Team, id: &str, memory: bool) -> ApiResult<()> {
@@ -226,7 +190,7 @@ impl Control {
             .await
             .map_err(kv_error)?
         {
-            return Err(super::lifecycle::concurrency_error(team));
+            return Err(concurrency_error(team));
         }
         let execution_id = ids::execution_id();
         let volumes = match self.volume_shares(&team.id, &rec.volume_mounts).await {

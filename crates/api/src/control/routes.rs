@@ -83,7 +83,7 @@ impl Control {
                     timeout,
                     false,
                     guard.fence().token(),
-                    super::resume::ResumeTrigger::Traffic,
+                    super::why::ResumeTrigger::Traffic,
                 )
                 .await
                 .map_err(|e| ResumeError::Failed(e.message))?;

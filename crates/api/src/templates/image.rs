@@ -8,9 +8,7 @@ use serde_json::Value;
 use sha2::{Digest, Sha256};
 use vmon_proto::node::{OciImage, RegistryCredentials};
 
-/// The registries plain HTTP (and unverified TLS) is allowed for when the operator names none:
-/// the loopback addresses, where a test's or a developer's own registry listens.
-pub const DEFAULT_INSECURE: &[&str] = &["localhost", "127.0.0.0/8", "::1"];
+pub use crate::config::DEFAULT_INSECURE;
 
 /// Whether `registry` (`host[:port]`) is one of `insecure`: an entry is a host, a
 /// `host:port`, an IP address or a CIDR range.

@@ -445,7 +445,7 @@ pub async fn harness_starting_with(
     let other = admin::create_team_with_key(records.as_ref(), "Team B", None, limits)
         .await
         .unwrap();
-    let router = vmon_api::http::router(vmon_api::state::AppState {
+    let router = vmon_api::router(vmon_api::state::AppState {
         control: control.clone(),
         admin_token: Some("admintoken".into()),
     });
