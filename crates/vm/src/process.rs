@@ -142,47 +142,199 @@ pub fn clear_files(run_dir: &Path) {
     let _ = std::fs::remove_file(sock);
 }
 
+/// What the forked child does before exec, prepared before the fork: only values copied in
+/// and async-signal-safe calls on them ([`ChildSetup::apply`]).
+struct ChildSetup {
+    /// The cgroups' `cgroup.procs` files to enter.
+    procs: Vec<std::ffi::CString>,
+    netns_fd: Option<i32>,
+    view: Option<(std::ffi::CString, std::ffi::CString)>,
+    ram_fd: Option<i32>,
+    tap: Option<TunRequest>,
+    /// QEMU's own directory, when its socket path is too long ([`DIR_FD`]).
+    own_dir_fd: Option<i32>,
+    user: Option<QemuUser>,
+    supplementary: Vec<libc::gid_t>,
+    die_with_node: bool,
+}
+
+impl ChildSetup {
+    /// Runs in the forked child: cgroups, the slot's namespace, the private view, the
+    /// inherited descriptors (RAM base, tap, own directory), the user, then the process flags.
+    ///
+    /// # Safety
+    /// Only between fork and exec, where it makes async-signal-safe calls on its own fields.
+    unsafe fn apply(&self) -> std::io::Result<()> {
+        let fail = || Err(std::io::Error::last_os_error());
+        // SAFETY: as the function says: the calls below are async-signal-safe and read only
+        // this value's own fields.
+        unsafe {
+            cgroup::enter(&self.procs)?;
+            if let Some(fd) = self.netns_fd {
+                if libc::setns(fd, libc::CLONE_NEWNET) != 0 {
+                    return fail();
+                }
+            }
+            if let Some((view, over)) = &self.view {
+                // Its own mount namespace, where `over` shows only `view`'s entries.
+                bind_in_own_mount_namespace(view, over)?;
+            }
+            if let Some(fd) = self.ram_fd {
+                if fd == RAM_FD {
+                    if libc::fcntl(fd, libc::F_SETFD, 0) != 0 {
+                        return fail();
+                    }
+                } else if libc::dup2(fd, RAM_FD) < 0 {
+                    return fail();
+                }
+            }
+            // After the RAM base: its descriptor may have had the tap's number.
+            if let Some(req) = &self.tap {
+                let fd = libc::open(c"/dev/net/tun".as_ptr(), libc::O_RDWR);
+                if fd < 0 {
+                    return fail();
+                }
+                if libc::ioctl(fd, TUNSETIFF as _, req as *const TunRequest) != 0 {
+                    return fail();
+                }
+                if fd != TAP_FD {
+                    if libc::dup2(fd, TAP_FD) < 0 {
+                        return fail();
+                    }
+                    libc::close(fd);
+                }
+            }
+            // Last of the descriptors: its number is above every other's target.
+            if let Some(fd) = self.own_dir_fd {
+                if libc::dup2(fd, DIR_FD) < 0 {
+                    return fail();
+                }
+            }
+            if let Some(u) = &self.user {
+                // Groups first, then the gid, then the uid: each later step drops the right to
+                // take the earlier one.
+                if libc::setgroups(self.supplementary.len(), self.supplementary.as_ptr()) != 0
+                    || libc::setgid(u.gid) != 0
+                    || libc::setuid(u.uid) != 0
+                {
+                    return fail();
+                }
+                // What QEMU creates (pidfile, sockets) is its own alone.
+                libc::umask(0o077);
+            }
+            // QEMU asks for huge pages on its translation cache and heap; a 2 MiB page zeroed on
+            // first touch costs a restored VM CPU time and resident memory it mostly never uses.
+            libc::prctl(libc::PR_SET_THP_DISABLE, 1, 0, 0, 0);
+            // After the uid switch, which clears it.
+            if self.die_with_node {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Makes the run directory and QEMU's own directory in it, clears a previous QEMU's socket
+/// and pidfile, and hands what QEMU writes to its user. Returns QEMU's directory.
+fn prepare_run_dir(spec: &LaunchSpec) -> anyhow::Result<PathBuf> {
+    std::fs::create_dir_all(&spec.run_dir)?;
+    let own = qemu_dir(&spec.run_dir);
+    std::fs::create_dir_all(&own)?;
+    let _ = std::fs::remove_file(qmp_path(&spec.run_dir));
+    let _ = std::fs::remove_file(pid_path(&spec.run_dir));
+    if let Some(u) = &spec.user {
+        let handed = (|| {
+            crate::user::traverse_only(&spec.run_dir, u.gid)?;
+            u.hand_dir(&own)?;
+            // Opened by path (append): it must exist and be the QEMU's.
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&spec.console_log)?;
+            u.hand(&spec.console_log)
+        })();
+        handed.with_context(|| format!("handing {} to QEMU", spec.run_dir.display()))?;
+    }
+    Ok(own)
+}
+
+/// QEMU's directory as a descriptor numbered out of the way of the ones the child sets up,
+/// when the QMP socket's path is too long for a socket address; None otherwise.
+fn long_socket_dir(own: &Path, qmp_sock: &Path) -> anyhow::Result<Option<OwnedFd>> {
+    if qmp_sock.as_os_str().len() <= MAX_SOCKET_PATH {
+        return Ok(None);
+    }
+    let dir = std::fs::File::open(own)?;
+    // SAFETY: F_DUPFD_CLOEXEC on a descriptor we own returns a new one or -1.
+    let fd = unsafe { libc::fcntl(dir.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 200) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error()).context("keeping QEMU's directory open");
+    }
+    // SAFETY: `fd` was just returned by fcntl and is owned by nothing else.
+    Ok(Some(unsafe { OwnedFd::from_raw_fd(fd) }))
+}
+
+/// The TUNSETIFF request for the guest's tap, opened in the child, as root, inside the slot's
+/// namespace (so /dev/net/tun need not be open to QEMU's user).
+fn tap_request(net: Option<&NetDevice>) -> anyhow::Result<Option<TunRequest>> {
+    let Some(n) = net else {
+        return Ok(None);
+    };
+    if n.tap.len() >= libc::IFNAMSIZ {
+        bail!("tap name {:?} is too long", n.tap);
+    }
+    let mut req = TunRequest {
+        name: [0; libc::IFNAMSIZ],
+        flags: TAP_FLAGS,
+        _pad: [0; 22],
+    };
+    for (d, b) in req.name.iter_mut().zip(n.tap.bytes()) {
+        *d = b as libc::c_char;
+    }
+    Ok(Some(req))
+}
+
+/// Waits for QEMU's QMP socket, noticing an early exit (bad arguments, missing files); on
+/// failure the QEMU is killed and its cgroups removed.
+async fn wait_for_qmp(
+    child: &mut tokio::process::Child,
+    qmp_sock: &Path,
+    stderr_path: &Path,
+    tag: &str,
+) -> anyhow::Result<Qmp> {
+    let connect = Qmp::connect(qmp_sock, Duration::from_secs(30));
+    tokio::pin!(connect);
+    let qmp = tokio::select! {
+        r = &mut connect => r.map_err(anyhow::Error::from),
+        status = child.wait() => {
+            let err = std::fs::read_to_string(stderr_path).unwrap_or_default();
+            Err(anyhow::anyhow!(
+                "QEMU exited at start ({}): {}",
+                status.map(|s| s.to_string()).unwrap_or_default(),
+                err.trim()
+            ))
+        }
+    };
+    if qmp.is_err() {
+        let _ = child.start_kill();
+        let _ = child.wait().await;
+        cgroup::remove(tag);
+    }
+    qmp
+}
+
 impl Vm {
+    /// Starts a QEMU as `spec` says: its directories, its arguments, the child's setup
+    /// ([`ChildSetup`]), then the wait for its QMP socket.
     pub async fn launch(spec: &LaunchSpec) -> anyhow::Result<Vm> {
-        std::fs::create_dir_all(&spec.run_dir)?;
-        let own = qemu_dir(&spec.run_dir);
-        std::fs::create_dir_all(&own)?;
+        let own = prepare_run_dir(spec)?;
         let qmp_sock = qmp_path(&spec.run_dir);
         let pidfile = pid_path(&spec.run_dir);
-        let _ = std::fs::remove_file(&qmp_sock);
-        let _ = std::fs::remove_file(&pidfile);
-        if let Some(u) = &spec.user {
-            let handed = (|| {
-                crate::user::traverse_only(&spec.run_dir, u.gid)?;
-                u.hand_dir(&own)?;
-                // Opened by path (append): it must exist and be the QEMU's.
-                std::fs::OpenOptions::new()
-                    .create(true)
-                    .append(true)
-                    .open(&spec.console_log)?;
-                u.hand(&spec.console_log)
-            })();
-            handed.with_context(|| format!("handing {} to QEMU", spec.run_dir.display()))?;
-        }
-        // A directory descriptor numbered out of the way of the ones the child sets up.
-        let own_fd: Option<OwnedFd> = if qmp_sock.as_os_str().len() > MAX_SOCKET_PATH {
-            let dir = std::fs::File::open(&own)?;
-            // SAFETY: F_DUPFD_CLOEXEC on a descriptor we own returns a new one or -1.
-            let fd = unsafe { libc::fcntl(dir.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 200) };
-            if fd < 0 {
-                return Err(std::io::Error::last_os_error())
-                    .context("keeping QEMU's directory open");
-            }
-            // SAFETY: `fd` was just returned by fcntl and is owned by nothing else.
-            Some(unsafe { OwnedFd::from_raw_fd(fd) })
-        } else {
-            None
-        };
+        let own_fd = long_socket_dir(&own, &qmp_sock)?;
         let qmp_arg = match own_fd {
             Some(_) => PathBuf::from(format!("/proc/self/fd/{DIR_FD}/qmp.sock")),
             None => qmp_sock.clone(),
         };
-        let own_raw = own_fd.as_ref().map(|f| f.as_raw_fd());
         let inherited_ram = spec
             .ram_fd
             .as_ref()
@@ -210,107 +362,33 @@ impl Vm {
             ),
             None => None,
         };
-        let netns_fd = netns.as_ref().map(|f| f.as_raw_fd());
-        let die_with_node = spec.die_with_node;
         let limits = cgroup::Limits::for_guest(spec.machine.vcpus, spec.machine.memory_mb);
         let groups = cgroup::create(&spec.tag, &limits)
             .with_context(|| format!("cgroups for QEMU {}", spec.tag))?;
-        let procs: Vec<std::ffi::CString> = groups.map(|g| g.procs).unwrap_or_default();
-        let ram_fd = spec.ram_fd.as_ref().map(|f| f.as_raw_fd());
-        // The tap is opened in the child, as root, inside the slot's namespace: /dev/net/tun
-        // need not be open to QEMU's user.
-        let tap = match &spec.net {
-            Some(n) => {
-                let mut req = TunRequest {
-                    name: [0; libc::IFNAMSIZ],
-                    flags: TAP_FLAGS,
-                    _pad: [0; 22],
-                };
-                if n.tap.len() >= libc::IFNAMSIZ {
-                    bail!("tap name {:?} is too long", n.tap);
-                }
-                for (d, b) in req.name.iter_mut().zip(n.tap.bytes()) {
-                    *d = b as libc::c_char;
-                }
-                Some(req)
-            }
-            None => None,
-        };
         let view = match &spec.view {
             Some((view, over)) => Some((c_path(view)?, c_path(over)?)),
             None => None,
         };
-        let user = spec.user.clone();
-        let supplementary: Vec<libc::gid_t> =
-            user.as_ref().map(|u| u.groups.clone()).unwrap_or_default();
+        let setup = ChildSetup {
+            procs: groups.map(|g| g.procs).unwrap_or_default(),
+            netns_fd: netns.as_ref().map(|f| f.as_raw_fd()),
+            view,
+            ram_fd: spec.ram_fd.as_ref().map(|f| f.as_raw_fd()),
+            tap: tap_request(spec.net.as_ref())?,
+            own_dir_fd: own_fd.as_ref().map(|f| f.as_raw_fd()),
+            supplementary: spec
+                .user
+                .as_ref()
+                .map(|u| u.groups.clone())
+                .unwrap_or_default(),
+            user: spec.user.clone(),
+            die_with_node: spec.die_with_node,
+        };
         let mut cmd = tokio::process::Command::new(&spec.machine.qemu_binary);
-        // SAFETY: the closure runs in the forked child before exec and only makes
-        // async-signal-safe system calls on values captured by copy or prepared before the fork.
+        // SAFETY: the closure runs in the forked child before exec; `apply` only makes
+        // async-signal-safe system calls on values prepared before the fork.
         unsafe {
-            cmd.pre_exec(move || {
-                cgroup::enter(&procs)?;
-                if let Some(fd) = netns_fd {
-                    if libc::setns(fd, libc::CLONE_NEWNET) != 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                }
-                if let Some((view, over)) = &view {
-                    // Its own mount namespace, where `over` shows only `view`'s entries.
-                    bind_in_own_mount_namespace(view, over)?;
-                }
-                if let Some(fd) = ram_fd {
-                    if fd == RAM_FD {
-                        if libc::fcntl(fd, libc::F_SETFD, 0) != 0 {
-                            return Err(std::io::Error::last_os_error());
-                        }
-                    } else if libc::dup2(fd, RAM_FD) < 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                }
-                // After the RAM base: its descriptor may have had the tap's number.
-                if let Some(req) = &tap {
-                    let fd = libc::open(c"/dev/net/tun".as_ptr(), libc::O_RDWR);
-                    if fd < 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                    if libc::ioctl(fd, TUNSETIFF as _, req as *const TunRequest) != 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                    if fd != TAP_FD {
-                        if libc::dup2(fd, TAP_FD) < 0 {
-                            return Err(std::io::Error::last_os_error());
-                        }
-                        libc::close(fd);
-                    }
-                }
-                // Last of the descriptors: its number is above every other's target.
-                if let Some(fd) = own_raw {
-                    if libc::dup2(fd, DIR_FD) < 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                }
-                if let Some(u) = &user {
-                    // Groups first, then the gid, then the uid: each later step drops the
-                    // right to take the earlier one.
-                    if libc::setgroups(supplementary.len(), supplementary.as_ptr()) != 0
-                        || libc::setgid(u.gid) != 0
-                        || libc::setuid(u.uid) != 0
-                    {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                    // What QEMU creates (pidfile, sockets) is its own alone.
-                    libc::umask(0o077);
-                }
-                // QEMU asks for huge pages on its translation cache and heap; a 2 MiB page
-                // zeroed on first touch costs a restored VM CPU time and resident memory it
-                // mostly never uses.
-                libc::prctl(libc::PR_SET_THP_DISABLE, 1, 0, 0, 0);
-                // After the uid switch, which clears it.
-                if die_with_node {
-                    libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-                }
-                Ok(())
-            });
+            cmd.pre_exec(move || setup.apply());
         }
         cmd.args(&args)
             .stdin(Stdio::null())
@@ -327,29 +405,7 @@ impl Vm {
             }
         };
         let pid = child.id().unwrap_or(0);
-        // Wait for the QMP socket, but notice an early exit (bad arguments, missing files).
-        let connect = Qmp::connect(&qmp_sock, Duration::from_secs(30));
-        tokio::pin!(connect);
-        let qmp = tokio::select! {
-            r = &mut connect => r.map_err(anyhow::Error::from),
-            status = child.wait() => {
-                let err = std::fs::read_to_string(&stderr_path).unwrap_or_default();
-                Err(anyhow::anyhow!(
-                    "QEMU exited at start ({}): {}",
-                    status.map(|s| s.to_string()).unwrap_or_default(),
-                    err.trim()
-                ))
-            }
-        };
-        let qmp = match qmp {
-            Ok(q) => q,
-            Err(e) => {
-                let _ = child.start_kill();
-                let _ = child.wait().await;
-                cgroup::remove(&spec.tag);
-                return Err(e);
-            }
-        };
+        let qmp = wait_for_qmp(&mut child, &qmp_sock, &stderr_path, &spec.tag).await?;
         Ok(Vm {
             pid,
             qmp,
