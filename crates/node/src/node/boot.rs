@@ -16,7 +16,7 @@ use crate::builds::new_id;
 use crate::envd_client::{self, InitRequest, ENVD_PORT};
 use crate::pool::Held;
 use crate::sandbox::{Live, RamSource, SandboxState};
-use crate::slots::TAP;
+use crate::slots::{Slot, TAP};
 
 /// What a cold boot's overlay is made over.
 #[derive(Debug, Clone, Copy)]
@@ -29,6 +29,45 @@ pub(super) enum BootDisk<'a> {
     /// the artifacts here, under the guard a sweep waits for, so it is never swept before the
     /// overlay over it names it.
     NewRaw(&'a Path),
+}
+
+/// One cold boot: where, what and for whom ([`Node::boot`]).
+pub(super) struct Boot<'a> {
+    pub run_dir: &'a Path,
+    pub id: &'a str,
+    pub execution_id: &'a str,
+    pub machine: MachineDesc,
+    pub disk: BootDisk<'a>,
+    pub disk_mb: u32,
+    pub policy: &'a NetworkPolicy,
+    pub init: &'a InitRequest,
+    pub volumes: &'a [VolumeShare],
+}
+
+/// What a boot's virtio-fs daemons share with its QEMU: its tag (their cgroups), limits, user.
+fn share<'a>(
+    qemu_tag: &'a str,
+    limits: vmon_vm::cgroup::Limits,
+    user: &'a Option<vmon_vm::QemuUser>,
+) -> super::volumes::ShareContext<'a> {
+    super::volumes::ShareContext {
+        qemu_tag,
+        limits,
+        user: user.as_ref(),
+    }
+}
+
+/// Waits for envd to answer within `left`, then hands it its start (`init`).
+async fn wait_ready(addr: SocketAddr, init: &InitRequest, left: Duration) -> anyhow::Result<()> {
+    envd_client::wait_healthy(addr, left).await?;
+    envd_client::init(addr, init, Duration::from_secs(60)).await
+}
+
+/// The last 15 lines the guest wrote to its console (of its last 64 KiB: the guest wrote it).
+fn console_tail(log: &Path) -> String {
+    let console = vmon_vm::console::read_tail(log, 64 << 10).unwrap_or_default();
+    let lines: Vec<&str> = console.lines().collect();
+    lines[lines.len().saturating_sub(15)..].join("\n")
 }
 
 /// Empties a RAM file and gives it back its size: every page reads as zero again.
@@ -109,212 +148,17 @@ impl Node {
         })
     }
 
-    /// Cold-boots a VM with its own shared RAM file over `disk` (the image rootfs when `None`).
-    /// Its artifacts come back held (taken before the artifacts guard is let go): a sweep keeps
-    /// them until the caller drops the holds, once something names them (the sandbox table, a
-    /// build record).
-    #[allow(clippy::too_many_arguments)]
-    pub(super) async fn boot(
-        &self,
-        run_dir: &Path,
-        id: &str,
-        execution_id: &str,
-        machine: MachineDesc,
-        disk: BootDisk<'_>,
-        disk_mb: u32,
-        policy: &NetworkPolicy,
-        init: &InitRequest,
-        resume_generation: u32,
-        volumes: &[VolumeShare],
-    ) -> anyhow::Result<(Live, Vec<Held>)> {
+    /// Cold-boots a VM with its own shared RAM file over its disk (the image rootfs when
+    /// [`BootDisk::Image`]). Its artifacts come back held (taken before the artifacts guard is
+    /// let go): a sweep keeps them until the caller drops the holds, once something names them
+    /// (the sandbox table, a build record).
+    pub(super) async fn boot(&self, b: Boot<'_>) -> anyhow::Result<(Live, Vec<Held>)> {
         let _guard = self.artifacts_guard.read().await;
-        let slot = self.slots.acquire(policy).await?;
+        let slot = self.slots.acquire(b.policy).await?;
         self.slots.refill();
         let mut made: Vec<PathBuf> = Vec::new();
         let mut daemons = super::volumes::ShareDaemons::none();
-        let r = async {
-            std::fs::create_dir_all(run_dir)?;
-            let qemu_user = self.qemu_user(&slot);
-            let limits = vmon_vm::cgroup::Limits::for_guest(machine.vcpus, machine.memory_mb);
-            // The daemons join the cgroups the QEMU will have: chosen before either starts.
-            let mut qemu_tag = new_id("");
-            daemons = self
-                .start_share_daemons(
-                    run_dir,
-                    volumes,
-                    &super::volumes::ShareContext {
-                        qemu_tag: &qemu_tag,
-                        limits,
-                        user: qemu_user.as_ref(),
-                    },
-                )
-                .await?;
-            let mut init = init.clone();
-            init.volume_mounts = volumes
-                .iter()
-                .enumerate()
-                .map(|(i, v)| (super::volumes::tag(i), v.path.clone()))
-                .collect();
-            let init = &init;
-            let (overlay, overlay_path) = self.builds.new_artifact("disk", "qcow2");
-            let chain: Vec<String> = match disk {
-                BootDisk::Build { top, below } => {
-                    create_overlay(
-                        &self.builds.artifact(top),
-                        BackingFormat::Qcow2,
-                        &overlay_path,
-                    )
-                    .await?;
-                    std::iter::once(top.to_string())
-                        .chain(below.iter().cloned())
-                        .collect()
-                }
-                BootDisk::Image => {
-                    let rootfs = &self.image().await?.rootfs;
-                    create_overlay(rootfs, BackingFormat::Raw, &overlay_path).await?;
-                    Vec::new()
-                }
-                BootDisk::NewRaw(path) => {
-                    let (raw, raw_path) = self.builds.new_artifact("rootfs", "img");
-                    std::fs::rename(path, &raw_path)?;
-                    made.push(raw_path.clone());
-                    create_overlay(&raw_path, BackingFormat::Raw, &overlay_path).await?;
-                    vec![raw]
-                }
-            };
-            // QEMU writes both: the overlay, and the RAM file it maps shared.
-            self.hand_to(&slot, &overlay_path)?;
-            made.push(overlay_path);
-            let (ram, ram_path) = self.builds.new_artifact("ram", "mem");
-            made.push(ram_path.clone());
-            self.hand_new_to(&slot, &ram_path)?;
-            let view = self.view_for(run_dir)?;
-            self.show(
-                run_dir,
-                chain
-                    .iter()
-                    .map(String::as_str)
-                    .chain([overlay.as_str(), ram.as_str()]),
-            )?;
-            let mut spec = LaunchSpec {
-                tag: qemu_tag.clone(),
-                machine: machine.clone(),
-                run_dir: run_dir.to_path_buf(),
-                console_log: run_dir.join("console.log"),
-                ram_file: ram_path.clone(),
-                ram: RamSharing::Shared,
-                disk: Some(self.builds.artifact(&overlay)),
-                net: Some(NetDevice { tap: TAP.into() }),
-                netns: Some(slot.netns()),
-                incoming: false,
-                // Template builds run under <data>/run; sandboxes under <data>/sandboxes.
-                die_with_node: run_dir.starts_with(self.cfg.data_dir.join("run")),
-                fs_shares: daemons.shares.clone(),
-                user: self.qemu_user(&slot),
-                ram_fd: None,
-                view,
-            };
-            let addr = SocketAddr::new(IpAddr::V4(slot.addr()), ENVD_PORT);
-            let mut vm = Vm::launch(&spec).await?;
-            let mut launched = tokio::time::Instant::now();
-            if let Some(report) = self.stalled(&vm, addr).await {
-                // Once: a guest stuck before its root is started again over the same, still
-                // unwritten overlay and a zeroed RAM file. The second wait has the whole
-                // timeout.
-                tracing::warn!(
-                    sandbox = id,
-                    after = ?self.cfg.boot_stall_after,
-                    cpus = %report,
-                    "cold boot made no progress: the guest never wrote its disk; booting it again"
-                );
-                self.boot_restarts
-                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                vm.kill().await;
-                if let Err(e) = zero_file(&ram_path) {
-                    tracing::warn!(error = %e, "zeroing {}", ram_path.display());
-                }
-                qemu_tag = new_id("");
-                spec.tag = qemu_tag.clone();
-                if !volumes.is_empty() {
-                    // A share's daemon serves one QEMU connection: new ones for the new QEMU.
-                    std::mem::replace(&mut daemons, super::volumes::ShareDaemons::none())
-                        .kill()
-                        .await;
-                    daemons = self
-                        .start_share_daemons(
-                            run_dir,
-                            volumes,
-                            &super::volumes::ShareContext {
-                                qemu_tag: &qemu_tag,
-                                limits,
-                                user: qemu_user.as_ref(),
-                            },
-                        )
-                        .await?;
-                    spec.fs_shares = daemons.shares.clone();
-                }
-                vm = Vm::launch(&spec).await?;
-                launched = tokio::time::Instant::now();
-            }
-            let tag = spec.tag.clone();
-            let mut live = Live {
-                state: SandboxState {
-                    id: id.to_string(),
-                    execution_id: execution_id.to_string(),
-                    slot: slot.index,
-                    machine,
-                    ram: RamSource::Shared { file: ram },
-                    overlay,
-                    disk_chain: chain,
-                    disk_node: "d0".into(),
-                    disk_seq: 0,
-                    envd_token: init.access_token.clone(),
-                    envd_version: ENVD_VERSION.into(),
-                    disk_mb,
-                    resume_generation,
-                    qemu_tag: tag,
-                    pausing_build: None,
-                    network: Some(policy.clone()),
-                    volumes: volumes.to_vec(),
-                    start_kind: Some(vmon_proto::node::StartKind::ColdBoot),
-                },
-                vm: Some(vm),
-                slot: slot.clone(),
-                dir: run_dir.to_path_buf(),
-            };
-            let ready = async {
-                let left = self.cfg.boot_timeout.saturating_sub(launched.elapsed());
-                envd_client::wait_healthy(addr, left).await?;
-                envd_client::init(addr, init, Duration::from_secs(60)).await
-            };
-            if let Err(e) = ready.await {
-                if let Some(mut vm) = live.vm.take() {
-                    vm.kill().await;
-                }
-                // The guest wrote the log: only its last 64 KiB are read.
-                let console = vmon_vm::console::read_tail(&run_dir.join("console.log"), 64 << 10)
-                    .unwrap_or_default();
-                let tail: String = console
-                    .lines()
-                    .rev()
-                    .take(15)
-                    .collect::<Vec<_>>()
-                    .into_iter()
-                    .rev()
-                    .collect::<Vec<_>>()
-                    .join("\n");
-                bail!("{e:#}\nlast console lines:\n{tail}");
-            }
-            live.state.save(run_dir)?;
-            let held = live
-                .state
-                .live_artifacts()
-                .iter()
-                .map(|a| self.held_artifacts.hold(a))
-                .collect::<Vec<_>>();
-            anyhow::Ok((live, held))
-        }
-        .await;
+        let r = self.boot_in(&b, &slot, &mut made, &mut daemons).await;
         if r.is_err() {
             daemons.kill().await;
             let _ = self.slots.release(&slot).await;
@@ -325,6 +169,197 @@ impl Node {
             daemons.detach();
         }
         r
+    }
+
+    /// The steps of [`Node::boot`] in its slot: the volumes' daemons, the disk and RAM
+    /// artifacts, the QEMU (started once more when stuck), the wait for envd, the record.
+    /// What it made is in `made` and `daemons`, for the caller to undo on failure.
+    async fn boot_in(
+        &self,
+        b: &Boot<'_>,
+        slot: &Slot,
+        made: &mut Vec<PathBuf>,
+        daemons: &mut super::volumes::ShareDaemons,
+    ) -> anyhow::Result<(Live, Vec<Held>)> {
+        let run_dir = b.run_dir;
+        std::fs::create_dir_all(run_dir)?;
+        let qemu_user = self.qemu_user(slot);
+        let limits = vmon_vm::cgroup::Limits::for_guest(b.machine.vcpus, b.machine.memory_mb);
+        // The daemons join the cgroups the QEMU will have: chosen before either starts.
+        let qemu_tag = new_id("");
+        *daemons = self
+            .start_share_daemons(run_dir, b.volumes, &share(&qemu_tag, limits, &qemu_user))
+            .await?;
+        let mut init = b.init.clone();
+        init.volume_mounts = b
+            .volumes
+            .iter()
+            .enumerate()
+            .map(|(i, v)| (super::volumes::tag(i), v.path.clone()))
+            .collect();
+        let (overlay, overlay_path, chain) = self.boot_overlay(b.disk, made).await?;
+        // QEMU writes both: the overlay, and the RAM file it maps shared.
+        self.hand_to(slot, &overlay_path)?;
+        made.push(overlay_path);
+        let (ram, ram_path) = self.builds.new_artifact("ram", "mem");
+        made.push(ram_path.clone());
+        self.hand_new_to(slot, &ram_path)?;
+        let view = self.view_for(run_dir)?;
+        self.show(
+            run_dir,
+            chain
+                .iter()
+                .map(String::as_str)
+                .chain([overlay.as_str(), ram.as_str()]),
+        )?;
+        let mut spec = LaunchSpec {
+            tag: qemu_tag,
+            machine: b.machine.clone(),
+            run_dir: run_dir.to_path_buf(),
+            console_log: run_dir.join("console.log"),
+            ram_file: ram_path.clone(),
+            ram: RamSharing::Shared,
+            disk: Some(self.builds.artifact(&overlay)),
+            net: Some(NetDevice { tap: TAP.into() }),
+            netns: Some(slot.netns()),
+            incoming: false,
+            // Template builds run under <data>/run; sandboxes under <data>/sandboxes.
+            die_with_node: run_dir.starts_with(self.cfg.data_dir.join("run")),
+            fs_shares: daemons.shares.clone(),
+            user: self.qemu_user(slot),
+            ram_fd: None,
+            view,
+        };
+        let addr = SocketAddr::new(IpAddr::V4(slot.addr()), ENVD_PORT);
+        let (vm, launched) = self
+            .launch_watched(b, &mut spec, daemons, &ram_path, addr, limits, &qemu_user)
+            .await?;
+        let mut live = Live {
+            state: SandboxState {
+                id: b.id.to_string(),
+                execution_id: b.execution_id.to_string(),
+                slot: slot.index,
+                machine: b.machine.clone(),
+                ram: RamSource::Shared { file: ram },
+                overlay,
+                disk_chain: chain,
+                disk_node: "d0".into(),
+                disk_seq: 0,
+                envd_token: init.access_token.clone(),
+                envd_version: ENVD_VERSION.into(),
+                disk_mb: b.disk_mb,
+                // A cold boot starts the memory's generations over.
+                resume_generation: 0,
+                qemu_tag: spec.tag.clone(),
+                pausing_build: None,
+                network: Some(b.policy.clone()),
+                volumes: b.volumes.to_vec(),
+                start_kind: Some(vmon_proto::node::StartKind::ColdBoot),
+            },
+            vm: Some(vm),
+            slot: slot.clone(),
+            dir: run_dir.to_path_buf(),
+        };
+        let left = self.cfg.boot_timeout.saturating_sub(launched.elapsed());
+        if let Err(e) = wait_ready(addr, &init, left).await {
+            if let Some(mut vm) = live.vm.take() {
+                vm.kill().await;
+            }
+            bail!(
+                "{e:#}\nlast console lines:\n{}",
+                console_tail(&run_dir.join("console.log"))
+            );
+        }
+        live.state.save(run_dir)?;
+        let held = live
+            .state
+            .live_artifacts()
+            .iter()
+            .map(|a| self.held_artifacts.hold(a))
+            .collect::<Vec<_>>();
+        Ok((live, held))
+    }
+
+    /// Starts the QEMU and waits for a sign of progress; a guest stuck before its root (no
+    /// disk write `boot_stall_after` in) is started once more over the same, still unwritten
+    /// overlay and a zeroed RAM file, with new volume daemons. Returns the QEMU and when it was
+    /// started (the second wait has the whole timeout).
+    #[allow(clippy::too_many_arguments)]
+    async fn launch_watched(
+        &self,
+        b: &Boot<'_>,
+        spec: &mut LaunchSpec,
+        daemons: &mut super::volumes::ShareDaemons,
+        ram_path: &Path,
+        addr: SocketAddr,
+        limits: vmon_vm::cgroup::Limits,
+        qemu_user: &Option<vmon_vm::QemuUser>,
+    ) -> anyhow::Result<(Vm, tokio::time::Instant)> {
+        let mut vm = Vm::launch(spec).await?;
+        let Some(report) = self.stalled(&vm, addr).await else {
+            return Ok((vm, tokio::time::Instant::now()));
+        };
+        tracing::warn!(
+            sandbox = b.id,
+            after = ?self.cfg.boot_stall_after,
+            cpus = %report,
+            "cold boot made no progress: the guest never wrote its disk; booting it again"
+        );
+        self.boot_restarts
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        vm.kill().await;
+        if let Err(e) = zero_file(ram_path) {
+            tracing::warn!(error = %e, "zeroing {}", ram_path.display());
+        }
+        spec.tag = new_id("");
+        if !b.volumes.is_empty() {
+            // A share's daemon serves one QEMU connection: new ones for the new QEMU.
+            std::mem::replace(daemons, super::volumes::ShareDaemons::none())
+                .kill()
+                .await;
+            *daemons = self
+                .start_share_daemons(b.run_dir, b.volumes, &share(&spec.tag, limits, qemu_user))
+                .await?;
+            spec.fs_shares = daemons.shares.clone();
+        }
+        let vm = Vm::launch(spec).await?;
+        Ok((vm, tokio::time::Instant::now()))
+    }
+
+    /// A new qcow2 overlay over `disk`, with the chain of build artifacts under it (what a
+    /// [`BootDisk::NewRaw`] became is pushed to `made` too).
+    async fn boot_overlay(
+        &self,
+        disk: BootDisk<'_>,
+        made: &mut Vec<PathBuf>,
+    ) -> anyhow::Result<(String, PathBuf, Vec<String>)> {
+        let (overlay, overlay_path) = self.builds.new_artifact("disk", "qcow2");
+        let chain: Vec<String> = match disk {
+            BootDisk::Build { top, below } => {
+                create_overlay(
+                    &self.builds.artifact(top),
+                    BackingFormat::Qcow2,
+                    &overlay_path,
+                )
+                .await?;
+                std::iter::once(top.to_string())
+                    .chain(below.iter().cloned())
+                    .collect()
+            }
+            BootDisk::Image => {
+                let rootfs = &self.image().await?.rootfs;
+                create_overlay(rootfs, BackingFormat::Raw, &overlay_path).await?;
+                Vec::new()
+            }
+            BootDisk::NewRaw(path) => {
+                let (raw, raw_path) = self.builds.new_artifact("rootfs", "img");
+                std::fs::rename(path, &raw_path)?;
+                made.push(raw_path.clone());
+                create_overlay(&raw_path, BackingFormat::Raw, &overlay_path).await?;
+                vec![raw]
+            }
+        };
+        Ok((overlay, overlay_path, chain))
     }
 
     /// Boots a fresh sandbox straight from the image (no build): the slow path every build
@@ -350,18 +385,17 @@ impl Node {
         let exec = new_id("e");
         let dir = self.sandbox_root(sandbox_id).join(&exec);
         let (live, _held) = self
-            .boot(
-                &dir,
-                sandbox_id,
-                &exec,
+            .boot(Boot {
+                run_dir: &dir,
+                id: sandbox_id,
+                execution_id: &exec,
                 machine,
-                BootDisk::Image,
-                image.manifest.disk_mb,
+                disk: BootDisk::Image,
+                disk_mb: image.manifest.disk_mb,
                 policy,
-                &InitRequest::default(),
-                0,
-                &[],
-            )
+                init: &InitRequest::default(),
+                volumes: &[],
+            })
             .await
             .map_err(err)?;
         self.insert(live)

@@ -459,24 +459,23 @@ impl Node {
                 },
                 None => super::boot::BootDisk::Image,
             };
-            self.boot(
-                &dir,
-                &spec.sandbox_id,
-                &spec.execution_id,
-                rec.machine.clone(),
+            self.boot(super::boot::Boot {
+                run_dir: &dir,
+                id: &spec.sandbox_id,
+                execution_id: &spec.execution_id,
+                machine: rec.machine.clone(),
                 disk,
-                rec.disk_mb,
-                &spec.network,
-                &InitRequest {
+                disk_mb: rec.disk_mb,
+                policy: &spec.network,
+                init: &InitRequest {
                     env_vars: spec.env_vars.clone(),
                     access_token: spec.envd_access_token.clone(),
                     current_token: None,
                     default_user: None,
                     volume_mounts: Vec::new(),
                 },
-                0,
-                &spec.volumes,
-            )
+                volumes: &spec.volumes,
+            })
             .await
             .map_err(err)?
         };

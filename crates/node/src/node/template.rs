@@ -67,22 +67,21 @@ impl Node {
         let token = new_id("tb") + &new_id("");
         tracing::info!(build = %spec.build_id, "booting the template VM");
         let live = self
-            .boot(
-                &dir,
-                &spec.build_id,
-                &exec,
+            .boot(super::boot::Boot {
+                run_dir: &dir,
+                id: &spec.build_id,
+                execution_id: &exec,
                 machine,
                 disk,
                 disk_mb,
-                &crate::slots::open_policy(),
-                &InitRequest {
+                policy: &crate::slots::open_policy(),
+                init: &InitRequest {
                     env_vars: spec.env_vars.clone(),
                     access_token: Some(token.clone()),
                     ..Default::default()
                 },
-                0,
-                &[],
-            )
+                volumes: &[],
+            })
             .await;
         // Held until the build's record names them: the template VM is in no sandbox table,
         // and a sweep meanwhile (a snapshot deleted) would take its disk and RAM.
