@@ -107,6 +107,10 @@ pub struct Config {
     pub idle: IdleConfig,
     /// The proxy's caps and timeouts towards guests (`[proxy_limits]`).
     pub proxy_limits: ProxyLimits,
+    /// Test-only: where fault points are armed (`vmon_proxy::faults`). Set only from the
+    /// `VMON_FAULT_DIR` environment variable, never from the file.
+    #[serde(skip)]
+    pub fault_dir: Option<std::path::PathBuf>,
 }
 
 /// What one sandbox or one client may hold of the proxy, and how long a guest may keep a
@@ -301,6 +305,7 @@ impl Default for Config {
             migration_downtime_ms: 300,
             idle: IdleConfig::default(),
             proxy_limits: ProxyLimits::default(),
+            fault_dir: None,
         }
     }
 }
@@ -365,6 +370,9 @@ impl Config {
         }
         if let Some(v) = var("VMON_MIGRATION_DOWNTIME_MS") {
             self.migration_downtime_ms = parse("VMON_MIGRATION_DOWNTIME_MS", v)?;
+        }
+        if let Some(v) = var("VMON_FAULT_DIR").filter(|v| !v.is_empty()) {
+            self.fault_dir = Some(std::path::PathBuf::from(v));
         }
         if let Some(v) = var("VMON_CLIENT_ID") {
             self.client_id = v;

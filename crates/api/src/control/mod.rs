@@ -103,6 +103,8 @@ pub struct Control {
     volumes: Option<Arc<volumes::Volumes>>,
     /// When each sandbox last had traffic (`idle.rs`); the in-process proxy's own table.
     activity: Arc<vmon_proxy::Activity>,
+    /// Test-only holds in transitions (`vmon_proxy::faults`); off unless `VMON_FAULT_DIR`.
+    faults: vmon_proxy::Faults,
 }
 
 impl Control {
@@ -156,6 +158,7 @@ impl Control {
                 .map_err(|e| anyhow::anyhow!("webhook_allow: {e}"))?,
         );
         let config_builds = config.max_template_builds.max(1);
+        let config_fault_dir = config.fault_dir.clone();
         // No shared fallback such as /tmp: uploads are tenant bytes, kept where the operator
         // put the data dir.
         let template_files = config.template_files_dir.clone().ok_or_else(|| {
@@ -189,6 +192,10 @@ impl Control {
             template_builds: tokio::sync::Semaphore::new(config_builds),
             uploads: crate::templates::Uploads::new(template_files),
             activity: vmon_proxy::Activity::new(),
+            faults: match &config_fault_dir {
+                Some(d) => vmon_proxy::Faults::in_dir(d),
+                None => vmon_proxy::Faults::off(),
+            },
         });
         control.reconcile().await?;
         if control.cluster.is_some() {
@@ -200,6 +207,12 @@ impl Control {
 
     pub fn config(&self) -> &Config {
         &self.config
+    }
+
+    /// The fault points of this process (tests; see `vmon_proxy::faults`), for the
+    /// in-process proxy to share.
+    pub fn faults(&self) -> &vmon_proxy::Faults {
+        &self.faults
     }
 
     /// How far the first build is (`GET /health`, the 503 of a create meanwhile).
@@ -336,13 +349,19 @@ impl Control {
         self.cluster.as_ref()?.placement(id).await
     }
 
-    /// Takes the sandbox's transition lock.
+    /// Takes the sandbox's transition lock. Fault point `lock:busy`: another transition holds
+    /// it and this one is about to wait.
     pub(crate) async fn lock(&self, sandbox_id: &str) -> ApiResult<LockGuard> {
-        match self
-            .kv
-            .lock(&format!("sandbox/{sandbox_id}"), self.config.lock_wait())
-            .await
-        {
+        let key = format!("sandbox/{sandbox_id}");
+        if self.faults.enabled() {
+            // Tests learn that a call queued behind a held transition before they let go.
+            match self.kv.lock(&key, Duration::ZERO).await {
+                Ok(g) => return Ok(g),
+                Err(KvError::LockTimeout) => self.faults.point("lock:busy", sandbox_id).await,
+                Err(e) => return Err(kv_error(e)),
+            }
+        }
+        match self.kv.lock(&key, self.config.lock_wait()).await {
             Ok(g) => Ok(g),
             Err(KvError::LockTimeout) => Err(ApiError::conflict(format!(
                 "sandbox {sandbox_id} is busy with another operation; try again"
