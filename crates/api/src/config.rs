@@ -26,6 +26,11 @@ pub struct Config {
     pub client_id: String,
     /// How long a request waits for another transition of the same sandbox, in seconds.
     pub lock_wait_secs: u64,
+    /// In a cluster: how long a node whose registration lapsed (no heartbeat for its lease)
+    /// is only suspect before its running sandboxes are reported killed (`orphaned`), in
+    /// seconds (`VMON_NODE_GRACE_SECS`; default 300, as Kubernetes' eviction timeout). A
+    /// node back within it keeps every sandbox.
+    pub node_grace_secs: u64,
     /// Limits of teams created without explicit ones.
     pub default_limits: TeamLimits,
     /// The `base` template `vmon up` builds when it is missing.
@@ -276,6 +281,7 @@ impl Default for Config {
             domain: None,
             client_id: "vmon".to_string(),
             lock_wait_secs: 120,
+            node_grace_secs: 300,
             default_limits: TeamLimits::default(),
             base_template: BaseTemplate::default(),
             store_url: None,
@@ -376,6 +382,9 @@ impl Config {
         }
         if let Some(v) = var("VMON_CLIENT_ID") {
             self.client_id = v;
+        }
+        if let Some(v) = var("VMON_NODE_GRACE_SECS") {
+            self.node_grace_secs = parse("VMON_NODE_GRACE_SECS", v)?;
         }
         if let Some(v) = var("VMON_LOCK_WAIT_SECS") {
             self.lock_wait_secs = parse("VMON_LOCK_WAIT_SECS", v)?;

@@ -79,6 +79,8 @@ pub struct Control {
     pub(crate) cluster: Option<Arc<dyn vmon_proto::cluster::Cluster>>,
     /// Admission units that may have lost their holder (`cluster.rs`).
     leaks: cluster::Leaks,
+    /// Nodes whose registration lapsed, since when this api saw them gone (`cluster.rs`).
+    suspects: cluster::Suspects,
     pub(crate) records: Arc<dyn Records>,
     pub(crate) kv: Kv,
     /// What the proxy needs per sandbox, kept in step with every commit.
@@ -181,6 +183,7 @@ impl Control {
             node,
             cluster,
             leaks: cluster::Leaks::default(),
+            suspects: cluster::Suspects::default(),
             records,
             kv,
             routes: RwLock::new(HashMap::new()),
