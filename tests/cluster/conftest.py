@@ -187,6 +187,9 @@ def cluster():
         VMON_PREBUILD_CODE_INTERPRETER="0",
         VMON_WEBHOOK_ALLOW="127.0.0.1/32",
         VMON_CLUSTER_TLS="1" if TLS else "0",
+        # A lapsed node is suspect for this long before its sandboxes are reported orphaned
+        # (default 300 s): longer than a stall test's lapse, short enough for the orphan test.
+        VMON_NODE_GRACE_SECS="20",
     )
     subprocess.run([str(SCRIPT), "down"], env=env, check=False, timeout=300)
     shutil.rmtree(DIR, ignore_errors=True)

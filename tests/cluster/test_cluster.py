@@ -232,7 +232,8 @@ def test_a_dead_nodes_sandboxes_are_reported_orphaned_and_stay_dead(cluster):
     on_victim = {s for s in ids if cluster.node_of(s) == victim}
     cluster.kill_process(f"node{victim}")
     t0 = time.monotonic()
-    wait_for(lambda: not (on_victim & _running_records(cluster)), 60, 0.5, "the orphans to be reported")
+    # Its lease (10 s), then the grace (VMON_NODE_GRACE_SECS, 20 s in these tests).
+    wait_for(lambda: not (on_victim & _running_records(cluster)), 90, 0.5, "the orphans to be reported")
     print(f"orphans reported {time.monotonic() - t0:.1f}s after the node died")
     for sid in on_victim:
         last = _events(cluster, sid)[-1]
@@ -260,6 +261,57 @@ def test_a_dead_nodes_sandboxes_are_reported_orphaned_and_stay_dead(cluster):
     for sid in ids - on_victim:
         Sandbox.kill(sid)
     httpx.delete(f"{cluster.api_a}/events/webhooks/{hook.json()['id']}", headers={"X-API-Key": cluster.api_key})
+
+
+def _logged(part: str, *words: str) -> bool:
+    from conftest import DIR
+
+    try:
+        lines = (DIR / "logs" / f"{part}.log").read_text(errors="replace").splitlines()
+    except OSError:
+        return False
+    return any(all(w in line for w in words) for line in lines)
+
+
+def test_a_stalled_node_is_suspect_and_keeps_its_sandboxes_within_the_grace(cluster):
+    """SIGSTOP of a node agent for longer than its lease (10 s) and less than the grace
+    (VMON_NODE_GRACE_SECS, 20 s here): its guests keep running, the leader only marks it
+    suspect, and once it is back (SIGCONT) the sandbox still runs and answers."""
+    import os
+    import signal
+
+    sbx = Sandbox.create("base", timeout=300)
+    sid = sbx.sandbox_id
+    try:
+        pid = sbx.commands.run("sleep 100000 >/dev/null 2>&1 & echo $!").stdout.strip()
+        victim = cluster.node_of(sid)
+        assert victim, "the sandbox runs on no node"
+        node_pid = cluster.pid(f"node{victim}")
+        os.kill(node_pid, signal.SIGSTOP)
+        try:
+            # Lapsed: the registration's lease ended, and the leader saw it gone.
+            wait_for(
+                lambda: f"node{victim}" not in [n["id"] for n in cluster.admin("/admin/nodes")],
+                30, 0.5, "the stalled node's lease to end",
+            )
+            wait_for(
+                lambda: _logged("api1", "registration lapsed", f"node{victim}")
+                or _logged("api2", "registration lapsed", f"node{victim}"),
+                30, 0.5, "the leader to mark the node suspect",
+            )
+            assert sid in _running_records(cluster), "a suspect node's sandbox stays running"
+        finally:
+            os.kill(node_pid, signal.SIGCONT)
+        wait_for(
+            lambda: f"node{victim}" in [n["id"] for n in cluster.admin("/admin/nodes")],
+            30, 0.5, "the node to register again",
+        )
+        assert sbx.commands.run(f"kill -0 {pid} && echo alive").stdout.strip() == "alive"
+        assert sid in _running_records(cluster)
+        kinds = [e["type"] for e in _events(cluster, sid)]
+        assert "sandbox.lifecycle.killed" not in kinds, kinds
+    finally:
+        Sandbox.kill(sid)
 
 
 def test_a_vm_no_record_names_is_killed(cluster):

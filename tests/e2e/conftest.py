@@ -131,6 +131,9 @@ class Server:
         self.api_url = api_url
         self.sandbox_url = sandbox_url
         self.api_key = api_key
+        # Where the api's fault points are armed (test_races.py); None against an external
+        # server.
+        self.fault_dir: Path | None = Path(env["VMON_FAULT_DIR"]) if env.get("VMON_FAULT_DIR") else None
 
     def vmon(self, *args: str) -> str:
         """Runs a `vmon` verb against this server's data dir; returns stdout."""
@@ -206,7 +209,10 @@ def vmon():
         VMON_IDLE_SCAN_MS=os.environ.get("VMON_IDLE_SCAN_MS", "1000"),
         # The secret-injection tests' HTTPS receiver has a certificate the same CA signs.
         VMON_EGRESS_CA_FILE=str(DATA_DIR / "webhook-tls" / "ca.pem"),
+        # Fault points (test_races.py): nothing is held until a test arms a point here.
+        VMON_FAULT_DIR=str(DATA_DIR / "faults"),
     )
+    (DATA_DIR / "faults").mkdir(parents=True, exist_ok=True)
     log_path = DATA_DIR / "vmon-up.log"
     log = open(log_path, "w")
     proc = subprocess.Popen(

@@ -33,6 +33,11 @@ pub struct Config {
     pub client_id: String,
     /// How long a request waits for another transition of the same sandbox, in seconds.
     pub lock_wait_secs: u64,
+    /// In a cluster: how long a node whose registration lapsed (no heartbeat for its lease)
+    /// is only suspect before its running sandboxes are reported killed (`orphaned`), in
+    /// seconds (`VMON_NODE_GRACE_SECS`; default 300, as Kubernetes' eviction timeout). A
+    /// node back within it keeps every sandbox.
+    pub node_grace_secs: u64,
     /// Limits of teams created without explicit ones.
     pub default_limits: TeamLimits,
     /// The `base` template `vmon up` builds when it is missing.
@@ -114,6 +119,10 @@ pub struct Config {
     pub idle: IdleConfig,
     /// The proxy's caps and timeouts towards guests (`[proxy_limits]`).
     pub proxy_limits: ProxyLimits,
+    /// Test-only: where fault points are armed (`vmon_proxy::faults`). Set only from the
+    /// `VMON_FAULT_DIR` environment variable, never from the file.
+    #[serde(skip)]
+    pub fault_dir: Option<std::path::PathBuf>,
 }
 
 /// What one sandbox or one client may hold of the proxy, and how long a guest may keep a
@@ -279,6 +288,7 @@ impl Default for Config {
             domain: None,
             client_id: "vmon".to_string(),
             lock_wait_secs: 120,
+            node_grace_secs: 300,
             default_limits: TeamLimits::default(),
             base_template: BaseTemplate::default(),
             store_url: None,
@@ -305,6 +315,7 @@ impl Default for Config {
             migration_downtime_ms: 300,
             idle: IdleConfig::default(),
             proxy_limits: ProxyLimits::default(),
+            fault_dir: None,
         }
     }
 }
@@ -370,8 +381,14 @@ impl Config {
         if let Some(v) = var("VMON_MIGRATION_DOWNTIME_MS") {
             self.migration_downtime_ms = parse("VMON_MIGRATION_DOWNTIME_MS", v)?;
         }
+        if let Some(v) = var("VMON_FAULT_DIR").filter(|v| !v.is_empty()) {
+            self.fault_dir = Some(std::path::PathBuf::from(v));
+        }
         if let Some(v) = var("VMON_CLIENT_ID") {
             self.client_id = v;
+        }
+        if let Some(v) = var("VMON_NODE_GRACE_SECS") {
+            self.node_grace_secs = parse("VMON_NODE_GRACE_SECS", v)?;
         }
         if let Some(v) = var("VMON_LOCK_WAIT_SECS") {
             self.lock_wait_secs = parse("VMON_LOCK_WAIT_SECS", v)?;

@@ -10,6 +10,7 @@
 
 pub mod nodes;
 pub mod placement;
+mod reach;
 pub mod registry;
 
 pub use nodes::ClusterNodes;

@@ -388,6 +388,7 @@ impl ClusterNodes {
         Fut: std::future::Future<Output = Result<T, NodeError>>,
     {
         let mut last = NodeError::Exhausted("no node is registered".into());
+        let mut holder_down = false;
         for n in ranked {
             let c = self.client(&n)?;
             match f(c).await {
@@ -398,10 +399,21 @@ impl ClusterNodes {
                 }
                 // It lacks the build and could not fetch it: a holder may have it.
                 Err(e @ NodeError::BuildNotFound(_)) if !holders.contains(&n.id) => last = e,
+                // Down (its lease not yet ended): the call never reached it, the next may.
+                Err(NodeError::Failed(m)) if crate::reach::refuses(&n.rpc_url).await => {
+                    tracing::warn!(node_id = %n.id, error = %m, "node refuses connections; trying the next");
+                    holder_down |= holders.contains(&n.id);
+                    last = NodeError::Exhausted(format!("node {} refuses connections: {m}", n.id));
+                }
                 Err(e) => return Err(e),
             }
         }
-        Err(last)
+        match last {
+            NodeError::BuildNotFound(b) if holder_down => Err(NodeError::Exhausted(format!(
+                "build {b} is on a node that is down, and no other node could fetch it from the object store"
+            ))),
+            last => Err(last),
+        }
     }
 }
 

@@ -6,13 +6,17 @@
 //! reads the table in the same process (`vmon up`) or receives [`Activity::report`] from a
 //! standalone `vmon proxy`.
 //!
-//! A suspend and a request arriving at once meet through a pair of sequentially consistent
-//! atomics: the request counts itself in flight, then looks for the suspend flag; the suspend
-//! sets the flag, then looks for requests in flight. At least one of the two sees the other,
-//! so either the suspend gives up or the request waits for it (and then for the resume).
+//! A pause (any: idle suspend, timeout, request) and a request arriving at once meet through
+//! sequentially consistent atomics: the request reads the stamp's pause generation before it
+//! looks up its route, counts itself in flight, then looks whether a pause is marked or began
+//! since; the pause marks itself (and bumps the generation), then looks for requests in
+//! flight. At least one of the two sees the other: either the request waits for the pause
+//! (the sandbox's lock) and then resumes it or gets the paused answer, or the pause sees the
+//! request and an idle suspend gives up while any other pause waits for its response headers
+//! (a bounded drain) before the node stops the guest.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
@@ -25,8 +29,13 @@ pub struct Stamp {
     last_ms: AtomicI64,
     /// Requests sent on to the guest that have no response headers yet.
     in_flight: AtomicU32,
-    /// An idle suspend is deciding or under way.
-    suspending: AtomicBool,
+    /// Pauses marked and not yet over (an idle suspend deciding, any pause under way).
+    pausing: AtomicU32,
+    /// Bumped at the start of every pause mark: a request that saw another value before its
+    /// route lookup may hold a route the pause made stale.
+    generation: AtomicU64,
+    /// Woken when the last request in flight gets its headers (a pause's drain).
+    quiet: tokio::sync::Notify,
 }
 
 impl Stamp {
@@ -36,7 +45,9 @@ impl Stamp {
             epoch,
             last_ms: AtomicI64::new(i64::MIN),
             in_flight: AtomicU32::new(0),
-            suspending: AtomicBool::new(false),
+            pausing: AtomicU32::new(0),
+            generation: AtomicU64::new(0),
+            quiet: tokio::sync::Notify::new(),
         }
     }
 
@@ -72,9 +83,20 @@ impl Stamp {
         InFlight(self.clone())
     }
 
-    /// Whether an idle suspend is deciding or under way.
-    pub fn suspending(&self) -> bool {
-        self.suspending.load(Ordering::SeqCst)
+    /// Whether a pause is marked (an idle suspend deciding, any pause under way).
+    pub fn pausing(&self) -> bool {
+        self.pausing.load(Ordering::SeqCst) > 0
+    }
+
+    /// The pause generation: read before a route lookup and compared after [`Stamp::enter`].
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::SeqCst)
+    }
+
+    fn mark(self: &Arc<Self>) -> Pausing {
+        self.pausing.fetch_add(1, Ordering::SeqCst);
+        self.generation.fetch_add(1, Ordering::SeqCst);
+        Pausing(self.clone())
     }
 }
 
@@ -85,17 +107,39 @@ pub struct InFlight(Arc<Stamp>);
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.0.touch();
-        self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
+        if self.0.in_flight.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.0.quiet.notify_waiters();
+        }
     }
 }
 
-/// Held while an idle suspend runs; requests arriving meanwhile wait for the sandbox's lock.
+/// Held while a pause is marked; requests arriving meanwhile wait for the sandbox's lock.
 #[derive(Debug)]
-pub struct Suspending(Arc<Stamp>);
+pub struct Pausing(Arc<Stamp>);
 
-impl Drop for Suspending {
+impl Pausing {
+    /// Waits until no request waits on the guest's headers, at most `bound`; whether it did.
+    /// Requests arriving after the mark never count: they wait for the pause instead.
+    pub async fn drained(&self, bound: Duration) -> bool {
+        let stamp = &self.0;
+        let wait = async {
+            loop {
+                let quiet = stamp.quiet.notified();
+                tokio::pin!(quiet);
+                quiet.as_mut().enable();
+                if stamp.in_flight.load(Ordering::SeqCst) == 0 {
+                    return;
+                }
+                quiet.await;
+            }
+        };
+        tokio::time::timeout(bound, wait).await.is_ok()
+    }
+}
+
+impl Drop for Pausing {
     fn drop(&mut self) {
-        self.0.suspending.store(false, Ordering::SeqCst);
+        self.0.pausing.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -179,16 +223,28 @@ impl Activity {
             .remove(sandbox_id);
     }
 
-    /// Starts an idle suspend of a sandbox idle for at least `min_idle`: `None` (and nothing
-    /// changed) when a request is in flight or traffic came since.
-    pub fn begin_suspend(&self, sandbox_id: &str, min_idle: Duration) -> Option<Suspending> {
+    /// Starts an idle suspend of a sandbox idle for at least `min_idle`: `None` (and the mark
+    /// taken back) when a request is in flight or traffic came since.
+    pub fn begin_suspend(&self, sandbox_id: &str, min_idle: Duration) -> Option<Pausing> {
         let s = self.stamp(sandbox_id);
-        s.suspending.store(true, Ordering::SeqCst);
+        let mark = s.mark();
         if s.in_flight.load(Ordering::SeqCst) > 0 || s.idle() < min_idle {
-            s.suspending.store(false, Ordering::SeqCst);
             return None;
         }
-        Some(Suspending(s))
+        Some(mark)
+    }
+
+    /// Marks a pause of the sandbox under way (whatever asked for it): requests from now on
+    /// wait for it; those already waiting on the guest are what [`Pausing::drained`] waits
+    /// for.
+    pub fn begin_pause(&self, sandbox_id: &str) -> Pausing {
+        self.stamp(sandbox_id).mark()
+    }
+
+    /// The sandbox's pause generation ([`Stamp::generation`]); 0 when this table has no
+    /// stamp for it (one made later starts its count at a mark, so never equals 0 after it).
+    pub fn generation(&self, sandbox_id: &str) -> u64 {
+        self.get(sandbox_id).map_or(0, |s| s.generation())
     }
 
     /// What a standalone proxy reports: the sandboxes active within `within` (or with a
@@ -345,9 +401,9 @@ mod tests {
         assert!(a.begin_suspend("s1", Duration::ZERO).is_none());
         drop(guard);
         let sus = a.begin_suspend("s1", Duration::ZERO).expect("idle now");
-        assert!(s.suspending());
+        assert!(s.pausing());
         drop(sus);
-        assert!(!s.suspending());
+        assert!(!s.pausing());
     }
 
     #[test]
@@ -355,7 +411,7 @@ mod tests {
         let a = Activity::new();
         a.touch("s1");
         assert!(a.begin_suspend("s1", Duration::from_secs(60)).is_none());
-        assert!(!a.stamp("s1").suspending());
+        assert!(!a.stamp("s1").pausing());
         a.note_idle("s2", Duration::from_secs(90));
         assert!(a.idle("s2").is_some_and(|d| d >= Duration::from_secs(90)));
         assert!(a.begin_suspend("s2", Duration::from_secs(60)).is_some());

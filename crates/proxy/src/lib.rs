@@ -24,6 +24,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 pub mod activity;
+pub mod faults;
 mod headers;
 pub mod limits;
 pub mod listen;
@@ -35,6 +36,7 @@ mod watched;
 
 pub use activity::Activity;
 use activity::{InFlight, Stamp, Stamped, StampedIo};
+pub use faults::Faults;
 use headers::{envd_keepalive_within, is_upgrade, keep_host, strip_hop_by_hop, upstream_uri};
 pub use limits::GuestLimits;
 use limits::{Beat, Slot};
@@ -112,6 +114,7 @@ pub struct Proxy {
     limits: GuestLimits,
     slots: Arc<limits::Slots>,
     misses: Arc<limits::Misses>,
+    faults: Faults,
 }
 
 impl Proxy {
@@ -149,7 +152,15 @@ impl Proxy {
             limits: GuestLimits::default(),
             slots: Arc::default(),
             misses: Arc::default(),
+            faults: Faults::off(),
         }
+    }
+
+    /// Fault points for tests ([`faults`]): `proxy:await-pause`, where a request that met a
+    /// pause waits for it.
+    pub fn with_faults(mut self, faults: Faults) -> Self {
+        self.faults = faults;
+        self
     }
 
     /// Caps and timeouts towards guests other than the defaults.
@@ -241,6 +252,8 @@ impl Proxy {
             );
         }
         let id = target.sandbox_id.as_str();
+        // Read before the lookup: a pause that starts after it makes the route stale.
+        let generation = self.activity.generation(id);
         let Some(route) = self.routes.lookup(id).await else {
             return not_found(&target);
         };
@@ -267,7 +280,8 @@ impl Proxy {
         let forwarded = req.headers().contains_key(FORWARDED_HEADER);
         let stamp = self.activity.stamp(id);
         stamp.touch();
-        let (guest_ip, route, in_flight) = match self.running(id, &target, route, &stamp).await {
+        let seen = Seen { route, generation };
+        let (guest_ip, route, in_flight) = match self.running(id, &target, seen, &stamp).await {
             Ok(r) => r,
             Err(resp) => return resp,
         };
@@ -316,20 +330,22 @@ impl Proxy {
     }
 
     /// The guest's address and route once the sandbox runs (resumed for this request when it
-    /// was paused, or being suspended, and allows it), with the request counted in flight.
+    /// was paused, or being paused, and allows it), with the request counted in flight.
     async fn running(
         &self,
         id: &str,
         target: &Target,
-        route: SandboxRoute,
+        seen: Seen,
         stamp: &Arc<Stamp>,
     ) -> Result<(IpAddr, SandboxRoute, InFlight), Response<ProxyBody>> {
         let mut in_flight = stamp.enter();
-        let mut route = route;
-        if stamp.suspending() {
-            // An idle suspend is deciding or under way and holds the sandbox's lock: the
-            // resume waits for it, then resumes (or finds it still running).
+        let mut route = seen.route;
+        if stamp.pausing() || stamp.generation() != seen.generation {
+            // A pause is deciding or under way (it holds the sandbox's lock), or began since
+            // the lookup: the resume waits for it, then resumes the sandbox (or finds it still
+            // running, or answers that it is paused and does not resume on traffic).
             drop(in_flight);
+            self.faults.point("proxy:await-pause", id).await;
             self.resume(id, target).await?;
             route = match self.routes.lookup(id).await {
                 Some(r) => r,
@@ -646,6 +662,12 @@ impl Proxy {
         });
         rx
     }
+}
+
+/// A route as looked up, with the pause generation read before the lookup.
+struct Seen {
+    route: SandboxRoute,
+    generation: u64,
 }
 
 /// What a request holds while it is forwarded: its count in flight (until the guest's

@@ -1,8 +1,11 @@
 //! The leader's reconciliation in a cluster: records and VMs are compared node by node.
 //!
-//! * A running sandbox whose node left the registry (its lease expired: killed, crashed,
-//!   partitioned) is reported killed with `kill_reason: orphaned`, event and webhook, within a
-//!   node TTL plus one round; so is one whose node answers but no longer runs it.
+//! * A node that left the registry (its lease expired: killed, crashed, stalled, partitioned)
+//!   is *suspect*, not dead: its running sandboxes stay `running` for the grace
+//!   (`node_grace_secs`), and a node back within it keeps every one. Past the grace they are
+//!   reported killed with `kill_reason: orphaned`, event and webhook. One whose node answers
+//!   but no longer runs it is reported at once. The grace is counted from when this leader
+//!   first saw the node gone: a new leader starts it again (never shorter).
 //! * A VM a node runs that no record names (an api replica died between the node's start and
 //!   the record, or a node came back after the cluster reported its sandboxes killed) is
 //!   killed: nothing the cluster reported gone comes back.
@@ -34,6 +37,31 @@ const LEAK_AFTER: Duration = Duration::from_secs(60);
 #[derive(Default)]
 pub(crate) struct Leaks(std::sync::Mutex<HashMap<String, (std::time::Instant, u64)>>);
 
+/// Per node that left the registry while sandboxes were placed on it: since when.
+#[derive(Default)]
+pub(crate) struct Suspects(std::sync::Mutex<HashMap<String, std::time::Instant>>);
+
+impl Suspects {
+    /// Notes the nodes seen gone now (and forgets those back); returns those gone for at
+    /// least `grace`.
+    fn past_grace(&self, gone: &HashSet<String>, grace: Duration) -> HashSet<String> {
+        let mut m = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        m.retain(|n, _| gone.contains(n));
+        let now = std::time::Instant::now();
+        let mut past = HashSet::new();
+        for n in gone {
+            let since = *m.entry(n.clone()).or_insert_with(|| {
+                tracing::warn!(node_id = %n, grace_secs = grace.as_secs(), "a node's registration lapsed: suspect, its sandboxes keep running for the grace");
+                now
+            });
+            if now.duration_since(since) >= grace {
+                past.insert(n.clone());
+            }
+        }
+        past
+    }
+}
+
 impl Control {
     /// One round (leader only).
     pub(crate) async fn reconcile_cluster(&self, cluster: &dyn Cluster) {
@@ -58,9 +86,24 @@ impl Control {
             }
         };
         let all_answered = running.len() == members.len();
+        let mut placed_on = Vec::new();
         for rec in records.iter().filter(|r| r.state == SandboxState::Running) {
-            let placed = cluster.placement(&rec.id).await;
-            if vm_gone(rec, placed.as_deref(), &live, &running, all_answered) {
+            placed_on.push((rec, cluster.placement(&rec.id).await));
+        }
+        let gone: HashSet<String> = placed_on
+            .iter()
+            .filter_map(|(_, p)| p.clone())
+            .filter(|n| !live.contains(n))
+            .collect();
+        let grace = Duration::from_secs(self.config.node_grace_secs);
+        let past_grace = self.suspects.past_grace(&gone, grace);
+        for (rec, placed) in placed_on {
+            let orphaned = match placed.as_deref() {
+                // Suspect: it may still be alive, its guests running; wait out the grace.
+                Some(n) if gone.contains(n) => past_grace.contains(n),
+                placed => vm_gone(rec, placed, &running, all_answered),
+            };
+            if orphaned {
                 self.orphan(cluster, &rec.id, &rec.execution_id).await;
             }
         }
@@ -194,12 +237,11 @@ impl Control {
     }
 }
 
-/// Whether a running record's VM is gone, from one survey: its node left, or its node
-/// answered without it (a sandbox placed nowhere: no answering node runs it and all answered).
+/// Whether a running record's VM is gone, from one survey of live nodes: its node answered
+/// without it (a sandbox placed nowhere: no answering node runs it and all answered).
 fn vm_gone(
     rec: &SandboxRecord,
     placed: Option<&str>,
-    live: &HashSet<String>,
     running: &HashMap<String, Vec<Running>>,
     all_answered: bool,
 ) -> bool {
@@ -208,8 +250,25 @@ fn vm_gone(
             .any(|r| r.sandbox_id == rec.id && r.execution_id == rec.execution_id)
     };
     match placed {
-        Some(n) if !live.contains(n) => true,
         Some(n) => running.get(n).is_some_and(|l| !runs(l)),
         None => all_answered && !running.values().any(runs),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_lapsed_node_is_suspect_until_the_grace_passes_and_forgiven_when_back() {
+        let s = Suspects::default();
+        let gone: HashSet<String> = ["n1".to_string()].into();
+        let long = Duration::from_secs(3600);
+        assert!(s.past_grace(&gone, long).is_empty(), "suspect, not dead");
+        assert!(s.past_grace(&gone, Duration::ZERO).contains("n1"));
+        // Back: forgotten, so a later lapse starts its grace again.
+        assert!(s.past_grace(&HashSet::new(), long).is_empty());
+        assert!(s.0.lock().unwrap_or_else(|p| p.into_inner()).is_empty());
+        assert!(s.past_grace(&gone, long).is_empty());
     }
 }

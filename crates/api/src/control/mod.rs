@@ -80,6 +80,8 @@ pub struct Control {
     pub(crate) cluster: Option<Arc<dyn vmon_proto::cluster::Cluster>>,
     /// Admission units that may have lost their holder (`cluster.rs`).
     leaks: cluster::Leaks,
+    /// Nodes whose registration lapsed, since when this api saw them gone (`cluster.rs`).
+    suspects: cluster::Suspects,
     pub(crate) records: Arc<dyn Records>,
     pub(crate) kv: Kv,
     /// What the proxy needs per sandbox, kept in step with every commit.
@@ -104,6 +106,8 @@ pub struct Control {
     volumes: Option<Arc<volumes::Volumes>>,
     /// When each sandbox last had traffic (`idle.rs`); the in-process proxy's own table.
     activity: Arc<vmon_proxy::Activity>,
+    /// Test-only holds in transitions (`vmon_proxy::faults`); off unless `VMON_FAULT_DIR`.
+    faults: vmon_proxy::Faults,
 }
 
 impl Control {
@@ -157,6 +161,7 @@ impl Control {
                 .map_err(|e| anyhow::anyhow!("webhook_allow: {e}"))?,
         );
         let config_builds = config.max_template_builds.max(1);
+        let config_fault_dir = config.fault_dir.clone();
         // No shared fallback such as /tmp: uploads are tenant bytes, kept where the operator
         // put the data dir.
         let template_files = config.template_files_dir.clone().ok_or_else(|| {
@@ -179,6 +184,7 @@ impl Control {
             node,
             cluster,
             leaks: cluster::Leaks::default(),
+            suspects: cluster::Suspects::default(),
             records,
             kv,
             routes: RwLock::new(HashMap::new()),
@@ -190,6 +196,10 @@ impl Control {
             template_builds: tokio::sync::Semaphore::new(config_builds),
             uploads: crate::templates::Uploads::new(template_files),
             activity: vmon_proxy::Activity::new(),
+            faults: match &config_fault_dir {
+                Some(d) => vmon_proxy::Faults::in_dir(d),
+                None => vmon_proxy::Faults::off(),
+            },
         });
         control.reconcile().await?;
         if control.cluster.is_some() {
@@ -201,6 +211,12 @@ impl Control {
 
     pub fn config(&self) -> &Config {
         &self.config
+    }
+
+    /// The fault points of this process (tests; see `vmon_proxy::faults`), for the
+    /// in-process proxy to share.
+    pub fn faults(&self) -> &vmon_proxy::Faults {
+        &self.faults
     }
 
     /// How far the first build is (`GET /health`, the 503 of a create meanwhile).
@@ -337,13 +353,19 @@ impl Control {
         self.cluster.as_ref()?.placement(id).await
     }
 
-    /// Takes the sandbox's transition lock.
+    /// Takes the sandbox's transition lock. Fault point `lock:busy`: another transition holds
+    /// it and this one is about to wait.
     pub(crate) async fn lock(&self, sandbox_id: &str) -> ApiResult<LockGuard> {
-        match self
-            .kv
-            .lock(&format!("sandbox/{sandbox_id}"), self.config.lock_wait())
-            .await
-        {
+        let key = format!("sandbox/{sandbox_id}");
+        if self.faults.enabled() {
+            // Tests learn that a call queued behind a held transition before they let go.
+            match self.kv.lock(&key, Duration::ZERO).await {
+                Ok(g) => return Ok(g),
+                Err(KvError::LockTimeout) => self.faults.point("lock:busy", sandbox_id).await,
+                Err(e) => return Err(kv_error(e)),
+            }
+        }
+        match self.kv.lock(&key, self.config.lock_wait()).await {
             Ok(g) => Ok(g),
             Err(KvError::LockTimeout) => Err(ApiError::conflict(format!(
                 "sandbox {sandbox_id} is busy with another operation; try again"

@@ -13,6 +13,10 @@ use crate::ids;
 use crate::records::{Change, EventKind, LastResume, SandboxRecord, SandboxState, Team};
 use crate::wire;
 
+/// How long a pause waits for requests already waiting on the guest to get their response
+/// headers before the node stops it.
+const PAUSE_DRAIN: Duration = Duration::from_secs(5);
+
 impl Control {
     pub async fn pause(&self, team: &Team, id: &str, memory: bool) -> ApiResult<()> {
         self.owned(team, id).await?;
@@ -55,7 +59,17 @@ impl Control {
     ) -> ApiResult<()> {
         // A mount's state is outside the guest's memory: pause the disk only.
         let memory = memory && rec.volume_mounts.is_empty();
+        // Requests arriving from here on wait for this pause (the lock) and then resume the
+        // sandbox or learn it is paused; those already waiting on the guest get their
+        // headers first, within a bound, instead of a 502 from a guest that stopped.
+        let pausing = self.activity.begin_pause(&rec.id);
+        self.faults.point("pause:drain", &rec.id).await;
+        if !pausing.drained(PAUSE_DRAIN).await {
+            tracing::info!(sandbox_id = %rec.id, "pausing with requests still waiting on the guest");
+        }
+        self.faults.point("pause:node", &rec.id).await;
         let build = self.node.pause(&rec.id, &rec.execution_id, memory).await?;
+        self.faults.point("pause:commit", &rec.id).await;
         let superseded = rec.owned_build.take();
         rec.state = SandboxState::Paused;
         rec.guest_ip = None;

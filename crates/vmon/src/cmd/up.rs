@@ -156,6 +156,7 @@ pub async fn serve(data_dir: &Path, config: Config, parts: Parts) -> anyhow::Res
         // One traffic table for the proxy and the idle scan: no reports needed.
         let mut proxy = vmon_proxy::Proxy::new(Arc::new(ProxyRoutes(control.clone())))
             .with_activity(control.activity().clone())
+            .with_faults(control.faults().clone())
             .with_limits(config.proxy_limits.guest_limits());
         if let Some(tls) = super::proxy_tls::load(&config, data_dir, true)? {
             if let Some(files) = &tls.local_ca {

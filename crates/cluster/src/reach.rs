@@ -1,0 +1,61 @@
+//! Whether a node refuses connections: the one failure of a call that proves the call never
+//! reached the node (its process is gone: killed, crashed, restarting), so that another node
+//! may take the work at once instead of the caller waiting for the node's lease to end.
+//! A node that accepts and then says nothing (a stalled process, a partition) is not
+//! refused: its calls fail on their own timeouts.
+
+use std::time::Duration;
+
+/// How long the probe waits for the connection.
+const PROBE: Duration = Duration::from_secs(2);
+
+/// `host:port` of a node RPC URL (`http://host:port`, `https://host:port/`).
+fn authority(rpc_url: &str) -> Option<&str> {
+    let rest = rpc_url
+        .strip_prefix("https://")
+        .or_else(|| rpc_url.strip_prefix("http://"))
+        .unwrap_or(rpc_url);
+    let a = rest.split('/').next()?;
+    (!a.is_empty()).then_some(a)
+}
+
+/// Whether a connection to the node at `rpc_url` is refused (or its host or network is
+/// unreachable) right now.
+pub(crate) async fn refuses(rpc_url: &str) -> bool {
+    use std::io::ErrorKind;
+    let Some(a) = authority(rpc_url) else {
+        return false;
+    };
+    match tokio::time::timeout(PROBE, tokio::net::TcpStream::connect(a)).await {
+        Ok(Err(e)) => matches!(
+            e.kind(),
+            ErrorKind::ConnectionRefused
+                | ErrorKind::HostUnreachable
+                | ErrorKind::NetworkUnreachable
+        ),
+        _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn authorities_of_node_urls() {
+        assert_eq!(authority("https://10.0.0.1:3321"), Some("10.0.0.1:3321"));
+        assert_eq!(authority("http://node-a:80/"), Some("node-a:80"));
+        assert_eq!(authority("https://"), None);
+    }
+
+    #[tokio::test]
+    async fn a_closed_port_refuses_and_a_listening_one_does_not() {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let open = l.local_addr().expect("addr");
+        assert!(!refuses(&format!("https://{open}")).await);
+        drop(l);
+        assert!(refuses(&format!("https://{open}")).await);
+    }
+}
