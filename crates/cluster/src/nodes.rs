@@ -9,11 +9,13 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 use vmon_kv::Kv;
-use vmon_node::rpc::RemoteNode;
+use vmon_nodeclient::RemoteNode;
 use vmon_proto::cluster::{BuildOrigin, Cluster, Migrated, NodeInfo};
 use vmon_proto::node::{
-    BuildId, BuildInfo, ExecOutput, ExecSpec, LogEntry, LogQuery, MetricSample, NetworkPolicy,
-    NodeControl, NodeError, OciImage, PausedState, Running, StartSpec, TemplateSpec,
+    BuildId, BuildInfo, BuildInfoOf, BuildTemplate, Builds, Call, Checkpoint, DeleteBuild, Kill,
+    LatestMetrics, ListRunning, LogEntry, LogQuery, Logs, MetricSample, Metrics, NodeCall,
+    NodeCalls, NodeControl, NodeError, NodeReply, OciImage, Pause, PauseBuilds, PausedState,
+    PausedStateOf, PoolDepths, ResolveImage, Running, Start, StartSpec, TemplateSpec,
 };
 
 use crate::placement::{self, Need};
@@ -43,7 +45,7 @@ pub struct ClusterNodes {
     /// The node RPC token every node of the cluster accepts.
     token: String,
     /// The cluster's CA: a node's certificate must chain to it and name the node's id.
-    tls: vmon_node::tls::ClientTls,
+    tls: vmon_nodeclient::tls::ClientTls,
     members: Mutex<Option<(Instant, Vec<NodeInfo>)>>,
     /// What the last proof of each registry entry's id gave ([`ClusterNodes::proven`]), by
     /// node id: the URL it was tried at, the outcome and when.
@@ -77,7 +79,7 @@ enum Proof {
 impl ClusterNodes {
     /// `tls`: the cluster CA's client configuration ([`RemoteNode::cluster_node`]); it must
     /// be a CA file's (pinned), which [`RemoteNode::cluster_node`] checks on every client.
-    pub fn new(kv: Kv, token: String, tls: vmon_node::tls::ClientTls) -> Arc<ClusterNodes> {
+    pub fn new(kv: Kv, token: String, tls: vmon_nodeclient::tls::ClientTls) -> Arc<ClusterNodes> {
         Arc::new_cyclic(|me| ClusterNodes {
             kv,
             token,
@@ -453,7 +455,7 @@ impl Cluster for ClusterNodes {
             .await
             .ok_or_else(|| NodeError::NotFound(format!("node {node_id}")))?;
         let c = self.client(&node)?;
-        tokio::time::timeout(ASK_TIMEOUT, c.list_running_checked())
+        tokio::time::timeout(ASK_TIMEOUT, c.list_running())
             .await
             .unwrap_or_else(|_| Err(NodeError::Failed(format!("node {node_id} did not answer"))))
     }
@@ -476,8 +478,63 @@ impl Cluster for ClusterNodes {
     }
 }
 
+/// Each call goes to the node it concerns; a call about one sandbox that is not named here goes
+/// to the node running that sandbox ([`NodeCall::sandbox_id`]), so a new call of that kind
+/// needs nothing here.
 #[async_trait::async_trait]
 impl NodeControl for ClusterNodes {
+    async fn handle(&self, call: NodeCall) -> Result<NodeReply, NodeError> {
+        match call {
+            NodeCall::BuildTemplate(c) => {
+                BuildTemplate::answered(self.build_template(c.spec).await)
+            }
+            NodeCall::ResolveImage(c) => ResolveImage::answered(self.resolve_image(c.image).await),
+            NodeCall::BuildInfoOf(c) => BuildInfoOf::answered(self.build_info(&c.build_id).await),
+            NodeCall::PausedStateOf(c) => {
+                PausedStateOf::answered(self.paused_state(&c.build_id).await)
+            }
+            NodeCall::DeleteBuild(c) => DeleteBuild::answered(self.delete_build(&c.build_id).await),
+            // Not gathered from the nodes (yet): over a cluster, interrupted pauses are left to
+            // the leader's reconciliation and unnamed builds are not collected.
+            NodeCall::PauseBuilds(_) => PauseBuilds::answered(Ok(Vec::new())),
+            NodeCall::Builds(_) => Builds::answered(Ok(Vec::new())),
+            NodeCall::Start(c) => Start::answered(self.start(c.spec).await),
+            NodeCall::Kill(c) => Kill::answered(self.kill(&c.sandbox_id, &c.execution_id).await),
+            NodeCall::Pause(c) => {
+                Pause::answered(self.pause(&c.sandbox_id, &c.execution_id, c.memory).await)
+            }
+            NodeCall::Checkpoint(c) => Checkpoint::answered(
+                self.checkpoint(&c.sandbox_id, &c.execution_id, c.memory)
+                    .await,
+            ),
+            NodeCall::ListRunning(_) => ListRunning::answered(Ok(self.list_running().await)),
+            NodeCall::Metrics(c) => {
+                Metrics::answered(self.metrics(&c.sandbox_id, c.start_unix, c.end_unix).await)
+            }
+            NodeCall::LatestMetrics(c) => {
+                LatestMetrics::answered(Ok(self.latest_metrics(&c.sandbox_ids).await))
+            }
+            NodeCall::Logs(c) => Logs::answered(self.logs(&c.sandbox_id, c.query).await),
+            NodeCall::PoolDepths(_) => PoolDepths::answered(Ok(self.pool_depths().await)),
+            other => self.on_sandbox_node(other).await,
+        }
+    }
+}
+
+impl ClusterNodes {
+    /// `call` on the node running the sandbox it names. The migration calls name no
+    /// sandbox to route by: the cluster's migration sends each to the node it picked.
+    async fn on_sandbox_node(&self, call: NodeCall) -> Result<NodeReply, NodeError> {
+        let Some(id) = call.sandbox_id().map(str::to_string) else {
+            return Err(NodeError::InvalidArgument(format!(
+                "{} goes to one node, which the cluster's own operations pick",
+                call.name()
+            )));
+        };
+        let (_, c) = self.node_of(&id).await?;
+        c.handle(call).await
+    }
+
     async fn build_template(&self, spec: TemplateSpec) -> Result<BuildInfo, NodeError> {
         let ranked = placement::rank(
             &self.placeable().await,
@@ -679,31 +736,11 @@ impl NodeControl for ClusterNodes {
     }
 
     async fn list_running(&self) -> Vec<Running> {
-        self.ask_all_ok(|c| async move { c.list_running_checked().await })
+        self.ask_all_ok(|c| async move { c.list_running().await })
             .await
             .into_iter()
             .flatten()
             .collect()
-    }
-
-    async fn update_network(
-        &self,
-        sandbox_id: &str,
-        execution_id: &str,
-        policy: NetworkPolicy,
-    ) -> Result<(), NodeError> {
-        let (_, c) = self.node_of(sandbox_id).await?;
-        c.update_network(sandbox_id, execution_id, policy).await
-    }
-
-    async fn update_egress(
-        &self,
-        sandbox_id: &str,
-        execution_id: &str,
-        egress: vmon_proto::egress::EgressSpec,
-    ) -> Result<(), NodeError> {
-        let (_, c) = self.node_of(sandbox_id).await?;
-        c.update_egress(sandbox_id, execution_id, egress).await
     }
 
     async fn metrics(
@@ -730,7 +767,7 @@ impl NodeControl for ClusterNodes {
         let ids = sandbox_ids.to_vec();
         self.ask_all_ok(|c| {
             let ids = ids.clone();
-            async move { Ok(c.latest_metrics(&ids).await) }
+            async move { c.latest_metrics(ids).await }
         })
         .await
         .into_iter()
@@ -754,33 +791,11 @@ impl NodeControl for ClusterNodes {
     }
 
     async fn pool_depths(&self) -> Vec<(BuildId, usize)> {
-        self.ask_all_ok(|c| async move { Ok(c.pool_depths().await) })
+        self.ask_all_ok(|c| async move { c.pool_depths().await })
             .await
             .into_iter()
             .flatten()
             .collect()
-    }
-
-    async fn exec(
-        &self,
-        sandbox_id: &str,
-        execution_id: &str,
-        spec: ExecSpec,
-    ) -> Result<ExecOutput, NodeError> {
-        let (_, c) = self.node_of(sandbox_id).await?;
-        c.exec(sandbox_id, execution_id, spec).await
-    }
-
-    async fn put_file(
-        &self,
-        sandbox_id: &str,
-        execution_id: &str,
-        host_path: &str,
-        guest_path: &str,
-    ) -> Result<(), NodeError> {
-        let (_, c) = self.node_of(sandbox_id).await?;
-        c.put_file(sandbox_id, execution_id, host_path, guest_path)
-            .await
     }
 }
 
