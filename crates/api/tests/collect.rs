@@ -16,7 +16,7 @@ use common::{harness, Harness};
 use vmon_api::control::COLLECT_GRACE;
 use vmon_api::records::{BuildRecords, Records, TeamLimits, TemplateKind};
 use vmon_api::{Config, Control};
-use vmon_proto::node::NodeControl;
+use vmon_proto::node::NodeCalls;
 
 fn limits() -> TeamLimits {
     TeamLimits {

@@ -54,8 +54,9 @@ async fn a_start_passes_every_node_that_refuses_and_ends_unavailable_with_the_re
     let ca = rcgen::generate_simple_self_signed(vec!["vmon test ca".into()]).expect("ca");
     let ca_file = dir.path().join("ca.pem");
     std::fs::write(&ca_file, ca.cert.pem()).expect("write ca");
-    let tls = vmon_node::tls::ClientTls::from_ca_file(&ca_file).expect("tls");
-    let nodes = vmon_cluster::ClusterNodes::new(kv, "token".into(), tls);
+    let tls = vmon_nodeclient::tls::ClientTls::from_ca_file(&ca_file).expect("tls");
+    let nodes: std::sync::Arc<dyn NodeControl> =
+        vmon_cluster::ClusterNodes::new(kv, "token".into(), tls);
     let err = nodes
         .start(StartSpec {
             sandbox_id: "isbx".into(),

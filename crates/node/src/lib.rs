@@ -1,7 +1,7 @@
 //! Sandboxes on one host: QEMU processes, network slots, disk overlays, memory layers, builds,
 //! the restore pool, and the re-adoption of running VMs after a node restart.
 //!
-//! The node serves [`vmon_proto::node::NodeControl`]; it never parses REST and knows nothing of
+//! The node handles the calls of [`vmon_proto::node::NodeHandler`]; it never parses REST and knows nothing of
 //! teams or API keys. Every sandbox's operations are serialized by its own lock, and every
 //! state change that must survive a crash is written (fsynced) before it is acted on.
 
@@ -16,7 +16,7 @@ pub mod sandbox;
 pub mod slots;
 pub mod store;
 pub mod telemetry;
-pub mod tls;
+pub use vmon_nodeclient::tls;
 
 pub use config::{free_mb, NodeConfig};
 pub use node::{probe_qmp, Node, Peers, ENVD_VERSION};

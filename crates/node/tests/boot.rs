@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use common::{host_lock, netns_list, node, runtime, unique};
 use vmon_node::envd_client;
-use vmon_proto::node::{NetworkPolicy, NodeControl, NodeError, StartSpec};
+use vmon_proto::node::{NetworkPolicy, NodeCalls, NodeError, StartSpec};
 
 fn open_policy() -> NetworkPolicy {
     NetworkPolicy {
@@ -70,7 +70,7 @@ fn boots_answers_health_and_runs_a_command() {
             assert!(maps[0].contains("libc"), "{maps:?}");
             assert_eq!(maps[0], maps[1], "libc moved between two commands");
         }
-        let running = node.list_running().await;
+        let running = node.list_running().await.expect("list_running");
         let me = running.iter().find(|s| s.sandbox_id == id).expect("listed");
         node.kill(&id, &me.execution_id).await.expect("kill");
         assert!(!envd_client::healthy(r.addr(49983)).await);
@@ -217,7 +217,12 @@ fn kill_9_of_qemu_then_reclaim_leaves_nothing() {
             !run_dir.join("sandbox.json").exists(),
             "no state left to re-adopt"
         );
-        assert!(node.list_running().await.iter().all(|s| s.sandbox_id != id));
+        assert!(node
+            .list_running()
+            .await
+            .expect("list_running")
+            .iter()
+            .all(|s| s.sandbox_id != id));
     });
 }
 
@@ -247,7 +252,12 @@ fn bad_input_gets_clear_errors_and_leaves_nothing() {
                 Err(NodeError::InvalidArgument(m)) => assert!(m.contains(needle), "{m}"),
                 other => panic!("vcpus={vcpus} mem={mem}: expected InvalidArgument, got {other:?}"),
             }
-            assert!(node.list_running().await.iter().all(|s| s.sandbox_id != id));
+            assert!(node
+                .list_running()
+                .await
+                .expect("list_running")
+                .iter()
+                .all(|s| s.sandbox_id != id));
         }
         let bad_policy = NetworkPolicy {
             allow_internet_access: true,

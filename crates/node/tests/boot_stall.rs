@@ -7,7 +7,7 @@ mod common;
 use std::time::Duration;
 
 use common::{host_lock, node_with, runtime, unique};
-use vmon_proto::node::{NetworkPolicy, NodeControl};
+use vmon_proto::node::{NetworkPolicy, NodeCalls};
 
 /// QEMU processes whose command line names `id` (its run directory does).
 fn qemus_of(id: &str) -> usize {

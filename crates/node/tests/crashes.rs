@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use common::{data_dir, envd_binary, runtime, sh, start, READ_TOKEN, TOKEN_SERVER};
 use vmon_node::{Node, NodeConfig};
-use vmon_proto::node::NodeControl;
+use vmon_proto::node::NodeCalls;
 
 /// The children share one data dir and slot block: one at a time.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -64,7 +64,7 @@ fn crash_child() {
         let res = node.pause(&id, &r.execution_id, true).await;
         if std::env::var("VMON_FAULT").as_deref() == Ok("pause:error") {
             assert!(res.is_err(), "the injected failure surfaces");
-            let running = node.list_running().await;
+            let running = node.list_running().await.expect("list_running");
             assert!(running
                 .iter()
                 .any(|s| s.sandbox_id == id && s.execution_id == r.execution_id));
@@ -149,7 +149,7 @@ fn run_child(point: &str) -> (String, String, String) {
 /// After a restart: sandbox `id` was re-adopted as running execution `exec`, and its process
 /// still serves `token` from memory.
 async fn assert_running_as_before(node: &Node, id: &str, exec: &str, token: &str) {
-    let running = node.list_running().await;
+    let running = node.list_running().await.expect("list_running");
     let me = running
         .iter()
         .find(|s| s.sandbox_id == id)
@@ -210,7 +210,11 @@ fn node_killed_mid_pause_leaves_a_running_or_a_paused_sandbox() {
     runtime().block_on(async {
         let node = open(&dir).await;
         assert!(
-            node.list_running().await.iter().all(|s| s.sandbox_id != id),
+            node.list_running()
+                .await
+                .expect("list_running")
+                .iter()
+                .all(|s| s.sandbox_id != id),
             "a committed pause is finished, not re-adopted"
         );
         let builds = vmon_node::builds::Builds::open(&dir).expect("builds");

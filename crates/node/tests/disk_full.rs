@@ -13,7 +13,7 @@ use std::process::Command;
 
 use common::{data_dir, envd_binary, runtime, sh, start, unique};
 use vmon_node::{Node, NodeConfig};
-use vmon_proto::node::NodeControl;
+use vmon_proto::node::NodeCalls;
 
 /// A loop-mounted ext4 filesystem of `size_mb`, unmounted and deleted on drop.
 struct SmallDisk {

@@ -13,7 +13,7 @@ use common::net::{
     chain_policy, chain_rules, daddr_set, listen, nft_json, run, saddr_not, verdict,
 };
 use common::{host_lock, node_with, runtime, unique};
-use vmon_proto::node::{NetworkPolicy, NodeControl};
+use vmon_proto::node::{NetworkPolicy, NodeCalls};
 
 /// envd's port in every guest.
 const ENVD: u16 = 49983;

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use common::{host_lock, node, runtime, sh, template, unique, READ_TOKEN, TOKEN_SERVER};
 use vmon_node::rpc::{serve, RemoteNode};
-use vmon_proto::node::{NetworkPolicy, NodeControl, NodeError, StartSpec};
+use vmon_proto::node::{NetworkPolicy, NodeCalls, NodeControl, NodeError, StartSpec};
 
 #[test]
 fn a_remote_node_creates_pauses_resumes_and_kills() {
@@ -56,7 +56,7 @@ fn a_remote_node_creates_pauses_resumes_and_kills() {
         let token = sh(&node, &id, READ_TOKEN).await;
         // The checked call: an RPC failure shows as itself, not as an empty list.
         assert!(remote
-            .list_running_checked()
+            .list_running()
             .await
             .expect("list_running over RPC")
             .iter()
@@ -117,7 +117,8 @@ fn node_rpc_over_tls_verifies_the_node_and_refuses_plain_http() {
             p
         };
         let (ca, ca_key) = generate_ca().expect("ca");
-        let (chain, key) = issue_server_cert(&ca, &ca_key, &["127.0.0.1".into()], 1).expect("issue");
+        let (chain, key) =
+            issue_server_cert(&ca, &ca_key, &["127.0.0.1".into()], 1).expect("issue");
         let ca_path = write("ca.pem", &ca);
         let (cert_path, key_path) = (write("node.pem", &chain), write("node.key", &key));
         let (other_ca, _) = generate_ca().expect("another ca");
@@ -141,23 +142,20 @@ fn node_rpc_over_tls_verifies_the_node_and_refuses_plain_http() {
         let trust = ClientTls::from_ca_file(&ca_path).expect("client tls");
 
         let remote = RemoteNode::with_tls(&https, "s3cret".into(), Some(&trust)).expect("client");
-        remote
-            .list_running_checked()
-            .await
-            .expect("list_running over TLS");
+        remote.list_running().await.expect("list_running over TLS");
         assert!(matches!(
             remote.build_info("no-such-build").await,
             Err(NodeError::BuildNotFound(_))
         ));
         let wrong = RemoteNode::with_tls(&https, "nope".into(), Some(&trust)).expect("client");
         assert!(
-            matches!(wrong.list_running_checked().await, Err(NodeError::Failed(m)) if m.contains("401"))
+            matches!(wrong.list_running().await, Err(NodeError::Failed(m)) if m.contains("401"))
         );
 
         // Plain HTTP to the TLS node gets no answer.
         let plain = RemoteNode::new(&format!("http://{addr}"), "s3cret".into()).expect("client");
         assert!(matches!(
-            plain.list_running_checked().await,
+            plain.list_running().await,
             Err(NodeError::Failed(_))
         ));
         // A client that trusts another CA, or the system's, refuses the node's certificate.
@@ -166,7 +164,7 @@ fn node_rpc_over_tls_verifies_the_node_and_refuses_plain_http() {
             RemoteNode::with_tls(&https, "s3cret".into(), Some(&other)).expect("client"),
             RemoteNode::new(&https, "s3cret".into()).expect("client"),
         ] {
-            match client.list_running_checked().await {
+            match client.list_running().await {
                 Err(NodeError::Failed(m)) => assert!(m.contains("certificate"), "{m}"),
                 other => panic!("an untrusted node answered: {other:?}"),
             }
@@ -179,7 +177,7 @@ fn node_rpc_over_tls_verifies_the_node_and_refuses_plain_http() {
             Some(&trust),
         )
         .expect("client");
-        assert!(misnamed.list_running_checked().await.is_err());
+        assert!(misnamed.list_running().await.is_err());
         // With a CA configured, node RPC is TLS-only: plain URLs are refused up front.
         assert!(
             RemoteNode::with_tls(&format!("http://{addr}"), "s3cret".into(), Some(&trust)).is_err()

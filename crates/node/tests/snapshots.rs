@@ -6,7 +6,7 @@ mod common;
 use std::time::Duration;
 
 use common::{host_lock, node, runtime, sh, start, template, unique, READ_TOKEN, TOKEN_SERVER};
-use vmon_proto::node::NodeControl;
+use vmon_proto::node::NodeCalls;
 
 #[test]
 fn a_process_and_its_files_survive_ten_pause_resume_cycles() {
@@ -114,7 +114,7 @@ fn five_forks_see_the_parent_then_diverge() {
         );
         // The parent still runs under its id and execution.
         assert_eq!(sh(&node, &parent, READ_TOKEN).await, token);
-        let listed = node.list_running().await;
+        let listed = node.list_running().await.expect("list_running");
         assert!(listed
             .iter()
             .any(|s| s.sandbox_id == parent && s.execution_id == pr.execution_id));
@@ -261,7 +261,11 @@ fn a_kept_qemu_goes_with_its_paused_build() {
         assert!(node.is_parked(&b.build_id), "the stopped QEMU is kept");
         assert!(std::path::Path::new(&format!("/proc/{pid}")).exists());
         assert!(
-            node.list_running().await.iter().all(|s| s.sandbox_id != id),
+            node.list_running()
+                .await
+                .expect("list_running")
+                .iter()
+                .all(|s| s.sandbox_id != id),
             "a parked sandbox is not running"
         );
         // A fork of the paused sandbox restores from the build and leaves the kept QEMU alone.
@@ -424,7 +428,12 @@ fn a_corrupt_layer_fails_the_resume_clearly() {
             Err(e) => assert!(e.to_string().contains("corrupt"), "{e}"),
             Ok(_) => panic!("a corrupt layer restored"),
         }
-        assert!(node.list_running().await.iter().all(|s| s.sandbox_id != id));
+        assert!(node
+            .list_running()
+            .await
+            .expect("list_running")
+            .iter()
+            .all(|s| s.sandbox_id != id));
         node.delete_build(&b.build_id).await.expect("delete");
     });
 }

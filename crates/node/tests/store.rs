@@ -14,7 +14,7 @@ use common::{envd_binary, runtime, sh, start, unique, READ_TOKEN, TOKEN_SERVER};
 use vmon_node::{Node, NodeConfig};
 use vmon_objstore::dev::DevGarage;
 use vmon_objstore::ObjectStoreConfig;
-use vmon_proto::node::{NodeControl, NodeError};
+use vmon_proto::node::{NodeCalls, NodeError};
 
 /// A data dir of its own whose `images/` is the shared test image cache.
 fn data_dir(root: &Path, name: &str) -> PathBuf {

@@ -9,7 +9,7 @@ use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use common::{host_lock, node, runtime, sh, template, unique};
-use vmon_proto::node::{NetworkPolicy, NodeControl, StartSpec, VolumeShare};
+use vmon_proto::node::{NetworkPolicy, NodeCalls, StartSpec, VolumeShare};
 
 fn volumes_dir() -> PathBuf {
     std::env::var_os("VMON_VOLUMES_DIR")

@@ -1,13 +1,17 @@
 //! The node contract: what the control plane may ask of one host.
 //!
-//! In `vmon up` the api calls the node in-process through this trait; in a cluster the same
-//! calls travel as node RPC. Every call names the sandbox and the execution it expects, so a
+//! The calls are written once, in one table (`node/calls.rs`): [`NodeCall`], [`NodeHandler`].
+//! In `vmon up` the api calls the node in-process through [`NodeControl`]; in a cluster the
+//! same calls travel as node RPC. Every call names the sandbox and the execution it expects, so a
 //! stale caller never touches a newer incarnation.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 
 use serde::{Deserialize, Serialize};
+
+mod calls;
+pub use calls::*;
 
 /// Identifies a build on a node: a template build, a paused sandbox, a fork point or a snapshot.
 pub type BuildId = String;
@@ -194,7 +198,7 @@ pub struct BuildInfo {
 }
 
 /// A build a pause made, and the run it came from: what a restart needs to finish a pause the
-/// node completed but whose record was never written (`NodeControl::pause_builds`).
+/// node completed but whose record was never written ([`PauseBuilds`]).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct PauseBuild {
     pub sandbox_id: String,
@@ -202,7 +206,7 @@ pub struct PauseBuild {
     pub build: BuildInfo,
 }
 
-/// A build a node keeps, and when its record was written (`NodeControl::builds`): what the
+/// A build a node keeps, and when its record was written ([`Builds`]): what the
 /// api's collector of unnamed builds compares with its records.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct KeptBuild {
@@ -404,8 +408,8 @@ pub struct LogEntry {
 }
 
 /// What a node needs to receive a running sandbox by live migration: the source describes it
-/// ([`NodeControl::migrate_describe`]) and the target prepares a QEMU for it
-/// ([`NodeControl::migrate_in`]) on the same build the sandbox's memory and disk lie over.
+/// ([`MigrateDescribe`]) and the target prepares a QEMU for it
+/// ([`MigrateAccept`]) on the same build the sandbox's memory and disk lie over.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct MigrateIn {
     pub sandbox_id: String,
@@ -486,162 +490,6 @@ pub enum NodeError {
     Exhausted(String),
     #[error("{0}")]
     Failed(String),
-}
-
-/// The calls a node serves.
-#[async_trait::async_trait]
-pub trait NodeControl: Send + Sync + 'static {
-    /// Build a template from the node's base image; returns when its snapshot is durable.
-    async fn build_template(&self, spec: TemplateSpec) -> Result<BuildInfo, NodeError>;
-    /// The digest (`sha256:…`) of the manifest an image reference names in its registry; a
-    /// registry that cannot be reached, refuses the credentials or lacks the image is an
-    /// `InvalidArgument` naming it.
-    async fn resolve_image(&self, image: OciImage) -> Result<String, NodeError> {
-        Err(NodeError::Failed(format!(
-            "this node cannot pull {}: it has no OCI registry client",
-            image.reference
-        )))
-    }
-    /// Look a build up.
-    async fn build_info(&self, build_id: &str) -> Result<BuildInfo, NodeError>;
-    /// Delete a build; refused with `BuildInUse` while anything depends on it.
-    async fn delete_build(&self, build_id: &str) -> Result<(), NodeError>;
-    /// Where the paused state `build_id` is (parked, on disk, in the object store), without
-    /// fetching it. The default does not know.
-    async fn paused_state(&self, build_id: &str) -> Result<PausedState, NodeError> {
-        let _ = build_id;
-        Err(NodeError::Failed(
-            "this node does not report where paused state is".into(),
-        ))
-    }
-
-    /// Every build a pause made that this node still keeps, with the run it came from. The
-    /// default knows none (a node that cannot say leaves interrupted pauses as orphans).
-    async fn pause_builds(&self) -> Result<Vec<PauseBuild>, NodeError> {
-        Ok(Vec::new())
-    }
-
-    /// Every build this node keeps on its disk (not those only in the object store). The
-    /// default knows none (a node that cannot say has nothing collected).
-    async fn builds(&self) -> Result<Vec<KeptBuild>, NodeError> {
-        Ok(Vec::new())
-    }
-
-    /// Start a sandbox from a build (memory restore, or cold boot when asked or when the build
-    /// has no memory); returns once envd has answered `/init`.
-    async fn start(&self, spec: StartSpec) -> Result<Running, NodeError>;
-    /// Kill a running sandbox and free its slot and overlay.
-    async fn kill(&self, sandbox_id: &str, execution_id: &str) -> Result<(), NodeError>;
-    /// Pause: the VM stops and its state becomes a new build (memory too when `memory`).
-    /// On error the sandbox is still running.
-    async fn pause(
-        &self,
-        sandbox_id: &str,
-        execution_id: &str,
-        memory: bool,
-    ) -> Result<BuildInfo, NodeError>;
-    /// Checkpoint a running sandbox into a new build and keep it running (fork, snapshot).
-    async fn checkpoint(
-        &self,
-        sandbox_id: &str,
-        execution_id: &str,
-        memory: bool,
-    ) -> Result<BuildInfo, NodeError>;
-    /// The sandboxes this node is running (re-adopted ones included).
-    async fn list_running(&self) -> Vec<Running>;
-    /// Replaces a running sandbox's egress policy.
-    async fn update_network(
-        &self,
-        sandbox_id: &str,
-        execution_id: &str,
-        policy: NetworkPolicy,
-    ) -> Result<(), NodeError>;
-
-    /// Replaces a running sandbox's secret-injection rules and values (a secret was updated
-    /// or deleted).
-    async fn update_egress(
-        &self,
-        sandbox_id: &str,
-        _execution_id: &str,
-        _egress: crate::egress::EgressSpec,
-    ) -> Result<(), NodeError> {
-        Err(NodeError::Failed(format!(
-            "this node cannot update the egress rules of {sandbox_id}"
-        )))
-    }
-
-    /// A sandbox's samples with `start_unix <= timestamp <= end_unix`, oldest first: while it
-    /// runs and for 7 days after its last execution ended. Empty when the node has none.
-    async fn metrics(
-        &self,
-        sandbox_id: &str,
-        start_unix: i64,
-        end_unix: i64,
-    ) -> Result<Vec<MetricSample>, NodeError>;
-    /// The newest sample of each of these sandboxes that is running and has one.
-    async fn latest_metrics(&self, sandbox_ids: &[String]) -> Vec<(String, MetricSample)>;
-    /// A sandbox's console log entries over all its executions (kept as long as its metrics).
-    async fn logs(&self, sandbox_id: &str, query: LogQuery) -> Result<Vec<LogEntry>, NodeError>;
-    /// Pre-spawned restore processes per build (the restore pool's depth).
-    async fn pool_depths(&self) -> Vec<(BuildId, usize)>;
-
-    /// Runs a command in a running sandbox to its end (template build steps).
-    async fn exec(
-        &self,
-        sandbox_id: &str,
-        execution_id: &str,
-        spec: ExecSpec,
-    ) -> Result<ExecOutput, NodeError>;
-    /// Writes the file at `host_path` (on the node's host: in `vmon up` the api and the node
-    /// share the data dir) into a running sandbox at `guest_path`, as root.
-    async fn put_file(
-        &self,
-        sandbox_id: &str,
-        execution_id: &str,
-        host_path: &str,
-        guest_path: &str,
-    ) -> Result<(), NodeError>;
-
-    /// Live migration, source side: whether this sandbox can move, and what the target needs.
-    async fn migrate_describe(
-        &self,
-        sandbox_id: &str,
-        _execution_id: &str,
-    ) -> Result<MigrateIn, NodeError> {
-        Err(NodeError::InvalidArgument(format!(
-            "this node cannot live-migrate sandbox {sandbox_id}"
-        )))
-    }
-    /// Target side: spawns a QEMU waiting for the sandbox (its slot, an overlay on the basis's
-    /// disk chain, the basis's memory written in); returns the migration's id.
-    async fn migrate_in(&self, _spec: MigrateIn) -> Result<String, NodeError> {
-        Err(NodeError::InvalidArgument(
-            "this node cannot receive live migrations".into(),
-        ))
-    }
-    /// Source side: copies the running sandbox to the prepared target until the source's QEMU
-    /// has handed over (stopped, state sent). On error the sandbox is running here unchanged.
-    async fn migrate_out(&self, _spec: MigrateOut) -> Result<MigrateStats, NodeError> {
-        Err(NodeError::InvalidArgument(
-            "this node cannot send live migrations".into(),
-        ))
-    }
-    /// Target side: starts the received guest and takes the sandbox into its table.
-    async fn migrate_commit(&self, migration_id: &str) -> Result<Running, NodeError> {
-        Err(NodeError::NotFound(format!("migration {migration_id}")))
-    }
-    /// Target side: drops a prepared or received migration that will not be committed.
-    async fn migrate_cancel(&self, _migration_id: &str) -> Result<(), NodeError> {
-        Ok(())
-    }
-    /// Source side, after the target committed: ends the handed-over QEMU and frees its slot.
-    async fn migrate_finish(&self, sandbox_id: &str, execution_id: &str) -> Result<(), NodeError> {
-        self.kill(sandbox_id, execution_id).await
-    }
-    /// Source side, when the target did not commit: the sandbox runs on here.
-    async fn migrate_abort(&self, _sandbox_id: &str, _execution_id: &str) -> Result<(), NodeError> {
-        Ok(())
-    }
 }
 
 #[cfg(test)]

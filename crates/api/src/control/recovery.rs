@@ -25,7 +25,10 @@ impl Control {
         if self.cluster.is_some() {
             return Ok(());
         }
-        let running = self.node.list_running().await;
+        let running = self.node.list_running().await.unwrap_or_else(|e| {
+            tracing::warn!(error = %e, "the node did not list its sandboxes: every running record reads as gone");
+            Vec::new()
+        });
         let pause_builds = match self.node.pause_builds().await {
             Ok(b) => b,
             Err(e) => {

@@ -3,8 +3,8 @@
 //! (`GET /sandboxes/{id}/logs`, `GET /v2/sandboxes/{id}/logs`, `/admin/sandboxes/{id}/logs`)
 //! and the platform's Prometheus metrics (`GET /metrics`).
 //!
-//! The node keeps samples and logs ([`vmon_proto::node::NodeControl::metrics`] and
-//! [`vmon_proto::node::NodeControl::logs`]); this module only decides who may read them and
+//! The node keeps samples and logs ([`vmon_proto::node::Metrics`] and
+//! [`vmon_proto::node::Logs`]); this module only decides who may read them and
 //! shapes them for the wire. A running or paused sandbox is the team's when its record is; a
 //! killed one when the team's `killed` event for it is less than 7 days old (events outlive the
 //! record by 30 days).
@@ -255,8 +255,12 @@ impl Control {
         let oldest = now_unix() - LATEST_MAX_AGE_SECS;
         Ok(self
             .node
-            .latest_metrics(&running)
+            .latest_metrics(running)
             .await
+            .unwrap_or_else(|e| {
+                tracing::warn!(error = %e, "the node did not give its latest samples");
+                Vec::new()
+            })
             .into_iter()
             .filter(|(_, s)| s.timestamp_unix >= oldest)
             .map(|(id, s)| (id, SandboxMetric::from(&s)))
@@ -563,7 +567,10 @@ async fn prometheus(State(s): State<AppState>, _: MetricsReader) -> Response {
         }
         Err(e) => tracing::warn!(error = %e.message, "metrics: listing sandboxes failed"),
     }
-    let pool = s.control.node.pool_depths().await;
+    let pool = s.control.node.pool_depths().await.unwrap_or_else(|e| {
+        tracing::warn!(error = %e, "metrics: the node did not give its pool depths");
+        Vec::new()
+    });
     let body = platform().render(&[("running", running), ("paused", paused)], &pool);
     (
         [(

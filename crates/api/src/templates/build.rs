@@ -553,7 +553,7 @@ impl Control {
                         .put_file(
                             &vm.sandbox_id,
                             &vm.execution_id,
-                            &host.to_string_lossy(),
+                            host.to_string_lossy(),
                             &archive,
                         )
                         .await

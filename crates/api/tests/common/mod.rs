@@ -16,7 +16,9 @@ use vmon_api::records::{
     Event, EventQuery, Records, StoreRecords, TeamLimits, TemplateKind, TemplateRecord,
 };
 use vmon_api::{admin, Config, Control};
-use vmon_proto::node::{BuildInfo, NodeControl, NodeError, Running, StartSpec, TemplateSpec};
+use vmon_proto::node::{
+    self as n, BuildInfo, NodeCalls, NodeError, NodeHandler, Running, StartSpec,
+};
 
 /// A node that runs nothing: sandboxes are entries in a map, all at `guest_ip`.
 pub struct FakeNode {
@@ -88,8 +90,11 @@ impl FakeNode {
 }
 
 #[async_trait::async_trait]
-impl NodeControl for FakeNode {
-    async fn build_template(&self, spec: TemplateSpec) -> Result<BuildInfo, NodeError> {
+impl NodeHandler for FakeNode {
+    async fn build_template(
+        &self,
+        n::BuildTemplate { spec }: n::BuildTemplate,
+    ) -> Result<BuildInfo, NodeError> {
         self.progress.step("guest image");
         self.progress.update("debootstrap", Some(40));
         let _held = self.hold_builds.read().await;
@@ -117,7 +122,8 @@ impl NodeControl for FakeNode {
             .insert(b.build_id.clone(), b.clone());
         Ok(b)
     }
-    async fn build_info(&self, build_id: &str) -> Result<BuildInfo, NodeError> {
+    async fn build_info(&self, c: n::BuildInfoOf) -> Result<BuildInfo, NodeError> {
+        let build_id = c.build_id.as_str();
         self.builds
             .lock()
             .unwrap()
@@ -125,14 +131,15 @@ impl NodeControl for FakeNode {
             .cloned()
             .ok_or_else(|| NodeError::BuildNotFound(build_id.into()))
     }
-    async fn delete_build(&self, build_id: &str) -> Result<(), NodeError> {
+    async fn delete_build(&self, c: n::DeleteBuild) -> Result<(), NodeError> {
+        let build_id = c.build_id.as_str();
         if self.in_use.lock().unwrap().contains(build_id) {
             return Err(NodeError::BuildInUse(build_id.into()));
         }
         self.builds.lock().unwrap().remove(build_id);
         Ok(())
     }
-    async fn builds(&self) -> Result<Vec<vmon_proto::node::KeptBuild>, NodeError> {
+    async fn builds(&self, _: n::Builds) -> Result<Vec<vmon_proto::node::KeptBuild>, NodeError> {
         let recorded = self.recorded_unix.lock().unwrap();
         Ok(self
             .builds
@@ -147,8 +154,9 @@ impl NodeControl for FakeNode {
     }
     async fn paused_state(
         &self,
-        build_id: &str,
+        c: n::PausedStateOf,
     ) -> Result<vmon_proto::node::PausedState, NodeError> {
+        let build_id = c.build_id.as_str();
         let b = self
             .builds
             .lock()
@@ -162,7 +170,7 @@ impl NodeControl for FakeNode {
             stored: b.stored,
         })
     }
-    async fn start(&self, spec: StartSpec) -> Result<Running, NodeError> {
+    async fn start(&self, n::Start { spec }: n::Start) -> Result<Running, NodeError> {
         if self
             .fail_starts
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
@@ -170,7 +178,7 @@ impl NodeControl for FakeNode {
         {
             return Err(NodeError::Failed("injected start failure".into()));
         }
-        let build = self.build_info(&spec.build_id).await?;
+        let build = NodeCalls::build_info(self, &spec.build_id).await?;
         self.starts.lock().unwrap().push(spec.clone());
         let r = Running {
             sandbox_id: spec.sandbox_id.clone(),
@@ -193,7 +201,8 @@ impl NodeControl for FakeNode {
             .insert(spec.sandbox_id, r.clone());
         Ok(r)
     }
-    async fn kill(&self, sandbox_id: &str, _execution_id: &str) -> Result<(), NodeError> {
+    async fn kill(&self, c: n::Kill) -> Result<(), NodeError> {
+        let sandbox_id = c.sandbox_id.as_str();
         self.running
             .lock()
             .unwrap()
@@ -201,12 +210,8 @@ impl NodeControl for FakeNode {
             .map(|_| ())
             .ok_or_else(|| NodeError::NotFound(sandbox_id.into()))
     }
-    async fn pause(
-        &self,
-        sandbox_id: &str,
-        _execution_id: &str,
-        memory: bool,
-    ) -> Result<BuildInfo, NodeError> {
+    async fn pause(&self, c: n::Pause) -> Result<BuildInfo, NodeError> {
+        let (sandbox_id, memory) = (c.sandbox_id.as_str(), c.memory);
         if self
             .fail_pauses
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
@@ -221,26 +226,18 @@ impl NodeControl for FakeNode {
             .ok_or_else(|| NodeError::NotFound(sandbox_id.into()))?;
         Ok(self.new_build(None, memory))
     }
-    async fn checkpoint(
-        &self,
-        sandbox_id: &str,
-        _execution_id: &str,
-        memory: bool,
-    ) -> Result<BuildInfo, NodeError> {
+    async fn checkpoint(&self, c: n::Checkpoint) -> Result<BuildInfo, NodeError> {
+        let (sandbox_id, memory) = (c.sandbox_id.as_str(), c.memory);
         if !self.running.lock().unwrap().contains_key(sandbox_id) {
             return Err(NodeError::NotFound(sandbox_id.into()));
         }
         Ok(self.new_build(None, memory))
     }
-    async fn list_running(&self) -> Vec<Running> {
-        self.running.lock().unwrap().values().cloned().collect()
+    async fn list_running(&self, _: n::ListRunning) -> Result<Vec<Running>, NodeError> {
+        Ok(self.running.lock().unwrap().values().cloned().collect())
     }
-    async fn update_network(
-        &self,
-        sandbox_id: &str,
-        _execution_id: &str,
-        policy: vmon_proto::node::NetworkPolicy,
-    ) -> Result<(), NodeError> {
+    async fn update_network(&self, c: n::UpdateNetwork) -> Result<(), NodeError> {
+        let (sandbox_id, policy) = (c.sandbox_id.as_str(), c.policy);
         if self.running.lock().unwrap().contains_key(sandbox_id) {
             self.networks
                 .lock()
@@ -253,10 +250,9 @@ impl NodeControl for FakeNode {
     }
     async fn metrics(
         &self,
-        sandbox_id: &str,
-        start_unix: i64,
-        end_unix: i64,
+        c: n::Metrics,
     ) -> Result<Vec<vmon_proto::node::MetricSample>, NodeError> {
+        let (sandbox_id, start_unix, end_unix) = (c.sandbox_id.as_str(), c.start_unix, c.end_unix);
         let all = self.samples.lock().expect("lock");
         Ok(all
             .get(sandbox_id)
@@ -268,24 +264,23 @@ impl NodeControl for FakeNode {
     }
     async fn latest_metrics(
         &self,
-        sandbox_ids: &[String],
-    ) -> Vec<(String, vmon_proto::node::MetricSample)> {
+        c: n::LatestMetrics,
+    ) -> Result<Vec<(String, vmon_proto::node::MetricSample)>, NodeError> {
         let all = self.samples.lock().expect("lock");
         let running = self.running.lock().expect("lock");
-        sandbox_ids
+        Ok(c.sandbox_ids
             .iter()
             .filter(|id| running.contains_key(*id))
             .filter_map(|id| Some((id.clone(), all.get(id)?.last()?.clone())))
-            .collect()
+            .collect())
     }
     async fn logs(
         &self,
-        sandbox_id: &str,
-        query: vmon_proto::node::LogQuery,
+        n::Logs { sandbox_id, query }: n::Logs,
     ) -> Result<Vec<vmon_proto::node::LogEntry>, NodeError> {
         let all = self.log_entries.lock().expect("lock");
         let mut v: Vec<_> = all
-            .get(sandbox_id)
+            .get(&sandbox_id)
             .into_iter()
             .flatten()
             .filter(|e| match query.direction {
@@ -305,27 +300,60 @@ impl NodeControl for FakeNode {
         v.truncate(query.limit);
         Ok(v)
     }
-    async fn pool_depths(&self) -> Vec<(String, usize)> {
-        vec![("base-build".into(), 1)]
+    async fn pool_depths(&self, _: n::PoolDepths) -> Result<Vec<(String, usize)>, NodeError> {
+        Ok(vec![("base-build".into(), 1)])
     }
 
-    async fn exec(
-        &self,
-        sandbox_id: &str,
-        _execution_id: &str,
-        _spec: vmon_proto::node::ExecSpec,
-    ) -> Result<vmon_proto::node::ExecOutput, NodeError> {
-        Err(NodeError::NotFound(sandbox_id.into()))
+    async fn exec(&self, c: n::Exec) -> Result<vmon_proto::node::ExecOutput, NodeError> {
+        Err(NodeError::NotFound(c.sandbox_id))
     }
 
-    async fn put_file(
-        &self,
-        sandbox_id: &str,
-        _execution_id: &str,
-        _host_path: &str,
-        _guest_path: &str,
-    ) -> Result<(), NodeError> {
-        Err(NodeError::NotFound(sandbox_id.into()))
+    async fn put_file(&self, c: n::PutFile) -> Result<(), NodeError> {
+        Err(NodeError::NotFound(c.sandbox_id))
+    }
+
+    async fn resolve_image(&self, c: n::ResolveImage) -> Result<String, NodeError> {
+        Err(NodeError::InvalidArgument(format!(
+            "the fake node reaches no registry for {}",
+            c.image.reference
+        )))
+    }
+    async fn pause_builds(&self, _: n::PauseBuilds) -> Result<Vec<n::PauseBuild>, NodeError> {
+        Ok(Vec::new())
+    }
+    async fn update_egress(&self, c: n::UpdateEgress) -> Result<(), NodeError> {
+        match self.running.lock().unwrap().contains_key(&c.sandbox_id) {
+            true => Ok(()),
+            false => Err(NodeError::NotFound(c.sandbox_id)),
+        }
+    }
+    async fn migrate_describe(&self, c: n::MigrateDescribe) -> Result<n::MigrateIn, NodeError> {
+        Err(NodeError::InvalidArgument(format!(
+            "the fake node does not migrate {}",
+            c.sandbox_id
+        )))
+    }
+    async fn migrate_in(&self, _: n::MigrateAccept) -> Result<String, NodeError> {
+        Err(NodeError::InvalidArgument(
+            "the fake node does not migrate".into(),
+        ))
+    }
+    async fn migrate_out(&self, _: n::MigrateSend) -> Result<n::MigrateStats, NodeError> {
+        Err(NodeError::InvalidArgument(
+            "the fake node does not migrate".into(),
+        ))
+    }
+    async fn migrate_commit(&self, c: n::MigrateCommit) -> Result<Running, NodeError> {
+        Err(NodeError::NotFound(format!("migration {}", c.migration_id)))
+    }
+    async fn migrate_cancel(&self, _: n::MigrateCancel) -> Result<(), NodeError> {
+        Ok(())
+    }
+    async fn migrate_finish(&self, c: n::MigrateFinish) -> Result<(), NodeError> {
+        Err(NodeError::NotFound(c.sandbox_id))
+    }
+    async fn migrate_abort(&self, _: n::MigrateAbort) -> Result<(), NodeError> {
+        Ok(())
     }
 }
 
@@ -414,8 +442,9 @@ pub async fn harness_starting_with(
     .await
     .unwrap();
     // A template too big for the default limits.
-    let big = node
-        .build_template(TemplateSpec {
+    let big = NodeCalls::build_template(
+        &*node,
+        n::TemplateSpec {
             build_id: "big".into(),
             vcpus: 64,
             memory_mb: 512,
@@ -425,9 +454,10 @@ pub async fn harness_starting_with(
             warm_request: None,
             env_vars: BTreeMap::new(),
             image: None,
-        })
-        .await
-        .unwrap();
+        },
+    )
+    .await
+    .unwrap();
     records
         .put_template(TemplateRecord {
             id: "bigtemplate".into(),

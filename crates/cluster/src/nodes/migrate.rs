@@ -6,7 +6,7 @@ use std::collections::HashSet;
 use std::time::Instant;
 
 use vmon_proto::cluster::{BuildOrigin, Migrated, NodeInfo, DRAIN_PREFIX};
-use vmon_proto::node::{MigrateOut, NodeControl, NodeError};
+use vmon_proto::node::{MigrateOut, NodeCalls, NodeError};
 
 use super::ClusterNodes;
 use crate::placement::HEADROOM_MB;

@@ -1,29 +1,42 @@
-//! The node's [`NodeControl`] impl: what the API (in process or over gRPC) may ask of it. Each
+//! The node's [`NodeHandler`]: what the API (in process or over node RPC) may ask of it. Each
 //! call is a thin step into the room that does the work.
 
 use std::sync::Arc;
 
 use tokio::sync::Mutex;
 use vmon_proto::node::{
-    BuildInfo, ExecOutput, ExecSpec, KeptBuild, LogEntry, LogQuery, MetricSample, MigrateIn,
-    MigrateOut, MigrateStats, NetworkPolicy, NodeControl, NodeError, OciImage, PauseBuild,
-    PausedState, Running, StartSpec, TemplateSpec,
+    BuildInfo, BuildInfoOf, BuildTemplate, Builds, Checkpoint, DeleteBuild, Exec, ExecOutput,
+    KeptBuild, Kill, LatestMetrics, ListRunning, LogEntry, Logs, MetricSample, Metrics,
+    MigrateAbort, MigrateAccept, MigrateCancel, MigrateCommit, MigrateDescribe, MigrateFinish,
+    MigrateIn, MigrateSend, MigrateStats, NodeError, NodeHandler, Pause, PauseBuild, PauseBuilds,
+    PausedState, PausedStateOf, PoolDepths, PutFile, ResolveImage, Running, Start, UpdateEgress,
+    UpdateNetwork,
 };
 
 use super::{err, Node};
 use crate::sandbox::Live;
 
 #[async_trait::async_trait]
-impl NodeControl for Node {
-    async fn build_template(&self, spec: TemplateSpec) -> Result<BuildInfo, NodeError> {
+impl NodeHandler for Node {
+    async fn build_template(
+        &self,
+        BuildTemplate { spec }: BuildTemplate,
+    ) -> Result<BuildInfo, NodeError> {
         self.make_template(spec).await
     }
 
-    async fn resolve_image(&self, image: OciImage) -> Result<String, NodeError> {
+    async fn resolve_image(
+        &self,
+        ResolveImage { image }: ResolveImage,
+    ) -> Result<String, NodeError> {
         self.image_digest(&image).await
     }
 
-    async fn build_info(&self, build_id: &str) -> Result<BuildInfo, NodeError> {
+    async fn build_info(
+        &self,
+        BuildInfoOf { build_id }: BuildInfoOf,
+    ) -> Result<BuildInfo, NodeError> {
+        let build_id = build_id.as_str();
         self.ensure_local(build_id).await?;
         let r = self.record(build_id)?;
         let mut info = Self::info(&r);
@@ -36,11 +49,15 @@ impl NodeControl for Node {
         Ok(info)
     }
 
-    async fn delete_build(&self, build_id: &str) -> Result<(), NodeError> {
-        self.remove_build(build_id).await
+    async fn delete_build(&self, DeleteBuild { build_id }: DeleteBuild) -> Result<(), NodeError> {
+        self.remove_build(&build_id).await
     }
 
-    async fn paused_state(&self, build_id: &str) -> Result<PausedState, NodeError> {
+    async fn paused_state(
+        &self,
+        PausedStateOf { build_id }: PausedStateOf,
+    ) -> Result<PausedState, NodeError> {
+        let build_id = build_id.as_str();
         Ok(PausedState {
             parked: self.is_parked(build_id),
             local: self.record(build_id).is_ok(),
@@ -48,7 +65,7 @@ impl NodeControl for Node {
         })
     }
 
-    async fn pause_builds(&self) -> Result<Vec<PauseBuild>, NodeError> {
+    async fn pause_builds(&self, _: PauseBuilds) -> Result<Vec<PauseBuild>, NodeError> {
         let records = self.builds.list().map_err(err)?;
         Ok(records
             .iter()
@@ -63,7 +80,7 @@ impl NodeControl for Node {
             .collect())
     }
 
-    async fn builds(&self) -> Result<Vec<KeptBuild>, NodeError> {
+    async fn builds(&self, _: Builds) -> Result<Vec<KeptBuild>, NodeError> {
         let records = self.builds.list().map_err(err)?;
         Ok(records
             .iter()
@@ -79,7 +96,7 @@ impl NodeControl for Node {
             .collect())
     }
 
-    async fn start(&self, spec: StartSpec) -> Result<Running, NodeError> {
+    async fn start(&self, Start { spec }: Start) -> Result<Running, NodeError> {
         let me = self
             .me
             .upgrade()
@@ -88,7 +105,14 @@ impl NodeControl for Node {
         me.start_sandbox(spec).await
     }
 
-    async fn kill(&self, sandbox_id: &str, execution_id: &str) -> Result<(), NodeError> {
+    async fn kill(
+        &self,
+        Kill {
+            sandbox_id,
+            execution_id,
+        }: Kill,
+    ) -> Result<(), NodeError> {
+        let (sandbox_id, execution_id) = (sandbox_id.as_str(), execution_id.as_str());
         let mut l = self.live_execution(sandbox_id, execution_id).await?;
         self.remove(sandbox_id);
         // The answer waits for the guest to end, not for its cleanup: the QEMU is killed (its
@@ -120,31 +144,23 @@ impl NodeControl for Node {
         Ok(())
     }
 
-    async fn pause(
-        &self,
-        sandbox_id: &str,
-        execution_id: &str,
-        memory: bool,
-    ) -> Result<BuildInfo, NodeError> {
-        self.pause_sandbox(sandbox_id, execution_id, memory).await
-    }
-
-    async fn checkpoint(
-        &self,
-        sandbox_id: &str,
-        execution_id: &str,
-        memory: bool,
-    ) -> Result<BuildInfo, NodeError> {
-        self.checkpoint_sandbox(sandbox_id, execution_id, memory)
+    async fn pause(&self, c: Pause) -> Result<BuildInfo, NodeError> {
+        self.pause_sandbox(&c.sandbox_id, &c.execution_id, c.memory)
             .await
     }
 
-    async fn update_network(
-        &self,
-        sandbox_id: &str,
-        execution_id: &str,
-        policy: NetworkPolicy,
-    ) -> Result<(), NodeError> {
+    async fn checkpoint(&self, c: Checkpoint) -> Result<BuildInfo, NodeError> {
+        self.checkpoint_sandbox(&c.sandbox_id, &c.execution_id, c.memory)
+            .await
+    }
+
+    async fn update_network(&self, c: UpdateNetwork) -> Result<(), NodeError> {
+        let UpdateNetwork {
+            sandbox_id,
+            execution_id,
+            policy,
+        } = c;
+        let (sandbox_id, execution_id) = (sandbox_id.as_str(), execution_id.as_str());
         self.slots
             .vet(&policy)
             .await
@@ -159,37 +175,31 @@ impl NodeControl for Node {
         l.state.save(&dir).map_err(err)
     }
 
-    async fn update_egress(
-        &self,
-        sandbox_id: &str,
-        execution_id: &str,
-        egress: vmon_proto::egress::EgressSpec,
-    ) -> Result<(), NodeError> {
-        self.update_egress_of(sandbox_id, execution_id, egress)
+    async fn update_egress(&self, c: UpdateEgress) -> Result<(), NodeError> {
+        self.update_egress_of(&c.sandbox_id, &c.execution_id, c.egress)
             .await
     }
 
-    async fn list_running(&self) -> Vec<Running> {
+    async fn list_running(&self, _: ListRunning) -> Result<Vec<Running>, NodeError> {
         let lives: Vec<Arc<Mutex<Live>>> = match self.sandboxes.lock() {
             Ok(m) => m.values().cloned().collect(),
-            Err(_) => return Vec::new(),
+            Err(_) => return Err(NodeError::Failed("the sandbox table is poisoned".into())),
         };
         let mut out = Vec::new();
         for l in lives {
             let l = l.lock().await;
             out.push(Self::running(&l));
         }
-        out
+        Ok(out)
     }
 
-    async fn metrics(
-        &self,
-        sandbox_id: &str,
-        start_unix: i64,
-        end_unix: i64,
-    ) -> Result<Vec<MetricSample>, NodeError> {
+    async fn metrics(&self, c: Metrics) -> Result<Vec<MetricSample>, NodeError> {
         let dir = self.cfg.data_dir.clone();
-        let id = sandbox_id.to_string();
+        let Metrics {
+            sandbox_id: id,
+            start_unix,
+            end_unix,
+        } = c;
         tokio::task::spawn_blocking(move || {
             crate::telemetry::read_samples(&dir, &id, start_unix, end_unix)
         })
@@ -197,12 +207,15 @@ impl NodeControl for Node {
         .map_err(|e| NodeError::Failed(format!("metrics task: {e}")))
     }
 
-    async fn latest_metrics(&self, sandbox_ids: &[String]) -> Vec<(String, MetricSample)> {
-        self.telemetry.latest_of(sandbox_ids)
+    async fn latest_metrics(
+        &self,
+        c: LatestMetrics,
+    ) -> Result<Vec<(String, MetricSample)>, NodeError> {
+        Ok(self.telemetry.latest_of(&c.sandbox_ids))
     }
 
-    async fn logs(&self, sandbox_id: &str, query: LogQuery) -> Result<Vec<LogEntry>, NodeError> {
-        let consoles = self.console_logs(sandbox_id);
+    async fn logs(&self, Logs { sandbox_id, query }: Logs) -> Result<Vec<LogEntry>, NodeError> {
+        let consoles = self.console_logs(&sandbox_id);
         tokio::task::spawn_blocking(move || {
             crate::telemetry::select(crate::telemetry::read_entries(&consoles), &query)
         })
@@ -210,66 +223,54 @@ impl NodeControl for Node {
         .map_err(|e| NodeError::Failed(format!("logs task: {e}")))
     }
 
-    async fn pool_depths(&self) -> Vec<(String, usize)> {
+    async fn pool_depths(&self, _: PoolDepths) -> Result<Vec<(String, usize)>, NodeError> {
         let builds = self.pool.builds();
-        builds
+        Ok(builds
             .into_iter()
             .map(|b| {
                 let d = self.pool.depth(&b);
                 (b, d)
             })
-            .collect()
+            .collect())
     }
 
-    async fn exec(
-        &self,
-        sandbox_id: &str,
-        execution_id: &str,
-        spec: ExecSpec,
-    ) -> Result<ExecOutput, NodeError> {
-        self.exec_step(sandbox_id, execution_id, spec).await
+    async fn exec(&self, c: Exec) -> Result<ExecOutput, NodeError> {
+        self.exec_step(&c.sandbox_id, &c.execution_id, c.spec).await
     }
 
-    async fn put_file(
-        &self,
-        sandbox_id: &str,
-        execution_id: &str,
-        host_path: &str,
-        guest_path: &str,
-    ) -> Result<(), NodeError> {
-        self.put_step_file(sandbox_id, execution_id, host_path, guest_path)
+    async fn put_file(&self, c: PutFile) -> Result<(), NodeError> {
+        self.put_step_file(&c.sandbox_id, &c.execution_id, &c.host_path, &c.guest_path)
             .await
     }
 
-    async fn migrate_describe(
-        &self,
-        sandbox_id: &str,
-        execution_id: &str,
-    ) -> Result<MigrateIn, NodeError> {
-        self.describe_outgoing(sandbox_id, execution_id).await
+    async fn migrate_describe(&self, c: MigrateDescribe) -> Result<MigrateIn, NodeError> {
+        self.describe_outgoing(&c.sandbox_id, &c.execution_id).await
     }
 
-    async fn migrate_in(&self, spec: MigrateIn) -> Result<String, NodeError> {
+    async fn migrate_in(&self, MigrateAccept { spec }: MigrateAccept) -> Result<String, NodeError> {
         self.prepare_incoming(spec).await
     }
 
-    async fn migrate_out(&self, spec: MigrateOut) -> Result<MigrateStats, NodeError> {
+    async fn migrate_out(
+        &self,
+        MigrateSend { spec }: MigrateSend,
+    ) -> Result<MigrateStats, NodeError> {
         self.send_outgoing(spec).await
     }
 
-    async fn migrate_commit(&self, migration_id: &str) -> Result<Running, NodeError> {
-        self.commit_incoming(migration_id).await
+    async fn migrate_commit(&self, c: MigrateCommit) -> Result<Running, NodeError> {
+        self.commit_incoming(&c.migration_id).await
     }
 
-    async fn migrate_cancel(&self, migration_id: &str) -> Result<(), NodeError> {
-        self.cancel_incoming(migration_id).await
+    async fn migrate_cancel(&self, c: MigrateCancel) -> Result<(), NodeError> {
+        self.cancel_incoming(&c.migration_id).await
     }
 
-    async fn migrate_finish(&self, sandbox_id: &str, execution_id: &str) -> Result<(), NodeError> {
-        self.finish_outgoing(sandbox_id, execution_id).await
+    async fn migrate_finish(&self, c: MigrateFinish) -> Result<(), NodeError> {
+        self.finish_outgoing(&c.sandbox_id, &c.execution_id).await
     }
 
-    async fn migrate_abort(&self, sandbox_id: &str, execution_id: &str) -> Result<(), NodeError> {
-        self.abort_outgoing(sandbox_id, execution_id).await
+    async fn migrate_abort(&self, c: MigrateAbort) -> Result<(), NodeError> {
+        self.abort_outgoing(&c.sandbox_id, &c.execution_id).await
     }
 }

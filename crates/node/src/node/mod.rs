@@ -8,7 +8,7 @@
 //! `recovery` (re-adoption after a restart, reaping, the sweep), `volumes` (the virtio-fs
 //! daemons of mounted volumes), `confine` (the unprivileged user each QEMU runs as, the files
 //! handed to it, sealed RAM bases) and `control` (the
-//! [`NodeControl`](vmon_proto::node::NodeControl) impl, thin calls into those).
+//! [`NodeHandler`](vmon_proto::node::NodeHandler) impl, thin calls into those).
 
 mod boot;
 mod capture;

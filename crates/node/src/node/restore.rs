@@ -486,7 +486,7 @@ impl Node {
         let running = r?;
         if let Err(e) = self.start_egress(&spec).await {
             tracing::warn!(sandbox = %spec.sandbox_id, error = %e, "egress setup failed; the sandbox is killed");
-            let _ = vmon_proto::node::NodeControl::kill(
+            let _ = vmon_proto::node::NodeCalls::kill(
                 self.as_ref(),
                 &spec.sandbox_id,
                 &spec.execution_id,

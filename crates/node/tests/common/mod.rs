@@ -81,8 +81,8 @@ pub fn node_with(tweak: impl FnOnce(&mut NodeConfig)) -> Arc<Node> {
                 }
             };
             // Sandboxes a crashed earlier run left behind were re-adopted: stop them.
-            use vmon_proto::node::NodeControl;
-            for r in node.list_running().await {
+            use vmon_proto::node::NodeCalls;
+            for r in node.list_running().await.unwrap_or_default() {
                 let _ = node.kill(&r.sandbox_id, &r.execution_id).await;
             }
             node
@@ -130,7 +130,7 @@ pub fn host_lock() -> &'static std::sync::RwLock<()> {
 /// Builds a plain template (1 vCPU, `memory_mb`, the image's disk, no start command) as
 /// `build_id` on `node`.
 pub async fn build_plain(node: &Node, build_id: &str, memory_mb: u32) {
-    use vmon_proto::node::{NodeControl, TemplateSpec};
+    use vmon_proto::node::{NodeCalls, TemplateSpec};
     node.build_template(TemplateSpec {
         build_id: build_id.to_string(),
         vcpus: 1,
@@ -163,7 +163,7 @@ pub fn template(node: &std::sync::Arc<Node>) -> String {
 
 /// Starts a sandbox from `build` (memory restore unless `cold`).
 pub async fn start(node: &Node, id: &str, build: &str, cold: bool) -> vmon_proto::node::Running {
-    use vmon_proto::node::{NetworkPolicy, NodeControl, StartSpec};
+    use vmon_proto::node::{NetworkPolicy, NodeCalls, StartSpec};
     node.start(StartSpec {
         egress: Default::default(),
         volumes: Vec::new(),

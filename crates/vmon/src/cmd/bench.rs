@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use vmon_node::{Node, NodeConfig};
-use vmon_proto::node::{NetworkPolicy, NodeControl, Running, StartSpec, TemplateSpec};
+use vmon_proto::node::{NetworkPolicy, NodeCalls, Running, StartSpec, TemplateSpec};
 
 #[derive(clap::Args)]
 pub struct Args {

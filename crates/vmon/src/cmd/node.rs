@@ -230,7 +230,7 @@ async fn join_cluster(
     node: Arc<vmon_node::Node>,
     cancel: tokio_util::sync::CancellationToken,
 ) -> anyhow::Result<()> {
-    use vmon_proto::node::NodeControl;
+    use vmon_proto::node::NodeCalls;
     let c = &args.cluster;
     if scheme != "https" || args.node_ca.is_none() {
         anyhow::bail!(
@@ -271,7 +271,8 @@ async fn join_cluster(
         );
         async move {
             let now = vmon_cluster::registry::host_facts(&dir);
-            let running = u32::try_from(node.list_running().await.len()).unwrap_or(u32::MAX);
+            let running =
+                u32::try_from(node.list_running().await.map_or(0, |r| r.len())).unwrap_or(u32::MAX);
             vmon_proto::cluster::NodeInfo {
                 id,
                 rpc_url,

@@ -1,7 +1,8 @@
 //! TLS for node RPC (and the other in-cluster links that reuse it: the proxy's calls to the
 //! api): a server configuration from a certificate chain and key file, and a client
 //! configuration that trusts either one CA file (a cluster's own CA: then nothing else) or,
-//! without one, the system's CAs. rustls with ring, TLS 1.2 and 1.3.
+//! without one, the system's CAs. rustls with ring, TLS 1.2 and 1.3. Here, in the client
+//! crate, because both ends of node RPC use it.
 
 use std::path::Path;
 use std::sync::Arc;

@@ -1,0 +1,243 @@
+//! vmon-nodeclient: the client of node RPC, the one way the control plane (the api, the
+//! cluster) and the other nodes reach a node that is not in their process.
+//!
+//! [`RemoteNode`] sends any call of the node contract ([`vmon_proto::node::Call`]) as
+//! `POST /v1/<name>` with the call's JSON and reads `{"ok": reply}` or `{"err": NodeError}`;
+//! it serves [`NodeControl`] by forwarding, so no call is written here. It also opens the
+//! byte channels of a live migration ([`channel`]) and holds the TLS both ends use ([`tls`]).
+//!
+//! It must never link the node itself (QEMU, images, the object store): `vmon-cluster`
+//! depends on it to reach nodes, and the node's server depends on it, not the other way.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, Limited};
+use serde_json::Value;
+use vmon_proto::node::{Call, NodeCall, NodeControl, NodeError, NodeReply, Transport};
+
+use crate::tls::ClientTls;
+
+pub mod channel;
+pub mod tls;
+
+/// Largest RPC body either side reads (log pages are the big ones).
+pub const MAX_BODY: usize = 64 << 20;
+
+/// A node reached over RPC.
+pub struct RemoteNode {
+    addr: String,
+    token: String,
+    /// Set for `https://` URLs: the client configuration and the name the node's
+    /// certificate must carry.
+    tls: Option<(
+        tokio_rustls::TlsConnector,
+        rustls::pki_types::ServerName<'static>,
+    )>,
+}
+
+impl RemoteNode {
+    /// `url` is `http://host:port` (as printed by `vmon node`), or `https://host:port`,
+    /// verified against the system's CAs.
+    pub fn new(url: &str, token: String) -> anyhow::Result<RemoteNode> {
+        RemoteNode::with_tls(url, token, None)
+    }
+
+    /// [`RemoteNode::new`] verifying `https://` nodes with `tls`. With a configured CA
+    /// ([`ClientTls::pinned`]) the node RPC is TLS-only: a plain `http://` URL is refused,
+    /// so that neither the bearer token nor the calls ever travel in the clear (and a
+    /// registry entry cannot downgrade the link).
+    pub fn with_tls(
+        url: &str,
+        token: String,
+        tls: Option<&ClientTls>,
+    ) -> anyhow::Result<RemoteNode> {
+        let (https, rest) = match url.strip_prefix("https://") {
+            Some(rest) => (true, rest),
+            None => (false, url.strip_prefix("http://").unwrap_or(url)),
+        };
+        let addr = rest.trim_end_matches('/').to_string();
+        if addr.is_empty() || addr.contains('/') {
+            anyhow::bail!("node URL {url:?} must look like http://host:port or https://host:port");
+        }
+        if !https {
+            if tls.is_some_and(ClientTls::pinned) {
+                anyhow::bail!(
+                    "node URL {url:?} is plain http, but node RPC is TLS-only once a CA is \
+                     configured (VMON_NODE_CA_FILE): the node must serve TLS and advertise https://"
+                );
+            }
+            return Ok(RemoteNode {
+                addr,
+                token,
+                tls: None,
+            });
+        }
+        let client = match tls {
+            Some(t) => t.clone(),
+            None => ClientTls::system()?,
+        };
+        let name = crate::tls::server_name(&addr)?;
+        Ok(RemoteNode {
+            addr,
+            token,
+            tls: Some((tokio_rustls::TlsConnector::from(client.config()), name)),
+        })
+    }
+
+    /// A cluster's node `id` at `url`: TLS only, verified against the cluster's CA (`tls`
+    /// must be pinned: no system CAs) and against the node's name
+    /// ([`crate::tls::node_name`]), not the URL's host. A plain `http://` URL, a
+    /// certificate of another CA or one naming another node gets no request and so never the
+    /// token.
+    pub fn cluster_node(
+        url: &str,
+        id: &str,
+        token: String,
+        tls: &ClientTls,
+    ) -> anyhow::Result<RemoteNode> {
+        if !tls.pinned() {
+            anyhow::bail!("node RPC in a cluster verifies nodes against the cluster's CA only");
+        }
+        let Some(rest) = url.strip_prefix("https://") else {
+            anyhow::bail!(
+                "node {id}'s RPC URL {url:?} is not https://: a cluster's nodes are reached over \
+                 TLS only"
+            );
+        };
+        let addr = rest.trim_end_matches('/').to_string();
+        if addr.is_empty() || addr.contains('/') {
+            anyhow::bail!("node URL {url:?} must look like https://host:port");
+        }
+        Ok(RemoteNode {
+            addr,
+            token,
+            tls: Some((
+                tokio_rustls::TlsConnector::from(tls.config()),
+                crate::tls::node_name(id)?,
+            )),
+        })
+    }
+
+    /// A TLS handshake with the node and nothing more (no request, no token): `Ok(true)` when
+    /// its certificate verifies, `Ok(false)` when it is refused (another CA, another name) or
+    /// the node is not reached over TLS, `Err` when it could not be reached at all.
+    pub async fn verify(&self) -> anyhow::Result<bool> {
+        let Some((connector, name)) = &self.tls else {
+            return Ok(false);
+        };
+        let stream = tokio::time::timeout(
+            Duration::from_secs(3),
+            tokio::net::TcpStream::connect(&self.addr),
+        )
+        .await
+        .map_err(|_| anyhow::anyhow!("connecting to {} timed out", self.addr))??;
+        match tokio::time::timeout(
+            Duration::from_secs(3),
+            connector.connect(name.clone(), stream),
+        )
+        .await
+        {
+            Ok(Ok(_)) => Ok(true),
+            Ok(Err(e)) if crate::tls::certificate_refused(&e) => Ok(false),
+            Ok(Err(e)) => Err(anyhow::anyhow!("TLS with {}: {e}", self.addr)),
+            Err(_) => Err(anyhow::anyhow!("TLS with {} timed out", self.addr)),
+        }
+    }
+
+    /// One request on a fresh connection: `path` with `body`, the answer's status and body.
+    async fn post(
+        &self,
+        path: &str,
+        body: Vec<u8>,
+        timeout: Duration,
+    ) -> Result<(hyper::StatusCode, Bytes), NodeError> {
+        let fut = async {
+            let stream = tokio::net::TcpStream::connect(&self.addr).await?;
+            stream.set_nodelay(true)?;
+            let req = hyper::Request::builder()
+                .method("POST")
+                .uri(path)
+                .header("host", &self.addr)
+                .header("content-type", "application/json")
+                .header("authorization", format!("Bearer {}", self.token))
+                .body(Full::new(Bytes::from(body)))?;
+            match &self.tls {
+                None => exchange(stream, req).await,
+                Some((connector, server_name)) => {
+                    let tls = connector
+                        .connect(server_name.clone(), stream)
+                        .await
+                        .map_err(|e| anyhow::anyhow!("TLS with the node: {e}"))?;
+                    exchange(tls, req).await
+                }
+            }
+        };
+        tokio::time::timeout(timeout, fut)
+            .await
+            .map_err(|_| NodeError::Failed(format!("node call {path} timed out")))?
+            .map_err(|e| NodeError::Failed(format!("node {} unreachable: {e:#}", self.addr)))
+    }
+}
+
+/// How long a call may take. Template builds and their steps boot and run a VM under TCG.
+fn timeout_of(name: &str) -> Duration {
+    match name {
+        "build_template" | "exec" => Duration::from_secs(1800),
+        _ => Duration::from_secs(600),
+    }
+}
+
+impl Transport for RemoteNode {
+    async fn send<C: Call>(&self, call: C) -> Result<C::Reply, NodeError> {
+        let body = serde_json::to_vec(&call).map_err(|e| NodeError::Failed(e.to_string()))?;
+        let (status, bytes) = self
+            .post(&format!("/v1/{}", C::NAME), body, timeout_of(C::NAME))
+            .await?;
+        if !status.is_success() {
+            return Err(NodeError::Failed(format!(
+                "node answered {status}: {}",
+                String::from_utf8_lossy(&bytes[..bytes.len().min(200)])
+            )));
+        }
+        let v: Value = serde_json::from_slice(&bytes)
+            .map_err(|e| NodeError::Failed(format!("node answer: {e}")))?;
+        if let Some(err) = v.get("err") {
+            let e: NodeError = serde_json::from_value(err.clone())
+                .map_err(|e| NodeError::Failed(format!("node error: {e}")))?;
+            return Err(e);
+        }
+        serde_json::from_value(v.get("ok").cloned().unwrap_or(Value::Null))
+            .map_err(|e| NodeError::Failed(format!("node answer: {e}")))
+    }
+}
+
+#[async_trait::async_trait]
+impl NodeControl for RemoteNode {
+    async fn handle(&self, call: NodeCall) -> Result<NodeReply, NodeError> {
+        call.forward(self).await
+    }
+}
+
+/// One request on a fresh connection `io`: the status and the body (bounded).
+async fn exchange<S>(
+    io: S,
+    req: hyper::Request<Full<Bytes>>,
+) -> anyhow::Result<(hyper::StatusCode, Bytes)>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let (mut send, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(io)).await?;
+    tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    let resp = send.send_request(req).await?;
+    let status = resp.status();
+    let bytes = Limited::new(resp.into_body(), MAX_BODY)
+        .collect()
+        .await
+        .map_err(|e| anyhow::anyhow!("reading the node's answer: {e}"))?
+        .to_bytes();
+    Ok((status, bytes))
+}
