@@ -30,6 +30,8 @@ pub struct Agent {
     pub init_marker: Option<PathBuf>,
     /// How many `/init`s this agent applied (part of the marker's text).
     pub inits: AtomicU64,
+    /// The guest's latest self-keepalive ask ([`crate::keepalive`]).
+    pub keepalive: crate::keepalive::Asks,
 }
 
 fn read<T: Clone>(l: &RwLock<T>) -> T {
@@ -46,6 +48,10 @@ impl Agent {
             token: RwLock::new(token),
             defaults: RwLock::new(Defaults {
                 user: default_user,
+                env_vars: BTreeMap::from([(
+                    "VMON_KEEPALIVE_URL".to_string(),
+                    crate::keepalive::URL.to_string(),
+                )]),
                 ..Defaults::default()
             }),
             last_init_nanos: Mutex::new(None),
@@ -54,6 +60,7 @@ impl Agent {
             cpu_sample: Mutex::new(None),
             init_marker,
             inits: AtomicU64::new(0),
+            keepalive: Default::default(),
         })
     }
 
