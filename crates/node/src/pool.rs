@@ -319,6 +319,7 @@ impl Pool {
         }
         tokio::spawn(async move {
             while node.pool().depth(&key) < node.pool().target(&key) && node.pool().may_grow(&key) {
+                let asked = Instant::now();
                 loop {
                     let wait = node.pool().settle_wait(&key);
                     if wait.is_zero() {
@@ -332,6 +333,7 @@ impl Pool {
                 let Ok(_turn) = node.restore_gate().acquire().await else {
                     break;
                 };
+                let started = Instant::now();
                 // The new process's overlay is held from the sweep (`Prepared::held`) until
                 // the pool's list names it.
                 match node.prepare_for_pool(&key).await {
@@ -340,9 +342,21 @@ impl Pool {
                         break;
                     }
                     Ok(Some(p)) => {
-                        if let Ok(mut m) = node.pool().ready.lock() {
-                            m.entry(key.clone()).or_default().push(p);
-                        }
+                        let depth = match node.pool().ready.lock() {
+                            Ok(mut m) => {
+                                let ready = m.entry(key.clone()).or_default();
+                                ready.push(p);
+                                ready.len()
+                            }
+                            Err(_) => 0,
+                        };
+                        tracing::debug!(
+                            pool = %key,
+                            waited_ms = (started - asked).as_millis() as u64,
+                            made_ms = started.elapsed().as_millis() as u64,
+                            depth,
+                            "pool refill made a process"
+                        );
                     }
                     Ok(None) => break,
                     Err(e) => {

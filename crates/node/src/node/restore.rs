@@ -262,13 +262,13 @@ impl Node {
         self: &Arc<Self>,
         spec: &StartSpec,
         rec: &BuildRecord,
-    ) -> anyhow::Result<Live> {
+    ) -> anyhow::Result<(Live, Origin)> {
         let (Some(mem_base), Some(devstate)) = (rec.mem_base.clone(), rec.devstate.clone()) else {
             bail!("build {} has no memory to restore", rec.id);
         };
         if let Some(live) = self.unpark(&rec.id, &spec.sandbox_id) {
             match self.resume_parked(spec, rec, live).await {
-                Ok(live) => return Ok(live),
+                Ok(live) => return Ok((live, Origin::Parked)),
                 Err(e) => tracing::warn!(
                     sandbox = %spec.sandbox_id,
                     "resuming the kept QEMU failed, restoring from the build: {e:#}"
@@ -294,18 +294,20 @@ impl Node {
             m.entry(mem_base.clone())
                 .or_insert_with(|| rec.machine.clone());
         }
-        let prepared = match pooled {
-            Some(p) => p,
+        let (prepared, origin) = match pooled {
+            Some(p) => (p, Origin::Warm),
             None => match self.pool.take(&blanks) {
                 // Full weight before it is filled: a blank still at a refill's weight could
                 // wait tens of seconds for the CPU to answer its disk's attach on a busy host
                 // (a resume failed so: "QMP blockdev-add timed out").
-                Some(b) if b.vm_matches(&rec.machine) => self.fill_blank(rec, claimed(b)).await?,
+                Some(b) if b.vm_matches(&rec.machine) => {
+                    (self.fill_blank(rec, claimed(b)).await?, Origin::Blank)
+                }
                 Some(b) => {
                     self.discard_prepared(b).await;
-                    self.prepare(rec, false, Weight::Normal).await?
+                    (self.prepare(rec, false, Weight::Normal).await?, Origin::Fresh)
                 }
-                None => self.prepare(rec, false, Weight::Normal).await?,
+                None => (self.prepare(rec, false, Weight::Normal).await?, Origin::Fresh),
             },
         };
         // Claimed: from now on it is a sandbox's guest.
@@ -387,12 +389,15 @@ impl Node {
                     self.pool.refill(self.clone(), rec.id.clone());
                 }
                 self.pool.refill(self.clone(), blanks.clone());
-                Ok(Live {
-                    state,
-                    vm: Some(vm),
-                    slot,
-                    dir: run_dir,
-                })
+                Ok((
+                    Live {
+                        state,
+                        vm: Some(vm),
+                        slot,
+                        dir: run_dir,
+                    },
+                    origin,
+                ))
             }
             Err(e) => {
                 if rec.parent.is_none() {
@@ -447,9 +452,10 @@ impl Node {
         let t0 = std::time::Instant::now();
         // Held until the sandbox is in the table: a sweep must not take its new overlay.
         let mut guard = None;
-        let (live, held) = if rec.has_memory() && !cold_boot {
+        let (live, held, origin) = if rec.has_memory() && !cold_boot {
             guard = Some(self.artifacts_guard.read().await);
-            (self.restore(&spec, &rec).await.map_err(err)?, Vec::new())
+            let (live, origin) = self.restore(&spec, &rec).await.map_err(err)?;
+            (live, Vec::new(), origin)
         } else {
             let dir = self.sandbox_root(&spec.sandbox_id).join(&spec.execution_id);
             let disk = match rec.disk.as_deref() {
@@ -459,7 +465,7 @@ impl Node {
                 },
                 None => super::boot::BootDisk::Image,
             };
-            self.boot(
+            let (live, held) = self.boot(
                 &dir,
                 &spec.sandbox_id,
                 &spec.execution_id,
@@ -478,9 +484,16 @@ impl Node {
                 &spec.volumes,
             )
             .await
-            .map_err(err)?
+            .map_err(err)?;
+            (live, held, Origin::ColdBoot)
         };
-        tracing::info!(sandbox = %spec.sandbox_id, build = %rec.id, ms = t0.elapsed().as_millis() as u64, "sandbox started");
+        tracing::info!(
+            sandbox = %spec.sandbox_id,
+            build = %rec.id,
+            from = origin.as_str(),
+            ms = t0.elapsed().as_millis() as u64,
+            "sandbox started"
+        );
         let r = self.insert(live);
         drop(guard);
         drop(held);
@@ -496,6 +509,33 @@ impl Node {
             return Err(e);
         }
         Ok(running)
+    }
+}
+
+/// Where a started sandbox's QEMU came from (logged with "sandbox started", counted by the pool).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Origin {
+    /// A warmed process of the build's pool: `cont` and `/init`.
+    Warm,
+    /// A blank process of its RAM base, given the build's disk and layers.
+    Blank,
+    /// A process spawned for it (the pools had nothing).
+    Fresh,
+    /// The paused sandbox's own stopped QEMU.
+    Parked,
+    /// Booted from disk.
+    ColdBoot,
+}
+
+impl Origin {
+    pub(super) fn as_str(self) -> &'static str {
+        match self {
+            Origin::Warm => "pool",
+            Origin::Blank => "blank",
+            Origin::Fresh => "fresh",
+            Origin::Parked => "parked",
+            Origin::ColdBoot => "cold_boot",
+        }
     }
 }
 
