@@ -4,6 +4,7 @@
 //! template's warm request, [`warm_service`]) and `start_sandbox`, which picks a restore or a
 //! cold boot.
 
+use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -50,17 +51,21 @@ impl Node {
     /// longer before its first claim is indistinguishable from a template captured later.
     ///
     /// `weight` is the CPU weight it runs at until claimed: a refill ahead of demand runs in
-    /// the background, behind sandboxes and waiting creates.
+    /// the background, behind sandboxes and waiting creates. A refill names it to the pool as
+    /// `pool_key`'s process in the making (the pool may raise its weight).
     pub(super) async fn prepare(
         &self,
         rec: &BuildRecord,
         warm: bool,
         weight: Weight,
+        pool_key: Option<&str>,
     ) -> anyhow::Result<Prepared> {
         let Some(mem_base) = rec.mem_base.clone() else {
             bail!("build {} has no memory", rec.id);
         };
-        let blank = self.prepare_blank(&mem_base, &rec.machine, weight).await?;
+        let blank = self
+            .prepare_blank(&mem_base, &rec.machine, weight, pool_key)
+            .await?;
         let mut p = self.fill_blank(rec, blank).await?;
         if warm {
             if let Err(e) = self.warm_up(&p.vm, rec, &p.slot).await {
@@ -83,6 +88,7 @@ impl Node {
         mem_base: &str,
         machine: &MachineDesc,
         weight: Weight,
+        pool_key: Option<&str>,
     ) -> anyhow::Result<Prepared> {
         let slot = self.slots.acquire(&crate::slots::open_policy()).await?;
         self.slots.refill();
@@ -115,6 +121,9 @@ impl Node {
                 if let Err(e) = cgroup::set_weight(&tag, weight) {
                     tracing::debug!(tag = %tag, "lowering a pool process's CPU weight: {e:#}");
                 }
+            }
+            if let Some(key) = pool_key {
+                self.pool.making(key, &tag, weight);
             }
             if let Err(e) = vm.qmp.prepare_incoming().await {
                 let mut vm = vm;
@@ -305,9 +314,15 @@ impl Node {
                 }
                 Some(b) => {
                     self.discard_prepared(b).await;
-                    (self.prepare(rec, false, Weight::Normal).await?, Origin::Fresh)
+                    (
+                        self.prepare(rec, false, Weight::Normal, None).await?,
+                        Origin::Fresh,
+                    )
                 }
-                None => (self.prepare(rec, false, Weight::Normal).await?, Origin::Fresh),
+                None => (
+                    self.prepare(rec, false, Weight::Normal, None).await?,
+                    Origin::Fresh,
+                ),
             },
         };
         // Claimed: from now on it is a sandbox's guest.
@@ -415,6 +430,15 @@ impl Node {
 }
 
 impl Node {
+    /// How many sandboxes this node started, by where their QEMU came from: `pool` (a warmed
+    /// process of the build's pool), `blank`, `fresh`, `parked` or `cold_boot`.
+    pub fn starts_by_origin(&self) -> HashMap<String, u64> {
+        self.starts
+            .lock()
+            .map(|n| n.iter().map(|(k, v)| (k.to_string(), *v)).collect())
+            .unwrap_or_default()
+    }
+
     /// Starts a sandbox from a build: a memory restore, or a cold boot when asked or when the
     /// build has no memory.
     pub async fn start_sandbox(self: &Arc<Self>, spec: StartSpec) -> Result<Running, NodeError> {
@@ -465,28 +489,32 @@ impl Node {
                 },
                 None => super::boot::BootDisk::Image,
             };
-            let (live, held) = self.boot(
-                &dir,
-                &spec.sandbox_id,
-                &spec.execution_id,
-                rec.machine.clone(),
-                disk,
-                rec.disk_mb,
-                &spec.network,
-                &InitRequest {
-                    env_vars: spec.env_vars.clone(),
-                    access_token: spec.envd_access_token.clone(),
-                    current_token: None,
-                    default_user: None,
-                    volume_mounts: Vec::new(),
-                },
-                0,
-                &spec.volumes,
-            )
-            .await
-            .map_err(err)?;
+            let (live, held) = self
+                .boot(
+                    &dir,
+                    &spec.sandbox_id,
+                    &spec.execution_id,
+                    rec.machine.clone(),
+                    disk,
+                    rec.disk_mb,
+                    &spec.network,
+                    &InitRequest {
+                        env_vars: spec.env_vars.clone(),
+                        access_token: spec.envd_access_token.clone(),
+                        current_token: None,
+                        default_user: None,
+                        volume_mounts: Vec::new(),
+                    },
+                    0,
+                    &spec.volumes,
+                )
+                .await
+                .map_err(err)?;
             (live, held, Origin::ColdBoot)
         };
+        if let Ok(mut n) = self.starts.lock() {
+            *n.entry(origin.as_str()).or_default() += 1;
+        }
         tracing::info!(
             sandbox = %spec.sandbox_id,
             build = %rec.id,
