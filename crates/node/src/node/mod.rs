@@ -87,6 +87,8 @@ pub struct Node {
     restores_in_flight: std::sync::atomic::AtomicUsize,
     /// Cold boots started again after their first QEMU made no progress (see `boot.rs`).
     boot_restarts: std::sync::atomic::AtomicU64,
+    /// Sandboxes started, by where their QEMU came from (see [`Node::starts_by_origin`]).
+    starts: std::sync::Mutex<HashMap<&'static str, u64>>,
     /// The machine of each RAM base that blank processes are kept for.
     blank_machines: std::sync::Mutex<HashMap<String, MachineDesc>>,
     /// Paused sandboxes with their QEMU kept stopped, by paused build.
@@ -397,6 +399,7 @@ impl Node {
             parked: Default::default(),
             restores_in_flight: Default::default(),
             boot_restarts: Default::default(),
+            starts: Default::default(),
             blank_machines: Default::default(),
             host_memory_mb: host_memory_mb(),
             telemetry: Default::default(),
