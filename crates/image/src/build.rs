@@ -344,22 +344,14 @@ pub async fn build_with(
 /// Blocks until this process holds an exclusive `flock` on `path`; released when the file is
 /// dropped (or the process dies).
 fn lock_exclusive(path: &Path) -> anyhow::Result<std::fs::File> {
-    use std::os::fd::AsRawFd;
     let f = std::fs::OpenOptions::new()
         .create(true)
         .truncate(false)
         .write(true)
         .open(path)
         .with_context(|| format!("opening {}", path.display()))?;
-    // SAFETY: flock on a descriptor we own; no memory is passed.
-    let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) };
-    if rc != 0 {
-        bail!(
-            "locking {}: {}",
-            path.display(),
-            std::io::Error::last_os_error()
-        );
-    }
+    f.lock()
+        .with_context(|| format!("locking {}", path.display()))?;
     Ok(f)
 }
 
