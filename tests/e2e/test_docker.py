@@ -6,7 +6,7 @@ through vmon's proxy, pause/resume and fork with the container running, its stop
 sandbox's network policy holding for its containers.
 
 The template is built once per session and shared by the tests: apt in a TCG guest, 4-6
-minutes on a quiet 2-core machine, 13 at load 13-20 (docs/templates.md). Every packet goes to addresses this test controls: a network namespace of its own
+minutes on a quiet 2-core machine, 9-13 at load 11-20 (docs/templates.md). Every packet goes to addresses this test controls: a network namespace of its own
 standing in for the world beyond the host, and this machine's address on the link to it."""
 
 from __future__ import annotations
