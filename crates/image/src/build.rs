@@ -79,6 +79,13 @@ const LOGIN_FILES: &[(&str, &str)] = &[
     ("/root/.profile", include_str!("../assets/root-profile")),
 ];
 
+/// What the guest's package installs do differently, each (guest path, contents): a sandbox
+/// or template build that installs packages does not rebuild an initramfs no boot reads.
+const APT_FILES: &[(&str, &str)] = &[(
+    "/etc/initramfs-tools/update-initramfs.conf",
+    include_str!("../assets/update-initramfs.conf"),
+)];
+
 /// Packages every guest gets (on top of debootstrap's minbase).
 const BASE_PACKAGES: &[&str] = &[
     "bash",
@@ -177,7 +184,7 @@ impl Recipe {
             h.update(Sha256::digest(path));
             h.update(Sha256::digest(text));
         }
-        for (path, text) in LOGIN_FILES {
+        for (path, text) in LOGIN_FILES.iter().chain(APT_FILES) {
             h.update(Sha256::digest(path));
             h.update(Sha256::digest(text));
         }
@@ -283,7 +290,11 @@ pub async fn build_with(
     std::fs::create_dir_all(&staging)?;
 
     install_envd(&tree, &recipe.envd)?;
-    for (path, text) in CODE_INTERPRETER_FILES.iter().chain(LOGIN_FILES) {
+    for (path, text) in CODE_INTERPRETER_FILES
+        .iter()
+        .chain(LOGIN_FILES)
+        .chain(APT_FILES)
+    {
         install_file(&tree, path, text.as_bytes(), 0o644)?;
     }
     let (vmlinuz, initrd, kernel_version) = find_kernel(&tree)?;
