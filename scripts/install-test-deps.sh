@@ -73,6 +73,8 @@ done
 [ "$failed" = 0 ] || exit 1
 # The S3 server the object-store tests start (built from source once, cached outside the clone).
 scripts/install-garage.sh >/dev/null
+# The dependency policy checker scripts/test.sh runs (the same cache, keyed by version).
+scripts/install-cargo-deny.sh >/dev/null
 
 # Debian starts a default etcd on install; tests run their own.
 systemctl disable --now etcd >/dev/null 2>&1 || true

@@ -29,6 +29,22 @@ shellcheck scripts/*.sh .ci/run
 # (before the build, so a lint failure is reported in minutes, not after the VM tests).
 cargo fmt --all --check
 cargo clippy --workspace --all-targets -- -D warnings
+# The dependency policy (deny.toml): licences, sources, duplicate versions. cargo-deny itself
+# goes to no network (`--offline`; the metadata comes from cargo, which may fetch crates from
+# crates.io); advisories are checked only against a local copy of the RustSec database, since
+# CI has no route to github.com (docs/operations.md, "Dependency policy").
+deny=$(scripts/install-cargo-deny.sh)
+metadata=$(mktemp)
+cargo metadata --locked --format-version 1 >"$metadata"
+checks=(licenses bans sources)
+# (deny.toml's `db-path`.)
+if compgen -G "/var/tmp/vmon-tools/advisory-dbs/advisory-db-*" >/dev/null; then
+  checks+=(advisories)
+else
+  echo "cargo deny: no advisory database in /var/tmp/vmon-tools/advisory-dbs; advisories not checked" >&2
+fi
+"$deny" --offline --locked --metadata-path "$metadata" check "${checks[@]}"
+rm -f "$metadata"
 
 cargo build --workspace --bins
 cargo test --workspace --no-fail-fast -- --test-threads 2

@@ -2,12 +2,15 @@
 
 Measures create -> first command -> kill for 20 back-to-back, 10 paced (1.5 s apart) and 10 parallel sandboxes; a
 burst of 20 creates in a loop (wall, then one command in each), twice, 20 s apart (the second meets a pool grown by the
-first); `commands.run("true")` in a running sandbox; fork x1; the pause and connect (resume) round trips; and, through `e2b-code-interpreter`, create -> first `run_code("1+1")` and a warm
+first); the everyday loop (create -> command -> pause -> connect -> command -> fork x1 -> kill, 20 times back to back,
+each step's median and p95, and where each create's, resume's and fork child's QEMU came from, read from the server's
+log: its template's warm pool, a blank process, a fresh spawn or its parked QEMU); `commands.run("true")` in a running
+sandbox; fork x1; the pause and connect (resume) round trips; and, through `e2b-code-interpreter`, create -> first `run_code("1+1")` and a warm
 `run_code("1+1")` on `code-interpreter-v1` (5 sandboxes, VMON_BENCH_CI), then in one more sandbox warm
 `run_code("1+1")` alternating between its server (Jupyter kernels) and the stdlib worker it replaced, taken
 from git history (VMON_BENCH_CI_WORKER, a revision; `-` skips it) and started beside it on port 49997;
 prints medians and p99 with the machine.
-A count set to 0 (VMON_BENCH_SEQ, _PAR, _PACED, _CYCLES, _CI) skips its part.
+A count set to 0 (VMON_BENCH_SEQ, _PAR, _PACED, _LOOP, _BURST, _CYCLES, _CI) skips its part.
 
 Against a running server when E2B_API_URL / E2B_API_KEY / E2B_SANDBOX_URL are set; otherwise it
 starts its own `vmon up` (built binary from target/, data dir under /var/tmp with the shared
@@ -54,6 +57,84 @@ def row(name: str, v: list[float]) -> None:
     if not v:
         return
     print(f"| {name} | {statistics.median(v):.0f} ms | {pct(v, 0.99):.0f} ms | {len(v)} |")
+
+
+def row95(name: str, v: list[float]) -> None:
+    """A row with the 95th percentile (the everyday loop's rows)."""
+    if v:
+        print(f"| {name} | {statistics.median(v):.0f} ms | {pct(v, 0.95):.0f} ms | {len(v)} |")
+
+
+def starts_since(log: Path | None, offset: int) -> list[tuple[str, str]]:
+    """(sandbox, from) of each "sandbox started" line the server logged past byte `offset`:
+    where its QEMU came from (pool: a warmed template process; blank; fresh; parked)."""
+    if log is None:
+        return []
+    with open(log, "rb") as f:
+        f.seek(offset)
+        text = strip_ansi(f.read().decode(errors="replace"))
+    out = []
+    for line in text.splitlines():
+        if "sandbox started" in line:
+            sid = re.search(r"sandbox=\"?([\w-]+)", line)
+            src = re.search(r"from=\"?(\w+)", line)
+            if sid and src:
+                out.append((sid.group(1), src.group(1)))
+    return out
+
+
+def everyday_loop(Sandbox, n: int, log: Path | None) -> tuple[dict[str, list[float]], dict[str, dict[str, int]]]:
+    """create -> command -> pause -> connect -> command -> fork x1 -> kill, `n` times back to back, as a
+    user's agent runs it. Returns each step's times and, when the server's log is ours, where the
+    QEMU of each create, resume and fork child came from."""
+    steps: dict[str, list[float]] = {k: [] for k in (
+        "create", "first command", "pause", "connect (resume)", "command after resume", "fork x1",
+        "kill (source and child)", "whole iteration")}
+    ids: dict[str, set[str]] = {"create": set(), "fork child": set()}
+    offset = log.stat().st_size if log else 0
+
+    def timed(step: str, f):
+        t = time.perf_counter()
+        r = f()
+        steps[step].append((time.perf_counter() - t) * 1e3)
+        return r
+
+    for _ in range(n):
+        t0 = time.perf_counter()
+        sbx = timed("create", lambda: Sandbox.create("base", timeout=300))
+        ids["create"].add(sbx.sandbox_id)
+        out = timed("first command", lambda: sbx.commands.run("echo hi"))
+        assert out.stdout.strip() == "hi", out
+        assert timed("pause", sbx.pause)
+        sbx = timed("connect (resume)", lambda: Sandbox.connect(sbx.sandbox_id, timeout=300))
+        assert timed("command after resume", lambda: sbx.commands.run("echo hi")).stdout.strip() == "hi"
+        children = timed("fork x1", lambda: sbx.fork(count=1, timeout=300))
+        for c in children:
+            if isinstance(c, Exception):
+                raise c
+            ids["fork child"].add(c.sandbox_id)
+
+        def kill_all():
+            sbx.kill()
+            for c in children:
+                c.kill()
+
+        timed("kill (source and child)", kill_all)
+        steps["whole iteration"].append((time.perf_counter() - t0) * 1e3)
+
+    origins: dict[str, dict[str, int]] = {}
+    seen: set[str] = set()
+    for sid, src in starts_since(log, offset):
+        if any(sid in x or x in sid for x in ids["fork child"]):
+            kind = "fork child"
+        elif any(sid in x or x in sid for x in ids["create"]):
+            kind = "resume" if sid in seen else "create"
+            seen.add(sid)
+        else:
+            continue
+        origins.setdefault(kind, {}).setdefault(src, 0)
+        origins[kind][src] += 1
+    return steps, origins
 
 
 def machine() -> str:
@@ -197,6 +278,7 @@ def main() -> None:
     paced_n = int(os.environ.get("VMON_BENCH_PACED", "10"))
     ci_n = int(os.environ.get("VMON_BENCH_CI", "5"))
     burst_n = int(os.environ.get("VMON_BENCH_BURST", "20"))
+    loop_n = int(os.environ.get("VMON_BENCH_LOOP", "20"))
 
     kills: list[float] = []
 
@@ -226,6 +308,12 @@ def main() -> None:
         with concurrent.futures.ThreadPoolExecutor(par_n) as ex:
             par = list(ex.map(lambda _: lifecycle(), range(par_n)))
     par_wall = (time.perf_counter() - t) * 1e3
+
+    # The everyday loop, after a quiet moment (the pool back at its base, as a user meets it).
+    loop_steps, loop_origins = {}, {}
+    if loop_n:
+        time.sleep(5)
+        loop_steps, loop_origins = everyday_loop(Sandbox, loop_n, own[1] / "vmon-up.log" if own else None)
 
     # Bursts: `Sandbox.create` in a loop (the issue's "20 creates back to back"), then one
     # command in each; the second burst comes 20 s later, when the pool has grown by demand.
@@ -322,6 +410,19 @@ def main() -> None:
     row("fork x1 (sandbox.fork(count=1))", forks)
     row("pause (16 MiB dirtied)", pauses)
     row("connect (resume) -> command done", connects)
+    if loop_steps:
+        print(f"\n### everyday loop: create -> command -> pause -> connect -> command -> fork x1 -> kill, "
+              f"{loop_n} times back to back\n")
+        print("| step | median | p95 | n |\n|---|---|---|---|")
+        for name, v in loop_steps.items():
+            row95(f"loop: {name}", v)
+        if loop_origins:
+            print("\nwhere each QEMU came from (server log): "
+                  + "; ".join(f"{kind}: " + ", ".join(f"{src} {n}" for src, n in sorted(c.items()))
+                              for kind, c in loop_origins.items()))
+        elif not own:
+            print("\n(pool hits not counted: the server's log is not this bench's)")
+        print("\n| operation | median | p99 | n |\n|---|---|---|---|")
     row("code-interpreter-v1: create", ci_create)
     row("code-interpreter-v1: first run_code('1+1') after create", ci_first)
     row("code-interpreter-v1: warm run_code('1+1')", ci_warm)

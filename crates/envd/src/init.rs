@@ -15,6 +15,8 @@ use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use rustix::mount::MountFlags;
+
 const PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 
 /// Written once per boot, sourced by the image's `/etc/profile.d/vmon-cpu.sh` (so a login
@@ -39,21 +41,13 @@ fn log(level: &str, msg: &str) {
     println!("{line}");
 }
 
-fn mount(src: &str, target: &str, fstype: &str, flags: libc::c_ulong, data: &str) {
+fn mount(src: &str, target: &str, fstype: &str, flags: MountFlags, data: &str) {
     let _ = std::fs::create_dir_all(target);
-    let (Ok(s), Ok(t), Ok(f), Ok(d)) = (
-        CString::new(src),
-        CString::new(target),
-        CString::new(fstype),
-        CString::new(data),
-    ) else {
+    let Ok(data) = CString::new(data) else {
         return;
     };
-    // SAFETY: all pointers are valid NUL-terminated strings that outlive the call.
-    let rc = unsafe { libc::mount(s.as_ptr(), t.as_ptr(), f.as_ptr(), flags, d.as_ptr().cast()) };
-    if rc != 0 {
-        let err = std::io::Error::last_os_error();
-        if err.raw_os_error() != Some(libc::EBUSY) {
+    if let Err(err) = rustix::mount::mount(src, target, fstype, flags, data.as_c_str()) {
+        if err != rustix::io::Errno::BUSY {
             log("warn", &format!("mount {fstype} on {target}: {err}"));
         }
     }
@@ -68,23 +62,48 @@ fn is_mounted(target: &str) -> bool {
         .unwrap_or(false)
 }
 
+/// Remounts `/` with `flags` (read-write when empty).
+fn remount_root(flags: MountFlags) {
+    if let Err(err) = rustix::mount::mount_remount("/", flags, "") {
+        log("warn", &format!("remounting / ({flags:?}): {err}"));
+    }
+}
+
 fn mount_all() {
-    let nosuid_nodev = libc::MS_NOSUID | libc::MS_NODEV;
+    let nosuid_nodev = MountFlags::NOSUID | MountFlags::NODEV;
     if !is_mounted("/proc") {
-        mount("proc", "/proc", "proc", nosuid_nodev | libc::MS_NOEXEC, "");
+        mount(
+            "proc",
+            "/proc",
+            "proc",
+            nosuid_nodev | MountFlags::NOEXEC,
+            "",
+        );
     }
     if !is_mounted("/sys") {
-        mount("sysfs", "/sys", "sysfs", nosuid_nodev | libc::MS_NOEXEC, "");
+        mount(
+            "sysfs",
+            "/sys",
+            "sysfs",
+            nosuid_nodev | MountFlags::NOEXEC,
+            "",
+        );
     }
     if !is_mounted("/dev") {
-        mount("devtmpfs", "/dev", "devtmpfs", libc::MS_NOSUID, "mode=0755");
+        mount(
+            "devtmpfs",
+            "/dev",
+            "devtmpfs",
+            MountFlags::NOSUID,
+            "mode=0755",
+        );
     }
     if !is_mounted("/dev/pts") {
         mount(
             "devpts",
             "/dev/pts",
             "devpts",
-            libc::MS_NOSUID | libc::MS_NOEXEC,
+            MountFlags::NOSUID | MountFlags::NOEXEC,
             "gid=5,mode=620,ptmxmode=666",
         );
     }
@@ -99,7 +118,7 @@ fn mount_all() {
             "cgroup2",
             "/sys/fs/cgroup",
             "cgroup2",
-            nosuid_nodev | libc::MS_NOEXEC,
+            nosuid_nodev | MountFlags::NOEXEC,
             "",
         );
     }
@@ -108,7 +127,7 @@ fn mount_all() {
     let _ = std::os::unix::fs::symlink("/proc/self/fd/1", "/dev/stdout");
     let _ = std::os::unix::fs::symlink("/proc/self/fd/2", "/dev/stderr");
     // The root may have come up read-only from the initramfs.
-    mount("", "/", "", libc::MS_REMOUNT, "");
+    remount_root(MountFlags::empty());
 }
 
 /// The `OPENBLAS_CORETYPE` this CPU needs, from `/proc/cpuinfo`'s text: under TCG the guest CPU
@@ -238,7 +257,7 @@ fn power_off() -> ! {
         libc::kill(-1, libc::SIGKILL);
         libc::sync();
     }
-    mount("", "/", "", libc::MS_REMOUNT | libc::MS_RDONLY, "");
+    remount_root(MountFlags::RDONLY);
     // SAFETY: as above.
     unsafe {
         libc::sync();
@@ -305,31 +324,15 @@ pub fn mount_volume(tag: &str, path: &str) -> Result<(), String> {
         }
     }
     std::fs::create_dir_all(path).map_err(|e| format!("creating {path}: {e}"))?;
-    let (Ok(s), Ok(t), Ok(f)) = (
-        CString::new(tag),
-        CString::new(path),
-        CString::new("virtiofs"),
-    ) else {
-        return Err("a mount tag or path holds NUL".into());
-    };
-    // SAFETY: all pointers are valid NUL-terminated strings that outlive the call; data is
-    // null (no options).
-    let rc = unsafe {
-        libc::mount(
-            s.as_ptr(),
-            t.as_ptr(),
-            f.as_ptr(),
-            libc::MS_NOSUID | libc::MS_NODEV,
-            std::ptr::null(),
-        )
-    };
-    if rc != 0 {
-        return Err(format!(
-            "mount -t virtiofs {tag} {path}: {}",
-            std::io::Error::last_os_error()
-        ));
-    }
-    Ok(())
+    // No options: a null data pointer.
+    rustix::mount::mount(
+        tag,
+        path,
+        "virtiofs",
+        MountFlags::NOSUID | MountFlags::NODEV,
+        None,
+    )
+    .map_err(|e| format!("mount -t virtiofs {tag} {path}: {e}"))
 }
 
 #[cfg(test)]

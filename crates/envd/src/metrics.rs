@@ -1,7 +1,5 @@
 //! `GET /metrics`: CPU, memory and disk of the guest, as the node samples them.
 
-use std::ffi::CString;
-
 use serde::Serialize;
 
 use crate::agent::Agent;
@@ -46,18 +44,14 @@ fn meminfo() -> (u64, u64, u64) {
 }
 
 fn disk(path: &str) -> (u64, u64) {
-    let Ok(c) = CString::new(path) else {
+    let Ok(st) = rustix::fs::statvfs(path) else {
         return (0, 0);
     };
-    // SAFETY: zeroed statvfs is a valid out-parameter.
-    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
-    // SAFETY: c is NUL-terminated and st writable.
-    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
-        return (0, 0);
-    }
-    let frsize = st.f_frsize as u64;
-    let total = st.f_blocks as u64 * frsize;
-    let used = (st.f_blocks as u64).saturating_sub(st.f_bfree as u64) * frsize;
+    let total = st.f_blocks.saturating_mul(st.f_frsize);
+    let used = st
+        .f_blocks
+        .saturating_sub(st.f_bfree)
+        .saturating_mul(st.f_frsize);
     (used, total)
 }
 

@@ -79,6 +79,13 @@ const LOGIN_FILES: &[(&str, &str)] = &[
     ("/root/.profile", include_str!("../assets/root-profile")),
 ];
 
+/// What the guest's package installs do differently, each (guest path, contents): a sandbox
+/// or template build that installs packages does not rebuild an initramfs no boot reads.
+const APT_FILES: &[(&str, &str)] = &[(
+    "/etc/initramfs-tools/update-initramfs.conf",
+    include_str!("../assets/update-initramfs.conf"),
+)];
+
 /// Packages every guest gets (on top of debootstrap's minbase).
 const BASE_PACKAGES: &[&str] = &[
     "bash",
@@ -177,7 +184,7 @@ impl Recipe {
             h.update(Sha256::digest(path));
             h.update(Sha256::digest(text));
         }
-        for (path, text) in LOGIN_FILES {
+        for (path, text) in LOGIN_FILES.iter().chain(APT_FILES) {
             h.update(Sha256::digest(path));
             h.update(Sha256::digest(text));
         }
@@ -283,7 +290,11 @@ pub async fn build_with(
     std::fs::create_dir_all(&staging)?;
 
     install_envd(&tree, &recipe.envd)?;
-    for (path, text) in CODE_INTERPRETER_FILES.iter().chain(LOGIN_FILES) {
+    for (path, text) in CODE_INTERPRETER_FILES
+        .iter()
+        .chain(LOGIN_FILES)
+        .chain(APT_FILES)
+    {
         install_file(&tree, path, text.as_bytes(), 0o644)?;
     }
     let (vmlinuz, initrd, kernel_version) = find_kernel(&tree)?;
@@ -344,22 +355,14 @@ pub async fn build_with(
 /// Blocks until this process holds an exclusive `flock` on `path`; released when the file is
 /// dropped (or the process dies).
 fn lock_exclusive(path: &Path) -> anyhow::Result<std::fs::File> {
-    use std::os::fd::AsRawFd;
     let f = std::fs::OpenOptions::new()
         .create(true)
         .truncate(false)
         .write(true)
         .open(path)
         .with_context(|| format!("opening {}", path.display()))?;
-    // SAFETY: flock on a descriptor we own; no memory is passed.
-    let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) };
-    if rc != 0 {
-        bail!(
-            "locking {}: {}",
-            path.display(),
-            std::io::Error::last_os_error()
-        );
-    }
+    f.lock()
+        .with_context(|| format!("locking {}", path.display()))?;
     Ok(f)
 }
 

@@ -560,11 +560,9 @@ async fn embedded_open_waits_a_bounded_while_for_a_held_lock() {
 /// Takes an exclusive `flock` on `file` as another process would (the last handle's sweeper may
 /// still hold it briefly).
 async fn lock_file(file: &std::path::Path) -> std::fs::File {
-    use std::os::fd::AsRawFd;
     for _ in 0..50 {
         let f = std::fs::File::open(file).unwrap();
-        // SAFETY: flock on a descriptor this test owns.
-        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+        if f.try_lock().is_ok() {
             return f;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;

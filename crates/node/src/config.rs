@@ -186,13 +186,7 @@ pub(crate) fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
 
 /// Free space (MiB) on the filesystem holding `path`, when it can be read.
 pub fn free_mb(path: &std::path::Path) -> Option<u64> {
-    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).ok()?;
-    // SAFETY: a zeroed statvfs is a valid out-parameter.
-    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
-    // SAFETY: `c` is NUL-terminated and `st` is valid for the call.
-    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
-        return None;
-    }
+    let st = rustix::fs::statvfs(path).ok()?;
     Some(st.f_bavail.saturating_mul(st.f_frsize) >> 20)
 }
 

@@ -6,10 +6,14 @@
 //! to the number of claims it saw in the last [`DEMAND_WINDOW`] (hits and misses alike) up to
 //! the pool's maximum while the host has memory to spare, and trimmed back to its base once no
 //! claim came for [`IDLE_AFTER`]. Refills yield to restores: they start only while none is in
-//! flight, take a restore turn, and their processes run at background CPU weight until claimed.
-//! While a key still has a process ready, its refill also waits until its last claim is
-//! [`SETTLE_AFTER_CLAIM`] old, so a new sandbox's first commands do not share the CPU with a
-//! warm-up.
+//! flight and take a restore turn. A process made ahead of demand (the key already holds its
+//! base) runs at background CPU weight until claimed; the one that brings a key back to its base
+//! is the next create's, and runs at the normal weight, as does one being made at background
+//! weight when a claim leaves its key below its base: at background weight a warm-up beside busy
+//! guests could take longer than a user's loop between creates (or time out), and every create
+//! then missed the pool (issue 42). While a key still has a process ready, its refill also waits
+//! until its last claim is [`SETTLE_AFTER_CLAIM`] old, so a new sandbox's first commands do not
+//! share the CPU with a warm-up.
 
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
@@ -17,6 +21,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use vmon_vm::cgroup::Weight;
 use vmon_vm::Vm;
 
 use crate::slots::Slot;
@@ -43,10 +48,12 @@ pub(crate) trait Filler: Send + Sync + 'static {
     fn wanted(&self, key: &str) -> bool;
     /// Ends a process the pool will not keep.
     fn discard(&self, p: Prepared) -> impl Future<Output = ()> + Send;
-    /// One process for pool `key`; None when there is nothing to make for it.
+    /// One process for pool `key` at CPU weight `weight`, named to the pool
+    /// ([`Pool::making`]) as soon as its QEMU runs; None when there is nothing to make for it.
     fn prepare_for_pool(
         &self,
         key: &str,
+        weight: Weight,
     ) -> impl Future<Output = anyhow::Result<Option<Prepared>>> + Send;
 }
 
@@ -131,6 +138,22 @@ fn settle_wait(depth: usize, since_last_claim: Option<Duration>, settle: Duratio
     }
 }
 
+/// The weight a refill makes a key's next process at: the normal one while the key is below its
+/// base (the next create claims that process), the background one above it (ahead of demand).
+fn refill_weight(depth: usize, base: usize) -> Weight {
+    if depth < base {
+        Weight::Normal
+    } else {
+        Weight::Background
+    }
+}
+
+/// The process a key's refill is making now: its QEMU's tag and the weight it runs at.
+struct Making {
+    tag: String,
+    weight: Weight,
+}
+
 /// The claims of one key.
 #[derive(Default)]
 struct Demand {
@@ -163,6 +186,8 @@ pub(crate) struct Pool {
     /// Builds with a refill in flight, so one claim does not start several.
     filling: Mutex<std::collections::HashSet<String>>,
     demand: Mutex<HashMap<String, Demand>>,
+    /// The process each key's refill is making now (see [`Pool::making`]).
+    making: Mutex<HashMap<String, Making>>,
     /// [`DEMAND_WINDOW`] and [`IDLE_AFTER`] (shorter in unit tests).
     window: Duration,
     idle_after: Duration,
@@ -178,6 +203,7 @@ impl Pool {
             ready: Mutex::new(HashMap::new()),
             filling: Mutex::new(Default::default()),
             demand: Mutex::new(HashMap::new()),
+            making: Mutex::new(HashMap::new()),
             window: DEMAND_WINDOW,
             idle_after: IDLE_AFTER,
         }
@@ -244,7 +270,9 @@ impl Pool {
         settle_wait(self.depth(key), since, SETTLE_AFTER_CLAIM)
     }
 
-    /// Takes a ready process of pool `key`, counting the claim (hit or miss) as demand.
+    /// Takes a ready process of pool `key`, counting the claim (hit or miss) as demand. When
+    /// the claim leaves the key below its base, the process its refill is making becomes the
+    /// next create's: it gets the normal CPU weight.
     pub fn take(&self, key: &str) -> Option<Prepared> {
         if let Ok(mut d) = self.demand.lock() {
             let now = Instant::now();
@@ -253,7 +281,67 @@ impl Pool {
             e.claims.push_back(now);
             e.last = Some(now);
         }
-        self.ready.lock().ok()?.get_mut(key)?.pop()
+        let (taken, left) = match self.ready.lock() {
+            Ok(mut m) => match m.get_mut(key) {
+                Some(ready) => (ready.pop(), ready.len()),
+                None => (None, 0),
+            },
+            Err(_) => return None,
+        };
+        if left < self.base(key) {
+            self.hurry(key);
+        }
+        taken
+    }
+
+    /// Names the QEMU (`tag`) a refill of `key` is making, at `weight`. Its weight is raised
+    /// when a claim leaves the key below its base before it is ready ([`Pool::take`]).
+    pub fn making(&self, key: &str, tag: &str, weight: Weight) {
+        if let Ok(mut m) = self.making.lock() {
+            m.insert(
+                key.to_string(),
+                Making {
+                    tag: tag.to_string(),
+                    weight,
+                },
+            );
+        }
+        // A claim between the refill's choice of weight and now found nothing to raise.
+        if self.depth(key) < self.base(key) {
+            self.hurry(key);
+        }
+    }
+
+    /// Forgets the process being made for `key`; returns the weight it runs at now.
+    fn made(&self, key: &str) -> Option<Weight> {
+        self.making
+            .lock()
+            .ok()
+            .and_then(|mut m| m.remove(key))
+            .map(|m| m.weight)
+    }
+
+    #[cfg(test)]
+    fn making_weight(&self, key: &str) -> Option<Weight> {
+        self.making.lock().ok()?.get(key).map(|m| m.weight)
+    }
+
+    /// Gives the process being made for `key`, if any, the normal CPU weight.
+    fn hurry(&self, key: &str) {
+        let Ok(mut m) = self.making.lock() else {
+            return;
+        };
+        let Some(making) = m.get_mut(key) else {
+            return;
+        };
+        if making.weight == Weight::Normal {
+            return;
+        }
+        making.weight = Weight::Normal;
+        tracing::debug!(pool = %key, tag = %making.tag, "pool: the process being made is the next create's now (normal weight)");
+        if let Err(e) = vmon_vm::cgroup::set_weight(&making.tag, Weight::Normal) {
+            tracing::debug!(tag = %making.tag, "raising a pool process's CPU weight: {e:#}");
+        }
     }
 
     /// Whether pool `key` may hold one more process than it has: up to its base always, above
@@ -319,6 +407,7 @@ impl Pool {
         }
         tokio::spawn(async move {
             while node.pool().depth(&key) < node.pool().target(&key) && node.pool().may_grow(&key) {
+                let asked = Instant::now();
                 loop {
                     let wait = node.pool().settle_wait(&key);
                     if wait.is_zero() {
@@ -332,17 +421,36 @@ impl Pool {
                 let Ok(_turn) = node.restore_gate().acquire().await else {
                     break;
                 };
+                let started = Instant::now();
+                let weight = refill_weight(node.pool().depth(&key), node.pool().base(&key));
                 // The new process's overlay is held from the sweep (`Prepared::held`) until
                 // the pool's list names it.
-                match node.prepare_for_pool(&key).await {
+                let made = node.prepare_for_pool(&key, weight).await;
+                let weight = node.pool().made(&key).unwrap_or(weight);
+                match made {
                     Ok(Some(p)) if !node.wanted(&key) => {
                         node.discard(p).await;
                         break;
                     }
-                    Ok(Some(p)) => {
-                        if let Ok(mut m) = node.pool().ready.lock() {
-                            m.entry(key.clone()).or_default().push(p);
-                        }
+                    Ok(Some(mut p)) => {
+                        // A claim may have raised its weight while it was made.
+                        p.weight = weight;
+                        let depth = match node.pool().ready.lock() {
+                            Ok(mut m) => {
+                                let ready = m.entry(key.clone()).or_default();
+                                ready.push(p);
+                                ready.len()
+                            }
+                            Err(_) => 0,
+                        };
+                        tracing::debug!(
+                            pool = %key,
+                            waited_ms = (started - asked).as_millis() as u64,
+                            made_ms = started.elapsed().as_millis() as u64,
+                            ?weight,
+                            depth,
+                            "pool refill made a process"
+                        );
                     }
                     Ok(None) => break,
                     Err(e) => {
@@ -436,6 +544,49 @@ mod tests {
         // The last claim is old, or there was none.
         assert_eq!(settle_wait(2, Some(ms(1500)), settle), Duration::ZERO);
         assert_eq!(settle_wait(2, None, settle), Duration::ZERO);
+    }
+
+    #[test]
+    fn the_next_creates_process_is_made_at_normal_weight_and_growth_in_the_background() {
+        assert_eq!(
+            refill_weight(0, 1),
+            Weight::Normal,
+            "an empty pool: the next create's"
+        );
+        assert_eq!(
+            refill_weight(1, 1),
+            Weight::Background,
+            "at its base: ahead of demand"
+        );
+        assert_eq!(refill_weight(3, 1), Weight::Background);
+        assert_eq!(
+            refill_weight(3, 4),
+            Weight::Normal,
+            "blank pools have a base of 4"
+        );
+    }
+
+    #[test]
+    fn a_claim_that_empties_the_pool_hurries_the_process_being_made() {
+        // Made while the pool was off (base 0): background, and nothing raises it.
+        let p = pool(0, 8, 0);
+        p.making("b1", "no-such-qemu", Weight::Background);
+        p.take("b1");
+        assert_eq!(p.making_weight("b1"), Some(Weight::Background));
+        // With a base of 1 the key is below it: a claim makes its process the next create's.
+        p.set_size(1);
+        p.take("b2");
+        assert_eq!(
+            p.making_weight("b1"),
+            Some(Weight::Background),
+            "a claim of another key changes nothing"
+        );
+        assert!(p.take("b1").is_none(), "nothing ready: a miss");
+        assert_eq!(p.made("b1"), Some(Weight::Normal), "raised by the claim");
+        assert_eq!(p.made("b1"), None, "forgotten once made");
+        // Named after a claim already left the key below its base: raised at once.
+        p.making("b1", "no-such-qemu", Weight::Background);
+        assert_eq!(p.made("b1"), Some(Weight::Normal));
     }
 
     #[test]

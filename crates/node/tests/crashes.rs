@@ -7,7 +7,6 @@
 
 mod common;
 
-use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
@@ -93,8 +92,8 @@ fn wait_released(dir: &Path) {
             .write(true)
             .open(dir.join("node.lock"))
             .expect("lock file");
-        // SAFETY: flock on a descriptor we own; dropping `f` releases it.
-        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+        // Dropping `f` releases it.
+        if f.try_lock().is_ok() {
             return;
         }
         assert!(

@@ -137,7 +137,7 @@ mod tests {
         let (tx, rx) = std::sync::mpsc::sync_channel(4);
         let mut data = vec![0u8; 3 << 20];
         data[(2 << 20) + 5] = 7;
-        let want = crate::sign::sha256_hex(&data);
+        let want = crate::sha256_hex(&data);
         let writer = std::thread::spawn(move || write_sparse(f, rx));
         for c in data.chunks(300_001) {
             tx.send(Bytes::copy_from_slice(c)).expect("send");

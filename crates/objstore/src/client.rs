@@ -1,4 +1,5 @@
-//! The client: one signed request at a time over a pooled hyper connection.
+//! The client: one presigned request at a time over a pooled hyper connection. `rusty-s3`
+//! builds and signs each request's URL and reads the store's XML; this file sends them.
 
 use std::path::Path;
 use std::sync::{Arc, Mutex};
@@ -12,10 +13,11 @@ use hyper::body::Incoming;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
+use rusty_s3::actions::{CreateMultipartUpload, ListObjectsV2};
+use rusty_s3::{Bucket, Credentials, S3Action, UrlStyle};
 use sha2::{Digest, Sha256};
 
 use crate::body::{file_body, full, read_bounded, write_sparse};
-use crate::sign::{self, Signer, ToSign, UNSIGNED_PAYLOAD};
 use crate::{xml, Error, ObjectStoreConfig, Result};
 
 /// Files larger than this go up in parts of this size (multipart upload).
@@ -46,11 +48,8 @@ pub struct ObjectInfo {
 #[derive(Clone)]
 pub struct ObjectStore {
     cfg: ObjectStoreConfig,
-    signer: Signer,
-    /// `scheme://authority` of the endpoint.
-    base: String,
-    /// The `Host` header (and the signed host).
-    host: String,
+    bucket: Arc<Bucket>,
+    credentials: Arc<Credentials>,
     prefix: String,
     part_size: u64,
     list_page: u32,
@@ -85,15 +84,51 @@ fn parse_rfc3339(s: &str) -> Option<i64> {
         .map(|t| t.unix_timestamp())
 }
 
-/// What a request sends besides its method and key.
-struct Call<'a> {
+/// Builds a request's body afresh for each attempt.
+type BodyFn<'a> =
+    &'a (dyn Fn() -> futures::future::BoxFuture<'static, anyhow::Result<ReqBody>> + Sync);
+
+/// One request: its action (which names the method, the key and the query, and signs them),
+/// the headers signed with it, and its body.
+struct Call<'a, A> {
     what: &'a str,
-    query: Vec<(String, String)>,
-    /// Builds the body afresh for each attempt.
-    body: &'a (dyn Fn() -> futures::future::BoxFuture<'static, anyhow::Result<ReqBody>> + Sync),
+    action: A,
+    /// Sent and signed (lower-case names).
+    headers: Vec<(&'static str, String)>,
+    body: BodyFn<'a>,
     len: u64,
-    payload_hash: String,
     timeout: Duration,
+}
+
+impl<'a, A> Call<'a, A> {
+    /// A request whose body streams from a file, with no signed header of its own.
+    fn streamed(what: &'a str, action: A, body: BodyFn<'a>, len: u64, timeout: Duration) -> Self {
+        Call {
+            what,
+            action,
+            headers: Vec::new(),
+            body,
+            len,
+            timeout,
+        }
+    }
+}
+
+/// `Content-MD5` of a body: the store refuses the body if it does not match, and the header is
+/// signed, so a small body cannot be altered on the way.
+fn content_md5(data: &[u8]) -> String {
+    use base64::Engine;
+    base64::engine::general_purpose::STANDARD.encode(<md5::Md5 as md5::Digest>::digest(data))
+}
+
+fn http_method(m: rusty_s3::Method) -> Method {
+    match m {
+        rusty_s3::Method::Head => Method::HEAD,
+        rusty_s3::Method::Get => Method::GET,
+        rusty_s3::Method::Post => Method::POST,
+        rusty_s3::Method::Put => Method::PUT,
+        rusty_s3::Method::Delete => Method::DELETE,
+    }
 }
 
 impl ObjectStore {
@@ -120,11 +155,15 @@ impl ObjectStore {
         if cfg.bucket.is_empty() || cfg.bucket.contains('/') {
             anyhow::bail!("{:?} is not a bucket name", cfg.bucket);
         }
-        let default_port = if scheme == "https" { 443 } else { 80 };
-        let host = match authority.port_u16() {
-            Some(p) if p != default_port => format!("{}:{p}", authority.host()),
-            _ => authority.host().to_string(),
-        };
+        let endpoint = url::Url::parse(&format!("{scheme}://{authority}/"))
+            .with_context(|| format!("object store endpoint {:?}", cfg.endpoint))?;
+        let bucket = Bucket::new(
+            endpoint,
+            UrlStyle::Path,
+            cfg.bucket.clone(),
+            cfg.region.clone(),
+        )
+        .with_context(|| format!("object store bucket {:?}", cfg.bucket))?;
         let mut http = HttpConnector::new();
         http.enforce_http(false);
         http.set_connect_timeout(Some(Duration::from_secs(10)));
@@ -142,13 +181,11 @@ impl ObjectStore {
             prefix.push('/');
         }
         Ok(ObjectStore {
-            signer: Signer {
-                access_key_id: cfg.access_key_id.clone(),
-                secret_access_key: cfg.secret_access_key.clone(),
-                region: cfg.region.clone(),
-            },
-            base: format!("{scheme}://{authority}"),
-            host,
+            bucket: Arc::new(bucket),
+            credentials: Arc::new(Credentials::new(
+                cfg.access_key_id.clone(),
+                cfg.secret_access_key.clone(),
+            )),
             prefix,
             part_size: DEFAULT_PART_SIZE,
             list_page: 1000,
@@ -177,47 +214,34 @@ impl ObjectStore {
         format!("{}{key}", self.prefix)
     }
 
-    /// Sends one signed request for `key` (`""`: the bucket), repeating it on connection
+    /// Sends one presigned request (about `key`, `""`: the bucket), repeating it on connection
     /// failures and 5xx answers; non-2xx answers become errors (404 [`Error::NotFound`]).
-    async fn send(&self, method: Method, key: &str, call: Call<'_>) -> Result<Response<Incoming>> {
-        let path = sign::encode_path(
-            &self.cfg.bucket,
-            &if key.is_empty() {
-                String::new()
-            } else {
-                self.full_key(key)
-            },
-        );
-        let query = sign::canonical_query(&call.query);
-        let uri = if query.is_empty() {
-            format!("{}{path}", self.base)
-        } else {
-            format!("{}{path}?{query}", self.base)
-        };
+    async fn send<'a, A: S3Action<'a>>(
+        &self,
+        key: &str,
+        mut call: Call<'_, A>,
+    ) -> Result<Response<Incoming>> {
+        for (name, value) in &call.headers {
+            call.action.headers_mut().insert(*name, value.clone());
+        }
+        // One URL serves every attempt: valid for all of them and their pauses.
+        let valid = (call.timeout + Duration::from_secs(5)) * ATTEMPTS + Duration::from_secs(60);
+        let url = call.action.sign(valid);
+        let method = http_method(A::METHOD);
         let mut last: Option<Error> = None;
         for attempt in 0..ATTEMPTS {
             if attempt > 0 {
                 tokio::time::sleep(Duration::from_millis(200 << attempt)).await;
             }
-            let amz_date = sign::amz_date(time::OffsetDateTime::now_utc());
-            let auth = self.signer.authorization(&ToSign {
-                method: method.as_str(),
-                path: &path,
-                query: &call.query,
-                host: &self.host,
-                headers: &[],
-                payload_hash: &call.payload_hash,
-                amz_date: &amz_date,
-            });
             let body = (call.body)().await?;
-            let req = Request::builder()
+            let mut req = Request::builder()
                 .method(method.clone())
-                .uri(&uri)
-                .header(http::header::HOST, &self.host)
-                .header("x-amz-date", &amz_date)
-                .header("x-amz-content-sha256", &call.payload_hash)
-                .header(http::header::AUTHORIZATION, auth)
-                .header(http::header::CONTENT_LENGTH, call.len)
+                .uri(url.as_str())
+                .header(http::header::CONTENT_LENGTH, call.len);
+            for (name, value) in &call.headers {
+                req = req.header(*name, value);
+            }
+            let req = req
                 .body(body)
                 .map_err(|e| anyhow!("building the request: {e}"))?;
             let resp = match tokio::time::timeout(call.timeout, self.client.request(req)).await {
@@ -235,11 +259,6 @@ impl ObjectStore {
             if status.is_success() {
                 return Ok(resp);
             }
-            let text = read_bounded(resp.into_body(), 64 << 10)
-                .await
-                .map(|b| String::from_utf8_lossy(&b).into_owned())
-                .unwrap_or_default();
-            let code = xml::first(&text, "Code").unwrap_or_default();
             if status == StatusCode::NOT_FOUND {
                 return Err(Error::NotFound(if key.is_empty() {
                     format!("bucket {}", self.cfg.bucket)
@@ -247,11 +266,16 @@ impl ObjectStore {
                     key.to_string()
                 }));
             }
+            let text = read_bounded(resp.into_body(), 64 << 10)
+                .await
+                .map(|b| String::from_utf8_lossy(&b).into_owned())
+                .unwrap_or_default();
+            let (code, message) = xml::error(&text).unwrap_or_default();
             let e = Error::Status {
                 what: call.what.to_string(),
                 status: status.as_u16(),
                 code,
-                message: xml::first(&text, "Message").unwrap_or_default(),
+                message,
             };
             if !status.is_server_error() {
                 return Err(e);
@@ -261,30 +285,32 @@ impl ObjectStore {
         Err(last.unwrap_or_else(|| anyhow!("{}: no attempt was made", call.what).into()))
     }
 
-    /// A request with a small in-memory body (hashed and signed).
-    async fn send_bytes(
+    /// A request with a small in-memory body (its `Content-MD5` signed).
+    async fn send_bytes<'a, A: S3Action<'a>>(
         &self,
-        method: Method,
         key: &str,
         what: &str,
-        query: Vec<(String, String)>,
+        action: A,
         data: Bytes,
     ) -> Result<Response<Incoming>> {
-        let hash = sign::sha256_hex(&data);
         let len = data.len() as u64;
+        let headers = if data.is_empty() {
+            Vec::new()
+        } else {
+            vec![("content-md5", content_md5(&data))]
+        };
         let body = move || -> futures::future::BoxFuture<'static, anyhow::Result<ReqBody>> {
             let d = data.clone();
             Box::pin(async move { Ok(full(d)) })
         };
         self.send(
-            method,
             key,
             Call {
                 what,
-                query,
+                action,
+                headers,
                 body: &body,
                 len,
-                payload_hash: hash,
                 timeout: IDLE,
             },
         )
@@ -293,16 +319,15 @@ impl ObjectStore {
 
     /// Creates the bucket unless it exists.
     pub async fn ensure_bucket(&self) -> Result<()> {
-        match self
-            .send_bytes(Method::HEAD, "", "head bucket", Vec::new(), Bytes::new())
-            .await
-        {
+        let head = self.bucket.head_bucket(Some(&*self.credentials));
+        match self.send_bytes("", "head bucket", head, Bytes::new()).await {
             Ok(_) => return Ok(()),
             Err(Error::NotFound(_)) => {}
             Err(e) => return Err(e),
         }
+        let create = self.bucket.create_bucket(&self.credentials);
         match self
-            .send_bytes(Method::PUT, "", "create bucket", Vec::new(), Bytes::new())
+            .send_bytes("", "create bucket", create, Bytes::new())
             .await
         {
             Ok(_) => Ok(()),
@@ -317,10 +342,9 @@ impl ObjectStore {
 
     /// The object's size, or `None` when it is absent.
     pub async fn head(&self, key: &str) -> Result<Option<ObjectInfo>> {
-        let resp = match self
-            .send_bytes(Method::HEAD, key, "head", Vec::new(), Bytes::new())
-            .await
-        {
+        let full = self.full_key(key);
+        let head = self.bucket.head_object(Some(&*self.credentials), &full);
+        let resp = match self.send_bytes(key, "head", head, Bytes::new()).await {
             Ok(r) => r,
             Err(Error::NotFound(_)) => return Ok(None),
             Err(e) => return Err(e),
@@ -345,10 +369,9 @@ impl ObjectStore {
 
     /// Deletes the object (absent is fine).
     pub async fn delete(&self, key: &str) -> Result<()> {
-        match self
-            .send_bytes(Method::DELETE, key, "delete", Vec::new(), Bytes::new())
-            .await
-        {
+        let full = self.full_key(key);
+        let delete = self.bucket.delete_object(Some(&*self.credentials), &full);
+        match self.send_bytes(key, "delete", delete, Bytes::new()).await {
             Ok(_) | Err(Error::NotFound(_)) => Ok(()),
             Err(e) => Err(e),
         }
@@ -356,17 +379,17 @@ impl ObjectStore {
 
     /// Puts a small object from memory.
     pub async fn put_bytes(&self, key: &str, data: Bytes) -> Result<()> {
-        self.send_bytes(Method::PUT, key, "put", Vec::new(), data)
-            .await?;
+        let full = self.full_key(key);
+        let put = self.bucket.put_object(Some(&*self.credentials), &full);
+        self.send_bytes(key, "put", put, data).await?;
         Ok(())
     }
 
     /// A small object, read into memory: `None` when absent, an error beyond `max` bytes.
     pub async fn get_bytes(&self, key: &str, max: usize) -> Result<Option<Bytes>> {
-        match self
-            .send_bytes(Method::GET, key, "get", Vec::new(), Bytes::new())
-            .await
-        {
+        let full = self.full_key(key);
+        let get = self.bucket.get_object(Some(&*self.credentials), &full);
+        match self.send_bytes(key, "get", get, Bytes::new()).await {
             Ok(r) => Ok(Some(read_bounded(r.into_body(), max).await?)),
             Err(Error::NotFound(_)) => Ok(None),
             Err(e) => Err(e),
@@ -377,36 +400,30 @@ impl ObjectStore {
     pub async fn list(&self, prefix: &str) -> Result<Vec<ObjectInfo>> {
         let mut out = Vec::new();
         let mut token: Option<String> = None;
+        let full_prefix = self.full_key(prefix);
         loop {
-            let mut query = vec![
-                ("list-type".to_string(), "2".to_string()),
-                ("prefix".to_string(), self.full_key(prefix)),
-                ("max-keys".to_string(), self.list_page.to_string()),
-            ];
+            let mut list = self.bucket.list_objects_v2(Some(&*self.credentials));
+            list.with_prefix(full_prefix.as_str());
+            list.with_max_keys(self.list_page as usize);
             if let Some(t) = &token {
-                query.push(("continuation-token".to_string(), t.clone()));
+                list.with_continuation_token(t.clone());
             }
-            let resp = self
-                .send_bytes(Method::GET, "", "list", query, Bytes::new())
-                .await?;
+            let resp = self.send_bytes("", "list", list, Bytes::new()).await?;
             let body = read_bounded(resp.into_body(), MAX_XML).await?;
-            let doc = String::from_utf8_lossy(&body);
-            for c in xml::sections(&doc, "Contents") {
-                let key = xml::first(c, "Key").ok_or_else(|| anyhow!("a listing without Key"))?;
-                let Some(key) = key.strip_prefix(&self.prefix) else {
+            let page = ListObjectsV2::parse_response(&String::from_utf8_lossy(&body))
+                .map_err(|e| anyhow!("the store's listing: {e}"))?;
+            for c in page.contents {
+                let Some(key) = c.key.strip_prefix(&self.prefix) else {
                     continue;
                 };
                 out.push(ObjectInfo {
                     key: key.to_string(),
-                    size: xml::first(c, "Size")
-                        .and_then(|s| s.parse().ok())
-                        .unwrap_or(0),
-                    modified_unix: xml::first(c, "LastModified").and_then(|s| parse_rfc3339(&s)),
+                    size: c.size.unwrap_or(0),
+                    modified_unix: c.last_modified.as_deref().and_then(parse_rfc3339),
                 });
             }
-            let truncated = xml::first(&doc, "IsTruncated").as_deref() == Some("true");
-            token = xml::first(&doc, "NextContinuationToken").filter(|t| !t.is_empty());
-            if !truncated || token.is_none() {
+            token = page.next_continuation_token.filter(|t| !t.is_empty());
+            if token.is_none() {
                 break;
             }
         }
@@ -422,34 +439,31 @@ impl ObjectStore {
             .len();
         if len <= self.part_size {
             let (_, hash) = self
-                .put_part(key, path, Vec::new(), 0, len, Sha256::new())
+                .put_part(key, path, None, 0, len, Sha256::new())
                 .await?;
             return Ok((len, hex::encode(hash.finalize())));
         }
         let part_size = self.part_size.max(len.div_ceil(MAX_PARTS));
+        let full = self.full_key(key);
+        let start = CreateMultipartUpload::new(&self.bucket, Some(&*self.credentials), &full);
         let resp = self
-            .send_bytes(
-                Method::POST,
-                key,
-                "start multipart upload",
-                vec![("uploads".into(), String::new())],
-                Bytes::new(),
-            )
+            .send_bytes(key, "start multipart upload", start, Bytes::new())
             .await?;
         let doc = read_bounded(resp.into_body(), MAX_XML).await?;
-        let upload_id = xml::first(&String::from_utf8_lossy(&doc), "UploadId")
-            .filter(|u| !u.is_empty())
-            .ok_or_else(|| anyhow!("the store's multipart answer has no UploadId"))?;
+        let upload_id = CreateMultipartUpload::parse_response(&String::from_utf8_lossy(&doc))
+            .map_err(|e| anyhow!("the store's multipart answer: {e}"))?
+            .upload_id()
+            .to_string();
+        if upload_id.is_empty() {
+            return Err(anyhow!("the store's multipart answer has no UploadId").into());
+        }
         let result = self.put_parts(key, path, &upload_id, len, part_size).await;
         if result.is_err() {
+            let abort =
+                self.bucket
+                    .abort_multipart_upload(Some(&*self.credentials), &full, &upload_id);
             let abort = self
-                .send_bytes(
-                    Method::DELETE,
-                    key,
-                    "abort multipart upload",
-                    vec![("uploadId".into(), upload_id.clone())],
-                    Bytes::new(),
-                )
+                .send_bytes(key, "abort multipart upload", abort, Bytes::new())
                 .await;
             if let Err(e) = abort {
                 tracing::warn!(key, "aborting a failed multipart upload failed: {e}");
@@ -472,55 +486,45 @@ impl ObjectStore {
         let mut number = 1u32;
         while offset < len {
             let n = part_size.min(len - offset);
-            let query = vec![
-                ("partNumber".to_string(), number.to_string()),
-                ("uploadId".to_string(), upload_id.to_string()),
-            ];
-            let (etag, h) = self.put_part(key, path, query, offset, n, hash).await?;
+            let part = Some((number, upload_id));
+            let (etag, h) = self.put_part(key, path, part, offset, n, hash).await?;
             hash = h;
             etags.push(etag);
             offset += n;
             number += 1;
         }
-        let mut doc = String::from("<CompleteMultipartUpload>");
-        for (i, etag) in etags.iter().enumerate() {
-            doc.push_str(&format!(
-                "<Part><PartNumber>{}</PartNumber><ETag>{}</ETag></Part>",
-                i + 1,
-                xml::escape(etag)
-            ));
-        }
-        doc.push_str("</CompleteMultipartUpload>");
+        let full = self.full_key(key);
+        let complete = self.bucket.complete_multipart_upload(
+            Some(&*self.credentials),
+            &full,
+            upload_id,
+            etags.iter().map(String::as_str),
+        );
+        let doc = complete.clone().body();
         let resp = self
-            .send_bytes(
-                Method::POST,
-                key,
-                "complete multipart upload",
-                vec![("uploadId".into(), upload_id.to_string())],
-                Bytes::from(doc),
-            )
+            .send_bytes(key, "complete multipart upload", complete, Bytes::from(doc))
             .await?;
         // S3 may answer 200 with an error document once the parts are assembled.
         let answer = read_bounded(resp.into_body(), MAX_XML).await?;
-        let answer = String::from_utf8_lossy(&answer);
-        if answer.contains("<Error>") {
+        if let Some((code, message)) = xml::error(&String::from_utf8_lossy(&answer)) {
             return Err(Error::Status {
                 what: "complete multipart upload".into(),
                 status: 200,
-                code: xml::first(&answer, "Code").unwrap_or_default(),
-                message: xml::first(&answer, "Message").unwrap_or_default(),
+                code,
+                message,
             });
         }
         Ok((len, hex::encode(hash.finalize())))
     }
 
-    /// PUTs `len` bytes of the file at `offset` (a whole object, or a part when `query` names
-    /// one); returns the ETag and `hash` advanced over the bytes that were sent.
+    /// PUTs `len` bytes of the file at `offset` (a whole object, or a part when `part` names
+    /// its number and upload); returns the ETag and `hash` advanced over the bytes that were
+    /// sent.
     async fn put_part(
         &self,
         key: &str,
         path: &Path,
-        query: Vec<(String, String)>,
+        part: Option<(u32, &str)>,
         offset: u64,
         len: u64,
         hash: Sha256,
@@ -541,20 +545,22 @@ impl ObjectStore {
         };
         // 64 MiB at no less than ~1 MiB/s, plus a minute.
         let timeout = IDLE + Duration::from_secs(len >> 20);
-        let resp = self
-            .send(
-                Method::PUT,
-                key,
-                Call {
-                    what: "put",
-                    query,
-                    body: &body,
-                    len,
-                    payload_hash: UNSIGNED_PAYLOAD.into(),
-                    timeout,
-                },
-            )
-            .await?;
+        let full = self.full_key(key);
+        let creds = Some(&*self.credentials);
+        let resp = match part {
+            None => {
+                let put = self.bucket.put_object(creds, &full);
+                let call = Call::streamed("put", put, &body, len, timeout);
+                self.send(key, call).await?
+            }
+            Some((number, upload_id)) => {
+                // At most MAX_PARTS (10 000) parts: the number fits.
+                let number = u16::try_from(number).map_err(|_| anyhow!("part {number}"))?;
+                let put = self.bucket.upload_part(creds, &full, number, upload_id);
+                let call = Call::streamed("put part", put, &body, len, timeout);
+                self.send(key, call).await?
+            }
+        };
         let etag = resp
             .headers()
             .get(http::header::ETAG)
@@ -607,9 +613,9 @@ impl ObjectStore {
     }
 
     async fn download(&self, key: &str, tmp: &Path, want: Option<&str>) -> Result<(u64, String)> {
-        let resp = self
-            .send_bytes(Method::GET, key, "get", Vec::new(), Bytes::new())
-            .await?;
+        let full = self.full_key(key);
+        let get = self.bucket.get_object(Some(&*self.credentials), &full);
+        let resp = self.send_bytes(key, "get", get, Bytes::new()).await?;
         let expected_len: Option<u64> = resp
             .headers()
             .get(http::header::CONTENT_LENGTH)
@@ -683,6 +689,7 @@ fn httpdate_unix(s: &str) -> Option<i64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::body::full as full_body;
 
     #[test]
     fn store_dates_parse_in_both_of_s3s_forms() {
@@ -710,9 +717,41 @@ mod tests {
         assert!(ObjectStore::new(cfg("ftp://x")).is_err());
         assert!(ObjectStore::new(cfg("http://x/bucket")).is_err());
         let s = ObjectStore::new(cfg("http://127.0.0.1:3900/")).expect("ok");
-        assert_eq!(s.host, "127.0.0.1:3900");
+        assert_eq!(
+            s.bucket.object_url("a b").as_str(),
+            "http://127.0.0.1:3900/b/a%20b"
+        );
         assert_eq!(s.full_key("a"), "p/a");
         let s = ObjectStore::new(cfg("https://s3.example:443")).expect("ok");
-        assert_eq!(s.host, "s3.example");
+        assert_eq!(s.bucket.object_url("k").as_str(), "https://s3.example/b/k");
+    }
+
+    #[tokio::test]
+    async fn a_small_body_altered_after_signing_is_refused_by_the_store() {
+        let tmp = tempfile::tempdir().expect("tmp");
+        let g = crate::dev::DevGarage::start(&tmp.path().join("garage")).expect("garage");
+        let store = ObjectStore::new(g.config.clone()).expect("store");
+        store.ensure_bucket().await.expect("bucket");
+        // Signed for one body, sent with another: what an on-path rewrite would do.
+        let full = store.full_key("k");
+        let put = store.bucket.put_object(Some(&*store.credentials), &full);
+        let evil = move || -> futures::future::BoxFuture<'static, anyhow::Result<ReqBody>> {
+            Box::pin(async { Ok(full_body(Bytes::from_static(b"evil"))) })
+        };
+        let mut call = Call::streamed("put", put, &evil, 4, IDLE);
+        call.headers = vec![("content-md5", content_md5(b"good"))];
+        match store.send("k", call).await {
+            Err(Error::Status { status: 400, .. }) => {}
+            other => panic!("an altered body must be refused: {other:?}"),
+        }
+        assert_eq!(store.get_bytes("k", 16).await.expect("get"), None);
+        store
+            .put_bytes("k", Bytes::from_static(b"good"))
+            .await
+            .expect("the signed body itself goes up");
+        assert_eq!(
+            store.get_bytes("k", 16).await.expect("get").as_deref(),
+            Some(&b"good"[..])
+        );
     }
 }

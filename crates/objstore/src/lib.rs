@@ -1,21 +1,27 @@
-//! A small S3 client of vmon's own: AWS Signature V4 over hyper, path-style URLs, the few
-//! operations builds need (streamed put with multipart for large files, streamed and
-//! integrity-checked get, head, delete, paged list, bucket creation). Tested against garage.
+//! A small S3 client: requests presigned (AWS Signature V4) and listings and multipart answers
+//! parsed by `rusty-s3`, sent over hyper with path-style URLs; the few operations builds need
+//! (streamed put with multipart for large files, streamed and integrity-checked get, head,
+//! delete, paged list, bucket creation). Tested against garage.
 //!
 //! Every buffered response body (listings, errors, small objects) is size-bounded; object
-//! bodies stream to and from files.
+//! bodies stream to and from files. Small bodies carry a signed `Content-MD5`, so the store
+//! refuses them altered; streamed ones are checked by the sha256 a download is given.
 
 mod bench;
 mod body;
 mod client;
 pub mod dev;
-pub mod sign;
-pub mod xml;
+mod xml;
 
 pub use bench::{bench, BenchResult};
 pub use client::{ObjectInfo, ObjectStore, DEFAULT_PART_SIZE};
 
 use serde::{Deserialize, Serialize};
+
+/// Lower-case hex sha256 of `data`.
+pub fn sha256_hex(data: &[u8]) -> String {
+    hex::encode(<sha2::Sha256 as sha2::Digest>::digest(data))
+}
 
 /// Where the store is and how to sign for it.
 #[derive(Clone, Serialize, Deserialize, PartialEq, Eq)]

@@ -9,24 +9,9 @@ use vmon_store::{Store, StoreConfig};
 
 const ITERATIONS: usize = 300;
 
-fn machine() -> String {
-    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-    let model = cpuinfo
-        .lines()
-        .find_map(|l| {
-            l.strip_prefix("model name")
-                .and_then(|r| r.split_once(':'))
-                .map(|(_, m)| m.trim().to_owned())
-        })
-        .unwrap_or_default();
-    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
-    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-    format!("nproc {cpus}, CPU {model}, kernel {}", kernel.trim())
-}
-
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
-    println!("machine: {}", machine());
+    println!("machine: {}", vmon_benchstat::Machine::detect());
     let dir = tempfile::tempdir().expect("temp dir");
     let sqlite = Store::open(&StoreConfig::sqlite(
         dir.path().join("bench.db"),

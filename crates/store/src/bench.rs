@@ -1,47 +1,13 @@
 //! Latency benchmarks of the store's hot writes, callable from `cargo bench -p vmon-store` and
 //! from `vmon bench kv`. Sequential, so the figures are commit latencies.
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use time::OffsetDateTime;
 
+pub use vmon_benchstat::Percentiles;
+
 use crate::{event_types, NewEvent, Result, SandboxRecord, SandboxState, Store};
-
-/// Median and tail of one measured operation.
-#[derive(Clone, Debug)]
-pub struct Percentiles {
-    pub samples: usize,
-    pub p50: Duration,
-    pub p99: Duration,
-}
-
-impl Percentiles {
-    pub fn from_samples(mut samples: Vec<Duration>) -> Percentiles {
-        samples.sort();
-        let at = |q: f64| {
-            let i = ((samples.len() as f64 - 1.0) * q).round() as usize;
-            samples.get(i).copied().unwrap_or_default()
-        };
-        Percentiles {
-            samples: samples.len(),
-            p50: at(0.50),
-            p99: at(0.99),
-        }
-    }
-}
-
-impl std::fmt::Display for Percentiles {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let ms = |d: Duration| d.as_secs_f64() * 1000.0;
-        write!(
-            f,
-            "p50 {:8.3} ms  p99 {:8.3} ms  (n={})",
-            ms(self.p50),
-            ms(self.p99),
-            self.samples
-        )
-    }
-}
 
 /// Figures for one backend.
 #[derive(Clone, Debug)]

@@ -13,8 +13,9 @@
 //! SQLite (the default, one file in the data dir; one writer connection plus readers, WAL,
 //! `synchronous=FULL`) and PostgreSQL 15+. Both run the same SQL except where they cannot
 //! (the outbox claim uses `FOR UPDATE SKIP LOCKED` on PostgreSQL; SQLite's single writer makes
-//! the same statement exclusive). Migrations live in `migrations/{sqlite,postgres}` and are
-//! applied by [`Store::open`].
+//! the same statement exclusive). Migrations live in `migrations/{sqlite,postgres}`, are
+//! embedded in the binary and applied by [`Store::open`] with sqlx's migrator
+//! (`_sqlx_migrations`); databases of the earlier runner (`vmon_migrations`) are adopted.
 //!
 //! # The API in one screen
 //! ```text
@@ -103,6 +104,9 @@ pub enum StoreError {
     /// Encrypting or decrypting a webhook secret failed (wrong key?).
     #[error("the webhook secret could not be decrypted with the configured key")]
     Crypto,
+    /// The schema could not be brought up to date (or an applied migration changed).
+    #[error("the store's migrations failed")]
+    Migrate(#[from] sqlx::migrate::MigrateError),
 }
 
 impl From<sqlx::Error> for StoreError {
@@ -184,66 +188,63 @@ impl std::fmt::Debug for Store {
     }
 }
 
-struct Migration {
-    version: i64,
-    description: &'static str,
-    sql: &'static str,
+/// The migrations of one backend, embedded in the binary, for sqlx's migrator (which keeps
+/// them in `_sqlx_migrations` with their checksums and refuses an applied one that changed).
+/// `sqlx::migrate!` would embed the same files through a proc macro that builds sqlx's
+/// drivers, bundled SQLite included, a second time for the host; this is its one-screen
+/// equivalent.
+#[derive(Debug)]
+struct Embedded(&'static [(i64, &'static str, &'static str)]);
+
+impl sqlx::migrate::MigrationSource<'static> for Embedded {
+    fn resolve(
+        self,
+    ) -> futures::future::BoxFuture<
+        'static,
+        std::result::Result<Vec<sqlx::migrate::Migration>, sqlx::error::BoxDynError>,
+    > {
+        Box::pin(async move {
+            Ok(self
+                .0
+                .iter()
+                .map(|&(version, description, sql)| {
+                    sqlx::migrate::Migration::new(
+                        version,
+                        description.into(),
+                        sqlx::migrate::MigrationType::Simple,
+                        sql.into(),
+                        false,
+                    )
+                })
+                .collect())
+        })
+    }
 }
 
-const SQLITE_MIGRATIONS: &[Migration] = &[
-    Migration {
-        version: 1,
-        description: "init",
-        sql: include_str!("../migrations/sqlite/0001_init.sql"),
-    },
-    Migration {
-        version: 2,
-        description: "build memory and parent",
-        sql: include_str!("../migrations/sqlite/0002_build_memory.sql"),
-    },
-    Migration {
-        version: 3,
-        description: "template builds, their logs, the layer cache",
-        sql: include_str!("../migrations/sqlite/0003_template_builds.sql"),
-    },
-    Migration {
-        version: 4,
-        description: "volumes",
-        sql: include_str!("../migrations/sqlite/0004_volumes.sql"),
-    },
-    Migration {
-        version: 5,
-        description: "secrets",
-        sql: include_str!("../migrations/sqlite/0005_secrets.sql"),
-    },
-];
-const POSTGRES_MIGRATIONS: &[Migration] = &[
-    Migration {
-        version: 1,
-        description: "init",
-        sql: include_str!("../migrations/postgres/0001_init.sql"),
-    },
-    Migration {
-        version: 2,
-        description: "build memory and parent",
-        sql: include_str!("../migrations/postgres/0002_build_memory.sql"),
-    },
-    Migration {
-        version: 3,
-        description: "template builds, their logs, the layer cache",
-        sql: include_str!("../migrations/postgres/0003_template_builds.sql"),
-    },
-    Migration {
-        version: 4,
-        description: "volumes",
-        sql: include_str!("../migrations/postgres/0004_volumes.sql"),
-    },
-    Migration {
-        version: 5,
-        description: "secrets",
-        sql: include_str!("../migrations/postgres/0005_secrets.sql"),
-    },
-];
+macro_rules! migrations {
+    ($dir:literal: $($version:literal $name:literal $description:literal),* $(,)?) => {
+        &[$((
+            $version,
+            $description,
+            include_str!(concat!("../migrations/", $dir, "/", $name, ".sql")),
+        )),*]
+    };
+}
+
+const SQLITE_MIGRATIONS: Embedded = Embedded(migrations!("sqlite":
+    1 "0001_init" "init",
+    2 "0002_build_memory" "build memory and parent",
+    3 "0003_template_builds" "template builds, their logs, the layer cache",
+    4 "0004_volumes" "volumes",
+    5 "0005_secrets" "secrets",
+));
+const POSTGRES_MIGRATIONS: Embedded = Embedded(migrations!("postgres":
+    1 "0001_init" "init",
+    2 "0002_build_memory" "build memory and parent",
+    3 "0003_template_builds" "template builds, their logs, the layer cache",
+    4 "0004_volumes" "volumes",
+    5 "0005_secrets" "secrets",
+));
 
 /// Serializes concurrent migrations of several `vmon api` replicas on PostgreSQL.
 const MIGRATION_LOCK: i64 = 0x766d_6f6e_0001;
@@ -333,10 +334,6 @@ impl Store {
 
 async fn migrate(pool: &AnyPool, backend: Backend) -> Result<()> {
     let mut conn = pool.acquire().await?;
-    let migrations = match backend {
-        Backend::Sqlite => SQLITE_MIGRATIONS,
-        Backend::Postgres => POSTGRES_MIGRATIONS,
-    };
     if backend == Backend::Postgres {
         sqlx::raw_sql(&format!(
             "DO $$ BEGIN PERFORM pg_advisory_lock({MIGRATION_LOCK}); END $$"
@@ -344,7 +341,7 @@ async fn migrate(pool: &AnyPool, backend: Backend) -> Result<()> {
         .execute(&mut *conn)
         .await?;
     }
-    let result = apply_migrations(&mut conn, migrations).await;
+    let result = apply_migrations(&mut conn, backend).await;
     if backend == Backend::Postgres {
         sqlx::raw_sql(&format!(
             "DO $$ BEGIN PERFORM pg_advisory_unlock({MIGRATION_LOCK}); END $$"
@@ -355,37 +352,79 @@ async fn migrate(pool: &AnyPool, backend: Backend) -> Result<()> {
     result
 }
 
-async fn apply_migrations(conn: &mut sqlx::AnyConnection, migrations: &[Migration]) -> Result<()> {
+async fn apply_migrations(conn: &mut sqlx::AnyConnection, backend: Backend) -> Result<()> {
+    let source = match backend {
+        Backend::Sqlite => SQLITE_MIGRATIONS,
+        Backend::Postgres => POSTGRES_MIGRATIONS,
+    };
+    let mut migrator = sqlx::migrate::Migrator::new(source).await?;
+    // An older binary starts on a schema a newer one extended (a rolling upgrade), as before.
+    migrator.set_ignore_missing(true);
+    adopt_vmon_migrations(conn, backend, &migrator).await?;
+    migrator.run_direct(&mut *conn).await?;
+    Ok(())
+}
+
+/// Databases migrated before sqlx's runner recorded their versions in `vmon_migrations`
+/// (version, description, applied_at): those versions are entered into `_sqlx_migrations`
+/// with the checksums of the embedded files (the files are the ones that were applied), once,
+/// so that the migrator applies only what is newer. `vmon_migrations` stays, unwritten, so
+/// an older binary still starts during a rolling upgrade.
+async fn adopt_vmon_migrations(
+    conn: &mut sqlx::AnyConnection,
+    backend: Backend,
+    migrator: &sqlx::migrate::Migrator,
+) -> Result<()> {
+    use sqlx::migrate::Migrate;
     use sqlx::{Connection, Row};
-    sqlx::raw_sql(
-        "CREATE TABLE IF NOT EXISTS vmon_migrations (version BIGINT PRIMARY KEY, \
-         description TEXT NOT NULL, applied_at BIGINT NOT NULL)",
-    )
-    .execute(&mut *conn)
-    .await?;
-    let applied: Vec<i64> = sqlx::query("SELECT version FROM vmon_migrations")
+    let exists = match backend {
+        Backend::Sqlite => {
+            "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'vmon_migrations'"
+        }
+        Backend::Postgres => {
+            "SELECT count(*) FROM information_schema.tables \
+             WHERE table_schema = current_schema() AND table_name = 'vmon_migrations'"
+        }
+    };
+    let n: i64 = sqlx::query(exists)
+        .fetch_one(&mut *conn)
+        .await?
+        .try_get(0)?;
+    if n == 0 {
+        return Ok(());
+    }
+    conn.ensure_migrations_table().await?;
+    let known: Vec<i64> = conn
+        .list_applied_migrations()
+        .await?
+        .iter()
+        .map(|m| m.version)
+        .collect();
+    let old: Vec<i64> = sqlx::query("SELECT version FROM vmon_migrations")
         .fetch_all(&mut *conn)
         .await?
         .iter()
         .map(|row| row.try_get::<i64, _>(0))
         .collect::<Result<_, _>>()?;
-    for migration in migrations.iter().filter(|m| !applied.contains(&m.version)) {
-        let mut tx = conn.begin().await?;
-        sqlx::raw_sql(migration.sql).execute(&mut *tx).await?;
+    let mut tx = conn.begin().await?;
+    for m in migrator.iter().filter(|m| old.contains(&m.version)) {
+        if known.contains(&m.version) {
+            continue;
+        }
         sqlx::query(
-            "INSERT INTO vmon_migrations (version, description, applied_at) VALUES ($1, $2, $3)",
+            "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time) \
+             VALUES ($1, $2, TRUE, $3, 0)",
         )
-        .bind(migration.version)
-        .bind(migration.description)
-        .bind(sql::now_ms())
+        .bind(m.version)
+        .bind(m.description.to_string())
+        .bind(m.checksum.to_vec())
         .execute(&mut *tx)
         .await?;
-        tx.commit().await?;
         tracing::info!(
-            version = migration.version,
-            description = migration.description,
-            "store migration applied"
+            version = m.version,
+            "store migration adopted from vmon_migrations"
         );
     }
+    tx.commit().await?;
     Ok(())
 }

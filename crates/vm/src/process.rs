@@ -535,26 +535,15 @@ pub unsafe fn bind_in_own_mount_namespace(
     source: &std::ffi::CStr,
     over: &std::ffi::CStr,
 ) -> std::io::Result<()> {
-    // SAFETY: plain syscalls on NUL-terminated strings that outlive them; no allocation.
-    let failed = unsafe {
-        libc::unshare(libc::CLONE_NEWNS) != 0
-            || libc::mount(
-                std::ptr::null(),
-                c"/".as_ptr(),
-                std::ptr::null(),
-                libc::MS_REC | libc::MS_PRIVATE,
-                std::ptr::null(),
-            ) != 0
-            || libc::mount(
-                source.as_ptr(),
-                over.as_ptr(),
-                std::ptr::null(),
-                libc::MS_BIND,
-                std::ptr::null(),
-            ) != 0
-    };
-    if failed {
-        return Err(std::io::Error::last_os_error());
-    }
+    use rustix::mount::{mount_bind, mount_change, MountPropagationFlags};
+    use rustix::thread::{unshare_unsafe, UnshareFlags};
+    // rustix's raw syscalls with `&CStr` paths allocate nothing: async-signal-safe.
+    // SAFETY: a new mount namespace only; the descriptor table stays shared.
+    unsafe { unshare_unsafe(UnshareFlags::NEWNS) }?;
+    mount_change(
+        c"/",
+        MountPropagationFlags::REC | MountPropagationFlags::PRIVATE,
+    )?;
+    mount_bind(source, over)?;
     Ok(())
 }

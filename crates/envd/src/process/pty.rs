@@ -1,7 +1,7 @@
 //! Pseudo-terminals: the master side read and written asynchronously, the slave given to the child.
 
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 
 use tokio::io::unix::AsyncFd;
 
@@ -16,54 +16,29 @@ pub struct PtyPair {
     pub slave: OwnedFd,
 }
 
-fn cvt(rc: libc::c_int) -> io::Result<libc::c_int> {
-    if rc < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(rc)
-    }
-}
-
 /// Opens a PTY pair with the given size; the slave is owned by `uid:gid`.
 pub fn open(cols: u16, rows: u16, uid: u32, gid: u32) -> io::Result<PtyPair> {
-    // SAFETY: posix_openpt returns a new fd or -1.
+    use rustix::fs::{Mode, OFlags};
+    use rustix::pty::OpenptFlags;
     let master =
-        cvt(unsafe { libc::posix_openpt(libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC) })?;
-    // SAFETY: master is a fresh fd we own.
-    let master = unsafe { OwnedFd::from_raw_fd(master) };
-    // SAFETY: plain calls on a valid master fd.
-    unsafe {
-        cvt(libc::grantpt(master.as_raw_fd()))?;
-        cvt(libc::unlockpt(master.as_raw_fd()))?;
-    }
-    let mut name = [0 as libc::c_char; 128];
-    // SAFETY: name is a writable buffer of the given length.
-    let rc = unsafe { libc::ptsname_r(master.as_raw_fd(), name.as_mut_ptr(), name.len()) };
-    if rc != 0 {
-        return Err(io::Error::from_raw_os_error(rc));
-    }
-    // SAFETY: ptsname_r wrote a NUL-terminated path into name.
-    let slave = cvt(unsafe {
-        libc::open(
-            name.as_ptr(),
-            libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC,
-        )
-    })?;
-    // SAFETY: slave is a fresh fd we own.
-    let slave = unsafe { OwnedFd::from_raw_fd(slave) };
+        rustix::pty::openpt(OpenptFlags::RDWR | OpenptFlags::NOCTTY | OpenptFlags::CLOEXEC)?;
+    rustix::pty::grantpt(&master)?;
+    rustix::pty::unlockpt(&master)?;
+    let name = rustix::pty::ptsname(&master, Vec::new())?;
+    let slave = rustix::fs::open(
+        name.as_c_str(),
+        OFlags::RDWR | OFlags::NOCTTY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )?;
     // The terminal belongs to the user whose shell runs on it, as login(1) would arrange.
-    // SAFETY: fchown on a valid fd.
-    let _ = unsafe { libc::fchown(slave.as_raw_fd(), uid, gid) };
-    set_size(master.as_raw_fd(), cols, rows)?;
-    // SAFETY: fcntl on a valid fd.
-    unsafe {
-        let flags = cvt(libc::fcntl(master.as_raw_fd(), libc::F_GETFL))?;
-        cvt(libc::fcntl(
-            master.as_raw_fd(),
-            libc::F_SETFL,
-            flags | libc::O_NONBLOCK,
-        ))?;
-    }
+    let _ = rustix::fs::fchown(
+        &slave,
+        Some(rustix::fs::Uid::from_raw(uid)),
+        Some(rustix::fs::Gid::from_raw(gid)),
+    );
+    set_size(&master, cols, rows)?;
+    let flags = rustix::fs::fcntl_getfl(&master)?;
+    rustix::fs::fcntl_setfl(&master, flags | OFlags::NONBLOCK)?;
     // SAFETY: the OwnedFd is moved into the AsyncFd and stays open for its whole lifetime.
     let fd = unsafe { AsyncFd::register(master) }.map_err(|e| e.into_parts().1)?;
     Ok(PtyPair {
@@ -72,15 +47,14 @@ pub fn open(cols: u16, rows: u16, uid: u32, gid: u32) -> io::Result<PtyPair> {
     })
 }
 
-fn set_size(fd: libc::c_int, cols: u16, rows: u16) -> io::Result<()> {
-    let ws = libc::winsize {
+fn set_size(fd: impl AsFd, cols: u16, rows: u16) -> io::Result<()> {
+    let ws = rustix::termios::Winsize {
         ws_row: rows,
         ws_col: cols,
         ws_xpixel: 0,
         ws_ypixel: 0,
     };
-    // SAFETY: TIOCSWINSZ reads a winsize from the pointer.
-    cvt(unsafe { libc::ioctl(fd, libc::TIOCSWINSZ, &ws) })?;
+    rustix::termios::tcsetwinsize(fd, ws)?;
     Ok(())
 }
 
@@ -132,6 +106,6 @@ impl PtyMaster {
     }
 
     pub fn resize(&self, cols: u16, rows: u16) -> io::Result<()> {
-        set_size(self.fd.get_ref().as_raw_fd(), cols, rows)
+        set_size(self.fd.get_ref(), cols, rows)
     }
 }

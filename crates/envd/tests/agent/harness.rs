@@ -49,10 +49,8 @@ pub fn ensure_test_user() {
             .write(true)
             .open("/tmp/vmon-test-user.lock")
             .expect("open the test-user lock");
-        use std::os::fd::AsRawFd;
-        // SAFETY: flock on a descriptor this function owns; released when `lock` is dropped.
-        let rc = unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) };
-        assert_eq!(rc, 0, "flock the test-user lock");
+        // Released when `lock` is dropped.
+        lock.lock().expect("flock the test-user lock");
         let exists = Command::new("id")
             .arg(TEST_USER)
             .stdout(Stdio::null())

@@ -178,7 +178,7 @@ impl Node {
         let id = new_id("m");
         let _guard = self.artifacts_guard.read().await;
         let p = self
-            .prepare(&rec, false, vmon_vm::cgroup::Weight::Normal)
+            .prepare(&rec, false, vmon_vm::cgroup::Weight::Normal, None)
             .await
             .map_err(err)?;
         // Made by the target's QEMU, in the directory of its own.

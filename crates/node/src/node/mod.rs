@@ -87,6 +87,8 @@ pub struct Node {
     restores_in_flight: std::sync::atomic::AtomicUsize,
     /// Cold boots started again after their first QEMU made no progress (see `boot.rs`).
     boot_restarts: std::sync::atomic::AtomicU64,
+    /// Sandboxes started, by where their QEMU came from (see [`Node::starts_by_origin`]).
+    starts: std::sync::Mutex<HashMap<&'static str, u64>>,
     /// The machine of each RAM base that blank processes are kept for.
     blank_machines: std::sync::Mutex<HashMap<String, MachineDesc>>,
     /// Paused sandboxes with their QEMU kept stopped, by paused build.
@@ -148,21 +150,20 @@ const DATA_LOCK_WAIT: Duration = Duration::from_secs(10);
 /// One node per data dir: `flock` on `<data>/node.lock`, failing when another still holds it
 /// after [`DATA_LOCK_WAIT`].
 fn lock_data_dir(data_dir: &Path) -> anyhow::Result<std::fs::File> {
-    use std::os::fd::AsRawFd;
     let f = std::fs::OpenOptions::new()
         .create(true)
         .truncate(false)
         .write(true)
         .open(data_dir.join("node.lock"))?;
     let start = std::time::Instant::now();
-    // SAFETY: flock on a descriptor we own; no memory is passed.
-    let take = || unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
-    let mut rc = take();
-    while rc != 0 && start.elapsed() < DATA_LOCK_WAIT {
+    // std's file locks are flock(2) on Linux (what `lock_holders` reads in /proc/locks).
+    let take = || f.try_lock().is_ok();
+    let mut locked = take();
+    while !locked && start.elapsed() < DATA_LOCK_WAIT {
         std::thread::sleep(Duration::from_millis(100));
-        rc = take();
+        locked = take();
     }
-    if rc != 0 {
+    if !locked {
         bail!(
             "another vmon node is running on {} (one node per data dir){}",
             data_dir.display(),
@@ -206,7 +207,6 @@ fn lock_holders(f: &std::fs::File) -> String {
 
 /// Takes the host-wide lock of slot block `b` if no live node holds it.
 fn try_lock_block(b: u32) -> anyhow::Result<Option<std::fs::File>> {
-    use std::os::fd::AsRawFd;
     let lock_dir = Path::new("/run/vmon");
     std::fs::create_dir_all(lock_dir)?;
     let f = std::fs::OpenOptions::new()
@@ -214,9 +214,8 @@ fn try_lock_block(b: u32) -> anyhow::Result<Option<std::fs::File>> {
         .truncate(false)
         .write(true)
         .open(lock_dir.join(format!("slots-{b}.lock")))?;
-    // SAFETY: flock on a descriptor we own; no memory is passed.
-    let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
-    Ok((rc == 0).then_some(f))
+    let locked = f.try_lock().is_ok();
+    Ok(locked.then_some(f))
 }
 
 /// Picks this node's slot block and locks it host-wide (`flock` on `/run/vmon`), so two nodes
@@ -397,6 +396,7 @@ impl Node {
             parked: Default::default(),
             restores_in_flight: Default::default(),
             boot_restarts: Default::default(),
+            starts: Default::default(),
             blank_machines: Default::default(),
             host_memory_mb: host_memory_mb(),
             telemetry: Default::default(),

@@ -128,7 +128,11 @@ impl crate::pool::Filler for Node {
 
     /// What the background refill of pool `key` should make: a warmed process of a template
     /// build, or a blank one for a RAM base (`blank:<mem_base>`). None: nothing to make.
-    async fn prepare_for_pool(&self, key: &str) -> anyhow::Result<Option<Prepared>> {
+    async fn prepare_for_pool(
+        &self,
+        key: &str,
+        weight: Weight,
+    ) -> anyhow::Result<Option<Prepared>> {
         if let Some(mem_base) = key.strip_prefix(BLANK_PREFIX) {
             let machine = self
                 .blank_machines
@@ -142,14 +146,14 @@ impl crate::pool::Filler for Node {
                 return Ok(None);
             }
             return self
-                .prepare_blank(mem_base, &machine, Weight::Background)
+                .prepare_blank(mem_base, &machine, weight, Some(key))
                 .await
                 .map(Some);
         }
         let Some(rec) = self.builds.get(key)? else {
             return Ok(None);
         };
-        self.prepare(&rec, true, Weight::Background).await.map(Some)
+        self.prepare(&rec, true, weight, Some(key)).await.map(Some)
     }
 
     /// Restores waiting for or holding a turn; pool refills wait until there are none.

@@ -4,6 +4,7 @@
 //! template's warm request, [`warm_service`]) and `start_sandbox`, which picks a restore or a
 //! cold boot.
 
+use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -50,17 +51,21 @@ impl Node {
     /// longer before its first claim is indistinguishable from a template captured later.
     ///
     /// `weight` is the CPU weight it runs at until claimed: a refill ahead of demand runs in
-    /// the background, behind sandboxes and waiting creates.
+    /// the background, behind sandboxes and waiting creates. A refill names it to the pool as
+    /// `pool_key`'s process in the making (the pool may raise its weight).
     pub(super) async fn prepare(
         &self,
         rec: &BuildRecord,
         warm: bool,
         weight: Weight,
+        pool_key: Option<&str>,
     ) -> anyhow::Result<Prepared> {
         let Some(mem_base) = rec.mem_base.clone() else {
             bail!("build {} has no memory", rec.id);
         };
-        let blank = self.prepare_blank(&mem_base, &rec.machine, weight).await?;
+        let blank = self
+            .prepare_blank(&mem_base, &rec.machine, weight, pool_key)
+            .await?;
         let mut p = self.fill_blank(rec, blank).await?;
         if warm {
             if let Err(e) = self.warm_up(&p.vm, rec, &p.slot).await {
@@ -83,6 +88,7 @@ impl Node {
         mem_base: &str,
         machine: &MachineDesc,
         weight: Weight,
+        pool_key: Option<&str>,
     ) -> anyhow::Result<Prepared> {
         let slot = self.slots.acquire(&crate::slots::open_policy()).await?;
         self.slots.refill();
@@ -115,6 +121,9 @@ impl Node {
                 if let Err(e) = cgroup::set_weight(&tag, weight) {
                     tracing::debug!(tag = %tag, "lowering a pool process's CPU weight: {e:#}");
                 }
+            }
+            if let Some(key) = pool_key {
+                self.pool.making(key, &tag, weight);
             }
             if let Err(e) = vm.qmp.prepare_incoming().await {
                 let mut vm = vm;
@@ -262,13 +271,13 @@ impl Node {
         self: &Arc<Self>,
         spec: &StartSpec,
         rec: &BuildRecord,
-    ) -> anyhow::Result<Live> {
+    ) -> anyhow::Result<(Live, Origin)> {
         let (Some(mem_base), Some(devstate)) = (rec.mem_base.clone(), rec.devstate.clone()) else {
             bail!("build {} has no memory to restore", rec.id);
         };
         if let Some(live) = self.unpark(&rec.id, &spec.sandbox_id) {
             match self.resume_parked(spec, rec, live).await {
-                Ok(live) => return Ok(live),
+                Ok(live) => return Ok((live, Origin::Parked)),
                 Err(e) => tracing::warn!(
                     sandbox = %spec.sandbox_id,
                     "resuming the kept QEMU failed, restoring from the build: {e:#}"
@@ -294,18 +303,26 @@ impl Node {
             m.entry(mem_base.clone())
                 .or_insert_with(|| rec.machine.clone());
         }
-        let prepared = match pooled {
-            Some(p) => p,
+        let (prepared, origin) = match pooled {
+            Some(p) => (p, Origin::Warm),
             None => match self.pool.take(&blanks) {
                 // Full weight before it is filled: a blank still at a refill's weight could
                 // wait tens of seconds for the CPU to answer its disk's attach on a busy host
                 // (a resume failed so: "QMP blockdev-add timed out").
-                Some(b) if b.vm_matches(&rec.machine) => self.fill_blank(rec, claimed(b)).await?,
+                Some(b) if b.vm_matches(&rec.machine) => {
+                    (self.fill_blank(rec, claimed(b)).await?, Origin::Blank)
+                }
                 Some(b) => {
                     self.discard_prepared(b).await;
-                    self.prepare(rec, false, Weight::Normal).await?
+                    (
+                        self.prepare(rec, false, Weight::Normal, None).await?,
+                        Origin::Fresh,
+                    )
                 }
-                None => self.prepare(rec, false, Weight::Normal).await?,
+                None => (
+                    self.prepare(rec, false, Weight::Normal, None).await?,
+                    Origin::Fresh,
+                ),
             },
         };
         // Claimed: from now on it is a sandbox's guest.
@@ -387,12 +404,15 @@ impl Node {
                     self.pool.refill(self.clone(), rec.id.clone());
                 }
                 self.pool.refill(self.clone(), blanks.clone());
-                Ok(Live {
-                    state,
-                    vm: Some(vm),
-                    slot,
-                    dir: run_dir,
-                })
+                Ok((
+                    Live {
+                        state,
+                        vm: Some(vm),
+                        slot,
+                        dir: run_dir,
+                    },
+                    origin,
+                ))
             }
             Err(e) => {
                 if rec.parent.is_none() {
@@ -410,6 +430,15 @@ impl Node {
 }
 
 impl Node {
+    /// How many sandboxes this node started, by where their QEMU came from: `pool` (a warmed
+    /// process of the build's pool), `blank`, `fresh`, `parked` or `cold_boot`.
+    pub fn starts_by_origin(&self) -> HashMap<String, u64> {
+        self.starts
+            .lock()
+            .map(|n| n.iter().map(|(k, v)| (k.to_string(), *v)).collect())
+            .unwrap_or_default()
+    }
+
     /// Starts a sandbox from a build: a memory restore, or a cold boot when asked or when the
     /// build has no memory.
     pub async fn start_sandbox(self: &Arc<Self>, spec: StartSpec) -> Result<Running, NodeError> {
@@ -447,9 +476,10 @@ impl Node {
         let t0 = std::time::Instant::now();
         // Held until the sandbox is in the table: a sweep must not take its new overlay.
         let mut guard = None;
-        let (live, held) = if rec.has_memory() && !cold_boot {
+        let (live, held, origin) = if rec.has_memory() && !cold_boot {
             guard = Some(self.artifacts_guard.read().await);
-            (self.restore(&spec, &rec).await.map_err(err)?, Vec::new())
+            let (live, origin) = self.restore(&spec, &rec).await.map_err(err)?;
+            (live, Vec::new(), origin)
         } else {
             let dir = self.sandbox_root(&spec.sandbox_id).join(&spec.execution_id);
             let disk = match rec.disk.as_deref() {
@@ -459,27 +489,38 @@ impl Node {
                 },
                 None => super::boot::BootDisk::Image,
             };
-            self.boot(super::boot::Boot {
-                run_dir: &dir,
-                id: &spec.sandbox_id,
-                execution_id: &spec.execution_id,
-                machine: rec.machine.clone(),
-                disk,
-                disk_mb: rec.disk_mb,
-                policy: &spec.network,
-                init: &InitRequest {
-                    env_vars: spec.env_vars.clone(),
-                    access_token: spec.envd_access_token.clone(),
-                    current_token: None,
-                    default_user: None,
-                    volume_mounts: Vec::new(),
-                },
-                volumes: &spec.volumes,
-            })
-            .await
-            .map_err(err)?
+            let (live, held) = self
+                .boot(super::boot::Boot {
+                    run_dir: &dir,
+                    id: &spec.sandbox_id,
+                    execution_id: &spec.execution_id,
+                    machine: rec.machine.clone(),
+                    disk,
+                    disk_mb: rec.disk_mb,
+                    policy: &spec.network,
+                    init: &InitRequest {
+                        env_vars: spec.env_vars.clone(),
+                        access_token: spec.envd_access_token.clone(),
+                        current_token: None,
+                        default_user: None,
+                        volume_mounts: Vec::new(),
+                    },
+                    volumes: &spec.volumes,
+                })
+                .await
+                .map_err(err)?;
+            (live, held, Origin::ColdBoot)
         };
-        tracing::info!(sandbox = %spec.sandbox_id, build = %rec.id, ms = t0.elapsed().as_millis() as u64, "sandbox started");
+        if let Ok(mut n) = self.starts.lock() {
+            *n.entry(origin.as_str()).or_default() += 1;
+        }
+        tracing::info!(
+            sandbox = %spec.sandbox_id,
+            build = %rec.id,
+            from = origin.as_str(),
+            ms = t0.elapsed().as_millis() as u64,
+            "sandbox started"
+        );
         let r = self.insert(live);
         drop(guard);
         drop(held);
@@ -495,6 +536,33 @@ impl Node {
             return Err(e);
         }
         Ok(running)
+    }
+}
+
+/// Where a started sandbox's QEMU came from (logged with "sandbox started", counted by the pool).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Origin {
+    /// A warmed process of the build's pool: `cont` and `/init`.
+    Warm,
+    /// A blank process of its RAM base, given the build's disk and layers.
+    Blank,
+    /// A process spawned for it (the pools had nothing).
+    Fresh,
+    /// The paused sandbox's own stopped QEMU.
+    Parked,
+    /// Booted from disk.
+    ColdBoot,
+}
+
+impl Origin {
+    pub(super) fn as_str(self) -> &'static str {
+        match self {
+            Origin::Warm => "pool",
+            Origin::Blank => "blank",
+            Origin::Fresh => "fresh",
+            Origin::Parked => "parked",
+            Origin::ColdBoot => "cold_boot",
+        }
     }
 }
 
