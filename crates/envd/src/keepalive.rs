@@ -4,9 +4,6 @@
 //! The api then extends the sandbox to the ask's end, within the team's maximum lifetime
 //! (`docs/architecture.md`, "Self-keepalive"). Nothing leaves the guest: the node asks.
 
-use std::sync::Mutex;
-use std::time::Instant;
-
 use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
@@ -16,36 +13,10 @@ use crate::agent::Agent;
 use crate::auth;
 use crate::connect::{self, json_response, Body};
 
-/// Where processes find it (`VMON_KEEPALIVE_URL` in their environment).
-pub const URL: &str = "http://127.0.0.1:49983/keepalive";
 /// Largest ask body read.
 const MAX_BODY: usize = 1024;
 /// Longest timeout one ask may name (the api caps it at the team's lifetime anyway).
 pub const MAX_TIMEOUT_SECS: u64 = 30 * 24 * 3600;
-
-/// The latest ask: when it came (the guest's monotonic clock) and for how long.
-#[derive(Debug, Default)]
-pub struct Asks {
-    latest: Mutex<Option<(Instant, u64)>>,
-}
-
-impl Asks {
-    pub fn set(&self, timeout_secs: u64) {
-        *self.latest.lock().unwrap_or_else(|p| p.into_inner()) =
-            Some((Instant::now(), timeout_secs));
-    }
-
-    /// Forgets the ask (a new start: the create or resume set the timeout anew).
-    pub fn clear(&self) {
-        *self.latest.lock().unwrap_or_else(|p| p.into_inner()) = None;
-    }
-
-    /// How long ago the latest ask came, and its timeout.
-    pub fn latest(&self) -> Option<(u128, u64)> {
-        let l = *self.latest.lock().unwrap_or_else(|p| p.into_inner());
-        l.map(|(at, t)| (at.elapsed().as_millis(), t))
-    }
-}
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
