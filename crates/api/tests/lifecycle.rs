@@ -412,6 +412,17 @@ async fn fork_and_snapshots() {
     assert_eq!(del.status, StatusCode::NOT_FOUND);
 }
 
+/// One pass of the reaper, waited for until every expiry it started has ended.
+async fn reap(h: &common::Harness, in_flight: &Arc<Mutex<HashSet<String>>>) {
+    h.control.reap_once(in_flight).await;
+    for _ in 0..100 {
+        if in_flight.lock().unwrap().is_empty() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
 #[tokio::test]
 async fn reaper_kills_or_pauses_and_a_failed_pause_kills() {
     let h = harness(limits(10)).await;
@@ -423,13 +434,7 @@ async fn reaper_kills_or_pauses_and_a_failed_pause_kills() {
         .await;
     let keep = h.create(r#"{"templateID":"base","timeout":600}"#).await;
     let in_flight = Arc::new(Mutex::new(HashSet::new()));
-    h.control.reap_once(&in_flight).await;
-    for _ in 0..100 {
-        if in_flight.lock().unwrap().is_empty() {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
+    reap(&h, &in_flight).await;
     let r = h.req("GET", &format!("/sandboxes/{kill_me}"), None).await;
     assert_eq!(r.status, StatusCode::NOT_FOUND);
     let r = h.req("GET", &format!("/sandboxes/{pause_me}"), None).await;
@@ -449,13 +454,7 @@ async fn reaper_kills_or_pauses_and_a_failed_pause_kills() {
         .create(r#"{"templateID":"base","timeout":0,"autoPause":true}"#)
         .await;
     h.node.fail_pauses.store(1, Ordering::SeqCst);
-    h.control.reap_once(&in_flight).await;
-    for _ in 0..100 {
-        if in_flight.lock().unwrap().is_empty() {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
+    reap(&h, &in_flight).await;
     let r = h.req("GET", &format!("/sandboxes/{fails}"), None).await;
     assert_eq!(r.status, StatusCode::NOT_FOUND);
 }
@@ -488,13 +487,7 @@ async fn a_guest_that_asked_to_live_on_is_extended_at_its_timeout() {
         );
     }
     let in_flight = Arc::new(Mutex::new(HashSet::new()));
-    h.control.reap_once(&in_flight).await;
-    for _ in 0..100 {
-        if in_flight.lock().unwrap().is_empty() {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
+    reap(&h, &in_flight).await;
     let r = h.req("GET", &format!("/sandboxes/{kept}"), None).await;
     assert_eq!(r.json["state"], "running", "{}", r.json);
     let end = time::OffsetDateTime::parse(
