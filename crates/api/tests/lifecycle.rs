@@ -412,6 +412,17 @@ async fn fork_and_snapshots() {
     assert_eq!(del.status, StatusCode::NOT_FOUND);
 }
 
+/// One pass of the reaper, waited for until every expiry it started has ended.
+async fn reap(h: &common::Harness, in_flight: &Arc<Mutex<HashSet<String>>>) {
+    h.control.reap_once(in_flight).await;
+    for _ in 0..100 {
+        if in_flight.lock().unwrap().is_empty() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
 #[tokio::test]
 async fn reaper_kills_or_pauses_and_a_failed_pause_kills() {
     let h = harness(limits(10)).await;
@@ -423,13 +434,7 @@ async fn reaper_kills_or_pauses_and_a_failed_pause_kills() {
         .await;
     let keep = h.create(r#"{"templateID":"base","timeout":600}"#).await;
     let in_flight = Arc::new(Mutex::new(HashSet::new()));
-    h.control.reap_once(&in_flight).await;
-    for _ in 0..100 {
-        if in_flight.lock().unwrap().is_empty() {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
+    reap(&h, &in_flight).await;
     let r = h.req("GET", &format!("/sandboxes/{kill_me}"), None).await;
     assert_eq!(r.status, StatusCode::NOT_FOUND);
     let r = h.req("GET", &format!("/sandboxes/{pause_me}"), None).await;
@@ -449,13 +454,61 @@ async fn reaper_kills_or_pauses_and_a_failed_pause_kills() {
         .create(r#"{"templateID":"base","timeout":0,"autoPause":true}"#)
         .await;
     h.node.fail_pauses.store(1, Ordering::SeqCst);
-    h.control.reap_once(&in_flight).await;
-    for _ in 0..100 {
-        if in_flight.lock().unwrap().is_empty() {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
+    reap(&h, &in_flight).await;
     let r = h.req("GET", &format!("/sandboxes/{fails}"), None).await;
     assert_eq!(r.status, StatusCode::NOT_FOUND);
+}
+
+/// Self-keepalive: at its timeout, a sandbox whose guest asked to live on (envd
+/// `POST /keepalive`, read through the node) is extended to the ask's end instead of reaped,
+/// with an `updated` event saying so; a spent ask, or none, lets the timeout act.
+#[tokio::test]
+async fn a_guest_that_asked_to_live_on_is_extended_at_its_timeout() {
+    let h = harness(limits(10)).await;
+    let kept = h.create(r#"{"templateID":"base","timeout":0}"#).await;
+    let spent = h.create(r#"{"templateID":"base","timeout":0}"#).await;
+    let none = h.create(r#"{"templateID":"base","timeout":0}"#).await;
+    {
+        let mut asks = h.node.keepalive_asks.lock().unwrap();
+        asks.insert(
+            kept.clone(),
+            vmon_proto::node::KeepaliveAsk {
+                age_ms: 1_000,
+                timeout_secs: 300,
+            },
+        );
+        // Asked 400 s ago for 300 s: over.
+        asks.insert(
+            spent.clone(),
+            vmon_proto::node::KeepaliveAsk {
+                age_ms: 400_000,
+                timeout_secs: 300,
+            },
+        );
+    }
+    let in_flight = Arc::new(Mutex::new(HashSet::new()));
+    reap(&h, &in_flight).await;
+    let r = h.req("GET", &format!("/sandboxes/{kept}"), None).await;
+    assert_eq!(r.json["state"], "running", "{}", r.json);
+    let end = time::OffsetDateTime::parse(
+        r.json["endAt"].as_str().expect("endAt"),
+        &time::format_description::well_known::Rfc3339,
+    )
+    .expect("rfc3339");
+    let left = (end - time::OffsetDateTime::now_utc()).whole_seconds();
+    assert!(
+        (290..=300).contains(&left),
+        "extended to the ask's end: {left} s left"
+    );
+    let updated = h
+        .events(&kept)
+        .await
+        .into_iter()
+        .find(|e| e.event_type == EventKind::Updated.as_str())
+        .expect("an updated event");
+    assert_eq!(updated.event_data.unwrap()["keepalive"], true);
+    for gone in [&spent, &none] {
+        let r = h.req("GET", &format!("/sandboxes/{gone}"), None).await;
+        assert_eq!(r.status, StatusCode::NOT_FOUND, "{gone} is reaped");
+    }
 }

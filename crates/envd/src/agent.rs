@@ -4,11 +4,40 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex, RwLock};
+use std::time::Instant;
 
 use crate::connect::{Code, ConnectError};
 use crate::filesystem::watch::Watchers;
 use crate::process::running::Table;
 use crate::user::{self, User};
+
+/// Where processes find self-keepalive (`keepalive.rs`; `VMON_KEEPALIVE_URL` in their
+/// environment).
+pub const KEEPALIVE_URL: &str = "http://127.0.0.1:49983/keepalive";
+/// The latest self-keepalive ask (`keepalive.rs`): when it came (the guest's monotonic
+/// clock) and for how long.
+#[derive(Debug, Default)]
+pub struct KeepaliveAsks {
+    latest: Mutex<Option<(Instant, u64)>>,
+}
+
+impl KeepaliveAsks {
+    pub fn set(&self, timeout_secs: u64) {
+        *self.latest.lock().unwrap_or_else(|p| p.into_inner()) =
+            Some((Instant::now(), timeout_secs));
+    }
+
+    /// Forgets the ask (a new start: the create or resume set the timeout anew).
+    pub fn clear(&self) {
+        *self.latest.lock().unwrap_or_else(|p| p.into_inner()) = None;
+    }
+
+    /// How long ago the latest ask came, and its timeout.
+    pub fn latest(&self) -> Option<(u128, u64)> {
+        let l = *self.latest.lock().unwrap_or_else(|p| p.into_inner());
+        l.map(|(at, t)| (at.elapsed().as_millis(), t))
+    }
+}
 
 /// Settings `/init` may change after start.
 #[derive(Debug, Clone, Default)]
@@ -30,6 +59,8 @@ pub struct Agent {
     pub init_marker: Option<PathBuf>,
     /// How many `/init`s this agent applied (part of the marker's text).
     pub inits: AtomicU64,
+    /// The guest's latest self-keepalive ask.
+    pub keepalive: KeepaliveAsks,
 }
 
 fn read<T: Clone>(l: &RwLock<T>) -> T {
@@ -46,6 +77,10 @@ impl Agent {
             token: RwLock::new(token),
             defaults: RwLock::new(Defaults {
                 user: default_user,
+                env_vars: BTreeMap::from([(
+                    "VMON_KEEPALIVE_URL".to_string(),
+                    KEEPALIVE_URL.to_string(),
+                )]),
                 ..Defaults::default()
             }),
             last_init_nanos: Mutex::new(None),
@@ -54,6 +89,7 @@ impl Agent {
             cpu_sample: Mutex::new(None),
             init_marker,
             inits: AtomicU64::new(0),
+            keepalive: Default::default(),
         })
     }
 

@@ -200,6 +200,9 @@ pub async fn init(agent: Arc<Agent>, req: Request<Incoming>) -> Response<Body> {
             d.workdir = Some(w);
         }
     });
+    // A new start (create, resume, fork child): the api set its timeout; an ask from before
+    // the snapshot is not this execution's.
+    agent.keepalive.clear();
     mark_init(&agent);
     // Not on the console: every create and resume passes here, and under emulation each console
     // line costs the guest's serial path on the way to its first answer.

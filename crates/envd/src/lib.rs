@@ -18,6 +18,7 @@ pub mod control;
 pub mod files;
 pub mod filesystem;
 pub mod init;
+pub mod keepalive;
 pub mod metrics;
 pub mod process;
 pub mod rpc;

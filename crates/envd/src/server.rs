@@ -130,10 +130,12 @@ async fn route(agent: Arc<Agent>, req: Request<Incoming>) -> Response<Body> {
         (Method::GET, "/metrics") if auth::token_ok(&agent, req.headers()) => {
             connect::json_response(StatusCode::OK, &metrics::collect(&agent).await)
         }
+        (Method::POST, "/keepalive") => crate::keepalive::ask(&agent, req).await,
+        (Method::GET, "/keepalive") => crate::keepalive::latest(&agent, &req),
         (Method::GET, "/envs" | "/metrics") => {
             auth::unauthorized("invalid or missing access token")
         }
-        (_, "/health" | "/init" | "/files" | "/envs" | "/metrics") => {
+        (_, "/health" | "/init" | "/files" | "/envs" | "/metrics" | "/keepalive") => {
             status(StatusCode::METHOD_NOT_ALLOWED)
         }
         _ => match path.strip_prefix('/').and_then(|p| p.split_once('/')) {

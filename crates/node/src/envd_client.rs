@@ -56,6 +56,44 @@ pub(crate) async fn request(
         .map_err(|_| anyhow::anyhow!("envd {path} timed out"))?
 }
 
+/// The guest's latest self-keepalive ask (`GET /keepalive`: 204 when none; the answer is
+/// bounded and checked like any guest's bytes).
+pub async fn keepalive(
+    addr: SocketAddr,
+    token: Option<&str>,
+) -> anyhow::Result<Option<vmon_proto::node::KeepaliveAsk>> {
+    #[derive(serde::Deserialize)]
+    #[serde(rename_all = "camelCase")]
+    struct Answer {
+        age_ms: u64,
+        timeout: u64,
+    }
+    let headers: Vec<(&str, String)> = token
+        .map(|t| vec![("x-access-token", t.to_string())])
+        .unwrap_or_default();
+    let (status, body) = request(
+        addr,
+        "GET",
+        "/keepalive",
+        &headers,
+        Vec::new(),
+        Duration::from_secs(3),
+    )
+    .await?;
+    match status {
+        204 => Ok(None),
+        200 if body.len() <= 1024 => {
+            let a: Answer = serde_json::from_slice(&body)?;
+            Ok(Some(vmon_proto::node::KeepaliveAsk {
+                age_ms: a.age_ms,
+                timeout_secs: a.timeout,
+            }))
+        }
+        200 => anyhow::bail!("an answer of {} bytes", body.len()),
+        s => anyhow::bail!("answered {s}"),
+    }
+}
+
 /// True when envd answers `GET /health` with a success.
 pub async fn healthy(addr: SocketAddr) -> bool {
     matches!(

@@ -57,11 +57,12 @@ pub(crate) fn authorized(headers: &HeaderMap, token: &str) -> bool {
         .get("authorization")
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
-        .is_some_and(|t| constant_time_eq(t.as_bytes(), token.as_bytes()))
-}
-
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+        .is_some_and(|t| {
+            bool::from(subtle::ConstantTimeEq::ct_eq(
+                t.as_bytes(),
+                token.as_bytes(),
+            ))
+        })
 }
 
 /// Serves `node` on `listener` until `cancel` fires, over plain HTTP.

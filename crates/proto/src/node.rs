@@ -329,6 +329,14 @@ pub struct ExecOutput {
     pub stderr: String,
 }
 
+/// A guest's latest self-keepalive ask (envd `GET /keepalive`): how long ago it came and the
+/// timeout it asked for from then.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeepaliveAsk {
+    pub age_ms: u64,
+    pub timeout_secs: u64,
+}
+
 /// One sample of a guest's usage, scraped by the node from envd `GET /metrics`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct MetricSample {

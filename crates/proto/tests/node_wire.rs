@@ -27,6 +27,8 @@ fn old_wire(call: &NodeCall) -> (&'static str, Value) {
         NodeCall::Builds(_) => ("builds", json!({})),
         NodeCall::Start(c) => ("start", v(&c.spec)),
         NodeCall::Kill(c) => ("kill", target(&c.sandbox_id, &c.execution_id)),
+        // New in this version: an older node answers 404 and the api expires as before.
+        NodeCall::Keepalive(c) => ("keepalive", target(&c.sandbox_id, &c.execution_id)),
         NodeCall::Pause(c) => ("pause", capture(&c.sandbox_id, &c.execution_id, c.memory)),
         NodeCall::Checkpoint(c) => (
             "checkpoint",
@@ -199,6 +201,11 @@ fn samples() -> Vec<NodeCall> {
             guest_path: "/g".into(),
         }
         .into(),
+        Keepalive {
+            sandbox_id: t().0,
+            execution_id: t().1,
+        }
+        .into(),
         MigrateDescribe {
             sandbox_id: t().0,
             execution_id: t().1,
@@ -234,7 +241,7 @@ fn every_call_sends_the_json_the_previous_client_sent() {
     let mut names: Vec<&str> = calls.iter().map(NodeCall::name).collect();
     names.sort_unstable();
     names.dedup();
-    assert_eq!(names.len(), 27, "one sample of each of the 27 calls");
+    assert_eq!(names.len(), 28, "one sample of each of the 28 calls");
     for call in &calls {
         let (name, old) = old_wire(call);
         assert_eq!(call.name(), name);
@@ -289,6 +296,7 @@ fn calls_about_a_sandbox_name_it() {
                 | "logs"
                 | "exec"
                 | "put_file"
+                | "keepalive"
         );
         assert_eq!(routed, expect, "{}", call.name());
         if routed {

@@ -25,6 +25,7 @@ mod resume;
 mod routes;
 mod signers;
 mod targets;
+pub(crate) mod uploads;
 pub mod volumes;
 mod why;
 
@@ -101,7 +102,7 @@ pub struct Control {
     /// Template builds that may run at once (more wait as `waiting`).
     pub(crate) template_builds: tokio::sync::Semaphore,
     /// Template build uploads: their signer and directory.
-    uploads: crate::templates::Uploads,
+    uploads: uploads::Uploads,
     /// Volumes (`crate::volumes`); `None` when the config names no volumes directory.
     volumes: Option<Arc<volumes::Volumes>>,
     /// When each sandbox last had traffic (`idle.rs`); the in-process proxy's own table.
@@ -194,7 +195,7 @@ impl Control {
             builtin_builds: tokio::sync::Mutex::new(()),
             startup,
             template_builds: tokio::sync::Semaphore::new(config_builds),
-            uploads: crate::templates::Uploads::new(template_files),
+            uploads: uploads::Uploads::new(template_files),
             activity: vmon_proxy::Activity::new(),
             faults: match &config_fault_dir {
                 Some(d) => vmon_proxy::Faults::in_dir(d),
@@ -224,7 +225,7 @@ impl Control {
         &self.startup
     }
 
-    pub(crate) fn uploads(&self) -> &crate::templates::Uploads {
+    pub(crate) fn uploads(&self) -> &uploads::Uploads {
         &self.uploads
     }
 

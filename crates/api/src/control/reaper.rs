@@ -15,7 +15,7 @@ use super::{Control, KillReason};
 
 /// How often the leader deletes expired events.
 const RETENTION_EVERY: Duration = Duration::from_secs(3600);
-use crate::records::SandboxState;
+use crate::records::{Change, EventKind, SandboxRecord, SandboxState};
 
 impl Control {
     /// Campaigns for leadership and reaps while leader, until `cancel` fires.
@@ -139,6 +139,32 @@ impl Control {
             let span = tracing::info_span!("expire", sandbox_id = id, execution_id);
             let _e = span.enter();
             drop(_e);
+            if let Some(end) = self.kept_alive(&rec).await {
+                let mut rec = rec;
+                rec.end_at = end;
+                let updated = super::event(
+                    &rec,
+                    EventKind::Updated,
+                    serde_json::json!({ "set_timeout": super::rfc3339(end), "keepalive": true }),
+                );
+                let committed = self
+                    .commit(
+                        Change::update(&rec, &rec.execution_id),
+                        updated,
+                        guard.fence().token(),
+                    )
+                    .await;
+                match committed {
+                    Ok(()) => {
+                        tracing::info!(sandbox_id = id, end = %end, "timeout: the guest kept its sandbox alive")
+                    }
+                    Err(e) => {
+                        tracing::warn!(sandbox_id = id, error = %e, "recording a self-keepalive failed")
+                    }
+                }
+                let _ = guard.unlock().await;
+                return;
+            }
             let t0 = std::time::Instant::now();
             let report =
                 |op, ok| crate::telemetry::platform::platform().transition(op, ok, t0.elapsed());
@@ -175,5 +201,25 @@ impl Control {
             }
         }
         let _ = guard.unlock().await;
+    }
+
+    /// The end a sandbox's guest asked for with self-keepalive (envd `POST /keepalive`, read
+    /// through its node now that its timeout ended): the ask's time plus its timeout, within
+    /// the team's maximum lifetime; None when there is no ask, it is spent, or the node cannot
+    /// say (an older node, a guest that does not answer: the timeout then acts as always).
+    async fn kept_alive(&self, rec: &SandboxRecord) -> Option<OffsetDateTime> {
+        let ask = match self.node.keepalive(&rec.id, &rec.execution_id).await {
+            Ok(ask) => ask?,
+            Err(e) => {
+                tracing::debug!(sandbox_id = %rec.id, error = %e, "no self-keepalive answer");
+                return None;
+            }
+        };
+        let now = OffsetDateTime::now_utc();
+        let asked = now - Duration::from_millis(ask.age_ms);
+        let team = self.records.team(&rec.team_id).await.ok().flatten()?;
+        let end = (asked + Duration::from_secs(ask.timeout_secs))
+            .min(Self::lifetime_cap(&team, rec.started_at));
+        (end > now + Duration::from_secs(1)).then_some(end)
     }
 }

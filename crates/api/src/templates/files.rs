@@ -1,8 +1,8 @@
 //! The files a template's COPY steps upload. The SDK asks `GET /templates/{id}/files/{hash}`
 //! and, when vmon lacks them, `PUT`s the archive to the URL the answer names, with no API key:
-//! that URL is vmon's own `/template-files/{team}/{hash}`, signed (HMAC-SHA256, the `hmac` crate, over team, hash
-//! and expiry) and valid for an hour. Archives are kept per team under the data dir's
-//! `template-files/`, written to a temporary file and renamed once complete, at most 1 GiB.
+//! that URL is vmon's own `/template-files/{team}/{hash}`, signed and valid for an hour (the
+//! signer, the directories and the quotas are `control/uploads.rs`). An archive is written to a
+//! temporary file and renamed once complete, at most 1 GiB.
 //!
 //! A team keeps at most `quotas.max_template_files` archives (429) of at most
 //! `quotas.max_template_file_bytes` in all (507), counted over what it keeps and what its other
@@ -10,248 +10,22 @@
 //! than `template_files_grace_secs` (`collect_files.rs`); a probe that finds one, and a build
 //! start that names it, make it new again.
 
-use std::path::{Path as FsPath, PathBuf};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::path::Path as FsPath;
 
 use axum::body::Body;
 use axum::extract::{Path, RawQuery, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use futures::StreamExt;
-use rand::Rng;
-use sha2::Sha256;
 use tokio::io::AsyncWriteExt;
 
 use super::steps::is_hash;
-use crate::control::Control;
+use crate::control::uploads::{safe_id, Limits, Reservation};
 use crate::error::{ApiError, ApiResult};
 use crate::state::{query_pairs, AppState};
 
 /// Largest archive one upload may hold.
 pub const MAX_UPLOAD: u64 = 1 << 30;
-/// How long an upload URL is good for.
-const URL_LIFETIME_SECS: u64 = 3600;
-
-/// The upload signer and the directory uploads land in.
-pub struct Uploads {
-    key: [u8; 32],
-    dir: PathBuf,
-    /// Per team: bytes and count of the uploads being written now.
-    writing: std::sync::Mutex<std::collections::HashMap<String, (u64, usize)>>,
-}
-
-/// What a team keeps: archives and their bytes.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Usage {
-    pub files: usize,
-    pub bytes: u64,
-}
-
-/// The quotas an upload is checked against.
-#[derive(Debug, Clone, Copy)]
-pub struct Limits {
-    pub files: usize,
-    pub bytes: u64,
-}
-
-fn now() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
-}
-
-fn hmac(key: &[u8; 32], msg: &str) -> String {
-    use hmac::{Hmac, Mac};
-    // HMAC takes a key of any length: `new_from_slice` cannot fail here.
-    <Hmac<Sha256> as Mac>::new_from_slice(key)
-        .map(|mut m| {
-            m.update(msg.as_bytes());
-            hex::encode(m.finalize().into_bytes())
-        })
-        .unwrap_or_default()
-}
-
-fn safe_id(s: &str) -> bool {
-    !s.is_empty()
-        && s.len() <= 128
-        && s.bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_'))
-}
-
-impl Uploads {
-    /// A signer with a fresh key (URLs it signed die with the process) over `dir`.
-    pub fn new(dir: PathBuf) -> Uploads {
-        Uploads {
-            key: rand::thread_rng().gen(),
-            dir,
-            writing: Default::default(),
-        }
-    }
-
-    /// The directory every team's uploads are under.
-    pub fn dir(&self) -> &FsPath {
-        &self.dir
-    }
-
-    /// What `team_id` keeps, not counting `except` (the archive an upload replaces) or
-    /// unfinished uploads (`.upload-*`).
-    pub fn usage(&self, team_id: &str, except: Option<&str>) -> Usage {
-        let mut u = Usage::default();
-        let Ok(entries) = std::fs::read_dir(self.dir.join(team_id)) else {
-            return u;
-        };
-        for e in entries.flatten() {
-            let name = e.file_name();
-            let name = name.to_string_lossy();
-            if name.starts_with('.') || Some(name.as_ref()) == except {
-                continue;
-            }
-            if let Ok(m) = e.metadata() {
-                if m.is_file() {
-                    u.files += 1;
-                    u.bytes += m.len();
-                }
-            }
-        }
-        u
-    }
-
-    /// Counts `bytes` more (and, with `new_file`, one file more) against `team_id`'s uploads
-    /// in progress, unless `kept` and those would pass `limits`.
-    fn reserve(
-        &self,
-        team_id: &str,
-        kept: Usage,
-        limits: Limits,
-        bytes: u64,
-        new_file: bool,
-    ) -> ApiResult<()> {
-        let mut writing = self
-            .writing
-            .lock()
-            .map_err(|_| ApiError::internal("upload accounting poisoned"))?;
-        let w = writing.entry(team_id.to_string()).or_default();
-        if new_file && kept.files + w.1 >= limits.files {
-            return Err(ApiError::too_many(format!(
-                "the team already keeps {} template files, its most (quotas.max_template_files); \
-                 they are collected once no build names them",
-                kept.files + w.1
-            )));
-        }
-        if kept.bytes + w.0 + bytes > limits.bytes {
-            return Err(ApiError::new(
-                StatusCode::INSUFFICIENT_STORAGE,
-                format!(
-                    "the team's template files would hold more than {} bytes (quotas.max_template_file_bytes)",
-                    limits.bytes
-                ),
-            ));
-        }
-        w.0 += bytes;
-        w.1 += usize::from(new_file);
-        Ok(())
-    }
-
-    /// Gives back what an upload reserved (it ended: kept on disk, or failed).
-    fn release(&self, team_id: &str, bytes: u64, new_file: bool) {
-        if let Ok(mut writing) = self.writing.lock() {
-            if let Some(w) = writing.get_mut(team_id) {
-                w.0 = w.0.saturating_sub(bytes);
-                w.1 = w.1.saturating_sub(usize::from(new_file));
-                if *w == (0, 0) {
-                    writing.remove(team_id);
-                }
-            }
-        }
-    }
-
-    pub fn path(&self, team_id: &str, hash: &str) -> PathBuf {
-        self.dir.join(team_id).join(hash)
-    }
-
-    fn message(team_id: &str, hash: &str, expires: u64) -> String {
-        format!("{team_id}\n{hash}\n{expires}")
-    }
-
-    /// The absolute upload URL for one archive.
-    pub fn url(&self, origin: &str, team_id: &str, hash: &str) -> String {
-        let expires = now() + URL_LIFETIME_SECS;
-        let sig = hmac(&self.key, &Self::message(team_id, hash, expires));
-        format!("{origin}/template-files/{team_id}/{hash}?expires={expires}&signature={sig}")
-    }
-
-    fn check(&self, team_id: &str, hash: &str, expires: &str, signature: &str) -> ApiResult<()> {
-        let unauthorized = |m: &str| ApiError::new(StatusCode::UNAUTHORIZED, m);
-        let expires: u64 = expires
-            .parse()
-            .map_err(|_| unauthorized("the upload URL is not signed"))?;
-        let want = hmac(&self.key, &Self::message(team_id, hash, expires));
-        let ok = want.len() == signature.len()
-            && want
-                .bytes()
-                .zip(signature.bytes())
-                .fold(0u8, |acc, (a, b)| acc | (a ^ b))
-                == 0;
-        if !ok {
-            return Err(unauthorized("the upload URL's signature is invalid"));
-        }
-        if expires < now() {
-            return Err(unauthorized("signature is already expired"));
-        }
-        Ok(())
-    }
-}
-
-impl Control {
-    /// Where the archive of `hash` is kept for a team (present or not).
-    pub(crate) fn template_file(&self, team_id: &str, hash: &str) -> PathBuf {
-        self.uploads().path(team_id, &hash.to_ascii_lowercase())
-    }
-
-    /// Whether the team keeps the archive of `hash`; one it keeps is made new again, so the
-    /// collector's grace starts over for a build about to name it.
-    pub(crate) fn template_file_kept(&self, team_id: &str, hash: &str) -> bool {
-        let path = self.template_file(team_id, hash);
-        match std::fs::OpenOptions::new().write(true).open(&path) {
-            Ok(f) => {
-                if f.metadata().is_ok_and(|m| m.is_file()) {
-                    let _ = f.set_modified(SystemTime::now());
-                    true
-                } else {
-                    false
-                }
-            }
-            Err(_) => false,
-        }
-    }
-}
-
-/// One upload's place in its team's quotas, given back when it ends.
-struct Reservation<'a> {
-    uploads: &'a Uploads,
-    team: &'a str,
-    kept: Usage,
-    limits: Limits,
-    bytes: u64,
-    new_file: bool,
-}
-
-impl Reservation<'_> {
-    fn grow(&mut self, n: u64) -> ApiResult<()> {
-        self.uploads
-            .reserve(self.team, self.kept, self.limits, n, false)?;
-        self.bytes += n;
-        Ok(())
-    }
-}
-
-impl Drop for Reservation<'_> {
-    fn drop(&mut self) {
-        self.uploads.release(self.team, self.bytes, self.new_file);
-    }
-}
-
 async fn write_capped(
     dir: &FsPath,
     dest: &FsPath,
@@ -350,43 +124,10 @@ pub(crate) async fn upload(
         let hash = hash.to_ascii_lowercase();
         let replaces = dest.is_file();
         let kept = uploads.usage(&team, Some(&hash));
-        uploads.reserve(&team, kept, limits, 0, !replaces)?;
-        let mut quota = Reservation {
-            uploads,
-            team: &team,
-            kept,
-            limits,
-            bytes: 0,
-            new_file: !replaces,
-        };
+        let mut quota = Reservation::new(uploads, &team, kept, limits, !replaces)?;
         let n = write_capped(&dir, &dest, body, &mut quota).await?;
         tracing::info!(team = %team, hash = %hash, bytes = n, "template files uploaded");
         Ok(StatusCode::CREATED.into_response())
     };
     run.await.unwrap_or_else(|e: ApiError| e.into_response())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn signatures_bind_team_hash_and_expiry() {
-        let u = Uploads::new(PathBuf::from("/nonexistent"));
-        let url = u.url("http://x", "team1", &"a".repeat(64));
-        let q = url.split_once('?').expect("test value").1;
-        let pairs: Vec<(String, String)> = serde_urlencoded::from_str(q).expect("test value");
-        let (exp, sig) = (&pairs[0].1, &pairs[1].1);
-        assert!(u.check("team1", &"a".repeat(64), exp, sig).is_ok());
-        assert!(u.check("team2", &"a".repeat(64), exp, sig).is_err());
-        assert!(u.check("team1", &"b".repeat(64), exp, sig).is_err());
-        let later = (exp.parse::<u64>().expect("test value") + 1).to_string();
-        assert!(u.check("team1", &"a".repeat(64), &later, sig).is_err());
-        let old = "1".to_string();
-        let old_sig = hmac(&u.key, &Uploads::message("team1", &"a".repeat(64), 1));
-        let e = u
-            .check("team1", &"a".repeat(64), &old, &old_sig)
-            .expect_err("an error");
-        assert_eq!(e.message, "signature is already expired");
-    }
 }

@@ -26,7 +26,7 @@ use axum::Router;
 use time::format_description::well_known::Rfc3339;
 use time::OffsetDateTime;
 
-pub use files::Uploads;
+pub use crate::control::uploads::Uploads;
 
 use crate::control::{parse_template_ref, record_error, Control};
 use crate::error::{ApiError, ApiResult};

@@ -33,6 +33,8 @@ pub struct FakeNode {
     pub networks: Mutex<Vec<(String, vmon_proto::node::NetworkPolicy)>>,
     /// Samples and console entries the telemetry tests plant, per sandbox.
     pub samples: Mutex<HashMap<String, Vec<vmon_proto::node::MetricSample>>>,
+    /// What each sandbox's guest asked of self-keepalive (`keepalive` answers it).
+    pub keepalive_asks: Mutex<HashMap<String, vmon_proto::node::KeepaliveAsk>>,
     pub log_entries: Mutex<HashMap<String, Vec<vmon_proto::node::LogEntry>>>,
     /// Template builds wait while a writer holds this (to see the api during a build).
     pub hold_builds: tokio::sync::RwLock<()>,
@@ -58,6 +60,7 @@ impl FakeNode {
             starts: Mutex::new(Vec::new()),
             networks: Mutex::new(Vec::new()),
             samples: Mutex::new(HashMap::new()),
+            keepalive_asks: Mutex::new(HashMap::new()),
             log_entries: Mutex::new(HashMap::new()),
             hold_builds: tokio::sync::RwLock::new(()),
             fail_builds: AtomicUsize::new(0),
@@ -302,6 +305,26 @@ impl NodeHandler for FakeNode {
     }
     async fn pool_depths(&self, _: n::PoolDepths) -> Result<Vec<(String, usize)>, NodeError> {
         Ok(vec![("base-build".into(), 1)])
+    }
+
+    async fn keepalive(
+        &self,
+        c: n::Keepalive,
+    ) -> Result<Option<vmon_proto::node::KeepaliveAsk>, NodeError> {
+        if !self
+            .running
+            .lock()
+            .expect("lock")
+            .contains_key(&c.sandbox_id)
+        {
+            return Err(NodeError::NotFound(c.sandbox_id));
+        }
+        Ok(self
+            .keepalive_asks
+            .lock()
+            .expect("lock")
+            .get(&c.sandbox_id)
+            .copied())
     }
 
     async fn exec(&self, c: n::Exec) -> Result<vmon_proto::node::ExecOutput, NodeError> {

@@ -6,14 +6,15 @@ use std::sync::Arc;
 use tokio::sync::Mutex;
 use vmon_proto::node::{
     BuildInfo, BuildInfoOf, BuildTemplate, Builds, Checkpoint, DeleteBuild, Exec, ExecOutput,
-    KeptBuild, Kill, LatestMetrics, ListRunning, LogEntry, Logs, MetricSample, Metrics,
-    MigrateAbort, MigrateAccept, MigrateCancel, MigrateCommit, MigrateDescribe, MigrateFinish,
-    MigrateIn, MigrateSend, MigrateStats, NodeError, NodeHandler, Pause, PauseBuild, PauseBuilds,
-    PausedState, PausedStateOf, PoolDepths, PutFile, ResolveImage, Running, Start, UpdateEgress,
-    UpdateNetwork,
+    Keepalive, KeepaliveAsk, KeptBuild, Kill, LatestMetrics, ListRunning, LogEntry, Logs,
+    MetricSample, Metrics, MigrateAbort, MigrateAccept, MigrateCancel, MigrateCommit,
+    MigrateDescribe, MigrateFinish, MigrateIn, MigrateSend, MigrateStats, NodeError, NodeHandler,
+    Pause, PauseBuild, PauseBuilds, PausedState, PausedStateOf, PoolDepths, PutFile, ResolveImage,
+    Running, Start, UpdateEgress, UpdateNetwork,
 };
 
 use super::{err, Node};
+use crate::envd_client;
 use crate::sandbox::Live;
 
 #[async_trait::async_trait]
@@ -232,6 +233,13 @@ impl NodeHandler for Node {
                 (b, d)
             })
             .collect())
+    }
+
+    async fn keepalive(&self, c: Keepalive) -> Result<Option<KeepaliveAsk>, NodeError> {
+        let (addr, token) = self.envd_of(&c.sandbox_id, &c.execution_id).await?;
+        envd_client::keepalive(addr, token.as_deref())
+            .await
+            .map_err(|e| NodeError::Failed(format!("envd /keepalive: {e:#}")))
     }
 
     async fn exec(&self, c: Exec) -> Result<ExecOutput, NodeError> {

@@ -313,7 +313,7 @@ fn bounded_text(mut bytes: Vec<u8>) -> String {
 
 impl Node {
     /// A running sandbox's envd address and token, if it is in run `execution_id`.
-    async fn envd_of(
+    pub(super) async fn envd_of(
         &self,
         sandbox_id: &str,
         execution_id: &str,

@@ -19,9 +19,9 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use super::{
-    BuildId, BuildInfo, ExecOutput, ExecSpec, KeptBuild, LogEntry, LogQuery, MetricSample,
-    MigrateIn, MigrateOut, MigrateStats, NetworkPolicy, NodeError, OciImage, PauseBuild,
-    PausedState, Running, StartSpec, TemplateSpec,
+    BuildId, BuildInfo, ExecOutput, ExecSpec, KeepaliveAsk, KeptBuild, LogEntry, LogQuery,
+    MetricSample, MigrateIn, MigrateOut, MigrateStats, NetworkPolicy, NodeError, OciImage,
+    PauseBuild, PausedState, Running, StartSpec, TemplateSpec,
 };
 use crate::egress::EgressSpec;
 
@@ -277,6 +277,10 @@ node_calls! {
     /// Writes the file at `host_path` (on the node's host: in `vmon up` the api and the node
     /// share the data dir) into a running sandbox at `guest_path`, as root.
     put_file: PutFile { sandbox_id: String, execution_id: String, host_path: String, guest_path: String } -> (),
+        sandbox = sandbox_id;
+    /// A running sandbox's latest self-keepalive ask (envd `GET /keepalive`), if its guest
+    /// made one since it started; read when its timeout ends.
+    keepalive: Keepalive { sandbox_id: String, execution_id: String } -> Option<KeepaliveAsk>,
         sandbox = sandbox_id;
     /// Live migration, source side: whether this sandbox can move, and what the target needs.
     /// (The migration calls go to one node each, which the cluster's migration picks.)
