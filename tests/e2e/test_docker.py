@@ -14,7 +14,6 @@ from __future__ import annotations
 import secrets
 import shlex
 import subprocess
-import threading
 import time
 
 import httpx
@@ -22,6 +21,7 @@ import pytest
 from e2b import Sandbox, Template
 
 from conftest import wait_for
+from test_isolation import Listener
 
 NS = "vmt-e2e-docker"
 HOST_IF = "vmt-e2e-dk0"
@@ -64,35 +64,6 @@ def docker_template(vmon) -> str:
         raise AssertionError(f"the docker template's build failed: {e}\n" + "\n".join(lines[-40:])) from e
     print(f"docker template built in {time.monotonic() - t0:.0f} s")
     return name
-
-
-class Listener:
-    """Counts the connections it accepts on `ip`, in namespace `netns` or on the host."""
-
-    SERVER = (
-        "import socket,sys\n"
-        "s=socket.socket();s.bind((sys.argv[1],0));s.listen(16)\n"
-        "print(s.getsockname()[1],flush=True)\n"
-        "while True:\n"
-        "    c,_=s.accept();print('+',flush=True);c.close()\n"
-    )
-
-    def __init__(self, ip: str, netns: str | None = None):
-        self.hits = 0
-        prefix = ["ip", "netns", "exec", netns] if netns else []
-        self.proc = subprocess.Popen([*prefix, "python3", "-c", self.SERVER, ip], stdout=subprocess.PIPE, text=True)
-        assert self.proc.stdout is not None
-        self.port = int(self.proc.stdout.readline())
-        threading.Thread(target=self._count, daemon=True).start()
-
-    def _count(self):
-        assert self.proc.stdout is not None
-        for _ in self.proc.stdout:
-            self.hits += 1
-
-    def close(self):
-        self.proc.kill()
-        self.proc.wait()
 
 
 @pytest.fixture(scope="module")

@@ -468,6 +468,7 @@ async fn a_guest_that_asked_to_live_on_is_extended_at_its_timeout() {
     let kept = h.create(r#"{"templateID":"base","timeout":0}"#).await;
     let spent = h.create(r#"{"templateID":"base","timeout":0}"#).await;
     let none = h.create(r#"{"templateID":"base","timeout":0}"#).await;
+    let hostile = h.create(r#"{"templateID":"base","timeout":0}"#).await;
     {
         let mut asks = h.node.keepalive_asks.lock().unwrap();
         asks.insert(
@@ -475,6 +476,14 @@ async fn a_guest_that_asked_to_live_on_is_extended_at_its_timeout() {
             vmon_proto::node::KeepaliveAsk {
                 age_ms: 1_000,
                 timeout_secs: 300,
+            },
+        );
+        // Numbers no clock holds: refused, never a panic of the reaper.
+        asks.insert(
+            hostile.clone(),
+            vmon_proto::node::KeepaliveAsk {
+                age_ms: u64::MAX,
+                timeout_secs: u64::MAX,
             },
         );
         // Asked 400 s ago for 300 s: over.
@@ -507,7 +516,7 @@ async fn a_guest_that_asked_to_live_on_is_extended_at_its_timeout() {
         .find(|e| e.event_type == EventKind::Updated.as_str())
         .expect("an updated event");
     assert_eq!(updated.event_data.unwrap()["keepalive"], true);
-    for gone in [&spent, &none] {
+    for gone in [&spent, &none, &hostile] {
         let r = h.req("GET", &format!("/sandboxes/{gone}"), None).await;
         assert_eq!(r.status, StatusCode::NOT_FOUND, "{gone} is reaped");
     }

@@ -84,6 +84,11 @@ pub async fn keepalive(
         204 => Ok(None),
         200 if body.len() <= 1024 => {
             let a: Answer = serde_json::from_slice(&body)?;
+            // What envd itself accepts: 1 s to 30 days; an ask older than that is spent.
+            const MAX_SECS: u64 = 30 * 24 * 3600;
+            if a.timeout == 0 || a.timeout > MAX_SECS || a.age_ms > MAX_SECS * 1000 {
+                anyhow::bail!("an ask out of range ({} s, {} ms old)", a.timeout, a.age_ms);
+            }
             Ok(Some(vmon_proto::node::KeepaliveAsk {
                 age_ms: a.age_ms,
                 timeout_secs: a.timeout,

@@ -5,7 +5,7 @@ mod common;
 use std::net::IpAddr;
 use std::time::Duration;
 
-use common::{host_lock, netns_list, node, runtime, unique};
+use common::{host_lock, netns_list, node, runs, runtime, unique};
 use vmon_node::envd_client;
 use vmon_proto::node::{NetworkPolicy, NodeCalls, NodeError, StartSpec};
 
@@ -217,12 +217,7 @@ fn kill_9_of_qemu_then_reclaim_leaves_nothing() {
             !run_dir.join("sandbox.json").exists(),
             "no state left to re-adopt"
         );
-        assert!(node
-            .list_running()
-            .await
-            .expect("list_running")
-            .iter()
-            .all(|s| s.sandbox_id != id));
+        assert!(!runs(&node, &id).await);
     });
 }
 
@@ -252,12 +247,7 @@ fn bad_input_gets_clear_errors_and_leaves_nothing() {
                 Err(NodeError::InvalidArgument(m)) => assert!(m.contains(needle), "{m}"),
                 other => panic!("vcpus={vcpus} mem={mem}: expected InvalidArgument, got {other:?}"),
             }
-            assert!(node
-                .list_running()
-                .await
-                .expect("list_running")
-                .iter()
-                .all(|s| s.sandbox_id != id));
+            assert!(!runs(&node, &id).await);
         }
         let bad_policy = NetworkPolicy {
             allow_internet_access: true,

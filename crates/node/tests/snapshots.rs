@@ -5,7 +5,9 @@ mod common;
 
 use std::time::Duration;
 
-use common::{host_lock, node, runtime, sh, start, template, unique, READ_TOKEN, TOKEN_SERVER};
+use common::{
+    host_lock, node, runs, runtime, sh, start, template, unique, READ_TOKEN, TOKEN_SERVER,
+};
 use vmon_proto::node::NodeCalls;
 
 #[test]
@@ -428,12 +430,7 @@ fn a_corrupt_layer_fails_the_resume_clearly() {
             Err(e) => assert!(e.to_string().contains("corrupt"), "{e}"),
             Ok(_) => panic!("a corrupt layer restored"),
         }
-        assert!(node
-            .list_running()
-            .await
-            .expect("list_running")
-            .iter()
-            .all(|s| s.sandbox_id != id));
+        assert!(!runs(&node, &id).await);
         node.delete_build(&b.build_id).await.expect("delete");
     });
 }

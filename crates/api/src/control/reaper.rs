@@ -215,11 +215,16 @@ impl Control {
                 return None;
             }
         };
+        // The guest's numbers: checked, never trusted to fit.
         let now = OffsetDateTime::now_utc();
-        let asked = now - Duration::from_millis(ask.age_ms);
+        let asked = now.checked_sub(time::Duration::milliseconds(
+            i64::try_from(ask.age_ms).ok()?,
+        ))?;
+        let asked_end = asked.checked_add(time::Duration::seconds(
+            i64::try_from(ask.timeout_secs).ok()?,
+        ))?;
         let team = self.records.team(&rec.team_id).await.ok().flatten()?;
-        let end = (asked + Duration::from_secs(ask.timeout_secs))
-            .min(Self::lifetime_cap(&team, rec.started_at));
+        let end = asked_end.min(Self::lifetime_cap(&team, rec.started_at));
         (end > now + Duration::from_secs(1)).then_some(end)
     }
 }

@@ -253,10 +253,7 @@ impl ClusterNodes {
         execution_id: &str,
         memory: bool,
     ) -> Result<BuildInfo, NodeError> {
-        let (node, c) = self.node_of(sandbox_id).await?;
-        let info = c.pause(sandbox_id, execution_id, memory).await?;
-        self.holds(&node, &info).await;
-        Ok(info)
+        self.capture(sandbox_id, execution_id, memory, false).await
     }
 
     async fn checkpoint(
@@ -265,8 +262,24 @@ impl ClusterNodes {
         execution_id: &str,
         memory: bool,
     ) -> Result<BuildInfo, NodeError> {
+        self.capture(sandbox_id, execution_id, memory, true).await
+    }
+
+    /// A pause (or, `checkpoint`, a capture that leaves the sandbox running) on the sandbox's
+    /// node, whose build that node then holds.
+    async fn capture(
+        &self,
+        sandbox_id: &str,
+        execution_id: &str,
+        memory: bool,
+        checkpoint: bool,
+    ) -> Result<BuildInfo, NodeError> {
         let (node, c) = self.node_of(sandbox_id).await?;
-        let info = c.checkpoint(sandbox_id, execution_id, memory).await?;
+        let info = if checkpoint {
+            c.checkpoint(sandbox_id, execution_id, memory).await?
+        } else {
+            c.pause(sandbox_id, execution_id, memory).await?
+        };
         self.holds(&node, &info).await;
         Ok(info)
     }

@@ -213,3 +213,13 @@ rm /tmp/tok.py
 [ "$up" = 1 ] || { echo "the token server did not listen within 60 s" >&2; exit 1; }"#;
 
 pub const READ_TOKEN: &str = "timeout 60 bash -c 'exec 3<>/dev/tcp/127.0.0.1/7777; cat <&3'";
+
+/// Whether the node lists `id` among the sandboxes it runs.
+pub async fn runs(node: &Node, id: &str) -> bool {
+    use vmon_proto::node::NodeCalls;
+    node.list_running()
+        .await
+        .expect("list_running")
+        .iter()
+        .any(|s| s.sandbox_id == id)
+}
