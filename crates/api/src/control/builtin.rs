@@ -7,7 +7,7 @@ use vmon_proto::node::BuildInfo;
 use vmon_proto::progress::Phase;
 
 use super::Control;
-use crate::error::{ApiError, ApiResult};
+use super::{ControlError, ControlResult};
 
 /// The template every other build starts from.
 pub const BASE: &str = "base";
@@ -77,7 +77,7 @@ impl Control {
     }
 
     /// 503 with the first build's progress until `base` is built.
-    pub(crate) fn admit_while_starting(&self) -> ApiResult<()> {
+    pub(crate) fn admit_while_starting(&self) -> ControlResult<()> {
         if self.startup.is_ready() {
             return Ok(());
         }
@@ -86,7 +86,7 @@ impl Control {
         if s.phase == Phase::Building {
             message.push_str("; retry shortly");
         }
-        Err(ApiError::unavailable(message))
+        Err(ControlError::unavailable(message))
     }
 
     /// Builds the builtin template `alias` unless it exists; one builtin build at a time, so

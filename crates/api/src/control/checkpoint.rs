@@ -7,7 +7,7 @@ use time::OffsetDateTime;
 use vmon_proto::node::{BuildInfo, TemplateSpec};
 
 use super::{event, record_error, Control};
-use crate::error::{ApiError, ApiResult};
+use super::{ControlError, ControlResult};
 use crate::ids;
 use crate::records::{Change, EventKind, SandboxState, Team, TemplateKind, TemplateRecord};
 use crate::wire;
@@ -57,15 +57,15 @@ impl Control {
         &self,
         team: &Team,
         reference: &str,
-    ) -> ApiResult<(TemplateRecord, String, BuildInfo)> {
-        let not_found = || ApiError::not_found(format!("template '{reference}' not found"));
+    ) -> ControlResult<(TemplateRecord, String, BuildInfo)> {
+        let not_found = || ControlError::not_found(format!("template '{reference}' not found"));
         let r = parse_template_ref(reference.trim()).ok_or_else(not_found)?;
         let mut template = self.find_template(team, &r).await?;
         if template.is_none() && r.namespace.is_none() && super::builtin::builtin(&r.name).is_some()
         {
             // Still building in the background (or never built here): wait for it.
             self.ensure_builtin(&r.name).await.map_err(|e| {
-                ApiError::unavailable(format!("template '{reference}' could not be built: {e:#}"))
+                ControlError::unavailable(format!("template '{reference}' could not be built: {e:#}"))
             })?;
             template = self.find_template(team, &r).await?;
         }
@@ -79,7 +79,7 @@ impl Control {
         &self,
         team: &Team,
         r: &TemplateRef,
-    ) -> ApiResult<Option<TemplateRecord>> {
+    ) -> ControlResult<Option<TemplateRecord>> {
         let visible = |t: &TemplateRecord| t.team_id.as_ref().is_none_or(|o| *o == team.id);
         if let Some(ns) = &r.namespace {
             // Only the team's own namespace names anything.
@@ -210,15 +210,15 @@ impl Control {
         id: &str,
         timeout: u64,
         count: u32,
-    ) -> ApiResult<Vec<wire::ForkResult>> {
+    ) -> ControlResult<Vec<wire::ForkResult>> {
         if count == 0 || count > 100 || count >= team.limits.max_concurrent {
-            return Err(ApiError::bad_request(format!(
+            return Err(ControlError::bad_request(format!(
                 "count must be between 1 and 100 and lower than the team's concurrent-sandbox limit ({})",
                 team.limits.max_concurrent
             )));
         }
         if timeout > team.limits.max_lifetime_secs {
-            return Err(ApiError::bad_request(
+            return Err(ControlError::bad_request(
                 "timeout is longer than the team's maximum lifetime",
             ));
         }
@@ -230,7 +230,7 @@ impl Control {
                 // The children start from the paused state (memory and disk, as it was
                 // paused); the source stays paused and untouched, and keeps its build.
                 let build = rec.build.clone();
-                return ApiResult::Ok((rec, build, false));
+                return ControlResult::Ok((rec, build, false));
             }
             let build = self
                 .node
@@ -269,7 +269,7 @@ impl Control {
         let mut any = false;
         for child in futures::future::join_all(children).await {
             let r = child.unwrap_or_else(|e| {
-                Err(ApiError::internal(format!("fork child task failed: {e}")))
+                Err(ControlError::internal(format!("fork child task failed: {e}")))
             });
             results.push(match r {
                 Ok(sandbox) => {
@@ -281,7 +281,7 @@ impl Control {
                 }
                 Err(e) => wire::ForkResult {
                     sandbox: None,
-                    error: Some(e.body()),
+                    error: Some(crate::error::ApiError::from(e).body()),
                 },
             });
         }
@@ -298,17 +298,17 @@ impl Control {
         id: &str,
         name: Option<&str>,
         memory: bool,
-    ) -> ApiResult<wire::SnapshotInfo> {
+    ) -> ControlResult<wire::SnapshotInfo> {
         let named = match name.map(str::trim).filter(|n| !n.is_empty()) {
             None => None,
             Some(n) => {
                 let r = parse_template_ref(n).ok_or_else(|| {
-                    ApiError::bad_request(format!(
+                    ControlError::bad_request(format!(
                         "invalid snapshot name {n:?}: use [namespace/]alias[:tag]"
                     ))
                 })?;
                 if r.namespace.as_ref().is_some_and(|ns| *ns != team.slug) {
-                    return Err(ApiError::bad_request(format!(
+                    return Err(ControlError::bad_request(format!(
                         "the namespace of a snapshot name must be the team's ({})",
                         team.slug
                     )));
@@ -338,7 +338,7 @@ impl Control {
                         Some(t)
                     }
                     Some(_) => {
-                        return Err(ApiError::conflict(format!(
+                        return Err(ControlError::conflict(format!(
                             "the name {:?} is used by a template",
                             r.name
                         )))
@@ -350,7 +350,7 @@ impl Control {
         };
         // A new tag of an existing snapshot adds no snapshot.
         if existing.is_none() && kept >= max {
-            return Err(ApiError::too_many(format!(
+            return Err(ControlError::too_many(format!(
                 "the team already keeps {kept} snapshots, its most (quotas.max_snapshots); delete one first"
             )));
         }
@@ -359,7 +359,7 @@ impl Control {
         let result = async {
             let rec = self.owned(team, id).await?;
             if rec.state != SandboxState::Running {
-                return Err(ApiError::conflict(format!(
+                return Err(ControlError::conflict(format!(
                     "sandbox {id} is paused; only a running sandbox can be snapshotted"
                 )));
             }
@@ -418,7 +418,7 @@ impl Control {
         team: &Team,
         sandbox_id: Option<&str>,
         name: Option<&str>,
-    ) -> ApiResult<Vec<wire::SnapshotInfo>> {
+    ) -> ControlResult<Vec<wire::SnapshotInfo>> {
         let mut out = Vec::new();
         for t in self
             .records
@@ -449,8 +449,8 @@ impl Control {
     }
 
     /// `DELETE /templates/{id}`: a team's snapshot (one tag of it when the id names a tag).
-    pub async fn delete_template(&self, team: &Team, reference: &str) -> ApiResult<()> {
-        let not_found = || ApiError::not_found(format!("template '{reference}' not found"));
+    pub async fn delete_template(&self, team: &Team, reference: &str) -> ControlResult<()> {
+        let not_found = || ControlError::not_found(format!("template '{reference}' not found"));
         let r = parse_template_ref(reference.trim()).ok_or_else(not_found)?;
         let mut t = self.find_template(team, &r).await?.ok_or_else(not_found)?;
         if t.team_id.as_deref() != Some(team.id.as_str()) {

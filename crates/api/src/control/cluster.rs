@@ -209,7 +209,7 @@ impl Control {
                     .kill_locked(rec, KillReason::Orphaned, guard.fence().token())
                     .await
                 {
-                    tracing::warn!(sandbox_id = id, error = %e.message, "reporting an orphan failed");
+                    tracing::warn!(sandbox_id = id, error = %e, "reporting an orphan failed");
                 }
                 cluster.forget(id).await;
             }

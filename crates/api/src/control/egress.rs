@@ -6,7 +6,7 @@
 use vmon_proto::egress::{parse_rules, secret_names, EgressSpec, SecretValues};
 
 use super::{record_error, Control};
-use crate::error::{ApiError, ApiResult};
+use super::{ControlError, ControlResult};
 use crate::records::SandboxState;
 use crate::wire::NetworkConfig;
 
@@ -14,11 +14,11 @@ use crate::wire::NetworkConfig;
 /// proxy reaches only what the sandbox itself may reach).
 pub(crate) fn checked_rules(
     network: &NetworkConfig,
-) -> ApiResult<Vec<vmon_proto::egress::HostRule>> {
+) -> ControlResult<Vec<vmon_proto::egress::HostRule>> {
     let Some(rules) = network.rules.as_ref() else {
         return Ok(Vec::new());
     };
-    let rules = parse_rules(rules).map_err(ApiError::bad_request)?;
+    let rules = parse_rules(rules).map_err(ControlError::bad_request)?;
     let allow: Vec<String> = network
         .allow_out
         .as_deref()
@@ -27,7 +27,7 @@ pub(crate) fn checked_rules(
         .map(|e| e.trim().to_ascii_lowercase())
         .collect();
     if let Some(r) = rules.iter().find(|r| !allow.contains(&r.host)) {
-        return Err(ApiError::bad_request(format!(
+        return Err(ControlError::bad_request(format!(
             "network.rules names {:?}, which allowOut does not: a rule host must also be in allowOut",
             r.host
         )));
@@ -44,7 +44,7 @@ impl Control {
         team_id: &str,
         network: &NetworkConfig,
         strict: bool,
-    ) -> ApiResult<EgressSpec> {
+    ) -> ControlResult<EgressSpec> {
         let rules = checked_rules(network)?;
         let mut secrets = SecretValues::default();
         for name in secret_names(&rules) {
@@ -66,7 +66,7 @@ impl Control {
                     secrets.0.insert(name, v);
                 }
                 None if strict => {
-                    return Err(ApiError::bad_request(format!(
+                    return Err(ControlError::bad_request(format!(
                         "network rules name the unknown secret {name:?}"
                     )))
                 }
@@ -101,7 +101,7 @@ impl Control {
             let spec = match self.egress_spec(team_id, &rec.network, false).await {
                 Ok(s) => s,
                 Err(e) => {
-                    tracing::warn!(sandbox_id = %rec.id, error = %e.message, "egress rules after a secret change");
+                    tracing::warn!(sandbox_id = %rec.id, error = %e, "egress rules after a secret change");
                     continue;
                 }
             };

@@ -5,7 +5,7 @@ use time::OffsetDateTime;
 use vmon_proto::node::StartKind;
 
 use super::{rfc3339, Control};
-use crate::error::ApiResult;
+use super::ControlResult;
 use crate::records::{SandboxRecord, SandboxState, Team};
 use crate::wire;
 
@@ -53,7 +53,7 @@ impl Control {
         }
     }
 
-    pub async fn health(&self, team: &Team, id: &str) -> ApiResult<wire::SandboxHealth> {
+    pub async fn health(&self, team: &Team, id: &str) -> ControlResult<wire::SandboxHealth> {
         let rec = self.owned(team, id).await?;
         let (location, stored) = self.state_location(&rec).await;
         let idle_seconds = (rec.state == SandboxState::Running && rec.idle.is_some()).then(|| {

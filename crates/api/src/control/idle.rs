@@ -16,7 +16,7 @@ use time::OffsetDateTime;
 use super::why::PauseWhy;
 use super::{Control, KillReason, MAX_TIMEOUT_SECS};
 use crate::config::IdleConfig;
-use crate::error::{ApiError, ApiResult};
+use super::{ControlError, ControlResult};
 use crate::records::{IdlePolicy, SandboxRecord, SandboxState, Team};
 use crate::wire::{IdleSettings, StringMap};
 
@@ -45,7 +45,7 @@ pub(crate) fn resolve(
     config: &IdleConfig,
     team: &Team,
     asked: &Asked<'_>,
-) -> ApiResult<Option<IdlePolicy>> {
+) -> ControlResult<Option<IdlePolicy>> {
     let named = match asked.field {
         Some(None) => return Ok(None),
         Some(Some(s)) => Some(Some(s.clone())),
@@ -58,26 +58,26 @@ pub(crate) fn resolve(
     }
 }
 
-fn explicit(s: &IdleSettings, asked: &Asked<'_>) -> ApiResult<IdlePolicy> {
+fn explicit(s: &IdleSettings, asked: &Asked<'_>) -> ControlResult<IdlePolicy> {
     let max_idle = match s.max_idle_seconds {
         None => DEFAULT_IDLE_SECS,
         Some(v) => u64::try_from(v)
             .ok()
             .filter(|v| *v >= MIN_IDLE_SECS)
             .ok_or_else(|| {
-                ApiError::bad_request(format!(
+                ControlError::bad_request(format!(
                     "max_idle_seconds must be at least {MIN_IDLE_SECS}, not {v}"
                 ))
             })?,
     };
     if max_idle >= asked.timeout {
-        return Err(ApiError::bad_request(format!(
+        return Err(ControlError::bad_request(format!(
             "max_idle_seconds ({max_idle}) must be less than the sandbox's timeout ({} s): lower it, raise the timeout, or turn idle auto-suspend off",
             asked.timeout
         )));
     }
     if asked.has_volumes {
-        return Err(ApiError::bad_request(
+        return Err(ControlError::bad_request(
             "idle auto-suspend keeps memory, and a sandbox with volume mounts pauses without it: turn one of them off",
         ));
     }
@@ -87,7 +87,7 @@ fn explicit(s: &IdleSettings, asked: &Asked<'_>) -> ApiResult<IdlePolicy> {
             .ok()
             .filter(|v| *v <= MAX_TIMEOUT_SECS)
             .ok_or_else(|| {
-                ApiError::bad_request(format!(
+                ControlError::bad_request(format!(
                     "suspended_duration_seconds must be 0-{MAX_TIMEOUT_SECS}, not {v}"
                 ))
             })?,
@@ -100,12 +100,12 @@ fn explicit(s: &IdleSettings, asked: &Asked<'_>) -> ApiResult<IdlePolicy> {
 }
 
 /// `Some(None)`: the metadata turns it off; `None`: the metadata says nothing of it.
-fn from_metadata(metadata: &StringMap) -> ApiResult<Option<Option<IdleSettings>>> {
+fn from_metadata(metadata: &StringMap) -> ControlResult<Option<Option<IdleSettings>>> {
     let mut s = IdleSettings::default();
     let mut any = false;
     let int = |k: &str, v: &str| {
         v.trim().parse::<i64>().map_err(|_| {
-            ApiError::bad_request(format!("metadata {k} must be a whole number, not {v:?}"))
+            ControlError::bad_request(format!("metadata {k} must be a whole number, not {v:?}"))
         })
     };
     for (k, v) in metadata {
@@ -122,14 +122,14 @@ fn from_metadata(metadata: &StringMap) -> ApiResult<Option<Option<IdleSettings>>
                     "true" | "1" | "yes" => true,
                     "false" | "0" | "no" => false,
                     _ => {
-                        return Err(ApiError::bad_request(format!(
+                        return Err(ControlError::bad_request(format!(
                             "metadata {k} must be true or false, not {v:?}"
                         )))
                     }
                 })
             }
             _ => {
-                return Err(ApiError::bad_request(format!(
+                return Err(ControlError::bad_request(format!(
                     "unknown metadata key {k}: the idle policy's are {METADATA_PREFIX}max_idle_seconds, {METADATA_PREFIX}auto_resume and {METADATA_PREFIX}suspended_duration_seconds"
                 )))
             }
@@ -321,7 +321,7 @@ impl Control {
         .await;
         if let Err(e) = result {
             // It keeps running; the next try is a whole window later.
-            tracing::warn!(sandbox_id = id, error = %e.message, "idle suspend failed");
+            tracing::warn!(sandbox_id = id, error = %e, "idle suspend failed");
             self.activity.touch(id);
         }
         let _ = guard.unlock().await;
@@ -342,7 +342,7 @@ impl Control {
                 .kill_locked(rec, KillReason::Timeout, guard.fence().token())
                 .await
             {
-                tracing::warn!(sandbox_id = id, error = %e.message, "ending a suspended sandbox failed");
+                tracing::warn!(sandbox_id = id, error = %e, "ending a suspended sandbox failed");
             }
         }
         let _ = guard.unlock().await;
@@ -418,7 +418,7 @@ mod tests {
             let m = meta(pairs);
             let e = resolve(&IdleConfig::default(), &team(), &asked(None, &m, 600))
                 .expect_err("invalid");
-            assert_eq!(e.status, axum::http::StatusCode::BAD_REQUEST, "{pairs:?}");
+            assert!(matches!(e, ControlError::Invalid(_)), "{pairs:?}: {e}");
         }
     }
 

@@ -11,7 +11,7 @@ use super::{
     admission_key, concurrency_error, event, kv_error, network_policy, record_error, timeout_secs,
     Control,
 };
-use crate::error::{ApiError, ApiResult};
+use super::{ControlError, ControlResult};
 use crate::ids;
 use crate::records::{Change, EventKind, SandboxRecord, SandboxState, Team};
 use crate::wire::{self, NewSandbox};
@@ -95,7 +95,7 @@ impl Inherited {
     }
 }
 
-pub(crate) fn validate_idempotency_key(key: &str) -> ApiResult<()> {
+pub(crate) fn validate_idempotency_key(key: &str) -> ControlResult<()> {
     // The seed allows [a-z0-9]; the SDK also sends hyphens, so they are accepted too.
     let ok = (1..=255).contains(&key.len())
         && key
@@ -104,16 +104,16 @@ pub(crate) fn validate_idempotency_key(key: &str) -> ApiResult<()> {
     if ok {
         Ok(())
     } else {
-        Err(ApiError::bad_request(
+        Err(ControlError::bad_request(
             "Idempotency-Key must be 1-255 characters of [a-z0-9-]",
         ))
     }
 }
 
 /// 400 when `secs` is longer than the team's maximum lifetime.
-fn over_lifetime(team: &Team, secs: u64, what: &str) -> ApiResult<()> {
+fn over_lifetime(team: &Team, secs: u64, what: &str) -> ControlResult<()> {
     if secs > team.limits.max_lifetime_secs {
-        return Err(ApiError::bad_request(format!(
+        return Err(ControlError::bad_request(format!(
             "{what} cannot be greater than {} seconds (the team's maximum lifetime)",
             team.limits.max_lifetime_secs
         )));
@@ -126,7 +126,7 @@ impl Control {
         self: &Arc<Self>,
         team: &Team,
         params: CreateParams,
-    ) -> ApiResult<wire::Sandbox> {
+    ) -> ControlResult<wire::Sandbox> {
         let req = params.request;
         let timeout = match req.timeout {
             Some(t) => timeout_secs(t, "timeout")?,
@@ -134,7 +134,7 @@ impl Control {
             None => 300,
         };
         if timeout > team.limits.max_lifetime_secs {
-            return Err(ApiError::bad_request(format!(
+            return Err(ControlError::bad_request(format!(
                 "timeout cannot be greater than {} seconds (the team's maximum lifetime)",
                 team.limits.max_lifetime_secs
             )));
@@ -165,7 +165,7 @@ impl Control {
         let auto_resume = req.auto_resume.as_ref().is_some_and(|a| a.enabled);
         let auto_pause_memory = req.auto_pause_memory.unwrap_or(true);
         if auto_resume && !auto_pause {
-            return Err(ApiError::bad_request("autoResume requires autoPause"));
+            return Err(ControlError::bad_request("autoResume requires autoPause"));
         }
         let idle = super::idle::resolve(
             &self.config.idle,
@@ -215,7 +215,7 @@ impl Control {
         team: &Team,
         launch: Launch<'_>,
         key: &str,
-    ) -> ApiResult<wire::Sandbox> {
+    ) -> ControlResult<wire::Sandbox> {
         let kv_key = format!("create/{}/{key}", team.id);
         for _ in 0..5 {
             let id = ids::sandbox_id();
@@ -256,7 +256,7 @@ impl Control {
                         _ => {
                             let still = self.kv.idempotency_get(&kv_key).await.map_err(kv_error)?;
                             if still.is_some_and(|r| r.value == existing.as_bytes()) {
-                                return Err(ApiError::conflict(format!(
+                                return Err(ControlError::conflict(format!(
                                     "the sandbox created with this Idempotency-Key ({existing}) no longer exists"
                                 )));
                             }
@@ -265,7 +265,7 @@ impl Control {
                 }
             }
         }
-        Err(ApiError::conflict(
+        Err(ControlError::conflict(
             "the Idempotency-Key is contended; try again",
         ))
     }
@@ -274,7 +274,7 @@ impl Control {
         self: &Arc<Self>,
         launch: Launch<'_>,
         id: Option<String>,
-    ) -> ApiResult<wire::Sandbox> {
+    ) -> ControlResult<wire::Sandbox> {
         let id = id.unwrap_or_else(ids::sandbox_id);
         let guard = self.lock(&id).await?;
         let result = self
@@ -290,7 +290,7 @@ impl Control {
         id: &str,
         launch: &Launch<'_>,
         fence: i64,
-    ) -> ApiResult<wire::Sandbox> {
+    ) -> ControlResult<wire::Sandbox> {
         let team = launch.team;
         let volumes = self
             .volume_shares(&team.id, &launch.base.volume_mounts)
@@ -395,14 +395,14 @@ impl Control {
         }
     }
 
-    pub async fn kill(&self, team: &Team, id: &str, reason: KillReason) -> ApiResult<()> {
+    pub async fn kill(&self, team: &Team, id: &str, reason: KillReason) -> ControlResult<()> {
         self.owned(team, id).await?;
         let guard = self.lock(id).await?;
         let result = match self.records.sandbox(id).await.map_err(record_error)? {
             Some(rec) if rec.team_id == team.id => {
                 self.kill_locked(rec, reason, guard.fence().token()).await
             }
-            _ => Err(ApiError::sandbox_not_found(id)),
+            _ => Err(ControlError::sandbox_not_found(id)),
         };
         let _ = guard.unlock().await;
         result
@@ -413,7 +413,7 @@ impl Control {
         rec: SandboxRecord,
         reason: KillReason,
         fence: i64,
-    ) -> ApiResult<()> {
+    ) -> ControlResult<()> {
         let span =
             tracing::info_span!("kill", sandbox_id = %rec.id, execution_id = %rec.execution_id);
         let _enter = span.enter();
@@ -450,7 +450,7 @@ impl Control {
     }
 
     /// `POST /sandboxes/{id}/timeout`: end = now + timeout (may shorten).
-    pub async fn set_timeout(&self, team: &Team, id: &str, timeout: u64) -> ApiResult<()> {
+    pub async fn set_timeout(&self, team: &Team, id: &str, timeout: u64) -> ControlResult<()> {
         over_lifetime(team, timeout, "timeout")?;
         self.update_end(team, id, |rec, now| {
             Some(now + Duration::from_secs(timeout)).filter(|t| *t != rec.end_at)
@@ -459,7 +459,7 @@ impl Control {
     }
 
     /// `POST /sandboxes/{id}/refreshes`: extends, never shortens.
-    pub async fn refresh(&self, team: &Team, id: &str, duration: Option<u64>) -> ApiResult<()> {
+    pub async fn refresh(&self, team: &Team, id: &str, duration: Option<u64>) -> ControlResult<()> {
         if let Some(d) = duration {
             over_lifetime(team, d, "duration")?;
         }
@@ -475,13 +475,13 @@ impl Control {
         team: &Team,
         id: &str,
         new_end: impl FnOnce(&SandboxRecord, OffsetDateTime) -> Option<OffsetDateTime>,
-    ) -> ApiResult<()> {
+    ) -> ControlResult<()> {
         self.owned(team, id).await?;
         let guard = self.lock(id).await?;
         let result = async {
             let mut rec = self.owned(team, id).await?;
             if rec.state != SandboxState::Running {
-                return Err(ApiError::sandbox_not_found(id));
+                return Err(ControlError::sandbox_not_found(id));
             }
             let now = OffsetDateTime::now_utc();
             if let Some(end) = new_end(&rec, now) {
@@ -514,7 +514,7 @@ impl Control {
         build: &BuildInfo,
         timeout: u64,
         owns_build: bool,
-    ) -> ApiResult<wire::Sandbox> {
+    ) -> ControlResult<wire::Sandbox> {
         let id = ids::sandbox_id();
         let guard = self.lock(&id).await?;
         let launch = Launch {
@@ -538,22 +538,22 @@ impl Control {
     }
 }
 
-fn check_limits(team: &Team, build: &BuildInfo) -> ApiResult<()> {
+fn check_limits(team: &Team, build: &BuildInfo) -> ControlResult<()> {
     let l = &team.limits;
     if build.vcpus > l.max_vcpus {
-        return Err(ApiError::bad_request(format!(
+        return Err(ControlError::bad_request(format!(
             "the template needs {} vCPUs, more than the team's maximum of {}",
             build.vcpus, l.max_vcpus
         )));
     }
     if build.memory_mb > l.max_memory_mb {
-        return Err(ApiError::bad_request(format!(
+        return Err(ControlError::bad_request(format!(
             "the template needs {} MB of memory, more than the team's maximum of {} MB",
             build.memory_mb, l.max_memory_mb
         )));
     }
     if build.disk_mb > l.max_disk_mb {
-        return Err(ApiError::bad_request(format!(
+        return Err(ControlError::bad_request(format!(
             "the template needs {} MB of disk, more than the team's maximum of {} MB",
             build.disk_mb, l.max_disk_mb
         )));

@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 use vmon_proto::cluster::Migrated;
 
 use super::{event, record_error, Control};
-use crate::error::{ApiError, ApiResult};
+use super::{ControlError, ControlResult};
 use crate::records::{Change, EventKind, SandboxState};
 
 const DRAIN_STATUS: &str = "drain-status/";
@@ -42,17 +42,17 @@ pub struct DrainStatus {
 }
 
 impl Control {
-    fn cluster_or_400(&self) -> ApiResult<Arc<dyn vmon_proto::cluster::Cluster>> {
+    fn cluster_or_400(&self) -> ControlResult<Arc<dyn vmon_proto::cluster::Cluster>> {
         self.cluster.clone().ok_or_else(|| {
-            ApiError::bad_request("moving sandboxes needs a cluster (vmon api --etcd)")
+            ControlError::bad_request("moving sandboxes needs a cluster (vmon api --etcd)")
         })
     }
 
     /// Live-migrates a running sandbox to `target` (or the best other node).
-    pub async fn migrate(&self, id: &str, target: Option<&str>) -> ApiResult<Migrated> {
+    pub async fn migrate(&self, id: &str, target: Option<&str>) -> ControlResult<Migrated> {
         let cluster = self.cluster_or_400()?;
         if !crate::ids::plausible_sandbox_id(id) {
-            return Err(ApiError::sandbox_not_found(id));
+            return Err(ControlError::sandbox_not_found(id));
         }
         let guard = self.lock(id).await?;
         let result = async {
@@ -61,9 +61,9 @@ impl Control {
                 .sandbox(id)
                 .await
                 .map_err(record_error)?
-                .ok_or_else(|| ApiError::sandbox_not_found(id))?;
+                .ok_or_else(|| ControlError::sandbox_not_found(id))?;
             if rec.state != SandboxState::Running {
-                return Err(ApiError::conflict(format!(
+                return Err(ControlError::conflict(format!(
                     "sandbox {id} is paused; only a running sandbox migrates live"
                 )));
             }
@@ -74,7 +74,7 @@ impl Control {
                 .await?
                 .is_empty()
             {
-                return Err(ApiError::bad_request(format!(
+                return Err(ControlError::bad_request(format!(
                     "sandbox {id} injects secrets at egress and cannot migrate live; pause and resume it to move it"
                 )));
             }
@@ -110,10 +110,10 @@ impl Control {
     }
 
     /// Starts draining `node` in the background; returns its first status.
-    pub async fn drain(self: &Arc<Self>, node: &str) -> ApiResult<DrainStatus> {
+    pub async fn drain(self: &Arc<Self>, node: &str) -> ControlResult<DrainStatus> {
         let cluster = self.cluster_or_400()?;
         if !cluster.members().await.iter().any(|n| n.id == node) {
-            return Err(ApiError::not_found(format!(
+            return Err(ControlError::not_found(format!(
                 "node {node} is not in the cluster"
             )));
         }
@@ -128,14 +128,14 @@ impl Control {
         let node = node.to_string();
         tokio::spawn(async move {
             if let Err(e) = me.run_drain(&node).await {
-                tracing::warn!(node_id = %node, error = %e.message, "drain stopped");
+                tracing::warn!(node_id = %node, error = %e, "drain stopped");
             }
         });
         Ok(status)
     }
 
     /// Takes new work on `node` again (a drain in progress stops after its current step).
-    pub async fn undrain(&self, node: &str) -> ApiResult<()> {
+    pub async fn undrain(&self, node: &str) -> ControlResult<()> {
         let cluster = self.cluster_or_400()?;
         cluster.set_draining(node, false).await?;
         let _ = self.kv.delete(&format!("{DRAIN_STATUS}{node}")).await;
@@ -169,7 +169,7 @@ impl Control {
     }
 
     /// The sandboxes whose placement is `node`: running, and paused.
-    async fn on_node(&self, node: &str) -> ApiResult<(Vec<String>, Vec<(String, String)>)> {
+    async fn on_node(&self, node: &str) -> ControlResult<(Vec<String>, Vec<(String, String)>)> {
         let cluster = self.cluster_or_400()?;
         let mut running = Vec::new();
         let mut paused = Vec::new();
@@ -185,7 +185,7 @@ impl Control {
         Ok((running, paused))
     }
 
-    async fn run_drain(self: &Arc<Self>, node: &str) -> ApiResult<()> {
+    async fn run_drain(self: &Arc<Self>, node: &str) -> ControlResult<()> {
         use futures::StreamExt;
         let cluster = self.cluster_or_400()?;
         let mut status = self.drain_status(node).await.unwrap_or(DrainStatus {
@@ -208,10 +208,10 @@ impl Control {
                     match me.migrate(&id, None).await {
                         Ok(_) => return (id, Ok(true)),
                         // It ended or paused meanwhile: nothing to move.
-                        Err(e) if e.status.as_u16() == 404 || e.status.as_u16() == 409 => {
+                        Err(e) if e.is_not_found() || e.is_conflict() => {
                             return (id, Ok(false))
                         }
-                        Err(e) => last = Some(e.message),
+                        Err(e) => last = Some(e.to_string()),
                     }
                 }
                 (id, Err(last))
@@ -245,7 +245,7 @@ impl Control {
                 Ok(None) => {}
                 Err(e) => status
                     .errors
-                    .push(format!("{id}: pause failed: {}", e.message)),
+                    .push(format!("{id}: pause failed: {e}")),
             }
         }
         // Paused sandboxes: their build in the object store, held by another node.
@@ -261,7 +261,7 @@ impl Control {
                     }
                     Err(e) => status.errors.push(format!("{id}: re-homing failed: {e}")),
                 },
-                Err(e) => status.errors.push(format!("{id}: {}", e.message)),
+                Err(e) => status.errors.push(format!("{id}: {e}")),
             }
             self.save_drain(&status).await;
         }
@@ -273,14 +273,14 @@ impl Control {
         Ok(())
     }
 
-    async fn stop_drain(&self, mut status: DrainStatus) -> ApiResult<()> {
+    async fn stop_drain(&self, mut status: DrainStatus) -> ControlResult<()> {
         status.state = "stopped".into();
         self.save_drain(&status).await;
         Ok(())
     }
 
     /// Pauses (with memory) a sandbox the drain could not move; its new build's id.
-    async fn pause_for_drain(&self, id: &str) -> ApiResult<Option<String>> {
+    async fn pause_for_drain(&self, id: &str) -> ControlResult<Option<String>> {
         let guard = self.lock(id).await?;
         let result = async {
             let Some(rec) = self.records.sandbox(id).await.map_err(record_error)? else {
@@ -305,7 +305,7 @@ impl Control {
     }
 
     /// Waits until `build`'s manifest is in the object store (uploads run after the pause).
-    async fn wait_stored(&self, build: &str) -> ApiResult<()> {
+    async fn wait_stored(&self, build: &str) -> ControlResult<()> {
         let t0 = std::time::Instant::now();
         loop {
             match self.node.build_info(build).await {
@@ -314,7 +314,7 @@ impl Control {
                 Err(e) => return Err(e.into()),
             }
             if t0.elapsed() > STORED_WAIT {
-                return Err(ApiError::unavailable(format!(
+                return Err(ControlError::unavailable(format!(
                     "build {build} did not reach the object store in time"
                 )));
             }

@@ -14,6 +14,8 @@ mod cluster;
 mod collect;
 mod delivery;
 mod egress;
+mod error;
+pub use error::{ControlError, ControlResult};
 mod health;
 mod idle;
 mod lifecycle;
@@ -39,7 +41,6 @@ use vmon_proto::node::{NetworkPolicy, NodeControl};
 use vmon_proxy::SandboxRoute;
 
 use crate::config::Config;
-use crate::error::{ApiError, ApiResult};
 use crate::records::{
     Change, Committed, EventKind, LifecycleEvent, Records, SandboxRecord, SandboxState, Team,
 };
@@ -230,7 +231,7 @@ impl Control {
     }
 
     /// Whether the namespace `slug` holds a template or snapshot named `name`.
-    pub(crate) async fn name_taken(&self, slug: &str, name: &str) -> ApiResult<bool> {
+    pub(crate) async fn name_taken(&self, slug: &str, name: &str) -> ControlResult<bool> {
         self.records
             .alias_in_use(&format!("{slug}/{name}"))
             .await
@@ -258,7 +259,7 @@ impl Control {
         change: Change,
         event: LifecycleEvent,
         fence: i64,
-    ) -> ApiResult<()> {
+    ) -> ControlResult<()> {
         let sandbox_id = event.sandbox_id.clone();
         let route_update = match &change {
             Change::Insert(rec) | Change::Update { record: rec, .. } => {
@@ -271,9 +272,9 @@ impl Control {
             .records
             .commit(change, event, fence)
             .await
-            .map_err(|e| ApiError::internal(format!("writing the sandbox record failed: {e:#}")))?;
+            .map_err(|e| ControlError::internal(format!("writing the sandbox record failed: {e:#}")))?;
         if committed == Committed::Stale {
-            return Err(ApiError::conflict(format!(
+            return Err(ControlError::conflict(format!(
                 "sandbox {sandbox_id} was changed by another operation; try again"
             )));
         }
@@ -356,7 +357,7 @@ impl Control {
 
     /// Takes the sandbox's transition lock. Fault point `lock:busy`: another transition holds
     /// it and this one is about to wait.
-    pub(crate) async fn lock(&self, sandbox_id: &str) -> ApiResult<LockGuard> {
+    pub(crate) async fn lock(&self, sandbox_id: &str) -> ControlResult<LockGuard> {
         let key = format!("sandbox/{sandbox_id}");
         if self.faults.enabled() {
             // Tests learn that a call queued behind a held transition before they let go.
@@ -368,7 +369,7 @@ impl Control {
         }
         match self.kv.lock(&key, self.config.lock_wait()).await {
             Ok(g) => Ok(g),
-            Err(KvError::LockTimeout) => Err(ApiError::conflict(format!(
+            Err(KvError::LockTimeout) => Err(ControlError::conflict(format!(
                 "sandbox {sandbox_id} is busy with another operation; try again"
             ))),
             Err(e) => Err(kv_error(e)),
@@ -376,22 +377,22 @@ impl Control {
     }
 
     /// The team's sandbox record, or 404 (also for another team's sandbox).
-    pub(crate) async fn owned(&self, team: &Team, id: &str) -> ApiResult<SandboxRecord> {
+    pub(crate) async fn owned(&self, team: &Team, id: &str) -> ControlResult<SandboxRecord> {
         if !crate::ids::plausible_sandbox_id(id) {
-            return Err(ApiError::sandbox_not_found(id));
+            return Err(ControlError::sandbox_not_found(id));
         }
         match self.records.sandbox(id).await.map_err(record_error)? {
             Some(rec) if rec.team_id == team.id => Ok(rec),
-            _ => Err(ApiError::sandbox_not_found(id)),
+            _ => Err(ControlError::sandbox_not_found(id)),
         }
     }
 
     /// Every sandbox of the team (or of all teams), running and paused.
-    pub async fn sandboxes(&self, team_id: Option<&str>) -> ApiResult<Vec<SandboxRecord>> {
+    pub async fn sandboxes(&self, team_id: Option<&str>) -> ControlResult<Vec<SandboxRecord>> {
         self.records.sandboxes(team_id).await.map_err(record_error)
     }
 
-    pub async fn detail(&self, team: &Team, id: &str) -> ApiResult<wire::SandboxDetail> {
+    pub async fn detail(&self, team: &Team, id: &str) -> ControlResult<wire::SandboxDetail> {
         let rec = self.owned(team, id).await?;
         let mut detail = self.detail_view(&rec);
         detail.state_location = self.state_location(&rec).await.0.to_string();
@@ -535,12 +536,12 @@ pub fn rfc3339(t: OffsetDateTime) -> String {
         .unwrap_or_else(|_| t.unix_timestamp().to_string())
 }
 
-pub(crate) fn kv_error(e: KvError) -> ApiError {
-    ApiError::unavailable(format!("the coordination store failed: {e}"))
+pub(crate) fn kv_error(e: KvError) -> ControlError {
+    ControlError::Kv(e)
 }
 
-pub(crate) fn record_error(e: anyhow::Error) -> ApiError {
-    ApiError::internal(format!("the record store failed: {e:#}"))
+pub(crate) fn record_error(e: anyhow::Error) -> ControlError {
+    ControlError::Records(e)
 }
 
 /// Timeouts arrive as signed integers; negative ones are a client error.
@@ -548,11 +549,11 @@ pub(crate) fn record_error(e: anyhow::Error) -> ApiError {
 /// team's lifetime is longer. Team limits are checked against the value afterwards.
 pub const MAX_TIMEOUT_SECS: u64 = 10 * 366 * 24 * 3600;
 
-pub fn timeout_secs(value: i64, what: &str) -> ApiResult<u64> {
+pub fn timeout_secs(value: i64, what: &str) -> ControlResult<u64> {
     let v = u64::try_from(value)
-        .map_err(|_| ApiError::bad_request(format!("{what} must not be negative")))?;
+        .map_err(|_| ControlError::bad_request(format!("{what} must not be negative")))?;
     if v > MAX_TIMEOUT_SECS {
-        return Err(ApiError::bad_request(format!(
+        return Err(ControlError::bad_request(format!(
             "{what} must be at most {MAX_TIMEOUT_SECS} seconds"
         )));
     }
@@ -573,21 +574,21 @@ pub const MAX_ENV_TOTAL: usize = 1024 * 1024;
 pub fn check_maps(
     metadata: &crate::wire::StringMap,
     env: &crate::wire::StringMap,
-) -> ApiResult<()> {
+) -> ControlResult<()> {
     if metadata.len() > MAX_METADATA_ENTRIES {
-        return Err(ApiError::bad_request(format!(
+        return Err(ControlError::bad_request(format!(
             "metadata may hold at most {MAX_METADATA_ENTRIES} entries"
         )));
     }
     for (k, v) in metadata {
         if k.is_empty() || k.len() > MAX_METADATA_KEY || v.len() > MAX_METADATA_VALUE {
-            return Err(ApiError::bad_request(format!(
+            return Err(ControlError::bad_request(format!(
                 "metadata keys are 1-{MAX_METADATA_KEY} bytes and values at most {MAX_METADATA_VALUE} bytes"
             )));
         }
     }
     if env.len() > MAX_ENV_ENTRIES {
-        return Err(ApiError::bad_request(format!(
+        return Err(ControlError::bad_request(format!(
             "envVars may hold at most {MAX_ENV_ENTRIES} entries"
         )));
     }
@@ -598,14 +599,14 @@ pub fn check_maps(
             && !k.contains(['=', '\0'])
             && !v.contains('\0');
         if !name_ok || v.len() > MAX_ENV_VALUE {
-            return Err(ApiError::bad_request(format!(
+            return Err(ControlError::bad_request(format!(
                 "envVars names are 1-{MAX_ENV_KEY} bytes without '=' or NUL, values at most {MAX_ENV_VALUE} bytes"
             )));
         }
         total += k.len() + v.len();
     }
     if total > MAX_ENV_TOTAL {
-        return Err(ApiError::bad_request(format!(
+        return Err(ControlError::bad_request(format!(
             "envVars may hold at most {MAX_ENV_TOTAL} bytes in all"
         )));
     }
@@ -613,8 +614,8 @@ pub fn check_maps(
 }
 
 /// The 429 of a team at its concurrent-sandbox limit.
-pub(crate) fn concurrency_error(team: &Team) -> ApiError {
-    ApiError::too_many(format!(
+pub(crate) fn concurrency_error(team: &Team) -> ControlError {
+    ControlError::too_many(format!(
         "you have reached the maximum number of concurrent sandboxes ({}); kill or pause one first",
         team.limits.max_concurrent
     ))

@@ -4,7 +4,7 @@
 use std::net::IpAddr;
 
 use super::{event, network_policy, Control};
-use crate::error::{ApiError, ApiResult};
+use super::{ControlError, ControlResult};
 use crate::records::{Change, EventKind, SandboxState, Team};
 use crate::wire::NetworkUpdate;
 
@@ -24,14 +24,14 @@ fn valid_cidr(s: &str) -> bool {
     prefix.is_none_or(|p| p.parse::<u8>().is_ok_and(|p| p <= max))
 }
 
-pub(crate) fn validate(update: &NetworkUpdate) -> ApiResult<()> {
+pub(crate) fn validate(update: &NetworkUpdate) -> ControlResult<()> {
     for (field, list) in [
         ("allowOut", &update.allow_out),
         ("denyOut", &update.deny_out),
     ] {
         let list = list.as_deref().unwrap_or_default();
         if list.len() > MAX_RULES {
-            return Err(ApiError::bad_request(format!(
+            return Err(ControlError::bad_request(format!(
                 "{field} may hold at most {MAX_RULES} entries"
             )));
         }
@@ -39,7 +39,7 @@ pub(crate) fn validate(update: &NetworkUpdate) -> ApiResult<()> {
             let e = e.trim();
             !valid_cidr(e) && !vmon_proto::node::is_host_name(e)
         }) {
-            return Err(ApiError::bad_request(format!(
+            return Err(ControlError::bad_request(format!(
                 "{field} entry {bad:?} is not an IP address, CIDR block or host name"
             )));
         }
@@ -49,7 +49,7 @@ pub(crate) fn validate(update: &NetworkUpdate) -> ApiResult<()> {
         .iter()
         .find(|d| !d.trim().parse::<IpAddr>().is_ok_and(|ip| ip.is_ipv4()))
     {
-        return Err(ApiError::bad_request(format!(
+        return Err(ControlError::bad_request(format!(
             "dnsServers entry {bad:?} is not an IPv4 address"
         )));
     }
@@ -59,14 +59,14 @@ pub(crate) fn validate(update: &NetworkUpdate) -> ApiResult<()> {
 /// `allowOut` entries inside a private or shared range stand only inside the operator's
 /// `private_allow` (400 naming the entry); host names are judged by the IPv4 addresses the
 /// host's resolver gives now (the node resolves and checks again whenever it writes rules).
-pub(crate) async fn check_private(allow_out: &[String], private_allow: &[String]) -> ApiResult<()> {
+pub(crate) async fn check_private(allow_out: &[String], private_allow: &[String]) -> ControlResult<()> {
     use vmon_proto::ranges::{check_private, parse_cidr};
     for e in allow_out.iter().map(|e| e.trim()) {
         if parse_cidr(e).is_some() {
-            check_private(e, e, private_allow).map_err(ApiError::bad_request)?;
+            check_private(e, e, private_allow).map_err(ControlError::bad_request)?;
         } else if vmon_proto::node::is_host_name(e) {
             for a in resolve_v4(e).await {
-                check_private(&a.to_string(), e, private_allow).map_err(ApiError::bad_request)?;
+                check_private(&a.to_string(), e, private_allow).map_err(ControlError::bad_request)?;
             }
         }
     }
@@ -99,7 +99,7 @@ impl Control {
         team: &Team,
         id: &str,
         update: NetworkUpdate,
-    ) -> ApiResult<()> {
+    ) -> ControlResult<()> {
         validate(&update)?;
         check_private(
             update.allow_out.as_deref().unwrap_or_default(),
@@ -111,7 +111,7 @@ impl Control {
         let result = async {
             let mut rec = self.owned(team, id).await?;
             if rec.state != SandboxState::Running {
-                return Err(ApiError::conflict(format!(
+                return Err(ControlError::conflict(format!(
                     "sandbox {id} is paused; resume it before changing its network"
                 )));
             }

@@ -121,7 +121,7 @@ impl Control {
             )
             .await;
         let _ = guard.unlock().await;
-        result.map_err(|e| anyhow::anyhow!("recording a finished pause: {}", e.message))?;
+        result.map_err(|e| anyhow::anyhow!("recording a finished pause: {e}"))?;
         if let Some(old) = superseded.filter(|b| *b != paused.build.build_id) {
             self.drop_build(&old).await;
         }
@@ -144,7 +144,7 @@ impl Control {
             )
             .await;
         let _ = guard.unlock().await;
-        result.map_err(|e| anyhow::anyhow!("reporting an orphan: {}", e.message))?;
+        result.map_err(|e| anyhow::anyhow!("reporting an orphan: {e}"))?;
         if let Some(b) = &rec.owned_build {
             self.drop_build(b).await;
         }

@@ -8,7 +8,7 @@ use vmon_proto::node::{StartKind, StartSpec};
 
 use super::why::{PauseWhy, ResumeTrigger};
 use super::{admission_key, concurrency_error, event, kv_error, network_policy, Control};
-use crate::error::{ApiError, ApiResult};
+use super::{ControlError, ControlResult};
 use crate::ids;
 use crate::records::{Change, EventKind, LastResume, SandboxRecord, SandboxState, Team};
 use crate::wire;
@@ -18,13 +18,13 @@ use crate::wire;
 const PAUSE_DRAIN: Duration = Duration::from_secs(5);
 
 impl Control {
-    pub async fn pause(&self, team: &Team, id: &str, memory: bool) -> ApiResult<()> {
+    pub async fn pause(&self, team: &Team, id: &str, memory: bool) -> ControlResult<()> {
         self.owned(team, id).await?;
         let guard = self.lock(id).await?;
         let result = async {
             let rec = self.owned(team, id).await?;
             if rec.state == SandboxState::Paused {
-                return Err(ApiError::conflict(format!(
+                return Err(ControlError::conflict(format!(
                     "sandbox {id} is already paused"
                 )));
             }
@@ -38,7 +38,7 @@ impl Control {
                 .filter(|r| r.state == SandboxState::Paused)
                 .count();
             if paused >= max {
-                return Err(ApiError::too_many(format!(
+                return Err(ControlError::too_many(format!(
                     "the team already keeps {paused} paused sandboxes, its most (quotas.max_paused); kill or resume one first"
                 )));
             }
@@ -56,7 +56,7 @@ impl Control {
         memory: bool,
         fence: i64,
         why: PauseWhy,
-    ) -> ApiResult<()> {
+    ) -> ControlResult<()> {
         // A mount's state is outside the guest's memory: pause the disk only.
         let memory = memory && rec.volume_mounts.is_empty();
         // Requests arriving from here on wait for this pause (the lock) and then resume the
@@ -102,7 +102,7 @@ impl Control {
         id: &str,
         timeout: u64,
         memory: Option<bool>,
-    ) -> ApiResult<(wire::Sandbox, bool)> {
+    ) -> ControlResult<(wire::Sandbox, bool)> {
         self.owned(team, id).await?;
         let guard = self.lock(id).await?;
         let result = async {
@@ -157,13 +157,13 @@ impl Control {
         timeout: u64,
         memory: Option<bool>,
         auto_pause: Option<bool>,
-    ) -> ApiResult<wire::Sandbox> {
+    ) -> ControlResult<wire::Sandbox> {
         self.owned(team, id).await?;
         let guard = self.lock(id).await?;
         let result = async {
             let mut rec = self.owned(team, id).await?;
             if rec.state == SandboxState::Running {
-                return Err(ApiError::conflict(format!(
+                return Err(ControlError::conflict(format!(
                     "sandbox {id} is already running"
                 )));
             }
@@ -196,7 +196,7 @@ impl Control {
         cold_boot: bool,
         fence: i64,
         trigger: ResumeTrigger,
-    ) -> ApiResult<SandboxRecord> {
+    ) -> ControlResult<SandboxRecord> {
         let counter = admission_key(&team.id);
         if !self
             .kv

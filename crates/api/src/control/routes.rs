@@ -45,7 +45,7 @@ impl Control {
         let guard = self
             .lock(id)
             .await
-            .map_err(|e| ResumeError::Failed(e.message))?;
+            .map_err(|e| ResumeError::Failed(e.to_string()))?;
         let result = async {
             let rec = self
                 .records
@@ -86,7 +86,7 @@ impl Control {
                     super::why::ResumeTrigger::Traffic,
                 )
                 .await
-                .map_err(|e| ResumeError::Failed(e.message))?;
+                .map_err(|e| ResumeError::Failed(e.to_string()))?;
             rec.guest_ip.ok_or_else(not_found)
         }
         .await;

@@ -7,12 +7,11 @@
 use std::path::{Path as FsPath, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use axum::http::StatusCode;
 use rand::Rng;
 use sha2::Sha256;
 
 use super::Control;
-use crate::error::{ApiError, ApiResult};
+use super::{ControlError, ControlResult};
 
 /// How long an upload URL is good for.
 const URL_LIFETIME_SECS: u64 = 3600;
@@ -112,27 +111,24 @@ impl Uploads {
         limits: Limits,
         bytes: u64,
         new_file: bool,
-    ) -> ApiResult<()> {
+    ) -> ControlResult<()> {
         let mut writing = self
             .writing
             .lock()
-            .map_err(|_| ApiError::internal("upload accounting poisoned"))?;
+            .map_err(|_| ControlError::internal("upload accounting poisoned"))?;
         let w = writing.entry(team_id.to_string()).or_default();
         if new_file && kept.files + w.1 >= limits.files {
-            return Err(ApiError::too_many(format!(
+            return Err(ControlError::too_many(format!(
                 "the team already keeps {} template files, its most (quotas.max_template_files); \
                  they are collected once no build names them",
                 kept.files + w.1
             )));
         }
         if kept.bytes + w.0 + bytes > limits.bytes {
-            return Err(ApiError::new(
-                StatusCode::INSUFFICIENT_STORAGE,
-                format!(
-                    "the team's template files would hold more than {} bytes (quotas.max_template_file_bytes)",
-                    limits.bytes
-                ),
-            ));
+            return Err(ControlError::Quota(format!(
+                "the team's template files would hold more than {} bytes (quotas.max_template_file_bytes)",
+                limits.bytes
+            )));
         }
         w.0 += bytes;
         w.1 += usize::from(new_file);
@@ -173,8 +169,8 @@ impl Uploads {
         hash: &str,
         expires: &str,
         signature: &str,
-    ) -> ApiResult<()> {
-        let unauthorized = |m: &str| ApiError::new(StatusCode::UNAUTHORIZED, m);
+    ) -> ControlResult<()> {
+        let unauthorized = |m: &str| ControlError::BadSignature(m.to_string());
         let expires: u64 = expires
             .parse()
             .map_err(|_| unauthorized("the upload URL is not signed"))?;
@@ -237,7 +233,7 @@ impl<'a> Reservation<'a> {
         kept: Usage,
         limits: Limits,
         new_file: bool,
-    ) -> ApiResult<Reservation<'a>> {
+    ) -> ControlResult<Reservation<'a>> {
         uploads.reserve(team, kept, limits, 0, new_file)?;
         Ok(Reservation {
             uploads,
@@ -249,7 +245,7 @@ impl<'a> Reservation<'a> {
         })
     }
 
-    pub(crate) fn grow(&mut self, n: u64) -> ApiResult<()> {
+    pub(crate) fn grow(&mut self, n: u64) -> ControlResult<()> {
         self.uploads
             .reserve(self.team, self.kept, self.limits, n, false)?;
         self.bytes += n;
@@ -284,6 +280,6 @@ mod tests {
         let e = u
             .check("team1", &"a".repeat(64), &old, &old_sig)
             .expect_err("an error");
-        assert_eq!(e.message, "signature is already expired");
+        assert_eq!(e.to_string(), "signature is already expired");
     }
 }

@@ -16,7 +16,7 @@ use vmon_proto::node::VolumeShare;
 use vmon_store::Volume;
 
 use super::{record_error, Control};
-use crate::error::{ApiError, ApiResult};
+use super::{ControlError, ControlResult};
 use crate::wire::VolumeMount;
 
 /// The most characters of a volume name.
@@ -123,9 +123,9 @@ pub enum Refused {
 /// Checks the mounts of a create as infra does: at most [`MAX_MOUNTS`], each path non-empty,
 /// absolute, clean (`filepath.Clean`), not `/`, and unique; each name a volume of the team.
 /// Every failure is one 400 listing each bad mount.
-pub(crate) fn check_mount_paths(mounts: &[VolumeMount]) -> ApiResult<()> {
+pub(crate) fn check_mount_paths(mounts: &[VolumeMount]) -> ControlResult<()> {
     if mounts.len() > MAX_MOUNTS {
-        return Err(ApiError::bad_request(format!(
+        return Err(ControlError::bad_request(format!(
             "invalid mounts: at most {MAX_MOUNTS} volumes per sandbox"
         )));
     }
@@ -160,7 +160,7 @@ pub(crate) fn check_mount_paths(mounts: &[VolumeMount]) -> ApiResult<()> {
     if problems.is_empty() {
         Ok(())
     } else {
-        Err(ApiError::bad_request(format!(
+        Err(ControlError::bad_request(format!(
             "invalid mounts:\n\t- {}",
             problems.join("\n\t- ")
         )))
@@ -189,12 +189,12 @@ impl Control {
         &self,
         team_id: &str,
         mounts: &[VolumeMount],
-    ) -> ApiResult<Vec<VolumeShare>> {
+    ) -> ControlResult<Vec<VolumeShare>> {
         if mounts.is_empty() {
             return Ok(Vec::new());
         }
         if self.volumes.is_none() {
-            return Err(ApiError::bad_request(
+            return Err(ControlError::bad_request(
                 "volume mounts are not available: this server has no volumes directory",
             ));
         }
@@ -215,7 +215,7 @@ impl Control {
             }
         }
         if !missing.is_empty() {
-            return Err(ApiError::bad_request(format!(
+            return Err(ControlError::bad_request(format!(
                 "invalid mounts:\n\t- {}",
                 missing.join("\n\t- ")
             )));

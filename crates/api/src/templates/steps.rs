@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
-use crate::error::{ApiError, ApiResult};
+use crate::control::{ControlError, ControlResult};
 
 /// The trigger's body (`TemplateBuildStartV2`); unknown keys are ignored.
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -88,8 +88,8 @@ pub enum Action {
     State { cmd: Option<String> },
 }
 
-fn bad(n: usize, msg: impl std::fmt::Display) -> ApiError {
-    ApiError::bad_request(format!("step {n}: {msg}"))
+fn bad(n: usize, msg: impl std::fmt::Display) -> ControlError {
+    ControlError::bad_request(format!("step {n}: {msg}"))
 }
 
 pub fn is_hash(s: &str) -> bool {
@@ -110,9 +110,9 @@ pub fn quote(s: &str) -> String {
 }
 
 /// Checks every step; returns the action of each and the state after each.
-pub fn plan(start: &BuildStart) -> ApiResult<Vec<(Action, StepState)>> {
+pub fn plan(start: &BuildStart) -> ControlResult<Vec<(Action, StepState)>> {
     if start.steps.len() > MAX_STEPS {
-        return Err(ApiError::bad_request(format!(
+        return Err(ControlError::bad_request(format!(
             "a build has at most {MAX_STEPS} steps"
         )));
     }
@@ -417,7 +417,7 @@ mod tests {
                 ..Default::default()
             })
             .expect_err("an error");
-            assert!(e.message.starts_with(want), "{} vs {want}", e.message);
+            assert!(e.to_string().starts_with(want), "{e} vs {want}");
         }
         let mut c = step("COPY", &["../etc", "/b"]);
         c.files_hash = Some("a".repeat(64));
