@@ -21,6 +21,7 @@ pub mod secrets;
 pub mod state;
 pub mod telemetry;
 pub mod templates;
+pub mod views;
 pub mod volumes;
 pub mod wire;
 

@@ -20,7 +20,7 @@ use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 use vmon_proto::node::BuildInfo;
 
-use crate::wire::{NetworkConfig, StringMap, VolumeMount};
+use crate::control::model::{NetworkConfig, StringMap, VolumeMount};
 
 pub use builds::{BuildFailure, BuildLogEntry, BuildRecords, BuildState, TemplateBuild};
 pub use store::{secret_key, StoreRecords, SQLITE_FILE, WEBHOOK_KEY_FILE};

@@ -9,8 +9,9 @@ use vmon_proto::node::{BuildInfo, TemplateSpec};
 use super::{event, record_error, Control};
 use super::{ControlError, ControlResult};
 use crate::ids;
-use crate::records::{Change, EventKind, SandboxState, Team, TemplateKind, TemplateRecord};
-use crate::wire;
+use crate::records::{
+    Change, EventKind, SandboxRecord, SandboxState, Team, TemplateKind, TemplateRecord,
+};
 
 pub const DEFAULT_TAG: &str = "default";
 
@@ -210,7 +211,7 @@ impl Control {
         id: &str,
         timeout: u64,
         count: u32,
-    ) -> ControlResult<Vec<wire::ForkResult>> {
+    ) -> ControlResult<Vec<ControlResult<SandboxRecord>>> {
         if count == 0 || count > 100 || count >= team.limits.max_concurrent {
             return Err(ControlError::bad_request(format!(
                 "count must be between 1 and 100 and lower than the team's concurrent-sandbox limit ({})",
@@ -265,27 +266,16 @@ impl Control {
                     .await
             })
         });
-        let mut results = Vec::with_capacity(count as usize);
-        let mut any = false;
-        for child in futures::future::join_all(children).await {
-            let r = child.unwrap_or_else(|e| {
-                Err(ControlError::internal(format!("fork child task failed: {e}")))
-            });
-            results.push(match r {
-                Ok(sandbox) => {
-                    any = true;
-                    wire::ForkResult {
-                        sandbox: Some(sandbox),
-                        error: None,
-                    }
-                }
-                Err(e) => wire::ForkResult {
-                    sandbox: None,
-                    error: Some(crate::error::ApiError::from(e).body()),
-                },
-            });
-        }
-        if !any && owns_build {
+        let results: Vec<ControlResult<SandboxRecord>> = futures::future::join_all(children)
+            .await
+            .into_iter()
+            .map(|child| {
+                child.unwrap_or_else(|e| {
+                    Err(ControlError::internal(format!("fork child task failed: {e}")))
+                })
+            })
+            .collect();
+        if !results.iter().any(Result::is_ok) && owns_build {
             self.drop_build(&build.build_id).await;
         }
         Ok(results)
@@ -298,7 +288,7 @@ impl Control {
         id: &str,
         name: Option<&str>,
         memory: bool,
-    ) -> ControlResult<wire::SnapshotInfo> {
+    ) -> ControlResult<SnapshotNames> {
         let named = match name.map(str::trim).filter(|n| !n.is_empty()) {
             None => None,
             Some(n) => {
@@ -418,7 +408,7 @@ impl Control {
         team: &Team,
         sandbox_id: Option<&str>,
         name: Option<&str>,
-    ) -> ControlResult<Vec<wire::SnapshotInfo>> {
+    ) -> ControlResult<Vec<SnapshotNames>> {
         let mut out = Vec::new();
         for t in self
             .records
@@ -481,17 +471,24 @@ impl Control {
     }
 }
 
+/// How a snapshot is named: its id, and the names it can be started by.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SnapshotNames {
+    pub snapshot_id: String,
+    pub names: Vec<String>,
+}
+
 /// `snapshotID` is `<slug>/<alias>:<tag>` for named snapshots, `<templateID>:<tag>` otherwise.
-fn snapshot_info(team: &Team, t: &TemplateRecord, tag: &str) -> wire::SnapshotInfo {
+fn snapshot_info(team: &Team, t: &TemplateRecord, tag: &str) -> SnapshotNames {
     match &t.alias {
         Some(alias) => {
             let full = format!("{}/{alias}:{tag}", team.slug);
-            wire::SnapshotInfo {
+            SnapshotNames {
                 snapshot_id: full.clone(),
                 names: vec![full],
             }
         }
-        None => wire::SnapshotInfo {
+        None => SnapshotNames {
             snapshot_id: format!("{}:{tag}", t.id),
             names: Vec::new(),
         },

@@ -4,40 +4,33 @@
 use time::OffsetDateTime;
 use vmon_proto::node::StartKind;
 
-use super::{rfc3339, Control};
-use super::ControlResult;
+use super::{Control, ControlResult};
 use crate::records::{SandboxRecord, SandboxState, Team};
-use crate::wire;
 
 /// The last resume cold-booted: the sandbox's processes and memory were lost.
-pub(crate) fn kernel_state_lost(rec: &SandboxRecord) -> bool {
+pub fn kernel_state_lost(rec: &SandboxRecord) -> bool {
     rec.resumes
         .last
         .as_ref()
         .is_some_and(|l| l.kind == StartKind::ColdBoot.as_str())
 }
 
-pub(crate) fn last_resume_view(rec: &SandboxRecord) -> Option<wire::LastResumeView> {
-    rec.resumes.last.as_ref().map(|l| wire::LastResumeView {
-        kind: l.kind.clone(),
-        duration_ms: l.duration_ms,
-        at: rfc3339(l.at),
-        trigger: l.trigger.clone(),
-    })
-}
-
-pub(crate) fn idle_view(rec: &SandboxRecord) -> Option<wire::IdleView> {
-    rec.idle.map(|p| wire::IdleView {
-        max_idle_seconds: p.max_idle_secs,
-        auto_resume: p.auto_resume,
-        suspended_duration_seconds: p.suspended_secs,
-    })
+/// A sandbox's record and what only the nodes and this api's traffic table know of it.
+#[derive(Debug, Clone)]
+pub struct Health {
+    pub record: SandboxRecord,
+    /// See [`Control::state_location`].
+    pub location: &'static str,
+    /// Paused and its build is in the object store.
+    pub in_object_store: bool,
+    /// Running with an idle policy: seconds since its last traffic.
+    pub idle_seconds: Option<u64>,
 }
 
 impl Control {
     /// Where the sandbox's state is (`running`, `parked`, `disk`, `object_store`, `unknown`)
     /// and whether the object store has it; the nodes are asked without fetching anything.
-    pub(crate) async fn state_location(&self, rec: &SandboxRecord) -> (&'static str, bool) {
+    pub async fn state_location(&self, rec: &SandboxRecord) -> (&'static str, bool) {
         if rec.state == SandboxState::Running {
             return ("running", false);
         }
@@ -53,24 +46,18 @@ impl Control {
         }
     }
 
-    pub async fn health(&self, team: &Team, id: &str) -> ControlResult<wire::SandboxHealth> {
-        let rec = self.owned(team, id).await?;
-        let (location, stored) = self.state_location(&rec).await;
-        let idle_seconds = (rec.state == SandboxState::Running && rec.idle.is_some()).then(|| {
-            self.idle_for(&rec, OffsetDateTime::now_utc(), None)
-                .as_secs()
-        });
-        Ok(wire::SandboxHealth {
-            sandbox_id: rec.id.clone(),
-            state: rec.state.as_str().to_string(),
-            resume_generation: rec.resumes.generation,
-            kernel_state_lost: kernel_state_lost(&rec),
-            last_resume: last_resume_view(&rec),
-            state_location: location.to_string(),
-            in_object_store: stored,
-            idle: idle_view(&rec),
-            idle_suspended: rec.idle_suspended_until.is_some(),
-            suspended_until: rec.idle_suspended_until.map(rfc3339),
+    pub async fn health(&self, team: &Team, id: &str) -> ControlResult<Health> {
+        let record = self.owned(team, id).await?;
+        let (location, in_object_store) = self.state_location(&record).await;
+        let idle_seconds = (record.state == SandboxState::Running && record.idle.is_some())
+            .then(|| {
+                self.idle_for(&record, OffsetDateTime::now_utc(), None)
+                    .as_secs()
+            });
+        Ok(Health {
+            record,
+            location,
+            in_object_store,
             idle_seconds,
         })
     }

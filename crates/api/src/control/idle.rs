@@ -18,7 +18,7 @@ use super::{Control, KillReason, MAX_TIMEOUT_SECS};
 use crate::config::IdleConfig;
 use super::{ControlError, ControlResult};
 use crate::records::{IdlePolicy, SandboxRecord, SandboxState, Team};
-use crate::wire::{IdleSettings, StringMap};
+use super::model::{IdleSettings, StringMap};
 
 pub use crate::config::MIN_IDLE_SECS;
 /// The window of a policy that names none.

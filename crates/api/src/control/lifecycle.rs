@@ -14,7 +14,7 @@ use super::{
 use super::{ControlError, ControlResult};
 use crate::ids;
 use crate::records::{Change, EventKind, SandboxRecord, SandboxState, Team};
-use crate::wire::{self, NewSandbox};
+use super::model::{self, NewSandbox};
 
 const IDEMPOTENCY_TTL: Duration = Duration::from_secs(24 * 3600);
 
@@ -66,15 +66,15 @@ struct Launch<'a> {
 
 #[derive(Clone)]
 pub(crate) struct Inherited {
-    pub metadata: wire::StringMap,
-    pub env_vars: wire::StringMap,
+    pub metadata: model::StringMap,
+    pub env_vars: model::StringMap,
     pub auto_pause: bool,
     pub auto_pause_memory: bool,
     pub auto_resume: bool,
     pub allow_internet_access: Option<bool>,
-    pub network: wire::NetworkConfig,
+    pub network: model::NetworkConfig,
     pub public_traffic: bool,
-    pub volume_mounts: Vec<wire::VolumeMount>,
+    pub volume_mounts: Vec<model::VolumeMount>,
     pub idle: Option<crate::records::IdlePolicy>,
 }
 
@@ -126,7 +126,7 @@ impl Control {
         self: &Arc<Self>,
         team: &Team,
         params: CreateParams,
-    ) -> ControlResult<wire::Sandbox> {
+    ) -> ControlResult<SandboxRecord> {
         let req = params.request;
         let timeout = match req.timeout {
             Some(t) => timeout_secs(t, "timeout")?,
@@ -215,7 +215,7 @@ impl Control {
         team: &Team,
         launch: Launch<'_>,
         key: &str,
-    ) -> ControlResult<wire::Sandbox> {
+    ) -> ControlResult<SandboxRecord> {
         let kv_key = format!("create/{}/{key}", team.id);
         for _ in 0..5 {
             let id = ids::sandbox_id();
@@ -251,7 +251,7 @@ impl Control {
                         .map_err(record_error)?;
                     let _ = guard.unlock().await;
                     match rec {
-                        Some(rec) if rec.team_id == team.id => return Ok(self.sandbox_view(&rec)),
+                        Some(rec) if rec.team_id == team.id => return Ok(rec),
                         // Killed since, or the create failed: the key may be gone or stale.
                         _ => {
                             let still = self.kv.idempotency_get(&kv_key).await.map_err(kv_error)?;
@@ -274,7 +274,7 @@ impl Control {
         self: &Arc<Self>,
         launch: Launch<'_>,
         id: Option<String>,
-    ) -> ControlResult<wire::Sandbox> {
+    ) -> ControlResult<SandboxRecord> {
         let id = id.unwrap_or_else(ids::sandbox_id);
         let guard = self.lock(&id).await?;
         let result = self
@@ -290,7 +290,7 @@ impl Control {
         id: &str,
         launch: &Launch<'_>,
         fence: i64,
-    ) -> ControlResult<wire::Sandbox> {
+    ) -> ControlResult<SandboxRecord> {
         let team = launch.team;
         let volumes = self
             .volume_shares(&team.id, &launch.base.volume_mounts)
@@ -386,7 +386,7 @@ impl Control {
             return Err(e);
         }
         tracing::info!(sandbox_id = id, execution_id = %execution_id, template_id = %rec.template_id, "sandbox created");
-        Ok(self.sandbox_view(&rec))
+        Ok(rec)
     }
 
     pub(crate) async fn release(&self, counter: &str) {
@@ -514,7 +514,7 @@ impl Control {
         build: &BuildInfo,
         timeout: u64,
         owns_build: bool,
-    ) -> ControlResult<wire::Sandbox> {
+    ) -> ControlResult<SandboxRecord> {
         let id = ids::sandbox_id();
         let guard = self.lock(&id).await?;
         let launch = Launch {

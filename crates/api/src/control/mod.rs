@@ -17,9 +17,11 @@ mod egress;
 mod error;
 pub use error::{ControlError, ControlResult};
 mod health;
+pub use health::{kernel_state_lost, Health};
 mod idle;
 mod lifecycle;
 mod migrate;
+pub mod model;
 mod network;
 mod reaper;
 mod recovery;
@@ -44,9 +46,8 @@ use crate::config::Config;
 use crate::records::{
     Change, Committed, EventKind, LifecycleEvent, Records, SandboxRecord, SandboxState, Team,
 };
-use crate::wire;
 
-pub use checkpoint::{parse_template_ref, TemplateRef};
+pub use checkpoint::{parse_template_ref, SnapshotNames, TemplateRef};
 pub use collect::COLLECT_GRACE;
 pub use idle::{DEFAULT_IDLE_SECS, METADATA_PREFIX as IDLE_METADATA_PREFIX, MIN_IDLE_SECS};
 
@@ -392,84 +393,15 @@ impl Control {
         self.records.sandboxes(team_id).await.map_err(record_error)
     }
 
-    pub async fn detail(&self, team: &Team, id: &str) -> ControlResult<wire::SandboxDetail> {
+    /// The team's sandbox and where its state is (see [`Control::state_location`]).
+    pub async fn detail(
+        &self,
+        team: &Team,
+        id: &str,
+    ) -> ControlResult<(SandboxRecord, &'static str)> {
         let rec = self.owned(team, id).await?;
-        let mut detail = self.detail_view(&rec);
-        detail.state_location = self.state_location(&rec).await.0.to_string();
-        Ok(detail)
-    }
-
-    pub(crate) fn sandbox_view(&self, rec: &SandboxRecord) -> wire::Sandbox {
-        wire::Sandbox {
-            template_id: rec.template_id.clone(),
-            sandbox_id: rec.id.clone(),
-            client_id: self.config.client_id.clone(),
-            envd_version: rec.envd_version.clone(),
-            alias: rec.alias.clone(),
-            envd_access_token: Some(rec.envd_access_token.clone()),
-            traffic_access_token: rec.traffic_access_token.clone(),
-            domain: self.config.sandbox_domain(),
-        }
-    }
-
-    pub(crate) fn detail_view(&self, rec: &SandboxRecord) -> wire::SandboxDetail {
-        let mut network = rec.network.clone();
-        network.allow_public_traffic = Some(rec.traffic_access_token.is_none());
-        wire::SandboxDetail {
-            template_id: rec.template_id.clone(),
-            sandbox_id: rec.id.clone(),
-            client_id: self.config.client_id.clone(),
-            started_at: rfc3339(rec.started_at),
-            end_at: rfc3339(rec.end_at),
-            envd_version: rec.envd_version.clone(),
-            cpu_count: rec.vcpus,
-            memory_mb: rec.memory_mb,
-            disk_size_mb: rec.disk_mb,
-            state: rec.state.as_str().to_string(),
-            alias: rec.alias.clone(),
-            envd_access_token: Some(rec.envd_access_token.clone()),
-            allow_internet_access: rec.allow_internet_access,
-            domain: self.config.sandbox_domain(),
-            metadata: rec.metadata.clone(),
-            network,
-            lifecycle: wire::Lifecycle {
-                auto_resume: rec.auto_resume,
-                on_timeout: if rec.auto_pause { "pause" } else { "kill" }.to_string(),
-            },
-            pause_mode: (rec.state == SandboxState::Paused).then(|| {
-                if rec.build.has_memory {
-                    "full"
-                } else {
-                    "filesystem"
-                }
-                .to_string()
-            }),
-            envd_unresponsive_at_pause: (rec.state == SandboxState::Paused).then_some(false),
-            volume_mounts: rec.volume_mounts.clone(),
-            resume_generation: rec.resumes.generation,
-            kernel_state_lost: health::kernel_state_lost(rec),
-            last_resume: health::last_resume_view(rec),
-            state_location: rec.state.as_str().to_string(),
-            idle: health::idle_view(rec),
-        }
-    }
-
-    pub(crate) fn listed_view(&self, rec: &SandboxRecord) -> wire::ListedSandbox {
-        wire::ListedSandbox {
-            template_id: rec.template_id.clone(),
-            alias: rec.alias.clone(),
-            sandbox_id: rec.id.clone(),
-            client_id: self.config.client_id.clone(),
-            started_at: rfc3339(rec.started_at),
-            end_at: rfc3339(rec.end_at),
-            cpu_count: rec.vcpus,
-            memory_mb: rec.memory_mb,
-            disk_size_mb: rec.disk_mb,
-            metadata: rec.metadata.clone(),
-            state: rec.state.as_str().to_string(),
-            envd_version: rec.envd_version.clone(),
-            volume_mounts: rec.volume_mounts.clone(),
-        }
+        let (location, _) = self.state_location(&rec).await;
+        Ok((rec, location))
     }
 
     /// Deletes a build that only one sandbox used; the node refuses while something still
@@ -572,8 +504,8 @@ pub const MAX_ENV_TOTAL: usize = 1024 * 1024;
 /// 400 when `metadata` or `envVars` is larger than the bounds above (or an env name is not a
 /// name a shell can hold).
 pub fn check_maps(
-    metadata: &crate::wire::StringMap,
-    env: &crate::wire::StringMap,
+    metadata: &model::StringMap,
+    env: &model::StringMap,
 ) -> ControlResult<()> {
     if metadata.len() > MAX_METADATA_ENTRIES {
         return Err(ControlError::bad_request(format!(

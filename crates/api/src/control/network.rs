@@ -6,7 +6,7 @@ use std::net::IpAddr;
 use super::{event, network_policy, Control};
 use super::{ControlError, ControlResult};
 use crate::records::{Change, EventKind, SandboxState, Team};
-use crate::wire::NetworkUpdate;
+use super::model::NetworkUpdate;
 
 /// More rules than this is a mistake, not a policy.
 const MAX_RULES: usize = 1000;
@@ -117,7 +117,7 @@ impl Control {
             }
             // Secret rules stay pointed at hosts the sandbox may reach: a rule host cannot
             // leave allowOut while the rules name it.
-            super::egress::checked_rules(&crate::wire::NetworkConfig {
+            super::egress::checked_rules(&super::model::NetworkConfig {
                 allow_out: trimmed(update.allow_out.clone()),
                 rules: rec.network.rules.clone(),
                 ..Default::default()

@@ -11,7 +11,6 @@ use super::{admission_key, concurrency_error, event, kv_error, network_policy, C
 use super::{ControlError, ControlResult};
 use crate::ids;
 use crate::records::{Change, EventKind, LastResume, SandboxRecord, SandboxState, Team};
-use crate::wire;
 
 /// How long a pause waits for requests already waiting on the guest to get their response
 /// headers before the node stops it.
@@ -102,7 +101,7 @@ impl Control {
         id: &str,
         timeout: u64,
         memory: Option<bool>,
-    ) -> ControlResult<(wire::Sandbox, bool)> {
+    ) -> ControlResult<(SandboxRecord, bool)> {
         self.owned(team, id).await?;
         let guard = self.lock(id).await?;
         let result = async {
@@ -126,7 +125,7 @@ impl Control {
                         )
                         .await?;
                     }
-                    Ok((self.sandbox_view(&rec), false))
+                    Ok((rec, false))
                 }
                 SandboxState::Paused => {
                     let cold = memory == Some(false);
@@ -140,7 +139,7 @@ impl Control {
                             ResumeTrigger::Connect,
                         )
                         .await?;
-                    Ok((self.sandbox_view(&rec), true))
+                    Ok((rec, true))
                 }
             }
         }
@@ -157,7 +156,7 @@ impl Control {
         timeout: u64,
         memory: Option<bool>,
         auto_pause: Option<bool>,
-    ) -> ControlResult<wire::Sandbox> {
+    ) -> ControlResult<SandboxRecord> {
         self.owned(team, id).await?;
         let guard = self.lock(id).await?;
         let result = async {
@@ -180,7 +179,7 @@ impl Control {
                     ResumeTrigger::Connect,
                 )
                 .await?;
-            Ok(self.sandbox_view(&rec))
+            Ok(rec)
         }
         .await;
         let _ = guard.unlock().await;

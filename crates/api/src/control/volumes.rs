@@ -17,7 +17,7 @@ use vmon_store::Volume;
 
 use super::{record_error, Control};
 use super::{ControlError, ControlResult};
-use crate::wire::VolumeMount;
+use super::model::VolumeMount;
 
 /// The most characters of a volume name.
 pub const MAX_NAME: usize = 128;

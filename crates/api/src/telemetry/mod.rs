@@ -565,7 +565,7 @@ async fn prometheus(State(s): State<AppState>, _: MetricsReader) -> Response {
                 }
             }
         }
-        Err(e) => tracing::warn!(error = %e.message, "metrics: listing sandboxes failed"),
+        Err(e) => tracing::warn!(error = %e, "metrics: listing sandboxes failed"),
     }
     let pool = s.control.node.pool_depths().await.unwrap_or_else(|e| {
         tracing::warn!(error = %e, "metrics: the node did not give its pool depths");

@@ -277,7 +277,7 @@ impl Control {
             let (_, _, b) = self
                 .resolve_template(team, t)
                 .await
-                .map_err(|e| fail("base", format!("template {t:?}: {}", e.message)))?;
+                .map_err(|e| fail("base", format!("template {t:?}: {e}")))?;
             return Ok(b);
         }
         match start.from_image.as_deref() {
@@ -285,7 +285,7 @@ impl Control {
                 let (_, _, b) = self
                     .resolve_template(team, "base")
                     .await
-                    .map_err(|e| fail("base", format!("the base template: {}", e.message)))?;
+                    .map_err(|e| fail("base", format!("the base template: {e}")))?;
                 Ok(b)
             }
             Some(reference) => self.image_base(team, build, start, reference, log).await,
@@ -359,7 +359,7 @@ impl Control {
         start: &BuildStart,
         log: &Log,
     ) -> Result<BuildInfo, Failed> {
-        let plan = steps::plan(start).map_err(|e| fail("base", e.message))?;
+        let plan = steps::plan(start).map_err(|e| fail("base", e.to_string()))?;
         let n = plan.len();
         let base = self.base_of(team, build, start, log).await?;
         // A machine other than the base's needs a fresh boot of the base image (a memory
@@ -716,7 +716,7 @@ impl Control {
 
     async fn remember(&self, team: &Team, key: &str, b: &BuildInfo) {
         if let Err(e) = self.records.put_layer(&team.id, key, b).await {
-            tracing::warn!(error = %record_error(e).message, "caching a layer failed");
+            tracing::warn!(error = %record_error(e), "caching a layer failed");
         }
     }
 }
