@@ -54,7 +54,7 @@ pub fn parse_template_ref(s: &str) -> Option<TemplateRef> {
 
 impl Control {
     /// A create's `templateID`: a template id, an alias, `namespace/name:tag`, or a snapshot id.
-    pub(crate) async fn resolve_template(
+    pub async fn resolve_template(
         &self,
         team: &Team,
         reference: &str,

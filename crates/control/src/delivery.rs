@@ -27,7 +27,7 @@ use tokio_util::sync::CancellationToken;
 use super::targets::{VettedResolver, WebhookTargets};
 use super::{rfc3339, Control};
 use crate::records::{DeliveryAttempt, Event, OutboxItem};
-use crate::telemetry::platform::{platform, WebhookOutcome};
+use crate::platform::{platform, WebhookOutcome};
 
 /// How each event is delivered to each webhook.
 #[derive(Debug, Clone)]

@@ -79,7 +79,7 @@ impl Control {
     /// A secret of `team_id` named `name` was updated or deleted: every running sandbox of the
     /// team whose rules name it gets its rules with the current values. Failures are logged;
     /// the next start reads the values afresh anyway.
-    pub(crate) async fn secret_changed(&self, team_id: &str, name: &str) {
+    pub async fn secret_changed(&self, team_id: &str, name: &str) {
         let name = name.to_ascii_lowercase();
         let recs = match self.records.sandboxes(Some(team_id)).await {
             Ok(r) => r,

@@ -1,11 +1,25 @@
-//! The per-sandbox state machine: running → pausing → paused → resuming → running;
-//! snapshotting and forking (transient); killing → gone.
+//! vmon-control: the control plane's domain, without HTTP. The per-sandbox state machine:
+//! running → pausing → paused → resuming → running; snapshotting and forking (transient);
+//! killing → gone.
 //!
 //! Every transition of one sandbox holds its KV lock (`sandbox/<id>`, waiting up to the
 //! configured two minutes for another holder), calls the node, and then commits the new record
 //! together with its lifecycle event through [`Control::commit`], the one place state changes
 //! are written. HTTP handlers run transitions in spawned tasks so they finish even when the
 //! client goes away.
+//!
+//! Also here: the records (`records`, the port `records::Records` and its store), the
+//! configuration (`config`), ids and keys (`ids`), the platform counters (`platform`),
+//! template builds (`templates`: steps, image references, the build itself, collecting
+//! uploaded files) and the volumes' trees (`volumes::tree`). Every operation fails with a
+//! [`ControlError`]; `vmon-api` turns those into HTTP answers in one place and makes the
+//! E2B views of the records (this crate knows no status code and no route).
+
+pub mod config;
+pub mod ids;
+pub mod platform;
+pub mod records;
+pub mod templates;
 
 mod builtin;
 pub use builtin::CODE_INTERPRETER;
@@ -29,7 +43,7 @@ mod resume;
 mod routes;
 mod signers;
 mod targets;
-pub(crate) mod uploads;
+pub mod uploads;
 pub mod volumes;
 mod why;
 
@@ -42,7 +56,7 @@ use vmon_kv::{Kv, KvError, LockGuard};
 use vmon_proto::node::{NetworkPolicy, NodeControl};
 use vmon_proxy::SandboxRoute;
 
-use crate::config::Config;
+pub use crate::config::Config;
 use crate::records::{
     Change, Committed, EventKind, LifecycleEvent, Records, SandboxRecord, SandboxState, Team,
 };
@@ -227,12 +241,12 @@ impl Control {
         &self.startup
     }
 
-    pub(crate) fn uploads(&self) -> &uploads::Uploads {
+    pub fn uploads(&self) -> &uploads::Uploads {
         &self.uploads
     }
 
     /// Whether the namespace `slug` holds a template or snapshot named `name`.
-    pub(crate) async fn name_taken(&self, slug: &str, name: &str) -> ControlResult<bool> {
+    pub async fn name_taken(&self, slug: &str, name: &str) -> ControlResult<bool> {
         self.records
             .alias_in_use(&format!("{slug}/{name}"))
             .await
@@ -249,6 +263,16 @@ impl Control {
 
     pub fn records(&self) -> &Arc<dyn Records> {
         &self.records
+    }
+
+    pub fn node(&self) -> &Arc<dyn NodeControl> {
+        &self.node
+    }
+
+    /// Whether a template build triggered now would start at once (else it waits as
+    /// `waiting` for a slot).
+    pub fn template_build_slot_free(&self) -> bool {
+        self.template_builds.available_permits() > 0
     }
 
     /// The one door for state changes: writes the record change and its event together, under
@@ -468,11 +492,11 @@ pub fn rfc3339(t: OffsetDateTime) -> String {
         .unwrap_or_else(|_| t.unix_timestamp().to_string())
 }
 
-pub(crate) fn kv_error(e: KvError) -> ControlError {
+pub fn kv_error(e: KvError) -> ControlError {
     ControlError::Kv(e)
 }
 
-pub(crate) fn record_error(e: anyhow::Error) -> ControlError {
+pub fn record_error(e: anyhow::Error) -> ControlError {
     ControlError::Records(e)
 }
 

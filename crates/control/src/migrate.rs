@@ -23,7 +23,8 @@ const MIGRATE_TRIES: u32 = 2;
 const STORED_WAIT: Duration = Duration::from_secs(600);
 
 /// A drain's progress, as `GET /admin/nodes/{id}/drain` and `vmon node list` show it.
-#[derive(Debug, Clone, Default, Serialize, Deserialize, utoipa::ToSchema)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct DrainStatus {
     pub node: String,
     /// `draining` while sandboxes are left, `drained` when none are, `stopped` when undrained

@@ -5,12 +5,12 @@
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
-use utoipa::ToSchema;
 
 pub type StringMap = BTreeMap<String, String>;
 
 /// `NewSandboxV2` (POST /v2/sandboxes) and `NewSandbox` (POST /sandboxes; also `secure`).
-#[derive(Debug, Clone, Deserialize, ToSchema)]
+#[derive(Debug, Clone, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct NewSandbox {
     #[serde(rename = "templateID")]
     pub template_id: String,
@@ -24,17 +24,17 @@ pub struct NewSandbox {
     pub allow_internet_access: Option<bool>,
     pub network: Option<NetworkConfig>,
     #[serde(default, deserialize_with = "nullable_map")]
-    #[schema(nullable)]
+    #[cfg_attr(feature = "openapi", schema(nullable))]
     pub metadata: StringMap,
     #[serde(rename = "envVars", default, deserialize_with = "nullable_map")]
-    #[schema(nullable)]
+    #[cfg_attr(feature = "openapi", schema(nullable))]
     pub env_vars: StringMap,
     #[serde(rename = "volumeMounts", default)]
     pub volume_mounts: Option<Vec<VolumeMount>>,
     /// vmon's idle auto-suspend (not E2B's): an object, or `null` for none. Absent: the
     /// `vmon.idle.*` metadata keys, else the team's default from the config.
     #[serde(rename = "vmonIdle", default, deserialize_with = "present")]
-    #[schema(nullable, value_type = Option<IdleSettings>)]
+    #[cfg_attr(feature = "openapi", schema(nullable, value_type = Option<IdleSettings>))]
     pub vmon_idle: Option<Option<IdleSettings>>,
 }
 
@@ -46,7 +46,8 @@ fn present<'de, D: serde::Deserializer<'de>, T: Deserialize<'de>>(
 }
 
 /// Seed 004's IdlePolicy as a create names it (`vmonIdle`); every field is optional.
-#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq, Eq, ToSchema)]
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct IdleSettings {
     /// Seconds without traffic through the proxy before the sandbox is suspended (at least
     /// 60; default 300; less than the timeout).
@@ -65,19 +66,22 @@ fn nullable_map<'de, D: serde::Deserializer<'de>>(d: D) -> Result<StringMap, D::
     Ok(Option::<StringMap>::deserialize(d)?.unwrap_or_default())
 }
 
-#[derive(Debug, Clone, Deserialize, Serialize, ToSchema)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct AutoResume {
     pub enabled: bool,
 }
 
-#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq, Eq, ToSchema)]
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct VolumeMount {
     pub name: String,
     pub path: String,
 }
 
 /// `SandboxNetworkConfig`.
-#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq, Eq, ToSchema)]
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct NetworkConfig {
     #[serde(rename = "allowPublicTraffic", skip_serializing_if = "Option::is_none")]
     pub allow_public_traffic: Option<bool>,
@@ -91,14 +95,15 @@ pub struct NetworkConfig {
     pub mask_request_host: Option<String>,
     /// Per-host request transforms (`{host: [{transform: {headers: {...}}}]}`): the node's
     /// egress proxy sets those headers on the sandbox's HTTPS requests to the host, with
-    /// `${e2b.secrets.<name>}` filled in (`crates/api/src/control/egress.rs`).
+    /// `${e2b.secrets.<name>}` filled in (`crates/control/src/egress.rs`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schema(value_type = Option<Object>)]
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<Object>))]
     pub rules: Option<serde_json::Value>,
 }
 
 /// `SandboxNetworkUpdateConfig` (PUT /sandboxes/{id}/network; replace-all).
-#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
+#[derive(Debug, Clone, Default, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct NetworkUpdate {
     #[serde(rename = "allowOut")]
     pub allow_out: Option<Vec<String>>,

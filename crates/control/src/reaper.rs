@@ -167,7 +167,7 @@ impl Control {
             }
             let t0 = std::time::Instant::now();
             let report =
-                |op, ok| crate::telemetry::platform::platform().transition(op, ok, t0.elapsed());
+                |op, ok| crate::platform::platform().transition(op, ok, t0.elapsed());
             if rec.auto_pause {
                 let fence = guard.fence().token();
                 let paused = self

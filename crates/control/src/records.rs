@@ -20,7 +20,7 @@ use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 use vmon_proto::node::BuildInfo;
 
-use crate::control::model::{NetworkConfig, StringMap, VolumeMount};
+use crate::model::{NetworkConfig, StringMap, VolumeMount};
 
 pub use builds::{BuildFailure, BuildLogEntry, BuildRecords, BuildState, TemplateBuild};
 pub use store::{secret_key, StoreRecords, SQLITE_FILE, WEBHOOK_KEY_FILE};
@@ -31,7 +31,8 @@ pub use vmon_store::{
 
 pub type RecordResult<T> = anyhow::Result<T>;
 
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, utoipa::ToSchema)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(default)]
 pub struct TeamLimits {
     /// Running sandboxes at once (paused ones do not count).
@@ -55,7 +56,8 @@ impl Default for TeamLimits {
     }
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, utoipa::ToSchema)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Team {
     pub id: String,
     pub name: String,
@@ -64,7 +66,8 @@ pub struct Team {
     pub limits: TeamLimits,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, utoipa::ToSchema)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ApiKeyInfo {
     pub id: String,
     pub team_id: String,
@@ -72,7 +75,7 @@ pub struct ApiKeyInfo {
     pub mask: String,
     /// RFC 3339.
     #[serde(with = "time::serde::rfc3339")]
-    #[schema(value_type = String, format = DateTime)]
+    #[cfg_attr(feature = "openapi", schema(value_type = String, format = DateTime))]
     pub created_at: OffsetDateTime,
     pub revoked: bool,
 }

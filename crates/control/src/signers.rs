@@ -162,10 +162,10 @@ mod tests {
             base64::engine::general_purpose::STANDARD_NO_PAD.encode(Sha256::digest(raw.as_bytes()))
         );
         let q = sig.replace('+', "%2B").replace('/', "%2F");
-        let uri: axum::http::Uri = format!("/files?path={path}&username=user&signature={q}")
+        let uri: http::Uri = format!("/files?path={path}&username=user&signature={q}")
             .parse()
             .unwrap_or_else(|e| panic!("{e}"));
-        SignedFiles::parse(&axum::http::Method::GET, &uri).unwrap_or_else(|| panic!("signed"))
+        SignedFiles::parse(&http::Method::GET, &uri).unwrap_or_else(|| panic!("signed"))
     }
 
     #[test]

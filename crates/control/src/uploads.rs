@@ -57,7 +57,7 @@ fn hmac(key: &[u8; 32], msg: &str) -> String {
 }
 
 /// Whether `s` can be a team id in an upload URL.
-pub(crate) fn safe_id(s: &str) -> bool {
+pub fn safe_id(s: &str) -> bool {
     !s.is_empty()
         && s.len() <= 128
         && s.bytes()
@@ -163,7 +163,7 @@ impl Uploads {
         format!("{origin}/template-files/{team_id}/{hash}?expires={expires}&signature={sig}")
     }
 
-    pub(crate) fn check(
+    pub fn check(
         &self,
         team_id: &str,
         hash: &str,
@@ -199,7 +199,7 @@ impl Control {
 
     /// Whether the team keeps the archive of `hash`; one it keeps is made new again, so the
     /// collector's grace starts over for a build about to name it.
-    pub(crate) fn template_file_kept(&self, team_id: &str, hash: &str) -> bool {
+    pub fn template_file_kept(&self, team_id: &str, hash: &str) -> bool {
         let path = self.template_file(team_id, hash);
         match std::fs::OpenOptions::new().write(true).open(&path) {
             Ok(f) => {
@@ -216,7 +216,7 @@ impl Control {
 }
 
 /// One upload's place in its team's quotas, given back when it ends.
-pub(crate) struct Reservation<'a> {
+pub struct Reservation<'a> {
     uploads: &'a Uploads,
     team: &'a str,
     kept: Usage,
@@ -227,7 +227,7 @@ pub(crate) struct Reservation<'a> {
 
 impl<'a> Reservation<'a> {
     /// Reserves a place for one upload of `team` (a new file unless it replaces one).
-    pub(crate) fn new(
+    pub fn new(
         uploads: &'a Uploads,
         team: &'a str,
         kept: Usage,
@@ -245,7 +245,7 @@ impl<'a> Reservation<'a> {
         })
     }
 
-    pub(crate) fn grow(&mut self, n: u64) -> ControlResult<()> {
+    pub fn grow(&mut self, n: u64) -> ControlResult<()> {
         self.uploads
             .reserve(self.team, self.kept, self.limits, n, false)?;
         self.bytes += n;

@@ -6,6 +6,8 @@
 //! the URL does, so a token of one volume fails the MAC of every other; the team in clear lets
 //! another team's token see 404, as every other route of another team's volume does.
 
+pub mod tree;
+
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 

@@ -9,7 +9,7 @@
 //! killed one when the team's `killed` event for it is less than 7 days old (events outlive the
 //! record by 30 days).
 
-pub mod platform;
+pub use vmon_control::platform;
 pub mod thin;
 
 use std::collections::BTreeMap;
@@ -567,7 +567,7 @@ async fn prometheus(State(s): State<AppState>, _: MetricsReader) -> Response {
         }
         Err(e) => tracing::warn!(error = %e, "metrics: listing sandboxes failed"),
     }
-    let pool = s.control.node.pool_depths().await.unwrap_or_else(|e| {
+    let pool = s.control.node().pool_depths().await.unwrap_or_else(|e| {
         tracing::warn!(error = %e, "metrics: the node did not give its pool depths");
         Vec::new()
     });

@@ -229,7 +229,7 @@ pub(crate) async fn start_build(
     }
     build.start = Some(redact(raw));
     // Building from the trigger on, as E2B reports it, unless it has to wait for a slot.
-    if c.template_builds.available_permits() > 0 {
+    if c.template_build_slot_free() {
         build.state = BuildState::Building;
     }
     c.records()

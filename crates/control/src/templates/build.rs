@@ -17,7 +17,7 @@ use vmon_proto::node::{BuildInfo, ExecSpec, NetworkPolicy, StartSpec, TemplateSp
 
 use super::image;
 use super::steps::{self, Action, BuildStart, StepState, BASE_IMAGE};
-use crate::control::{record_error, Control};
+use crate::{record_error, Control};
 use crate::ids;
 use crate::records::{BuildFailure, BuildLogEntry, BuildState, Team, TemplateBuild};
 
@@ -190,7 +190,7 @@ impl Control {
     }
 
     /// Runs a triggered build to its end (in its own task); the record says how it went.
-    pub(crate) async fn run_template_build(
+    pub async fn run_template_build(
         self: Arc<Self>,
         team: Team,
         mut build: TemplateBuild,

@@ -16,7 +16,7 @@ use std::time::{Duration, SystemTime};
 
 use tokio_util::sync::CancellationToken;
 
-use crate::control::Control;
+use crate::Control;
 use crate::records::BuildState;
 
 /// The archives (team, hash) the records of unfinished builds name.

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
-use crate::control::{ControlError, ControlResult};
+use crate::{ControlError, ControlResult};
 
 /// The trigger's body (`TemplateBuildStartV2`); unknown keys are ignored.
 #[derive(Debug, Clone, Default, Deserialize)]

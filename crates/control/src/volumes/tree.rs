@@ -100,7 +100,8 @@ impl VolumePath {
 }
 
 /// `VolumeEntryStat`.
-#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+#[derive(Debug, Clone, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct EntryStat {
     pub name: String,
     /// `file`, `directory`, `symlink` or `unknown`.
@@ -149,7 +150,7 @@ fn time_of(secs: i64, nanos: i64) -> String {
         i128::from(secs) * 1_000_000_000 + i128::from(nanos),
     )
     .unwrap_or(OffsetDateTime::UNIX_EPOCH);
-    crate::control::rfc3339(t)
+    crate::rfc3339(t)
 }
 
 fn kind(st: &Stat) -> &'static str {
