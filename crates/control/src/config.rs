@@ -9,6 +9,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::records::TeamLimits;
 
+mod env;
+
 /// The shortest idle window.
 pub const MIN_IDLE_SECS: u64 = 60;
 
@@ -338,7 +340,7 @@ impl Config {
             }
             None => Config::default(),
         };
-        config.apply_env(|k| std::env::var(k).ok())?;
+        config.apply(env::Overrides::from_env()?)?;
         if config.template_files_dir.is_none() {
             config.template_files_dir = Some(data_dir.join("template-files"));
         }
@@ -351,186 +353,91 @@ impl Config {
         Ok(config)
     }
 
+    /// The `VMON_*` variables `var` gives, over what the file said (tests; `load` reads the
+    /// process's environment through the same parsers).
+    #[cfg(test)]
     fn apply_env(&mut self, var: impl Fn(&str) -> Option<String>) -> anyhow::Result<()> {
-        fn parse<T: std::str::FromStr>(name: &str, v: String) -> anyhow::Result<T>
-        where
-            T::Err: std::fmt::Display,
-        {
-            v.trim()
-                .parse()
-                .map_err(|e| anyhow::anyhow!("{name}={v:?}: {e}"))
-        }
-        if let Some(v) = var("VMON_API_LISTEN") {
-            self.api_listen = parse("VMON_API_LISTEN", v)?;
-        }
-        if let Some(v) = var("VMON_PROXY_LISTEN") {
-            self.proxy_listen = parse("VMON_PROXY_LISTEN", v)?;
-        }
-        if let Some(v) = var("VMON_API_URL") {
-            self.api_url = Some(v);
-        }
-        if let Some(v) = var("VMON_SANDBOX_URL") {
-            self.sandbox_url = Some(v);
-        }
-        if let Some(v) = var("VMON_DOMAIN") {
-            self.domain = (!v.is_empty()).then_some(v);
-        }
-        if let Some(v) = var("VMON_PREBUILD_CODE_INTERPRETER") {
-            self.prebuild_code_interpreter = !matches!(v.trim(), "0" | "false" | "no");
-        }
-        if let Some(v) = var("VMON_MIGRATION_DOWNTIME_MS") {
-            self.migration_downtime_ms = parse("VMON_MIGRATION_DOWNTIME_MS", v)?;
-        }
-        if let Some(v) = var("VMON_FAULT_DIR").filter(|v| !v.is_empty()) {
-            self.fault_dir = Some(std::path::PathBuf::from(v));
-        }
-        if let Some(v) = var("VMON_CLIENT_ID") {
-            self.client_id = v;
-        }
-        if let Some(v) = var("VMON_NODE_GRACE_SECS") {
-            self.node_grace_secs = parse("VMON_NODE_GRACE_SECS", v)?;
-        }
-        if let Some(v) = var("VMON_LOCK_WAIT_SECS") {
-            self.lock_wait_secs = parse("VMON_LOCK_WAIT_SECS", v)?;
-        }
-        if let Some(v) = var("VMON_MAX_CONCURRENT") {
-            self.default_limits.max_concurrent = parse("VMON_MAX_CONCURRENT", v)?;
-        }
-        if let Some(v) = var("VMON_MAX_LIFETIME_SECS") {
-            self.default_limits.max_lifetime_secs = parse("VMON_MAX_LIFETIME_SECS", v)?;
-        }
-        if let Some(v) = var("VMON_STORE_URL") {
-            self.store_url = (!v.is_empty()).then_some(v);
-        }
-        if let Some(v) = var("VMON_WEBHOOK_KEY_FILE") {
-            self.webhook_key_file = (!v.is_empty()).then(|| v.into());
-        }
-        if let Some(v) = var("VMON_WEBHOOK_ALLOW") {
-            self.webhook_allow = v
-                .split(',')
-                .map(|s| s.trim().to_string())
-                .filter(|s| !s.is_empty())
-                .collect();
-        }
-        if let Some(v) = var("VMON_PRIVATE_ALLOW") {
-            self.private_allow = v
-                .split(',')
-                .map(|s| s.trim().to_string())
-                .filter(|s| !s.is_empty())
-                .collect();
-        }
-        vmon_proto::ranges::check_ranges(&self.private_allow)
-            .map_err(|e| anyhow::anyhow!("private_allow: {e}"))?;
-        if let Some(v) = var("VMON_INSECURE_REGISTRIES") {
-            self.insecure_registries = v
-                .split(',')
-                .map(|s| s.trim().to_string())
-                .filter(|s| !s.is_empty())
-                .collect();
-        }
-        if let Some(v) = var("VMON_REGISTRY_ALLOW") {
-            self.registry_allow = v
-                .split(',')
-                .map(|s| s.trim().to_string())
-                .filter(|s| !s.is_empty())
-                .collect();
-        }
-        for c in &self.registry_allow {
-            c.parse::<vmon_proto::addrs::Cidr>()
-                .map_err(|e| anyhow::anyhow!("registry_allow: {e}"))?;
-        }
-        if let Some(v) = var("VMON_METRICS_TOKEN") {
-            self.metrics_token = (!v.trim().is_empty()).then(|| v.trim().to_string());
-        }
-        if let Some(v) = var("VMON_WEBHOOK_CA_FILE") {
-            self.webhook_ca_file = (!v.is_empty()).then(|| v.into());
-        }
-        for c in self.webhook_allow.iter().filter(|s| !s.trim().is_empty()) {
-            c.parse::<vmon_proto::addrs::Cidr>()
-                .map_err(|e| anyhow::anyhow!("webhook_allow: {e}"))?;
-        }
-        if let Some(v) = var("VMON_MAX_PAUSED") {
-            self.quotas.max_paused = parse("VMON_MAX_PAUSED", v)?;
-        }
-        if let Some(v) = var("VMON_MAX_SNAPSHOTS") {
-            self.quotas.max_snapshots = parse("VMON_MAX_SNAPSHOTS", v)?;
-        }
-        if let Some(v) = var("VMON_MAX_WEBHOOKS") {
-            self.quotas.max_webhooks = parse("VMON_MAX_WEBHOOKS", v)?;
-        }
-        if let Some(v) = var("VMON_MAX_VOLUMES") {
-            self.quotas.max_volumes = parse("VMON_MAX_VOLUMES", v)?;
-        }
-        if let Some(v) = var("VMON_MAX_VOLUME_BYTES") {
-            self.quotas.max_volume_bytes = parse("VMON_MAX_VOLUME_BYTES", v)?;
-        }
-        if let Some(v) = var("VMON_MAX_SECRETS") {
-            self.quotas.max_secrets = parse("VMON_MAX_SECRETS", v)?;
-        }
-        if let Some(v) = var("VMON_MAX_TEMPLATE_FILES") {
-            self.quotas.max_template_files = parse("VMON_MAX_TEMPLATE_FILES", v)?;
-        }
-        if let Some(v) = var("VMON_MAX_TEMPLATE_FILE_BYTES") {
-            self.quotas.max_template_file_bytes = parse("VMON_MAX_TEMPLATE_FILE_BYTES", v)?;
-        }
-        if let Some(v) = var("VMON_TEMPLATE_FILES_GRACE_SECS") {
-            self.template_files_grace_secs = parse("VMON_TEMPLATE_FILES_GRACE_SECS", v)?;
-        }
-        if let Some(v) = var("VMON_VOLUMES_DIR") {
-            self.volumes_dir = (!v.is_empty()).then(|| v.into());
-        }
-        if let Some(v) = var("VMON_VOLUME_KEY_FILE") {
-            self.volume_key_file = (!v.is_empty()).then(|| v.into());
-        }
-        if let Some(v) = var("VMON_VOLUME_TOKEN_TTL_SECS") {
-            self.volume_token_ttl_secs = parse("VMON_VOLUME_TOKEN_TTL_SECS", v)?;
-        }
-        if let Some(v) = var("VMON_PROXY_TLS_CERT") {
-            self.proxy_tls_cert = (!v.is_empty()).then(|| v.into());
-        }
-        if let Some(v) = var("VMON_PROXY_TLS_KEY") {
-            self.proxy_tls_key = (!v.is_empty()).then(|| v.into());
-        }
-        if self.proxy_tls_cert.is_some() != self.proxy_tls_key.is_some() {
-            anyhow::bail!("proxy_tls_cert and proxy_tls_key (VMON_PROXY_TLS_CERT, VMON_PROXY_TLS_KEY) go together: set both or neither");
-        }
-        if let Some(v) = var("VMON_API_TLS_CERT") {
-            self.api_tls_cert = (!v.is_empty()).then(|| v.into());
-        }
-        if let Some(v) = var("VMON_API_TLS_KEY") {
-            self.api_tls_key = (!v.is_empty()).then(|| v.into());
-        }
-        if self.api_tls_cert.is_some() != self.api_tls_key.is_some() {
-            anyhow::bail!("api_tls_cert and api_tls_key (VMON_API_TLS_CERT, VMON_API_TLS_KEY) go together: set both or neither");
-        }
-        if let Some(v) = var("VMON_API_CA_FILE") {
-            self.api_ca_file = (!v.is_empty()).then(|| v.into());
-        }
-        if let Some(v) = var("VMON_IDLE_MAX_IDLE_SECS") {
-            let secs: u64 = parse("VMON_IDLE_MAX_IDLE_SECS", v)?;
+        self.apply(env::Overrides::from_vars(var)?)
+    }
+
+    /// Each variable that is set replaces its setting; then the settings are checked together.
+    fn apply(&mut self, o: env::Overrides) -> anyhow::Result<()> {
+        set(&mut self.api_listen, o.api_listen);
+        set(&mut self.proxy_listen, o.proxy_listen);
+        set(&mut self.api_url, o.api_url.map(Some));
+        set(&mut self.sandbox_url, o.sandbox_url.map(Some));
+        set(&mut self.domain, o.domain.map(|v| (!v.is_empty()).then_some(v)));
+        set(&mut self.prebuild_code_interpreter, o.prebuild_code_interpreter);
+        set(&mut self.migration_downtime_ms, o.migration_downtime_ms);
+        set(&mut self.fault_dir, o.fault_dir.and_then(env::path).map(Some));
+        set(&mut self.client_id, o.client_id);
+        set(&mut self.node_grace_secs, o.node_grace_secs);
+        set(&mut self.lock_wait_secs, o.lock_wait_secs);
+        set(&mut self.default_limits.max_concurrent, o.max_concurrent);
+        set(&mut self.default_limits.max_lifetime_secs, o.max_lifetime_secs);
+        set(&mut self.store_url, o.store_url.map(|v| (!v.is_empty()).then_some(v)));
+        set(&mut self.webhook_key_file, o.webhook_key_file.map(env::path));
+        set(&mut self.webhook_allow, o.webhook_allow);
+        set(&mut self.private_allow, o.private_allow);
+        set(&mut self.insecure_registries, o.insecure_registries);
+        set(&mut self.registry_allow, o.registry_allow);
+        let token = o.metrics_token.map(|v| v.trim().to_string());
+        set(&mut self.metrics_token, token.map(|v| (!v.is_empty()).then_some(v)));
+        set(&mut self.webhook_ca_file, o.webhook_ca_file.map(env::path));
+        let q = &mut self.quotas;
+        set(&mut q.max_paused, o.max_paused);
+        set(&mut q.max_snapshots, o.max_snapshots);
+        set(&mut q.max_webhooks, o.max_webhooks);
+        set(&mut q.max_volumes, o.max_volumes);
+        set(&mut q.max_volume_bytes, o.max_volume_bytes);
+        set(&mut q.max_secrets, o.max_secrets);
+        set(&mut q.max_template_files, o.max_template_files);
+        set(&mut q.max_template_file_bytes, o.max_template_file_bytes);
+        set(&mut self.template_files_grace_secs, o.template_files_grace_secs);
+        set(&mut self.volumes_dir, o.volumes_dir.map(env::path));
+        set(&mut self.volume_key_file, o.volume_key_file.map(env::path));
+        set(&mut self.volume_token_ttl_secs, o.volume_token_ttl_secs);
+        set(&mut self.proxy_tls_cert, o.proxy_tls_cert.map(env::path));
+        set(&mut self.proxy_tls_key, o.proxy_tls_key.map(env::path));
+        set(&mut self.api_tls_cert, o.api_tls_cert.map(env::path));
+        set(&mut self.api_tls_key, o.api_tls_key.map(env::path));
+        set(&mut self.api_ca_file, o.api_ca_file.map(env::path));
+        if let Some(secs) = o.idle_max_idle_secs {
             self.idle.default = (secs > 0).then(|| IdleDefault {
                 max_idle_seconds: secs,
                 ..self.idle.default.clone().unwrap_or_default()
             });
         }
+        set(&mut self.idle.scan_interval_ms, o.idle_scan_ms);
         let limits = &mut self.proxy_limits;
-        if let Some(v) = var("VMON_PROXY_MAX_PER_SANDBOX") {
-            limits.max_per_sandbox = parse("VMON_PROXY_MAX_PER_SANDBOX", v)?;
+        set(&mut limits.max_per_sandbox, o.proxy_max_per_sandbox);
+        set(&mut limits.max_per_client, o.proxy_max_per_client);
+        set(&mut limits.header_timeout_secs, o.proxy_header_timeout_secs);
+        set(&mut limits.idle_body_secs, o.proxy_idle_body_secs);
+        set(&mut limits.signed_misses_per_minute, o.proxy_signed_misses_per_minute);
+        set(&mut self.base_template.vcpus, o.base_vcpus);
+        set(&mut self.base_template.memory_mb, o.base_memory_mb);
+        set(&mut self.base_template.disk_mb, o.base_disk_mb);
+        self.check()
+    }
+
+    /// What the file and the variables must agree on together.
+    fn check(&self) -> anyhow::Result<()> {
+        vmon_proto::ranges::check_ranges(&self.private_allow)
+            .map_err(|e| anyhow::anyhow!("private_allow: {e}"))?;
+        for c in &self.registry_allow {
+            c.parse::<vmon_proto::addrs::Cidr>()
+                .map_err(|e| anyhow::anyhow!("registry_allow: {e}"))?;
         }
-        if let Some(v) = var("VMON_PROXY_MAX_PER_CLIENT") {
-            limits.max_per_client = parse("VMON_PROXY_MAX_PER_CLIENT", v)?;
+        for c in self.webhook_allow.iter().filter(|s| !s.trim().is_empty()) {
+            c.parse::<vmon_proto::addrs::Cidr>()
+                .map_err(|e| anyhow::anyhow!("webhook_allow: {e}"))?;
         }
-        if let Some(v) = var("VMON_PROXY_HEADER_TIMEOUT_SECS") {
-            limits.header_timeout_secs = parse("VMON_PROXY_HEADER_TIMEOUT_SECS", v)?;
+        if self.proxy_tls_cert.is_some() != self.proxy_tls_key.is_some() {
+            anyhow::bail!("proxy_tls_cert and proxy_tls_key (VMON_PROXY_TLS_CERT, VMON_PROXY_TLS_KEY) go together: set both or neither");
         }
-        if let Some(v) = var("VMON_PROXY_IDLE_BODY_SECS") {
-            limits.idle_body_secs = parse("VMON_PROXY_IDLE_BODY_SECS", v)?;
-        }
-        if let Some(v) = var("VMON_PROXY_SIGNED_MISSES_PER_MINUTE") {
-            limits.signed_misses_per_minute = parse("VMON_PROXY_SIGNED_MISSES_PER_MINUTE", v)?;
-        }
-        if let Some(v) = var("VMON_IDLE_SCAN_MS") {
-            self.idle.scan_interval_ms = parse("VMON_IDLE_SCAN_MS", v)?;
+        if self.api_tls_cert.is_some() != self.api_tls_key.is_some() {
+            anyhow::bail!("api_tls_cert and api_tls_key (VMON_API_TLS_CERT, VMON_API_TLS_KEY) go together: set both or neither");
         }
         let defaults = self.idle.default.iter().chain(self.idle.teams.values());
         for d in defaults {
@@ -541,15 +448,6 @@ impl Config {
                     d.max_idle_seconds
                 );
             }
-        }
-        if let Some(v) = var("VMON_BASE_VCPUS") {
-            self.base_template.vcpus = parse("VMON_BASE_VCPUS", v)?;
-        }
-        if let Some(v) = var("VMON_BASE_MEMORY_MB") {
-            self.base_template.memory_mb = parse("VMON_BASE_MEMORY_MB", v)?;
-        }
-        if let Some(v) = var("VMON_BASE_DISK_MB") {
-            self.base_template.disk_mb = parse("VMON_BASE_DISK_MB", v)?;
         }
         Ok(())
     }
@@ -594,6 +492,13 @@ impl Config {
     }
 }
 
+/// Replaces `field` when the variable was set.
+fn set<T>(field: &mut T, value: Option<T>) {
+    if let Some(v) = value {
+        *field = v;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -610,10 +515,21 @@ mod tests {
         c.apply_env(|k| (k == "VMON_MAX_CONCURRENT").then(|| "7".to_string()))
             .expect("env");
         assert_eq!(c.default_limits.max_concurrent, 7);
-        assert!(c
+        let e = c
             .apply_env(|k| (k == "VMON_API_LISTEN").then(|| "nope".to_string()))
-            .is_err());
+            .expect_err("not an address");
+        assert!(
+            e.to_string().starts_with("VMON_API_LISTEN=\"nope\": "),
+            "the error names the variable and the value: {e}"
+        );
         assert_eq!(c.api_url(), "http://127.0.0.1:4000");
+        let e = c
+            .apply_env(|k| (k == "VMON_MAX_PAUSED").then(|| " 12x".to_string()))
+            .expect_err("not a number");
+        assert!(e.to_string().starts_with("VMON_MAX_PAUSED=\" 12x\": "), "{e}");
+        c.apply_env(|k| (k == "VMON_MAX_PAUSED").then(|| " 12 ".to_string()))
+            .expect("trimmed");
+        assert_eq!(c.quotas.max_paused, 12);
     }
 
     #[test]
@@ -685,6 +601,35 @@ mod tests {
             c.api_ca_file.as_deref(),
             Some(Path::new("/etc/vmon/ca.pem"))
         );
+    }
+
+    #[test]
+    fn the_variables_are_one_consistent_clap_definition() {
+        use clap::CommandFactory;
+        let cmd = env::Overrides::command();
+        cmd.clone().debug_assert();
+        let names: Vec<_> = cmd.get_arguments().filter_map(|a| a.get_env()).collect();
+        assert_eq!(names.len(), cmd.get_arguments().count(), "every argument is a variable");
+        assert!(names.iter().all(|n| n.to_string_lossy().starts_with("VMON_")));
+    }
+
+    #[test]
+    fn empty_paths_clear_and_lists_split() {
+        let mut c: Config = toml::from_str("store_url = \"postgres://x\"\n").expect("toml");
+        let vars = [
+            ("VMON_STORE_URL", ""),
+            ("VMON_DOMAIN", "example.com"),
+            ("VMON_INSECURE_REGISTRIES", "reg.local:5000, ,10.0.0.1"),
+            ("VMON_PREBUILD_CODE_INTERPRETER", "no"),
+            ("VMON_FAULT_DIR", ""),
+        ];
+        c.apply_env(|k| vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string()))
+            .expect("env");
+        assert_eq!(c.store_url, None);
+        assert_eq!(c.domain.as_deref(), Some("example.com"));
+        assert_eq!(c.insecure_registries, ["reg.local:5000", "10.0.0.1"]);
+        assert!(!c.prebuild_code_interpreter);
+        assert_eq!(c.fault_dir, None);
     }
 
     #[test]
