@@ -487,6 +487,8 @@ impl Control {
         result
     }
 
+    /// The build's steps from `first` on in the build VM, a layer after each that changed
+    /// the guest, then the template's start and ready commands and its last checkpoint.
     #[allow(clippy::too_many_arguments)]
     async fn steps_in(
         &self,
@@ -509,89 +511,18 @@ impl Control {
         for i in first..n {
             let (action, after) = &plan[i];
             let step = (i + 1).to_string();
-            let s = Some(step.as_str());
-            log.info(s, format!("[{}/{n}] {}", i + 1, describe(&start.steps[i])))
-                .await;
-            let changed = match action {
-                Action::Run { cmd, user } => {
-                    let code = vm
-                        .run_streamed(cmd, user, &state, log, &step)
-                        .await
-                        .map_err(|e| {
-                            fail(
-                                &step,
-                                format!("step {step}: failed to run command '{}': {e}", cut(cmd)),
-                            )
-                        })?;
-                    if code != 0 {
-                        return Err(fail(
-                            &step,
-                            format!(
-                                "step {step}: failed to run command '{}': it ended with exit code {code}",
-                                cut(cmd),
-                            ),
-                        ));
-                    }
-                    true
-                }
-                Action::Copy {
-                    files_hash,
-                    src,
-                    dest,
-                    owner,
-                    mode,
-                } => {
-                    let host = self.template_file(&team.id, files_hash);
-                    if !host.is_file() {
-                        return Err(fail(
-                            &step,
-                            format!("the files of step {step} ({files_hash}) were never uploaded"),
-                        ));
-                    }
-                    let archive = format!("/tmp/vmon-copy-{files_hash}");
-                    self.node
-                        .put_file(
-                            &vm.sandbox_id,
-                            &vm.execution_id,
-                            host.to_string_lossy(),
-                            &archive,
-                        )
-                        .await
-                        .map_err(|e| fail(&step, format!("copying the files in: {e}")))?;
-                    let script = steps::copy_script(&archive, src, dest, owner, mode.as_deref());
-                    let out = vm
-                        .exec(script, "root", &state, STEP_TIMEOUT)
-                        .await
-                        .map_err(|e| fail(&step, format!("placing the files: {e}")))?;
-                    log.output(s, "info", &out.stdout).await;
-                    log.output(s, "info", &out.stderr).await;
-                    if out.exit_code != 0 {
-                        return Err(fail(
-                            &step,
-                            format!(
-                                "step {step} (COPY {src} {dest}) failed: {}",
-                                cut(out.stderr.trim())
-                            ),
-                        ));
-                    }
-                    true
-                }
-                Action::State { cmd: Some(cmd) } => {
-                    let out = vm
-                        .exec(cmd.clone(), "root", &state, Duration::from_secs(120))
-                        .await
-                        .map_err(|e| fail(&step, format!("running the step: {e}")))?;
-                    if out.exit_code != 0 {
-                        log.output(s, "info", &out.stderr).await;
-                        return Err(fail(
-                            &step,
-                            format!("step {step} failed: {}", cut(out.stderr.trim())),
-                        ));
-                    }
-                    true
-                }
-                Action::State { cmd: None } => false,
+            log.info(
+                Some(step.as_str()),
+                format!("[{}/{n}] {}", i + 1, describe(&start.steps[i])),
+            )
+            .await;
+            let at = StepAt {
+                vm,
+                state: &state,
+                log,
+                step: &step,
             };
+            let changed = self.run_step(team, &at, action).await?;
             state = after.clone();
             if changed {
                 last = self
@@ -602,69 +533,8 @@ impl Control {
             }
             self.remember(team, &keys[i], &last).await;
         }
-        // The template's own process, then its readiness.
-        if let Some(cmd) = start.start_cmd.as_deref().filter(|c| !c.trim().is_empty()) {
-            log.info(Some("finalize"), format!("Starting: {}", cut(cmd)))
-                .await;
-            let detached = format!(
-                "{{ setsid -f bash -l -c {q} || bash -l -c {q} & }} >/tmp/vmon-start.log 2>&1 </dev/null",
-                q = steps::quote(cmd)
-            );
-            let out = vm
-                .exec(detached, &state.user, &state, Duration::from_secs(60))
-                .await
-                .map_err(|e| fail("finalize", format!("starting the start command: {e}")))?;
-            if out.exit_code != 0 {
-                return Err(fail(
-                    "finalize",
-                    format!(
-                        "the start command could not be started: {}",
-                        cut(out.stderr.trim())
-                    ),
-                ));
-            }
-        }
-        if let Some(ready) = start.ready_cmd.as_deref().filter(|c| !c.trim().is_empty()) {
-            log.info(Some("finalize"), format!("Waiting for: {}", cut(ready)))
-                .await;
-            let t0 = tokio::time::Instant::now();
-            loop {
-                let out = vm
-                    .exec(
-                        ready.to_string(),
-                        &state.user,
-                        &state,
-                        Duration::from_secs(60),
-                    )
-                    .await
-                    .map_err(|e| fail("finalize", format!("running the ready command: {e}")))?;
-                if out.exit_code == 0 {
-                    break;
-                }
-                if t0.elapsed() > READY_TIMEOUT {
-                    let started = vm
-                        .exec(
-                            "tail -n 50 /tmp/vmon-start.log 2>/dev/null".into(),
-                            "root",
-                            &state,
-                            Duration::from_secs(30),
-                        )
-                        .await
-                        .map(|o| o.stdout)
-                        .unwrap_or_default();
-                    log.output(Some("finalize"), "error", &started).await;
-                    return Err(fail(
-                        "finalize",
-                        format!(
-                            "the ready command did not succeed within {} s (last exit code {})",
-                            READY_TIMEOUT.as_secs(),
-                            out.exit_code
-                        ),
-                    ));
-                }
-                tokio::time::sleep(Duration::from_millis(500)).await;
-            }
-        }
+        start_command(vm, start, &state, log).await?;
+        wait_ready(vm, start, &state, log).await?;
         let _ = vm
             .exec("sync".into(), "root", &state, Duration::from_secs(60))
             .await;
@@ -677,6 +547,65 @@ impl Control {
             .map_err(|e| fail("finalize", format!("saving the template: {e}")))?;
         self.remember(team, final_key, &done).await;
         Ok(done)
+    }
+
+    /// One step in the build VM; whether it changed the guest (a state-only step does not).
+    async fn run_step(&self, team: &Team, at: &StepAt<'_>, action: &Action) -> Result<bool, Failed> {
+        match action {
+            Action::Run { cmd, user } => run_command(at, cmd, user).await.map(|()| true),
+            Action::Copy { .. } => self.copy_files(team, at, action).await.map(|()| true),
+            Action::State { cmd: Some(cmd) } => change_state(at, cmd).await.map(|()| true),
+            Action::State { cmd: None } => Ok(false),
+        }
+    }
+
+    /// COPY: the uploaded archive into the guest, then unpacked where the step says.
+    async fn copy_files(&self, team: &Team, at: &StepAt<'_>, copy: &Action) -> Result<(), Failed> {
+        let Action::Copy {
+            files_hash,
+            src,
+            dest,
+            owner,
+            mode,
+        } = copy
+        else {
+            return Ok(());
+        };
+        let (vm, step, s) = (at.vm, at.step, Some(at.step));
+        let host = self.template_file(&team.id, files_hash);
+        if !host.is_file() {
+            return Err(fail(
+                step,
+                format!("the files of step {step} ({files_hash}) were never uploaded"),
+            ));
+        }
+        let archive = format!("/tmp/vmon-copy-{files_hash}");
+        self.node
+            .put_file(
+                &vm.sandbox_id,
+                &vm.execution_id,
+                host.to_string_lossy(),
+                &archive,
+            )
+            .await
+            .map_err(|e| fail(step, format!("copying the files in: {e}")))?;
+        let script = steps::copy_script(&archive, src, dest, owner, mode.as_deref());
+        let out = vm
+            .exec(script, "root", at.state, STEP_TIMEOUT)
+            .await
+            .map_err(|e| fail(step, format!("placing the files: {e}")))?;
+        at.log.output(s, "info", &out.stdout).await;
+        at.log.output(s, "info", &out.stderr).await;
+        if out.exit_code != 0 {
+            return Err(fail(
+                step,
+                format!(
+                    "step {step} (COPY {src} {dest}) failed: {}",
+                    cut(out.stderr.trim())
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// The layer cache's collector (the leader's hourly job): a layer unused for
@@ -731,5 +660,135 @@ fn describe(s: &steps::Step) -> String {
             s.args.get(1).map_or("", |a| a.as_str())
         ),
         other => format!("{other} {}", cut(&s.args.join(" "))),
+    }
+}
+
+/// Where one step runs: the build VM, the state before it, the log, the step's number.
+struct StepAt<'a> {
+    vm: &'a BuildVm,
+    state: &'a StepState,
+    log: &'a Log,
+    step: &'a str,
+}
+
+/// RUN: the command, its output streamed into the log; a non-zero exit fails the build.
+async fn run_command(at: &StepAt<'_>, cmd: &str, user: &str) -> Result<(), Failed> {
+    let step = at.step;
+    let code = at
+        .vm
+        .run_streamed(cmd, user, at.state, at.log, step)
+        .await
+        .map_err(|e| {
+            fail(
+                step,
+                format!("step {step}: failed to run command '{}': {e}", cut(cmd)),
+            )
+        })?;
+    if code != 0 {
+        return Err(fail(
+            step,
+            format!(
+                "step {step}: failed to run command '{}': it ended with exit code {code}",
+                cut(cmd),
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// USER or WORKDIR: the command that makes the user or the directory.
+async fn change_state(at: &StepAt<'_>, cmd: &str) -> Result<(), Failed> {
+    let step = at.step;
+    let out = at
+        .vm
+        .exec(cmd.to_string(), "root", at.state, Duration::from_secs(120))
+        .await
+        .map_err(|e| fail(step, format!("running the step: {e}")))?;
+    if out.exit_code != 0 {
+        at.log.output(Some(step), "info", &out.stderr).await;
+        return Err(fail(
+            step,
+            format!("step {step} failed: {}", cut(out.stderr.trim())),
+        ));
+    }
+    Ok(())
+}
+
+/// The template's own process, started detached as the last user.
+async fn start_command(
+    vm: &BuildVm,
+    start: &BuildStart,
+    state: &StepState,
+    log: &Log,
+) -> Result<(), Failed> {
+    let Some(cmd) = start.start_cmd.as_deref().filter(|c| !c.trim().is_empty()) else {
+        return Ok(());
+    };
+    log.info(Some("finalize"), format!("Starting: {}", cut(cmd)))
+        .await;
+    let detached = format!(
+        "{{ setsid -f bash -l -c {q} || bash -l -c {q} & }} >/tmp/vmon-start.log 2>&1 </dev/null",
+        q = steps::quote(cmd)
+    );
+    let out = vm
+        .exec(detached, &state.user, state, Duration::from_secs(60))
+        .await
+        .map_err(|e| fail("finalize", format!("starting the start command: {e}")))?;
+    if out.exit_code != 0 {
+        return Err(fail(
+            "finalize",
+            format!(
+                "the start command could not be started: {}",
+                cut(out.stderr.trim())
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The ready command, every 500 ms until it succeeds or [`READY_TIMEOUT`] passed (then the
+/// start command's log's tail goes into the build log).
+async fn wait_ready(
+    vm: &BuildVm,
+    start: &BuildStart,
+    state: &StepState,
+    log: &Log,
+) -> Result<(), Failed> {
+    let Some(ready) = start.ready_cmd.as_deref().filter(|c| !c.trim().is_empty()) else {
+        return Ok(());
+    };
+    log.info(Some("finalize"), format!("Waiting for: {}", cut(ready)))
+        .await;
+    let t0 = tokio::time::Instant::now();
+    loop {
+        let out = vm
+            .exec(ready.to_string(), &state.user, state, Duration::from_secs(60))
+            .await
+            .map_err(|e| fail("finalize", format!("running the ready command: {e}")))?;
+        if out.exit_code == 0 {
+            return Ok(());
+        }
+        if t0.elapsed() > READY_TIMEOUT {
+            let started = vm
+                .exec(
+                    "tail -n 50 /tmp/vmon-start.log 2>/dev/null".into(),
+                    "root",
+                    state,
+                    Duration::from_secs(30),
+                )
+                .await
+                .map(|o| o.stdout)
+                .unwrap_or_default();
+            log.output(Some("finalize"), "error", &started).await;
+            return Err(fail(
+                "finalize",
+                format!(
+                    "the ready command did not succeed within {} s (last exit code {})",
+                    READY_TIMEOUT.as_secs(),
+                    out.exit_code
+                ),
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
     }
 }
