@@ -698,9 +698,10 @@ async fn list_v2(
     }
     let more = recs.len() > limit;
     recs.truncate(limit);
-    let page: Vec<_> = recs.iter()
-            .map(|r| views::listed(s.control.config(), r))
-            .collect();
+    let page: Vec<_> = recs
+        .iter()
+        .map(|r| views::listed(s.control.config(), r))
+        .collect();
     let mut resp = Json(page).into_response();
     set_header(&mut resp, "x-total-running", &total_running.to_string());
     if more {

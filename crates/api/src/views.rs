@@ -103,7 +103,10 @@ pub fn health(h: &Health) -> wire::SandboxHealth {
 
 /// One fork child: its sandbox, or its error as `{code, message}` with the status it would
 /// have had alone.
-pub fn fork_result(config: &Config, child: Result<SandboxRecord, ControlError>) -> wire::ForkResult {
+pub fn fork_result(
+    config: &Config,
+    child: Result<SandboxRecord, ControlError>,
+) -> wire::ForkResult {
     match child {
         Ok(rec) => wire::ForkResult {
             sandbox: Some(sandbox(config, &rec)),

@@ -66,7 +66,9 @@ impl Control {
         {
             // Still building in the background (or never built here): wait for it.
             self.ensure_builtin(&r.name).await.map_err(|e| {
-                ControlError::unavailable(format!("template '{reference}' could not be built: {e:#}"))
+                ControlError::unavailable(format!(
+                    "template '{reference}' could not be built: {e:#}"
+                ))
             })?;
             template = self.find_template(team, &r).await?;
         }
@@ -271,7 +273,9 @@ impl Control {
             .into_iter()
             .map(|child| {
                 child.unwrap_or_else(|e| {
-                    Err(ControlError::internal(format!("fork child task failed: {e}")))
+                    Err(ControlError::internal(format!(
+                        "fork child task failed: {e}"
+                    )))
                 })
             })
             .collect();

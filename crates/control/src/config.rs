@@ -366,23 +366,44 @@ impl Config {
         set(&mut self.proxy_listen, o.proxy_listen);
         set(&mut self.api_url, o.api_url.map(Some));
         set(&mut self.sandbox_url, o.sandbox_url.map(Some));
-        set(&mut self.domain, o.domain.map(|v| (!v.is_empty()).then_some(v)));
-        set(&mut self.prebuild_code_interpreter, o.prebuild_code_interpreter);
+        set(
+            &mut self.domain,
+            o.domain.map(|v| (!v.is_empty()).then_some(v)),
+        );
+        set(
+            &mut self.prebuild_code_interpreter,
+            o.prebuild_code_interpreter,
+        );
         set(&mut self.migration_downtime_ms, o.migration_downtime_ms);
-        set(&mut self.fault_dir, o.fault_dir.and_then(env::path).map(Some));
+        set(
+            &mut self.fault_dir,
+            o.fault_dir.and_then(env::path).map(Some),
+        );
         set(&mut self.client_id, o.client_id);
         set(&mut self.node_grace_secs, o.node_grace_secs);
         set(&mut self.lock_wait_secs, o.lock_wait_secs);
         set(&mut self.default_limits.max_concurrent, o.max_concurrent);
-        set(&mut self.default_limits.max_lifetime_secs, o.max_lifetime_secs);
-        set(&mut self.store_url, o.store_url.map(|v| (!v.is_empty()).then_some(v)));
-        set(&mut self.webhook_key_file, o.webhook_key_file.map(env::path));
+        set(
+            &mut self.default_limits.max_lifetime_secs,
+            o.max_lifetime_secs,
+        );
+        set(
+            &mut self.store_url,
+            o.store_url.map(|v| (!v.is_empty()).then_some(v)),
+        );
+        set(
+            &mut self.webhook_key_file,
+            o.webhook_key_file.map(env::path),
+        );
         set(&mut self.webhook_allow, o.webhook_allow);
         set(&mut self.private_allow, o.private_allow);
         set(&mut self.insecure_registries, o.insecure_registries);
         set(&mut self.registry_allow, o.registry_allow);
         let token = o.metrics_token.map(|v| v.trim().to_string());
-        set(&mut self.metrics_token, token.map(|v| (!v.is_empty()).then_some(v)));
+        set(
+            &mut self.metrics_token,
+            token.map(|v| (!v.is_empty()).then_some(v)),
+        );
         set(&mut self.webhook_ca_file, o.webhook_ca_file.map(env::path));
         let q = &mut self.quotas;
         set(&mut q.max_paused, o.max_paused);
@@ -393,7 +414,10 @@ impl Config {
         set(&mut q.max_secrets, o.max_secrets);
         set(&mut q.max_template_files, o.max_template_files);
         set(&mut q.max_template_file_bytes, o.max_template_file_bytes);
-        set(&mut self.template_files_grace_secs, o.template_files_grace_secs);
+        set(
+            &mut self.template_files_grace_secs,
+            o.template_files_grace_secs,
+        );
         set(&mut self.volumes_dir, o.volumes_dir.map(env::path));
         set(&mut self.volume_key_file, o.volume_key_file.map(env::path));
         set(&mut self.volume_token_ttl_secs, o.volume_token_ttl_secs);
@@ -414,7 +438,10 @@ impl Config {
         set(&mut limits.max_per_client, o.proxy_max_per_client);
         set(&mut limits.header_timeout_secs, o.proxy_header_timeout_secs);
         set(&mut limits.idle_body_secs, o.proxy_idle_body_secs);
-        set(&mut limits.signed_misses_per_minute, o.proxy_signed_misses_per_minute);
+        set(
+            &mut limits.signed_misses_per_minute,
+            o.proxy_signed_misses_per_minute,
+        );
         set(&mut self.base_template.vcpus, o.base_vcpus);
         set(&mut self.base_template.memory_mb, o.base_memory_mb);
         set(&mut self.base_template.disk_mb, o.base_disk_mb);
@@ -526,7 +553,10 @@ mod tests {
         let e = c
             .apply_env(|k| (k == "VMON_MAX_PAUSED").then(|| " 12x".to_string()))
             .expect_err("not a number");
-        assert!(e.to_string().starts_with("VMON_MAX_PAUSED=\" 12x\": "), "{e}");
+        assert!(
+            e.to_string().starts_with("VMON_MAX_PAUSED=\" 12x\": "),
+            "{e}"
+        );
         c.apply_env(|k| (k == "VMON_MAX_PAUSED").then(|| " 12 ".to_string()))
             .expect("trimmed");
         assert_eq!(c.quotas.max_paused, 12);
@@ -609,8 +639,14 @@ mod tests {
         let cmd = env::Overrides::command();
         cmd.clone().debug_assert();
         let names: Vec<_> = cmd.get_arguments().filter_map(|a| a.get_env()).collect();
-        assert_eq!(names.len(), cmd.get_arguments().count(), "every argument is a variable");
-        assert!(names.iter().all(|n| n.to_string_lossy().starts_with("VMON_")));
+        assert_eq!(
+            names.len(),
+            cmd.get_arguments().count(),
+            "every argument is a variable"
+        );
+        assert!(names
+            .iter()
+            .all(|n| n.to_string_lossy().starts_with("VMON_")));
     }
 
     #[test]
@@ -623,8 +659,12 @@ mod tests {
             ("VMON_PREBUILD_CODE_INTERPRETER", "no"),
             ("VMON_FAULT_DIR", ""),
         ];
-        c.apply_env(|k| vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string()))
-            .expect("env");
+        c.apply_env(|k| {
+            vars.iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| v.to_string())
+        })
+        .expect("env");
         assert_eq!(c.store_url, None);
         assert_eq!(c.domain.as_deref(), Some("example.com"));
         assert_eq!(c.insecure_registries, ["reg.local:5000", "10.0.0.1"]);

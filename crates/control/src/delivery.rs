@@ -26,8 +26,8 @@ use tokio_util::sync::CancellationToken;
 
 use super::targets::{VettedResolver, WebhookTargets};
 use super::{rfc3339, Control};
-use crate::records::{DeliveryAttempt, Event, OutboxItem};
 use crate::platform::{platform, WebhookOutcome};
+use crate::records::{DeliveryAttempt, Event, OutboxItem};
 
 /// How each event is delivered to each webhook.
 #[derive(Debug, Clone)]

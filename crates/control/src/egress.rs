@@ -5,10 +5,10 @@
 
 use vmon_proto::egress::{parse_rules, secret_names, EgressSpec, SecretValues};
 
+use super::model::NetworkConfig;
 use super::{record_error, Control};
 use super::{ControlError, ControlResult};
 use crate::records::SandboxState;
-use super::model::NetworkConfig;
 
 /// The rules of `network`, checked: each rule host must also be in `allowOut` (the egress
 /// proxy reaches only what the sandbox itself may reach).

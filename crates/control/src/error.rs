@@ -80,6 +80,9 @@ impl ControlError {
 
     /// The thing is in another state or held by another operation.
     pub fn is_conflict(&self) -> bool {
-        matches!(self, Self::Conflict(_) | Self::Node(NodeError::BuildInUse(_)))
+        matches!(
+            self,
+            Self::Conflict(_) | Self::Node(NodeError::BuildInUse(_))
+        )
     }
 }

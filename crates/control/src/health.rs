@@ -49,8 +49,8 @@ impl Control {
     pub async fn health(&self, team: &Team, id: &str) -> ControlResult<Health> {
         let record = self.owned(team, id).await?;
         let (location, in_object_store) = self.state_location(&record).await;
-        let idle_seconds = (record.state == SandboxState::Running && record.idle.is_some())
-            .then(|| {
+        let idle_seconds =
+            (record.state == SandboxState::Running && record.idle.is_some()).then(|| {
                 self.idle_for(&record, OffsetDateTime::now_utc(), None)
                     .as_secs()
             });

@@ -13,12 +13,12 @@ use std::time::Duration;
 
 use time::OffsetDateTime;
 
+use super::model::{IdleSettings, StringMap};
 use super::why::PauseWhy;
 use super::{Control, KillReason, MAX_TIMEOUT_SECS};
-use crate::config::IdleConfig;
 use super::{ControlError, ControlResult};
+use crate::config::IdleConfig;
 use crate::records::{IdlePolicy, SandboxRecord, SandboxState, Team};
-use super::model::{IdleSettings, StringMap};
 
 pub use crate::config::MIN_IDLE_SECS;
 /// The window of a policy that names none.

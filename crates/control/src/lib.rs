@@ -19,6 +19,7 @@ pub mod config;
 pub mod ids;
 pub mod platform;
 pub mod records;
+pub mod telemetry;
 pub mod templates;
 
 mod builtin;
@@ -297,7 +298,9 @@ impl Control {
             .records
             .commit(change, event, fence)
             .await
-            .map_err(|e| ControlError::internal(format!("writing the sandbox record failed: {e:#}")))?;
+            .map_err(|e| {
+                ControlError::internal(format!("writing the sandbox record failed: {e:#}"))
+            })?;
         if committed == Committed::Stale {
             return Err(ControlError::conflict(format!(
                 "sandbox {sandbox_id} was changed by another operation; try again"
@@ -527,10 +530,7 @@ pub const MAX_ENV_TOTAL: usize = 1024 * 1024;
 
 /// 400 when `metadata` or `envVars` is larger than the bounds above (or an env name is not a
 /// name a shell can hold).
-pub fn check_maps(
-    metadata: &model::StringMap,
-    env: &model::StringMap,
-) -> ControlResult<()> {
+pub fn check_maps(metadata: &model::StringMap, env: &model::StringMap) -> ControlResult<()> {
     if metadata.len() > MAX_METADATA_ENTRIES {
         return Err(ControlError::bad_request(format!(
             "metadata may hold at most {MAX_METADATA_ENTRIES} entries"

@@ -7,6 +7,7 @@ use time::OffsetDateTime;
 use vmon_kv::IdempotencyOutcome;
 use vmon_proto::node::{BuildInfo, StartSpec};
 
+use super::model::{self, NewSandbox};
 use super::{
     admission_key, concurrency_error, event, kv_error, network_policy, record_error, timeout_secs,
     Control,
@@ -14,7 +15,6 @@ use super::{
 use super::{ControlError, ControlResult};
 use crate::ids;
 use crate::records::{Change, EventKind, SandboxRecord, SandboxState, Team};
-use super::model::{self, NewSandbox};
 
 const IDEMPOTENCY_TTL: Duration = Duration::from_secs(24 * 3600);
 

@@ -209,9 +209,7 @@ impl Control {
                     match me.migrate(&id, None).await {
                         Ok(_) => return (id, Ok(true)),
                         // It ended or paused meanwhile: nothing to move.
-                        Err(e) if e.is_not_found() || e.is_conflict() => {
-                            return (id, Ok(false))
-                        }
+                        Err(e) if e.is_not_found() || e.is_conflict() => return (id, Ok(false)),
                         Err(e) => last = Some(e.to_string()),
                     }
                 }
@@ -244,9 +242,7 @@ impl Control {
                     paused.push((id, build));
                 }
                 Ok(None) => {}
-                Err(e) => status
-                    .errors
-                    .push(format!("{id}: pause failed: {e}")),
+                Err(e) => status.errors.push(format!("{id}: pause failed: {e}")),
             }
         }
         // Paused sandboxes: their build in the object store, held by another node.

@@ -3,10 +3,10 @@
 
 use std::net::IpAddr;
 
+use super::model::NetworkUpdate;
 use super::{event, network_policy, Control};
 use super::{ControlError, ControlResult};
 use crate::records::{Change, EventKind, SandboxState, Team};
-use super::model::NetworkUpdate;
 
 /// More rules than this is a mistake, not a policy.
 const MAX_RULES: usize = 1000;
@@ -59,14 +59,18 @@ pub(crate) fn validate(update: &NetworkUpdate) -> ControlResult<()> {
 /// `allowOut` entries inside a private or shared range stand only inside the operator's
 /// `private_allow` (400 naming the entry); host names are judged by the IPv4 addresses the
 /// host's resolver gives now (the node resolves and checks again whenever it writes rules).
-pub(crate) async fn check_private(allow_out: &[String], private_allow: &[String]) -> ControlResult<()> {
+pub(crate) async fn check_private(
+    allow_out: &[String],
+    private_allow: &[String],
+) -> ControlResult<()> {
     use vmon_proto::ranges::{check_private, parse_cidr};
     for e in allow_out.iter().map(|e| e.trim()) {
         if parse_cidr(e).is_some() {
             check_private(e, e, private_allow).map_err(ControlError::bad_request)?;
         } else if vmon_proto::node::is_host_name(e) {
             for a in resolve_v4(e).await {
-                check_private(&a.to_string(), e, private_allow).map_err(ControlError::bad_request)?;
+                check_private(&a.to_string(), e, private_allow)
+                    .map_err(ControlError::bad_request)?;
             }
         }
     }

@@ -166,8 +166,7 @@ impl Control {
                 return;
             }
             let t0 = std::time::Instant::now();
-            let report =
-                |op, ok| crate::platform::platform().transition(op, ok, t0.elapsed());
+            let report = |op, ok| crate::platform::platform().transition(op, ok, t0.elapsed());
             if rec.auto_pause {
                 let fence = guard.fence().token();
                 let paused = self

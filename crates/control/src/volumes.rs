@@ -17,9 +17,9 @@ use time::OffsetDateTime;
 use vmon_proto::node::VolumeShare;
 use vmon_store::Volume;
 
+use super::model::VolumeMount;
 use super::{record_error, Control};
 use super::{ControlError, ControlResult};
-use super::model::VolumeMount;
 
 /// The most characters of a volume name.
 pub const MAX_NAME: usize = 128;

@@ -130,6 +130,7 @@ impl Overrides {
     }
 
     /// The variables `var` gives, through the same parsers (each becomes its argument).
+    #[cfg(test)]
     pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> anyhow::Result<Overrides> {
         let cmd = Self::command();
         let args: Vec<String> = cmd

@@ -39,7 +39,10 @@ impl StoreRecords {
     /// Opens the store the config names (`store_url`, PostgreSQL for clusters), else SQLite in
     /// the data dir. The webhook secret key comes from `webhook_key_file` or
     /// `<data dir>/webhook-key`, created (0600) on first start.
-    pub async fn open(config: &crate::config::Config, data_dir: &Path) -> anyhow::Result<StoreRecords> {
+    pub async fn open(
+        config: &crate::config::Config,
+        data_dir: &Path,
+    ) -> anyhow::Result<StoreRecords> {
         let key_file = config
             .webhook_key_file
             .clone()

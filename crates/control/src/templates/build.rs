@@ -17,9 +17,9 @@ use vmon_proto::node::{BuildInfo, ExecSpec, NetworkPolicy, StartSpec, TemplateSp
 
 use super::image;
 use super::steps::{self, Action, BuildStart, StepState, BASE_IMAGE};
-use crate::{record_error, Control};
 use crate::ids;
 use crate::records::{BuildFailure, BuildLogEntry, BuildState, Team, TemplateBuild};
+use crate::{record_error, Control};
 
 /// How long a RUN step may take.
 const STEP_TIMEOUT: Duration = Duration::from_secs(3600);
@@ -550,7 +550,12 @@ impl Control {
     }
 
     /// One step in the build VM; whether it changed the guest (a state-only step does not).
-    async fn run_step(&self, team: &Team, at: &StepAt<'_>, action: &Action) -> Result<bool, Failed> {
+    async fn run_step(
+        &self,
+        team: &Team,
+        at: &StepAt<'_>,
+        action: &Action,
+    ) -> Result<bool, Failed> {
         match action {
             Action::Run { cmd, user } => run_command(at, cmd, user).await.map(|()| true),
             Action::Copy { .. } => self.copy_files(team, at, action).await.map(|()| true),
@@ -762,7 +767,12 @@ async fn wait_ready(
     let t0 = tokio::time::Instant::now();
     loop {
         let out = vm
-            .exec(ready.to_string(), &state.user, state, Duration::from_secs(60))
+            .exec(
+                ready.to_string(),
+                &state.user,
+                state,
+                Duration::from_secs(60),
+            )
             .await
             .map_err(|e| fail("finalize", format!("running the ready command: {e}")))?;
         if out.exit_code == 0 {

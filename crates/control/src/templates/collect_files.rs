@@ -16,8 +16,8 @@ use std::time::{Duration, SystemTime};
 
 use tokio_util::sync::CancellationToken;
 
-use crate::Control;
 use crate::records::BuildState;
+use crate::Control;
 
 /// The archives (team, hash) the records of unfinished builds name.
 fn named_by(builds: &[crate::records::TemplateBuild]) -> HashSet<(String, String)> {

@@ -677,7 +677,6 @@ impl Channels for Node {
     }
 }
 
-
 #[cfg(test)]
 mod tests {
     #[test]

@@ -417,7 +417,8 @@ impl Node {
         p.vm.qmp.cont().await?;
         let t_cont = t0.elapsed();
         let addr = SocketAddr::new(IpAddr::V4(p.slot.addr()), ENVD_PORT);
-        let init = envd_client::init(addr, &restore_init(spec, rec), self.cfg.restore_timeout).await;
+        let init =
+            envd_client::init(addr, &restore_init(spec, rec), self.cfg.restore_timeout).await;
         tracing::debug!(
             sandbox = %spec.sandbox_id,
             load_ms = t_load.as_secs_f64() * 1e3,

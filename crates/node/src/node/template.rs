@@ -376,7 +376,11 @@ impl Node {
 
 /// The template's start command (detached, as `user`), then its ready command every 500 ms
 /// until it succeeds (at most 10 minutes), then a `sync` so restores start quiet.
-async fn run_start_and_ready(addr: SocketAddr, token: &str, spec: &TemplateSpec) -> anyhow::Result<()> {
+async fn run_start_and_ready(
+    addr: SocketAddr,
+    token: &str,
+    spec: &TemplateSpec,
+) -> anyhow::Result<()> {
     if let Some(cmd) = &spec.start_cmd {
         let quoted = cmd.replace('\'', "'\\''");
         let out = envd_client::run(

@@ -144,7 +144,10 @@ pub(super) async fn complete_mirror(vm: &vmon_vm::Vm) -> anyhow::Result<()> {
 }
 
 /// Releases the switchover and waits for the last round; returns the copy's figures.
-pub(super) async fn finish_memory_copy(vm: &vmon_vm::Vm, deadline: Instant) -> anyhow::Result<Progress> {
+pub(super) async fn finish_memory_copy(
+    vm: &vmon_vm::Vm,
+    deadline: Instant,
+) -> anyhow::Result<Progress> {
     let q = &vm.qmp;
     q.execute_raw(
         "migrate-continue",
@@ -153,7 +156,10 @@ pub(super) async fn finish_memory_copy(vm: &vmon_vm::Vm, deadline: Instant) -> a
     )
     .await?;
     loop {
-        let pr = progress(&q.execute_raw("query-migrate", Value::Null, QMP_STEP).await?);
+        let pr = progress(
+            &q.execute_raw("query-migrate", Value::Null, QMP_STEP)
+                .await?,
+        );
         match pr.status.as_str() {
             "completed" => return Ok(pr),
             "failed" | "cancelled" => bail!(
