@@ -225,11 +225,11 @@ pub(crate) async fn start_build(
     if let Some(t) = &start.from_template {
         c.resolve_template(&team, t)
             .await
-            .map_err(|e| ApiError::bad_request(format!("fromTemplate {t:?}: {}", e.message)))?;
+            .map_err(|e| ApiError::bad_request(format!("fromTemplate {t:?}: {e}")))?;
     }
     build.start = Some(redact(raw));
     // Building from the trigger on, as E2B reports it, unless it has to wait for a slot.
-    if c.template_builds.available_permits() > 0 {
+    if c.template_build_slot_free() {
         build.state = BuildState::Building;
     }
     c.records()
