@@ -132,7 +132,7 @@ def guest_life_ms(data: Path, sid: str, nth: int) -> float | None:
                     rec = json.loads(raw[i:])
                 except ValueError:
                     continue
-                fields = rec.get("fields", {})
+                fields = rec.get("fields", rec)  # envd's JSON lines are flattened
                 if "echo hi" not in str(fields.get("cmd", "")):
                     continue
                 t = log_time(str(rec.get("timestamp", "")))
