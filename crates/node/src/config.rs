@@ -26,6 +26,11 @@ pub struct NodeConfig {
     /// Pools grow above their base size only while the host has this much memory available
     /// (`VMON_POOL_MIN_AVAILABLE_MB`).
     pub pool_min_available_mb: u64,
+    /// How long a refill runs at background CPU weight after it starts, even when it brings
+    /// its key back to its base, so the sandbox whose claim started it has the CPU for its
+    /// first commands (`VMON_POOL_YIELD_MS`, default 1000; 0: such a refill runs at the normal
+    /// weight from its start).
+    pub pool_yield: Duration,
     /// Network slots kept ready ahead of time.
     pub spare_slots: usize,
     /// How long a cold boot may take to reach envd.
@@ -104,6 +109,7 @@ impl NodeConfig {
             blank_pool_size: env_or("VMON_BLANK_POOL", 4),
             pool_max: env_or("VMON_POOL_MAX", 8),
             pool_min_available_mb: env_or("VMON_POOL_MIN_AVAILABLE_MB", 2048),
+            pool_yield: Duration::from_millis(env_or("VMON_POOL_YIELD_MS", 1000)),
             spare_slots: 2,
             boot_timeout: Duration::from_secs(240),
             boot_stall_after: Duration::from_secs(env_or("VMON_BOOT_STALL_SECS", 60)),

@@ -75,6 +75,9 @@ pub struct LaunchSpec {
     /// namespace of the QEMU's own, so that of the node's artifacts it sees only those linked
     /// into `view` (the caller links them, before launch or before naming them to QEMU).
     pub view: Option<(PathBuf, PathBuf)>,
+    /// The CPU weight its cgroup starts with ([`cgroup::set_weight`]), from its first
+    /// instruction on (QEMU's own start is CPU work too).
+    pub weight: cgroup::Weight,
 }
 
 fn c_path(p: &Path) -> anyhow::Result<std::ffi::CString> {
@@ -365,6 +368,11 @@ impl Vm {
         let limits = cgroup::Limits::for_guest(spec.machine.vcpus, spec.machine.memory_mb);
         let groups = cgroup::create(&spec.tag, &limits)
             .with_context(|| format!("cgroups for QEMU {}", spec.tag))?;
+        if spec.weight != cgroup::Weight::Normal {
+            if let Err(e) = cgroup::set_weight(&spec.tag, spec.weight) {
+                tracing::debug!(tag = %spec.tag, "setting a QEMU's CPU weight: {e:#}");
+            }
+        }
         let view = match &spec.view {
             Some((view, over)) => Some((c_path(view)?, c_path(over)?)),
             None => None,

@@ -229,6 +229,7 @@ impl Node {
             user: self.qemu_user(slot),
             ram_fd: None,
             view,
+            weight: vmon_vm::cgroup::Weight::Normal,
         };
         let addr = SocketAddr::new(IpAddr::V4(slot.addr()), ENVD_PORT);
         let (vm, launched) = self

@@ -378,7 +378,8 @@ impl Node {
                 cfg.blank_pool_size,
                 cfg.pool_max,
                 cfg.pool_min_available_mb,
-            ),
+            )
+            .with_yield(cfg.pool_yield),
             cfg,
             accel,
             qemu_version,

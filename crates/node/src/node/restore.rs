@@ -115,13 +115,9 @@ impl Node {
                 user: self.qemu_user(&slot),
                 ram_fd,
                 view,
+                weight,
             })
             .await?;
-            if weight != Weight::Normal {
-                if let Err(e) = cgroup::set_weight(&tag, weight) {
-                    tracing::debug!(tag = %tag, "lowering a pool process's CPU weight: {e:#}");
-                }
-            }
             if let Some(key) = pool_key {
                 self.pool.making(key, &tag, weight);
             }
