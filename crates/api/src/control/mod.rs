@@ -14,6 +14,7 @@ mod cluster;
 mod collect;
 mod delivery;
 mod egress;
+mod gpus;
 mod health;
 mod idle;
 mod lifecycle;
