@@ -28,7 +28,9 @@ fn create_body(gpus: &str) -> String {
 async fn a_bad_count_is_a_400_and_starts_nothing() {
     let h = common::harness(limits(5)).await;
     for bad in ["x", "-1", "1.5", "17", ""] {
-        let r = h.req("POST", "/v2/sandboxes", Some(&create_body(bad))).await;
+        let r = h
+            .req("POST", "/v2/sandboxes", Some(&create_body(bad)))
+            .await;
         assert_eq!(r.status, StatusCode::BAD_REQUEST, "{bad}: {:?}", r.json);
         assert_eq!(r.json["code"], 400, "{:?}", r.json);
         let m = r.json["message"].as_str().unwrap();
@@ -98,9 +100,7 @@ async fn a_gpu_sandbox_cold_boots_and_pauses_its_filesystem_only() {
     );
 
     // A plain sandbox beside it still restores memory and asks for no GPU.
-    let plain = h
-        .create(r#"{"templateID":"base","timeout":600}"#)
-        .await;
+    let plain = h.create(r#"{"templateID":"base","timeout":600}"#).await;
     let last = h.node.starts.lock().unwrap().last().cloned().unwrap();
     assert_eq!((last.sandbox_id.as_str(), last.gpus), (plain.as_str(), 0));
     assert!(!last.cold_boot);
@@ -111,17 +111,24 @@ async fn a_node_refusal_is_400_or_503_and_gives_the_admission_back() {
     let h = common::harness(limits(1)).await;
     *h.node.gpus.lock().unwrap() = (2, 1);
     // More than the node has: no wait helps.
-    let r = h.req("POST", "/v2/sandboxes", Some(&create_body("4"))).await;
+    let r = h
+        .req("POST", "/v2/sandboxes", Some(&create_body("4")))
+        .await;
     assert_eq!(r.status, StatusCode::BAD_REQUEST, "{:?}", r.json);
     assert!(r.json["message"]
         .as_str()
         .unwrap()
         .contains("this node has 2"));
     // More than it has free: busy, try later.
-    let r = h.req("POST", "/v2/sandboxes", Some(&create_body("2"))).await;
+    let r = h
+        .req("POST", "/v2/sandboxes", Some(&create_body("2")))
+        .await;
     assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{:?}", r.json);
     assert_eq!(r.json["code"], 503);
-    assert!(r.json["message"].as_str().unwrap().contains("1 of this node's 2"));
+    assert!(r.json["message"]
+        .as_str()
+        .unwrap()
+        .contains("1 of this node's 2"));
     // Neither kept the team's one admission unit.
     h.create(&create_body("1")).await;
 }

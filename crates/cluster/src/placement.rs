@@ -161,14 +161,24 @@ mod tests {
 
     #[test]
     fn gpus_are_counted() {
-        let ms = [node("plain", 0, 4000), with_gpus("g2", 2, 1), with_gpus("g4", 4, 4)];
+        let ms = [
+            node("plain", 0, 4000),
+            with_gpus("g2", 2, 1),
+            with_gpus("g4", 4, 4),
+        ];
         let need = |gpus| Need {
             gpus,
             ..Need::default()
         };
         let ids = |r: Vec<NodeInfo>| r.into_iter().map(|n| n.id).collect::<Vec<_>>();
         // No GPU asked: every node, the least loaded first.
-        assert_eq!(rank(&ms, &HashSet::new(), &need(0)).map(ids).expect("fits").len(), 3);
+        assert_eq!(
+            rank(&ms, &HashSet::new(), &need(0))
+                .map(ids)
+                .expect("fits")
+                .len(),
+            3
+        );
         assert_eq!(
             rank(&ms, &HashSet::new(), &need(1)).map(ids),
             Ok(vec!["g2".to_string(), "g4".to_string()])
@@ -187,7 +197,9 @@ mod tests {
             rank(&ms, &HashSet::new(), &pending).map(ids),
             Ok(vec!["g2".to_string()])
         );
-        let only = rank(&ms, &HashSet::new(), &need(4)).map(ids).expect("g4 has 4");
+        let only = rank(&ms, &HashSet::new(), &need(4))
+            .map(ids)
+            .expect("g4 has 4");
         assert_eq!(only, ["g4"]);
         let busy = [with_gpus("g4", 4, 1)];
         let e = rank(&busy, &HashSet::new(), &need(2)).expect_err("busy");

@@ -221,7 +221,12 @@ mod tests {
         assert_eq!(b.iter().map(|g| g.id).collect::<Vec<_>>(), [4, 5]);
         assert_eq!(
             devices(&b),
-            ["0000:02:00.0", "0000:02:00.1", "0000:03:00.0", "0000:03:00.1"],
+            [
+                "0000:02:00.0",
+                "0000:02:00.1",
+                "0000:03:00.0",
+                "0000:03:00.1"
+            ],
             "whole groups, audio function included"
         );
         assert_eq!(g.inventory().free, 0);

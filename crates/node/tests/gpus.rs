@@ -84,7 +84,10 @@ fn a_gpu_start_qemu_refuses_gives_the_gpus_back() {
             assert_eq!((m.uid(), m.gid()), (0, 0), "/dev/vfio/{g} is root's again");
         }
         let running = node.list_running().await.expect("list");
-        assert!(running.iter().all(|r| !r.sandbox_id.starts_with("gpu")), "{running:?}");
+        assert!(
+            running.iter().all(|r| !r.sandbox_id.starts_with("gpu")),
+            "{running:?}"
+        );
     });
 }
 

@@ -19,7 +19,7 @@ pub const TEMPLATE_ENV: &str = "VMON_GPUS";
 pub const MAX_GPUS: u32 = 16;
 
 /// The GPUs a node has and has free, as it advertises them.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct GpuInventory {
     /// GPUs bound to `vfio-pci` whose IOMMU groups can be passed through.
     pub total: u32,
@@ -86,7 +86,16 @@ mod tests {
 
     #[test]
     fn bad_counts_name_their_source() {
-        for bad in ["", "-1", "1.5", "two", "17", "+1", "99999999999999999999", "1 2"] {
+        for bad in [
+            "",
+            "-1",
+            "1.5",
+            "two",
+            "17",
+            "+1",
+            "99999999999999999999",
+            "1 2",
+        ] {
             let e = requested(&md(bad), None).expect_err(bad);
             assert!(e.contains("metadata[\"vmon.gpus\"]"), "{e}");
             assert!(e.contains("0 to 16"), "{e}");

@@ -149,8 +149,13 @@ pub fn discover(sysfs: &Path) -> Discovery {
         if !valid_addr(&addr) {
             continue;
         }
-        let group = link_name(&sysfs.join("bus/pci/devices").join(&addr).join("iommu_group"))
-            .and_then(|g| g.parse::<u32>().ok());
+        let group = link_name(
+            &sysfs
+                .join("bus/pci/devices")
+                .join(&addr)
+                .join("iommu_group"),
+        )
+        .and_then(|g| g.parse::<u32>().ok());
         match group {
             Some(g) if !ids.contains(&g) => ids.push(g),
             Some(_) => {}

@@ -220,10 +220,11 @@ impl ClusterNodes {
                 }
                 e => e,
             })?;
-        self.placed
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push((Instant::now(), node.id.clone(), spec.gpus));
+        self.placed.lock().unwrap_or_else(|p| p.into_inner()).push((
+            Instant::now(),
+            node.id.clone(),
+            spec.gpus,
+        ));
         self.place(&spec.sandbox_id, &node.id, running.guest_ip)
             .await;
         if !holders.contains(&node.id) {

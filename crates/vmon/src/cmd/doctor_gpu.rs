@@ -32,7 +32,11 @@ pub fn checks(sysfs: &Path, dev_vfio: &Path, memlock: Option<u64>) -> Vec<Check>
         .filter(|m| !sysfs.join("module").join(m).exists())
         .collect();
     out.push(if modules.is_empty() {
-        check(true, "vfio modules", "vfio, vfio_pci, vfio_iommu_type1 loaded")
+        check(
+            true,
+            "vfio modules",
+            "vfio, vfio_pci, vfio_iommu_type1 loaded",
+        )
     } else {
         check(
             !wanted,
@@ -154,7 +158,10 @@ mod tests {
         let t = tempfile::tempdir().expect("tempdir");
         let c = checks(t.path(), &t.path().join("dev"), Some(8 << 20));
         assert!(c.iter().all(|c| c.ok), "{c:?}");
-        assert!(c.iter().any(|c| c.detail.contains("offers no GPUs")), "{c:?}");
+        assert!(
+            c.iter().any(|c| c.detail.contains("offers no GPUs")),
+            "{c:?}"
+        );
         assert!(c.iter().any(|c| c.detail.contains("not loaded")), "{c:?}");
     }
 
@@ -204,9 +211,15 @@ mod tests {
         let has = |s: &str| text.iter().any(|t| t.contains(s));
         assert!(has("ok 2 IOMMU groups"), "{text:?}");
         assert!(has("ok IOMMU group 7: 1 GPU(s)"), "{text:?}");
-        assert!(has("FAIL IOMMU group 8 is not viable: 0000:02:00.1 is bound to snd_hda_intel"), "{text:?}");
+        assert!(
+            has("FAIL IOMMU group 8 is not viable: 0000:02:00.1 is bound to snd_hda_intel"),
+            "{text:?}"
+        );
         assert!(has("FAIL") && has("dev/8 is missing"), "{text:?}");
-        assert!(has("ok vfio, vfio_pci, vfio_iommu_type1 loaded"), "{text:?}");
+        assert!(
+            has("ok vfio, vfio_pci, vfio_iommu_type1 loaded"),
+            "{text:?}"
+        );
         assert!(has("unlimited here"), "{text:?}");
     }
 }
