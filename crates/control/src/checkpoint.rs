@@ -237,7 +237,11 @@ impl Control {
             }
             let build = self
                 .node
-                .checkpoint(&rec.id, &rec.execution_id, rec.volume_mounts.is_empty())
+                .checkpoint(
+                    &rec.id,
+                    &rec.execution_id,
+                    super::gpus::memory_capture(&rec, true).0,
+                )
                 .await?;
             let ev = event(
                 &rec,
@@ -357,8 +361,9 @@ impl Control {
                     "sandbox {id} is paused; only a running sandbox can be snapshotted"
                 )));
             }
-            // A mount's state is outside the guest's memory: snapshot the disk only.
-            let memory = memory && rec.volume_mounts.is_empty();
+            // A mount's state is outside the guest's memory, a GPU's in no snapshot: the disk
+            // only.
+            let (memory, skipped) = super::gpus::memory_capture(&rec, memory);
             let build = self.node.checkpoint(&rec.id, &rec.execution_id, memory).await?;
             let tag = named
                 .as_ref()
@@ -383,7 +388,13 @@ impl Control {
             let ev = event(
                 &rec,
                 EventKind::Checkpointed,
-                serde_json::json!({ "reason": "snapshot", "snapshot_id": info.snapshot_id, "build_id": build.build_id }),
+                {
+                    let mut data = serde_json::json!({ "reason": "snapshot", "snapshot_id": info.snapshot_id, "build_id": build.build_id });
+                    if let Some(why) = skipped {
+                        data["memory_skipped"] = why.into();
+                    }
+                    data
+                },
             );
             // The snapshot's template and its event commit together.
             self.commit(

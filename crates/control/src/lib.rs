@@ -31,6 +31,7 @@ mod delivery;
 mod egress;
 mod error;
 pub use error::{ControlError, ControlResult};
+mod gpus;
 mod health;
 pub use health::{kernel_state_lost, Health};
 mod idle;

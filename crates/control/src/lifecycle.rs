@@ -76,6 +76,8 @@ pub(crate) struct Inherited {
     pub public_traffic: bool,
     pub volume_mounts: Vec<model::VolumeMount>,
     pub idle: Option<crate::records::IdlePolicy>,
+    /// GPUs passed through (`control/gpus.rs`).
+    pub gpus: u32,
 }
 
 impl Inherited {
@@ -91,6 +93,7 @@ impl Inherited {
             public_traffic: rec.traffic_access_token.is_none(),
             volume_mounts: rec.volume_mounts.clone(),
             idle: rec.idle,
+            gpus: rec.gpus,
         }
     }
 }
@@ -181,6 +184,9 @@ impl Control {
         self.admit_while_starting()?;
         let (template, tag, build) = self.resolve_template(team, &req.template_id).await?;
         check_limits(team, &build)?;
+        let gpus = self
+            .requested_gpus(&req.metadata, &template, &build)
+            .await?;
         let network = req.network.clone().unwrap_or_default();
         let launch = Launch {
             team,
@@ -200,6 +206,7 @@ impl Control {
                 network,
                 volume_mounts,
                 idle,
+                gpus,
             },
         };
         match params.idempotency_key {
@@ -340,6 +347,7 @@ impl Control {
             idle: base.idle,
             idle_suspended_until: None,
             resumes: Default::default(),
+            gpus: base.gpus,
         };
         let span = tracing::info_span!("create", sandbox_id = id, execution_id = %execution_id);
         let _enter = span.enter();
@@ -348,9 +356,11 @@ impl Control {
             sandbox_id: id.to_string(),
             execution_id: execution_id.clone(),
             build_id: launch.build.build_id.clone(),
-            // A mount's state is outside the guest's memory: such sandboxes cold-boot.
-            cold_boot: !launch.build.has_memory || !volumes.is_empty(),
+            // A mount's state is outside the guest's memory, a GPU's in no snapshot: such
+            // sandboxes cold-boot.
+            cold_boot: !launch.build.has_memory || !volumes.is_empty() || base.gpus > 0,
             volumes,
+            gpus: base.gpus,
             env_vars: base.env_vars.clone(),
             envd_access_token: Some(envd_access_token),
             network: network_policy(&rec),

@@ -154,6 +154,8 @@ pub struct SandboxRecord {
     pub idle_suspended_until: Option<OffsetDateTime>,
     /// How its resumes went (`GET /sandboxes/{id}/health`).
     pub resumes: ResumeHealth,
+    /// GPUs passed through to it, resolved at create (`control/gpus.rs`); 0: none.
+    pub gpus: u32,
 }
 
 /// Seed 004's IdlePolicy as a sandbox keeps it: suspended (a memory pause) after

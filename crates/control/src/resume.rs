@@ -56,8 +56,8 @@ impl Control {
         fence: i64,
         why: PauseWhy,
     ) -> ControlResult<()> {
-        // A mount's state is outside the guest's memory: pause the disk only.
-        let memory = memory && rec.volume_mounts.is_empty();
+        // A mount's state is outside the guest's memory, a GPU's in no snapshot: the disk only.
+        let (memory, skipped) = super::gpus::memory_capture(&rec, memory);
         // Requests arriving from here on wait for this pause (the lock) and then resume the
         // sandbox or learn it is paused; those already waiting on the guest get their
         // headers first, within a bound, instead of a 502 from a guest that stopped.
@@ -79,6 +79,9 @@ impl Control {
             _ => None,
         };
         let mut data = serde_json::json!({ "memory": build.has_memory, "reason": why.as_str() });
+        if let Some(why) = skipped {
+            data["memory_skipped"] = why.into();
+        }
         if let Some(until) = rec.idle_suspended_until {
             data["suspended_until"] = super::rfc3339(until).into();
         }
@@ -220,7 +223,7 @@ impl Control {
                 return Err(e);
             }
         };
-        let cold_boot = cold_boot || !rec.build.has_memory || !volumes.is_empty();
+        let cold_boot = cold_boot || !rec.build.has_memory || !volumes.is_empty() || rec.gpus > 0;
         let spec = StartSpec {
             egress,
             volumes,
@@ -231,6 +234,7 @@ impl Control {
             env_vars: rec.env_vars.clone(),
             envd_access_token: Some(rec.envd_access_token.clone()),
             network: network_policy(&rec),
+            gpus: rec.gpus,
         };
         let t0 = std::time::Instant::now();
         let running = match self.node.start(spec).await {

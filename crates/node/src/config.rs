@@ -92,6 +92,11 @@ pub struct NodeConfig {
     /// volume `k` owns `base + k * 65536` and the 65,535 ids after it, 8,192 ranges in all
     /// (below the QEMUs' ids by default). No account needs to exist for these ids.
     pub volume_uid_base: u32,
+    /// Where GPUs bound to `vfio-pci` and their IOMMU groups are discovered at open
+    /// (`VMON_SYSFS_ROOT`, default `/sys`; tests point it at a tree they build).
+    pub sysfs_root: PathBuf,
+    /// Where the IOMMU groups' device nodes are (`VMON_VFIO_DEV_DIR`, default `/dev/vfio`).
+    pub vfio_dev_dir: PathBuf,
 }
 
 impl NodeConfig {
@@ -142,6 +147,12 @@ impl NodeConfig {
                 b if b < vmon_proto::node::volume_ids::VOLUME_IDS => DEFAULT_VOLUME_UID_BASE,
                 b => b,
             },
+            sysfs_root: std::env::var_os("VMON_SYSFS_ROOT")
+                .filter(|v| !v.is_empty())
+                .map_or_else(|| PathBuf::from("/sys"), PathBuf::from),
+            vfio_dev_dir: std::env::var_os("VMON_VFIO_DEV_DIR")
+                .filter(|v| !v.is_empty())
+                .map_or_else(|| PathBuf::from("/dev/vfio"), PathBuf::from),
         }
     }
 }

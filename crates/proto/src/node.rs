@@ -65,6 +65,15 @@ pub struct StartSpec {
     /// (kept in the node's memory only; `Debug` prints no value).
     #[serde(default, skip_serializing_if = "crate::egress::EgressSpec::is_empty")]
     pub egress: crate::egress::EgressSpec,
+    /// Whole GPUs to pass through (VFIO). A GPU sandbox always cold-boots, whatever
+    /// `cold_boot` says: its devices' state is not in any memory snapshot. A node with fewer
+    /// GPUs than this in all refuses with `InvalidArgument`, with fewer free `Exhausted`.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub gpus: u32,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// One volume a sandbox mounts: `<volumes dir>/<volume_id>` on the node, `path` in the guest.

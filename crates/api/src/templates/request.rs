@@ -207,6 +207,14 @@ pub(crate) async fn start_build(
     let start: steps::BuildStart = serde_json::from_value(raw.clone())
         .map_err(|e| ApiError::bad_request(format!("invalid request body: {e}")))?;
     let plan = steps::plan(&start)?;
+    // The template's GPU count (seed 003): a bad one is refused now, not at every create.
+    if let Some(v) = plan
+        .last()
+        .and_then(|(_, s)| s.env.get(vmon_proto::gpu::TEMPLATE_ENV))
+    {
+        vmon_proto::gpu::parse_count(v, "the template's VMON_GPUS")
+            .map_err(ApiError::bad_request)?;
+    }
     for (i, (action, _)) in plan.iter().enumerate() {
         if let steps::Action::Copy { files_hash, .. } = action {
             if !c.template_file_kept(&team.id, files_hash) {

@@ -24,6 +24,12 @@ struct Extra {
     idle_suspended_until: Option<OffsetDateTime>,
     #[serde(default)]
     resumes: ResumeHealth,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    gpus: u32,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 fn to_i64<T: TryInto<i64>>(v: T) -> i64 {
@@ -45,6 +51,7 @@ pub(super) fn to_store(rec: &SandboxRecord, fence: i64) -> RecordResult<vmon_sto
         idle: rec.idle,
         idle_suspended_until: rec.idle_suspended_until,
         resumes: rec.resumes.clone(),
+        gpus: rec.gpus,
     };
     Ok(vmon_store::SandboxRecord {
         sandbox_id: rec.id.clone(),
@@ -135,6 +142,7 @@ pub(super) fn from_store(s: vmon_store::SandboxRecord) -> SandboxRecord {
         idle: extra.idle,
         idle_suspended_until: extra.idle_suspended_until,
         resumes: extra.resumes,
+        gpus: extra.gpus,
     }
 }
 

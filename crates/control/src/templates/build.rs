@@ -464,6 +464,7 @@ impl Control {
         self.node
             .start(StartSpec {
                 egress: Default::default(),
+                gpus: 0,
                 sandbox_id: vm.sandbox_id.clone(),
                 execution_id: vm.execution_id.clone(),
                 build_id: from_build.build_id.clone(),

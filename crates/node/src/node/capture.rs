@@ -213,8 +213,9 @@ impl Node {
         let mut l = self.live_execution(sandbox_id, execution_id).await?;
         let _guard = self.artifacts_guard.read().await;
         let build_id = new_id("p");
-        // A guest with volumes mounted keeps part of its state in virtiofsd: disk only.
-        let memory = memory && l.state.volumes.is_empty();
+        // A guest with volumes mounted keeps part of its state in virtiofsd, one with GPUs in
+        // its devices: disk only.
+        let memory = memory && l.state.volumes.is_empty() && l.state.gpu_groups.is_empty();
         if !memory {
             Self::sync_guest(&l, "pause").await;
         }
@@ -296,6 +297,8 @@ impl Node {
         if let Some(vm) = l.vm.take() {
             vm.quit().await;
         }
+        // Its QEMU is gone: its GPUs are free.
+        self.gpus.release(sandbox_id);
         // Uploaded once QEMU has closed the build's overlay and RAM file for good.
         self.upload_later(&rec);
         // Artifacts now belong to the build.
@@ -326,7 +329,7 @@ impl Node {
         let mut l = self.live_execution(sandbox_id, execution_id).await?;
         let _guard = self.artifacts_guard.read().await;
         let build_id = new_id("c");
-        let memory = memory && l.state.volumes.is_empty();
+        let memory = memory && l.state.volumes.is_empty() && l.state.gpu_groups.is_empty();
         let vm =
             l.vm.as_ref()
                 .ok_or_else(|| NodeError::Failed("sandbox has no VM".into()))?;

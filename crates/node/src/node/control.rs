@@ -126,6 +126,7 @@ impl NodeHandler for Node {
             vm.kill().await;
         }
         vmon_vm::process::kill_recorded(&l.dir, &l.state.qemu_tag);
+        self.gpus.release(sandbox_id);
         let slots = self.slots.clone();
         let slot = l.slot.clone();
         let dir = l.dir.clone();

@@ -125,6 +125,12 @@ impl Node {
         execution_id: &str,
     ) -> Result<MigrateIn, NodeError> {
         let l = self.live_execution(sandbox_id, execution_id).await?;
+        // A drain pauses what cannot move (filesystem-only, for a GPU sandbox).
+        if !l.state.gpu_groups.is_empty() {
+            return Err(NodeError::InvalidArgument(format!(
+                "sandbox {sandbox_id} has GPUs passed through and cannot live-migrate"
+            )));
+        }
         let RamSource::Private { basis, .. } = &l.state.ram else {
             return Err(NodeError::InvalidArgument(format!(
                 "sandbox {sandbox_id} was booted, not restored: its memory has no build under \

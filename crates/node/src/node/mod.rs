@@ -110,6 +110,8 @@ pub struct Node {
     egress: egress::EgressRoom,
     /// Sealed copies of the RAM bases restores map.
     ram_bases: confine::RamBases,
+    /// GPUs for passthrough and which sandbox holds each.
+    gpus: crate::gpus::Gpus,
     /// Held for the node's life: no other node on this host may use the same slot block.
     _block_lock: std::fs::File,
     /// Held for the node's life: one node per data dir (another would sweep our artifacts).
@@ -371,6 +373,7 @@ impl Node {
         let (slot_block, block_lock) = claim_slot_block(&cfg)?;
         tracing::info!(slot_block, "network slot block");
         let qemu_ids = cfg.qemu_uid_base;
+        let gpus = crate::gpus::Gpus::discover(&cfg.sysfs_root, &cfg.vfio_dev_dir);
         let node = Arc::new_cyclic(|me| Node {
             me: me.clone(),
             pool: Pool::new(
@@ -408,6 +411,7 @@ impl Node {
             peers: Default::default(),
             egress: egress_room,
             ram_bases: Default::default(),
+            gpus,
             _block_lock: block_lock,
             _data_lock: data_lock,
         });
@@ -434,6 +438,11 @@ impl Node {
             }
         });
         Ok(node)
+    }
+
+    /// The GPUs this node passes through, and how many are free.
+    pub fn gpu_inventory(&self) -> vmon_proto::gpu::GpuInventory {
+        self.gpus.inventory()
     }
 
     /// The QEMU process of a running sandbox.
@@ -589,6 +598,7 @@ impl Node {
         }
         vmon_vm::process::kill_recorded(&live.dir, &live.state.qemu_tag);
         let _ = self.slots.release(&live.slot).await;
+        self.gpus.release(&live.state.id);
         if !keep_artifacts {
             let _ = std::fs::remove_file(self.builds.artifact(&live.state.overlay));
             if let RamSource::Shared { file } = &live.state.ram {

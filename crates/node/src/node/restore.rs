@@ -116,6 +116,8 @@ impl Node {
                 ram_fd,
                 view,
                 weight,
+                // A restore never carries passed-through devices: GPU sandboxes cold-boot.
+                vfio: Vec::new(),
             })
             .await?;
             if let Some(key) = pool_key {
@@ -474,8 +476,11 @@ impl Node {
         super::volumes::validate(&self.cfg.volumes_dir, &spec.volumes)?;
         let rec = self.record(&spec.build_id)?;
         self.check_compatible(&rec)?;
-        // A mount's state lives outside the guest's memory: never restore one.
-        let cold_boot = spec.cold_boot || !spec.volumes.is_empty();
+        // A mount's state lives outside the guest's memory, and a passed-through device's
+        // inside no snapshot: never restore either (the pool never serves them).
+        let cold_boot = must_cold_boot(&spec);
+        // Taken before the boot, given back if it fails.
+        let gpus = self.gpus.take(&spec.sandbox_id, spec.gpus)?;
         if cold_boot {
             let kept = self
                 .parked
@@ -520,9 +525,13 @@ impl Node {
                         volume_mounts: Vec::new(),
                     },
                     volumes: &spec.volumes,
+                    gpus: &gpus,
                 })
                 .await
-                .map_err(err)?;
+                .map_err(|e| {
+                    self.gpus.release(&spec.sandbox_id);
+                    err(e)
+                })?;
             (live, held, Origin::ColdBoot)
         };
         if let Ok(mut n) = self.starts.lock() {
@@ -538,7 +547,9 @@ impl Node {
         let r = self.insert(live);
         drop(guard);
         drop(held);
-        let running = r?;
+        let running = r.inspect_err(|_| {
+            self.gpus.release(&spec.sandbox_id);
+        })?;
         if let Err(e) = self.start_egress(&spec).await {
             tracing::warn!(sandbox = %spec.sandbox_id, error = %e, "egress setup failed; the sandbox is killed");
             let _ = vmon_proto::node::NodeCalls::kill(
@@ -551,6 +562,13 @@ impl Node {
         }
         Ok(running)
     }
+}
+
+/// Whether a start cold-boots whatever the build holds: asked to, volumes mounted (their
+/// state is outside the guest's memory) or GPUs passed through (a device's state is in no
+/// snapshot, and a restored guest would find its driver's view of the card stale).
+pub(super) fn must_cold_boot(spec: &StartSpec) -> bool {
+    spec.cold_boot || !spec.volumes.is_empty() || spec.gpus > 0
 }
 
 /// Where a started sandbox's QEMU came from (logged with "sandbox started", counted by the pool).
@@ -636,4 +654,38 @@ async fn warm_service(ip: Ipv4Addr, warm: &str, token: Option<&str>) -> anyhow::
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(cold_boot: bool, gpus: u32) -> StartSpec {
+        StartSpec {
+            sandbox_id: "s".into(),
+            execution_id: "e".into(),
+            build_id: "b".into(),
+            cold_boot,
+            env_vars: Default::default(),
+            envd_access_token: None,
+            network: Default::default(),
+            volumes: Vec::new(),
+            egress: Default::default(),
+            gpus,
+        }
+    }
+
+    #[test]
+    fn gpu_sandboxes_always_cold_boot() {
+        assert!(!must_cold_boot(&spec(false, 0)), "a plain start restores");
+        assert!(must_cold_boot(&spec(true, 0)));
+        // Asked for a restore, a GPU sandbox still boots: the pool never serves it.
+        assert!(must_cold_boot(&spec(false, 1)));
+        let mut v = spec(false, 0);
+        v.volumes.push(vmon_proto::node::VolumeShare {
+            volume_id: "v".into(),
+            path: "/data".into(),
+        });
+        assert!(must_cold_boot(&v));
+    }
 }

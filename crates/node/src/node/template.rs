@@ -63,6 +63,7 @@ impl Node {
                     ..Default::default()
                 },
                 volumes: &[],
+                gpus: &[],
             })
             .await;
         // Held until the build's record names them: the template VM is in no sandbox table,
