@@ -210,6 +210,7 @@ impl Control {
                 Some(v) => shares.push(VolumeShare {
                     volume_id: v.id,
                     path: m.path.clone(),
+                    ..crate::volumes::store::share_fields(self.config())
                 }),
                 None => missing.push(format!("volume mount #{i}: volume '{}' not found", m.name)),
             }

@@ -8,6 +8,7 @@
 //! Where volumes live, their tokens and how mounts are resolved are `control::volumes`'s.
 
 pub(crate) mod content;
+pub(crate) mod store;
 pub mod tree;
 
 use std::path::Path;

@@ -457,6 +457,7 @@ impl Node {
                 spec.sandbox_id
             )));
         }
+        self.fill_store_volumes(&spec.volumes).await?;
         super::volumes::validate(&self.cfg.volumes_dir, &spec.volumes)?;
         let rec = self.record(&spec.build_id)?;
         self.check_compatible(&rec)?;
