@@ -234,7 +234,13 @@ impl Node {
             }
             None => None,
         };
-        let r = self.unpack(volume, staged.as_deref()).await;
+        let r = unpack(
+            &self.cfg.volumes_dir,
+            self.cfg.volume_uid_base,
+            volume,
+            staged.as_deref(),
+        )
+        .await;
         if let Some(tmp) = &staged {
             let _ = std::fs::remove_file(tmp);
         }
@@ -242,74 +248,6 @@ impl Node {
         self.set_synced(volume, head.as_deref())?;
         tracing::info!(volume, head = ?head, ms = t0.elapsed().as_millis() as u64, "volume filled from the object store");
         Ok(())
-    }
-
-    /// Empties the cache of `volume` and unpacks `archive` into it, confined.
-    async fn unpack(&self, volume: &str, archive: Option<&Path>) -> anyhow::Result<()> {
-        let script = "find . -mindepth 1 -maxdepth 1 -exec rm -rf -- {} + && \
-                      if [ \"$1\" = 1 ]; then exec /usr/bin/tar --extract --file=- \
-                      --numeric-owner --same-owner --preserve-permissions \
-                      --delay-directory-restore; fi";
-        let has = if archive.is_some() { "1" } else { "0" };
-        let stdin = match archive {
-            Some(a) => Stdio::from(std::fs::File::open(a)?),
-            None => Stdio::null(),
-        };
-        let mut cmd = self.confined(volume, "/bin/sh").await?;
-        cmd.args(["-c", script, "unpack", has])
-            .stdin(stdin)
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped());
-        let out = cmd.spawn().context("starting the unpacker")?.wait_with_output().await?;
-        if !out.status.success() {
-            bail!(
-                "unpacking failed ({}): {}",
-                out.status,
-                String::from_utf8_lossy(&out.stderr).chars().take(2000).collect::<String>()
-            );
-        }
-        Ok(())
-    }
-
-    /// A command run as the volume's own ids, in `<volumes dir>/<id>` bound over the mount
-    /// point (its working directory). The caller sets its arguments and stdio.
-    async fn confined(&self, volume: &str, program: &str) -> anyhow::Result<tokio::process::Command> {
-        let (volumes_dir, v, first) = (
-            self.cfg.volumes_dir.clone(),
-            volume.to_string(),
-            self.cfg.volume_uid_base,
-        );
-        let ns = tokio::task::spawn_blocking(move || {
-            let base = super::volume_owner::ensure_range(&volumes_dir, &v, first)?;
-            vmon_vm::userns::UserNs::new(base).context("making the volume's user namespace")
-        })
-        .await??;
-        super::volumes::mount_point()?;
-        let source = self.cfg.volumes_dir.join(volume);
-        let source_c = std::ffi::CString::new(source.as_os_str().as_encoded_bytes())
-            .context("a volume path holds a NUL byte")?;
-        let mut cmd = tokio::process::Command::new(program);
-        cmd.kill_on_drop(true).env_clear().env("PATH", "/usr/bin:/bin").env("LC_ALL", "C");
-        let ns = Arc::new(ns);
-        let ns_fd = ns.raw_fd();
-        let keep = ns.clone();
-        // SAFETY: the closure runs in the forked child before exec and only makes
-        // async-signal-safe system calls on values prepared before the fork.
-        unsafe {
-            cmd.pre_exec(move || {
-                let _ = &keep;
-                vmon_vm::process::bind_in_own_mount_namespace(
-                    &source_c,
-                    super::volumes::MOUNT_POINT_C,
-                )?;
-                vmon_vm::userns::enter(ns_fd)?;
-                if libc::chdir(super::volumes::MOUNT_POINT_C.as_ptr()) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
-        Ok(cmd)
     }
 
     /// Writes this node's copy of `share` back to the store when it changed. Over
@@ -324,7 +262,14 @@ impl Node {
         }
         let t0 = std::time::Instant::now();
         let tmp = self.synced_dir()?.join(format!("{volume}.out.tar"));
-        let packed = self.pack(volume, &tmp, share.max_bytes).await;
+        let packed = pack(
+            &self.cfg.volumes_dir,
+            self.cfg.volume_uid_base,
+            volume,
+            &tmp,
+            share.max_bytes,
+        )
+        .await;
         let (sha, size) = match packed {
             Ok(v) => v,
             Err(e) => {
@@ -357,66 +302,6 @@ impl Node {
         }
         tracing::info!(volume, sha, size, ms = t0.elapsed().as_millis() as u64, "volume written back to the object store");
         Ok(WriteBack::Stored(sha, size))
-    }
-
-    /// Archives the cache of `volume` into `dest` (confined), hashing it; over `max` bytes
-    /// (when not 0) the archiver is stopped and [`OverQuota`] returned.
-    async fn pack(&self, volume: &str, dest: &Path, max: u64) -> anyhow::Result<(String, u64)> {
-        let mut cmd = self.confined(volume, TAR).await?;
-        cmd.args([
-            "--create",
-            "--file=-",
-            "--format=gnu",
-            "--sort=name",
-            "--numeric-owner",
-            "--one-file-system",
-            "--warning=no-file-ignored",
-            "--warning=no-file-changed",
-            ".",
-        ])
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-        let mut child = cmd.spawn().context("starting the archiver")?;
-        let mut out = child.stdout.take().context("the archiver's stdout")?;
-        let mut err = child.stderr.take().context("the archiver's stderr")?;
-        let errs = tokio::spawn(async move {
-            let mut v = Vec::new();
-            let _ = (&mut err).take(8192).read_to_end(&mut v).await;
-            v
-        });
-        let mut file = tokio::fs::File::create(dest).await?;
-        let mut hash = sha2::Sha256::new();
-        let mut size: u64 = 0;
-        let mut buf = vec![0u8; 1 << 20];
-        loop {
-            let n = out.read(&mut buf).await?;
-            if n == 0 {
-                break;
-            }
-            size += n as u64;
-            if max > 0 && size > max {
-                let _ = child.kill().await;
-                return Err(OverQuota {
-                    volume: volume.to_string(),
-                    max,
-                }
-                .into());
-            }
-            hash.update(&buf[..n]);
-            file.write_all(&buf[..n]).await?;
-        }
-        file.sync_all().await?;
-        let status = child.wait().await?;
-        let errs = errs.await.unwrap_or_default();
-        // 1: a file changed while it was read (a periodic write-back of a running guest).
-        if !matches!(status.code(), Some(0) | Some(1)) {
-            bail!(
-                "archiving failed ({status}): {}",
-                String::from_utf8_lossy(&errs)
-            );
-        }
-        Ok((hex::encode(hash.finalize()), size))
     }
 
     /// Writes back every object-store volume of `shares` (a pause: its guest is stopped). The
@@ -453,5 +338,230 @@ impl Node {
                 }
             }
         });
+    }
+}
+
+/// A command run as the volume's own ids, in `<volumes dir>/<id>` bound over the mount
+/// point (its working directory). The caller sets its arguments and stdio.
+async fn confined(
+    volumes_dir: &Path,
+    first: u32,
+    volume: &str,
+    program: &str,
+) -> anyhow::Result<tokio::process::Command> {
+    let (dir, v) = (volumes_dir.to_path_buf(), volume.to_string());
+    let ns = tokio::task::spawn_blocking(move || {
+        let base = super::volume_owner::ensure_range(&dir, &v, first)?;
+        vmon_vm::userns::UserNs::new(base).context("making the volume's user namespace")
+    })
+    .await??;
+    super::volumes::mount_point()?;
+    let source = volumes_dir.join(volume);
+    let source_c = std::ffi::CString::new(source.as_os_str().as_encoded_bytes())
+        .context("a volume path holds a NUL byte")?;
+    let mut cmd = tokio::process::Command::new(program);
+    cmd.kill_on_drop(true).env_clear().env("PATH", "/usr/bin:/bin").env("LC_ALL", "C");
+    let ns = Arc::new(ns);
+    let ns_fd = ns.raw_fd();
+    let keep = ns.clone();
+    // SAFETY: the closure runs in the forked child before exec and only makes
+    // async-signal-safe system calls on values prepared before the fork.
+    unsafe {
+        cmd.pre_exec(move || {
+            let _ = &keep;
+            vmon_vm::process::bind_in_own_mount_namespace(
+                &source_c,
+                super::volumes::MOUNT_POINT_C,
+            )?;
+            vmon_vm::userns::enter(ns_fd)?;
+            if libc::chdir(super::volumes::MOUNT_POINT_C.as_ptr()) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    Ok(cmd)
+}
+
+/// Empties the cache of `volume` and unpacks `archive` into it, confined.
+async fn unpack(
+    volumes_dir: &Path,
+    first: u32,
+    volume: &str,
+    archive: Option<&Path>,
+) -> anyhow::Result<()> {
+    let script = "find . -mindepth 1 -maxdepth 1 -exec rm -rf -- {} + && \
+                  if [ \"$1\" = 1 ]; then exec /usr/bin/tar --extract --file=- \
+                  --numeric-owner --same-owner --preserve-permissions \
+                  --delay-directory-restore; fi";
+    let has = if archive.is_some() { "1" } else { "0" };
+    let stdin = match archive {
+        Some(a) => Stdio::from(std::fs::File::open(a)?),
+        None => Stdio::null(),
+    };
+    let mut cmd = confined(volumes_dir, first, volume, "/bin/sh").await?;
+    cmd.args(["-c", script, "unpack", has])
+        .stdin(stdin)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    let out = cmd.spawn().context("starting the unpacker")?.wait_with_output().await?;
+    if !out.status.success() {
+        bail!(
+            "unpacking failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).chars().take(2000).collect::<String>()
+        );
+    }
+    Ok(())
+}
+
+/// Archives the cache of `volume` into `dest` (confined), hashing it; over `max` bytes
+/// (when not 0) the archiver is stopped and [`OverQuota`] returned.
+async fn pack(
+    volumes_dir: &Path,
+    first: u32,
+    volume: &str,
+    dest: &Path,
+    max: u64,
+) -> anyhow::Result<(String, u64)> {
+    let mut cmd = confined(volumes_dir, first, volume, TAR).await?;
+    cmd.args([
+        "--create",
+        "--file=-",
+        "--format=gnu",
+        "--sort=name",
+        "--numeric-owner",
+        "--one-file-system",
+        "--warning=no-file-ignored",
+        "--warning=no-file-changed",
+        ".",
+    ])
+    .stdin(Stdio::null())
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped());
+    let mut child = cmd.spawn().context("starting the archiver")?;
+    let mut out = child.stdout.take().context("the archiver's stdout")?;
+    let mut err = child.stderr.take().context("the archiver's stderr")?;
+    let errs = tokio::spawn(async move {
+        let mut v = Vec::new();
+        let _ = (&mut err).take(8192).read_to_end(&mut v).await;
+        v
+    });
+    let mut file = tokio::fs::File::create(dest).await?;
+    let mut hash = sha2::Sha256::new();
+    let mut size: u64 = 0;
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = out.read(&mut buf).await?;
+        if n == 0 {
+            break;
+        }
+        size += n as u64;
+        if max > 0 && size > max {
+            let _ = child.kill().await;
+            return Err(OverQuota {
+                volume: volume.to_string(),
+                max,
+            }
+            .into());
+        }
+        hash.update(&buf[..n]);
+        file.write_all(&buf[..n]).await?;
+    }
+    file.sync_all().await?;
+    let status = child.wait().await?;
+    let errs = errs.await.unwrap_or_default();
+    // 1: a file changed while it was read (a periodic write-back of a running guest).
+    if !matches!(status.code(), Some(0) | Some(1)) {
+        bail!(
+            "archiving failed ({status}): {}",
+            String::from_utf8_lossy(&errs)
+        );
+    }
+    Ok((hex::encode(hash.finalize()), size))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::MetadataExt;
+
+    const FIRST: u32 = 1_100_000_000;
+
+    fn sh(cmd: &str) {
+        let st = std::process::Command::new("/bin/sh")
+            .args(["-c", cmd])
+            .status()
+            .expect("sh");
+        assert!(st.success(), "{cmd}");
+    }
+
+    #[tokio::test]
+    async fn a_tree_packs_and_unpacks_as_the_volumes_own_ids_and_hashes_the_same() {
+        let vols = tempfile::tempdir().expect("tempdir");
+        let outside = tempfile::tempdir().expect("tempdir");
+        let a = vols.path().join("a");
+        std::fs::create_dir(&a).expect("a");
+        std::fs::create_dir_all(a.join("d/e")).expect("tree");
+        std::fs::write(a.join("d/e/f"), "deep").expect("file");
+        std::fs::write(a.join("big"), vec![7u8; 300_000]).expect("big");
+        std::os::unix::fs::symlink(outside.path(), a.join("out")).expect("symlink");
+        std::os::unix::fs::chown(a.join("d/e/f"), Some(1000), Some(1000)).expect("chown");
+        let tar1 = vols.path().join("one.tar");
+        let (sha1, size1) = pack(vols.path(), FIRST, "a", &tar1, 0).await.expect("pack");
+        assert_eq!(size1, std::fs::metadata(&tar1).expect("tar").len());
+        // Nothing changed: the same bytes (what lets a write-back upload nothing).
+        let tar2 = vols.path().join("two.tar");
+        let (sha2, _) = pack(vols.path(), FIRST, "a", &tar2, 0).await.expect("again");
+        assert_eq!(sha1, sha2);
+        let base = std::fs::metadata(&a).expect("a").uid();
+        assert!(base >= FIRST, "the volume got a range of its own: {base}");
+
+        let b = vols.path().join("b");
+        std::fs::create_dir(&b).expect("b");
+        std::fs::write(b.join("stale"), "old copy").expect("stale");
+        unpack(vols.path(), FIRST, "b", Some(&tar1)).await.expect("unpack");
+        assert!(!b.join("stale").exists(), "the old copy is replaced");
+        assert_eq!(std::fs::read_to_string(b.join("d/e/f")).expect("f"), "deep");
+        assert_eq!(std::fs::read(b.join("big")).expect("big").len(), 300_000);
+        let link = std::fs::symlink_metadata(b.join("out")).expect("link");
+        assert!(link.file_type().is_symlink(), "links stay links");
+        let bbase = std::fs::metadata(&b).expect("b").uid();
+        assert_ne!(bbase, base, "another volume, another range");
+        let f = std::fs::metadata(b.join("d/e/f")).expect("f");
+        assert_eq!((f.uid(), f.gid()), (bbase + 1000, bbase + 1000), "guest ids kept");
+        assert_eq!(std::fs::metadata(outside.path()).expect("o").uid(), 0);
+
+        // Over the limit: refused.
+        let e = pack(vols.path(), FIRST, "a", &tar2, 100_000)
+            .await
+            .expect_err("over quota");
+        assert!(e.downcast_ref::<OverQuota>().is_some(), "{e:#}");
+        // No archive: an empty volume.
+        unpack(vols.path(), FIRST, "b", None).await.expect("empty");
+        assert_eq!(std::fs::read_dir(&b).expect("b").count(), 0);
+    }
+
+    #[tokio::test]
+    async fn an_archive_that_reaches_out_of_the_volume_writes_nothing_outside() {
+        let vols = tempfile::tempdir().expect("tempdir");
+        let outside = tempfile::tempdir().expect("tempdir");
+        let work = tempfile::tempdir().expect("tempdir");
+        let evil = work.path().join("evil.tar");
+        let o = outside.path().display();
+        let (w, e) = (work.path().display(), evil.display());
+        // A link to the host, then a file through it; and a member climbing out with `..`.
+        sh(&format!(
+            "mkdir -p {w}/s1 {w}/s2/link {w}/s3 && ln -s {o} {w}/s1/link && \
+             echo pwned > {w}/s2/link/planted && echo up > {w}/s3/up && \
+             tar -cf {e} -C {w}/s1 link && tar -rf {e} -C {w}/s2 link/planted && \
+             tar -rf {e} -C {w}/s3 --transform 's,^up,../../../../../tmp/vmon-escape-test,' up"
+        ));
+        let v = vols.path().join("v");
+        std::fs::create_dir(&v).expect("v");
+        let r = unpack(vols.path(), FIRST, "v", Some(&evil)).await;
+        assert!(r.is_err(), "a hostile archive fails the fill");
+        assert!(!outside.path().join("planted").exists());
+        assert!(!Path::new("/tmp/vmon-escape-test").exists());
     }
 }
