@@ -300,7 +300,7 @@ impl Node {
                 let _ = objects.delete(&o.key).await;
             }
         }
-        tracing::info!(volume, sha, size, ms = t0.elapsed().as_millis() as u64, "volume written back to the object store");
+        tracing::info!(volume, sha = %sha, size, ms = t0.elapsed().as_millis() as u64, "volume written back to the object store");
         Ok(WriteBack::Stored(sha, size))
     }
 
@@ -319,7 +319,7 @@ impl Node {
     pub(super) async fn write_back_after_kill(&self, shares: &[VolumeShare]) {
         for s in shares.iter().filter(|s| s.object_store) {
             if let Err(e) = self.write_back(s).await {
-                tracing::warn!(volume = s.volume_id, error = %format!("{e:#}"), "writing back a killed sandbox's volume");
+                tracing::warn!(volume = %s.volume_id, error = %format!("{e:#}"), "writing back a killed sandbox's volume");
             }
         }
     }
@@ -333,7 +333,7 @@ impl Node {
                 let Some(node) = weak.upgrade() else { break };
                 for s in node.store_shares().await {
                     if let Err(e) = node.write_back(&s).await {
-                        tracing::warn!(volume = s.volume_id, error = %format!("{e:#}"), "periodic volume write-back");
+                        tracing::warn!(volume = %s.volume_id, error = %format!("{e:#}"), "periodic volume write-back");
                     }
                 }
             }
