@@ -89,30 +89,23 @@ pub(super) fn node_error(what: &str, volume: &str, e: anyhow::Error) -> NodeErro
     NodeError::Failed(format!("{what} volume {volume}: {e:#}"))
 }
 
-impl Node {
-    fn volume_objects(&self) -> anyhow::Result<&vmon_objstore::ObjectStore> {
-        match &self.store {
-            Some(s) => Ok(s.objects()),
-            None => bail!("this node has no object store (VMON_S3_ENDPOINT) for object-store volumes"),
-        }
-    }
+/// One node's copies of object-store volumes: its volumes directory, the first id of its
+/// ranges, its store. The caller serialises the calls of one volume.
+pub(super) struct Syncer<'a> {
+    pub objects: &'a vmon_objstore::ObjectStore,
+    pub volumes_dir: &'a Path,
+    pub first: u32,
+}
 
-    /// Serialises the syncs of one volume on this node (the fetch locks' map, its own keys).
-    fn volume_lock(&self, volume: &str) -> Arc<Mutex<()>> {
-        let mut m = self
-            .fetches
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        m.entry(format!("volume:{volume}")).or_default().clone()
-    }
-
+impl Syncer<'_> {
     fn synced_dir(&self) -> std::io::Result<PathBuf> {
-        let dir = self.cfg.volumes_dir.join(SYNCED_DIR);
+        let dir = self.volumes_dir.join(SYNCED_DIR);
         std::fs::create_dir_all(&dir)?;
         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))?;
         Ok(dir)
     }
 
+    /// The sha256 of the tree this node last filled or wrote.
     fn synced(&self, volume: &str) -> Option<String> {
         let dir = self.synced_dir().ok()?;
         let s = std::fs::read_to_string(dir.join(volume)).ok()?;
@@ -133,6 +126,130 @@ impl Node {
                 _ => Ok(()),
             },
         }
+    }
+
+    /// The sha256 of the store's current tree of `volume`, if it has one.
+    async fn head(&self, volume: &str) -> anyhow::Result<Option<String>> {
+        match self.objects.get_bytes(&head_key(volume), MAX_HEAD).await? {
+            Some(b) => {
+                let s = String::from_utf8_lossy(&b).trim().to_string();
+                if !is_sha(&s) {
+                    bail!("the store's head of volume {volume} is not a sha256");
+                }
+                Ok(Some(s))
+            }
+            None => Ok(None),
+        }
+    }
+
+    /// Brings the copy of `volume` up to the store's tree, unless it is `live` (mounted on
+    /// this node: kept). Returns whether it unpacked anything.
+    pub(super) async fn fill(&self, volume: &str, live: bool) -> anyhow::Result<bool> {
+        let dir = self.volumes_dir.join(volume);
+        if !dir.exists() {
+            std::fs::create_dir(&dir).with_context(|| format!("creating {}", dir.display()))?;
+            std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))?;
+            self.set_synced(volume, None)?;
+        }
+        let head = self.head(volume).await?;
+        if head == self.synced(volume) {
+            return Ok(false);
+        }
+        if live {
+            tracing::info!(volume, "volume mounted here already: its live copy is kept");
+            return Ok(false);
+        }
+        let t0 = std::time::Instant::now();
+        // The old copy goes first; a failure below leaves no marker, so the next mount retries.
+        self.set_synced(volume, None)?;
+        let staged = match &head {
+            Some(sha) => {
+                let tmp = self.synced_dir()?.join(format!("{volume}.in.tar"));
+                self.objects
+                    .get_to_file(&tree_key(volume, sha), &tmp, Some(sha))
+                    .await
+                    .with_context(|| format!("fetching volume {volume}'s tree {sha}"))?;
+                Some(tmp)
+            }
+            None => None,
+        };
+        let r = unpack(self.volumes_dir, self.first, volume, staged.as_deref()).await;
+        if let Some(tmp) = &staged {
+            let _ = std::fs::remove_file(tmp);
+        }
+        r?;
+        self.set_synced(volume, head.as_deref())?;
+        tracing::info!(volume, head = ?head, ms = t0.elapsed().as_millis() as u64, "volume filled from the object store");
+        Ok(true)
+    }
+
+    /// Writes the copy of `volume` back to the store when it changed since this node's last
+    /// sync. Over `max` bytes (0: no limit) it is refused with [`OverQuota`] and the store
+    /// keeps what it had.
+    pub(super) async fn write_back(&self, volume: &str, max: u64) -> anyhow::Result<WriteBack> {
+        if !self.volumes_dir.join(volume).is_dir() {
+            return Ok(WriteBack::Absent);
+        }
+        let t0 = std::time::Instant::now();
+        let tmp = self.synced_dir()?.join(format!("{volume}.out.tar"));
+        let packed = pack(self.volumes_dir, self.first, volume, &tmp, max).await;
+        let (sha, size) = match packed {
+            Ok(v) => v,
+            Err(e) => {
+                let _ = std::fs::remove_file(&tmp);
+                return Err(e);
+            }
+        };
+        if self.synced(volume).as_deref() == Some(sha.as_str()) {
+            let _ = std::fs::remove_file(&tmp);
+            return Ok(WriteBack::Unchanged);
+        }
+        let stored = async {
+            self.objects.put_file(&tree_key(volume, &sha), &tmp).await?;
+            let prev = self.head(volume).await.ok().flatten();
+            self.objects
+                .put_bytes(&head_key(volume), bytes::Bytes::from(sha.clone()))
+                .await?;
+            anyhow::Ok(prev)
+        }
+        .await;
+        let _ = std::fs::remove_file(&tmp);
+        let prev = stored?;
+        self.set_synced(volume, Some(&sha))?;
+        // Older trees go; the previous head stays a while for a reader that just read it.
+        let keep = [
+            tree_key(volume, &sha),
+            tree_key(volume, prev.as_deref().unwrap_or("")),
+        ];
+        if let Ok(list) = self.objects.list(&format!("volumes/{volume}/tree-")).await {
+            for o in list.into_iter().filter(|o| !keep.contains(&o.key)) {
+                let _ = self.objects.delete(&o.key).await;
+            }
+        }
+        tracing::info!(volume, sha = %sha, size, ms = t0.elapsed().as_millis() as u64, "volume written back to the object store");
+        Ok(WriteBack::Stored(sha, size))
+    }
+}
+
+impl Node {
+    fn syncer(&self) -> anyhow::Result<Syncer<'_>> {
+        match &self.store {
+            Some(s) => Ok(Syncer {
+                objects: s.objects(),
+                volumes_dir: &self.cfg.volumes_dir,
+                first: self.cfg.volume_uid_base,
+            }),
+            None => bail!("this node has no object store (VMON_S3_ENDPOINT) for object-store volumes"),
+        }
+    }
+
+    /// Serialises the syncs of one volume on this node (the fetch locks' map, its own keys).
+    fn volume_lock(&self, volume: &str) -> Arc<Mutex<()>> {
+        let mut m = self
+            .fetches
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        m.entry(format!("volume:{volume}")).or_default().clone()
     }
 
     /// Whether a sandbox on this node mounts `volume` now (its cache is live: never refilled).
@@ -177,131 +294,31 @@ impl Node {
     /// its live copy.
     pub(super) async fn fill_store_volumes(&self, shares: &[VolumeShare]) -> Result<(), NodeError> {
         for s in shares.iter().filter(|s| s.object_store) {
-            if !valid_id(&s.volume_id) {
+            let volume = s.volume_id.as_str();
+            if !valid_id(volume) {
                 return Err(NodeError::InvalidArgument(format!(
-                    "{:?} is not a volume id",
-                    s.volume_id
+                    "{volume:?} is not a volume id"
                 )));
             }
-            self.fill_volume(&s.volume_id)
-                .await
-                .map_err(|e| node_error("filling", &s.volume_id, e))?;
+            let filled = async {
+                let syncer = self.syncer()?;
+                // Asked before the lock: a pause holding its sandbox waits for the lock.
+                let live = self.mounted_here(volume).await;
+                let lock = self.volume_lock(volume);
+                let _held = lock.lock().await;
+                syncer.fill(volume, live).await
+            };
+            filled.await.map_err(|e| node_error("filling", volume, e))?;
         }
         Ok(())
     }
 
-    async fn fill_volume(&self, volume: &str) -> anyhow::Result<()> {
-        let objects = self.volume_objects()?;
-        // Asked before the lock: a pause holding its sandbox waits for this lock.
-        let live_here = self.mounted_here(volume).await;
-        let lock = self.volume_lock(volume);
+    /// Writes this node's copy of `share` back to the store when it changed.
+    async fn write_back(&self, share: &VolumeShare) -> anyhow::Result<WriteBack> {
+        let syncer = self.syncer()?;
+        let lock = self.volume_lock(&share.volume_id);
         let _held = lock.lock().await;
-        let dir = self.cfg.volumes_dir.join(volume);
-        if !dir.exists() {
-            std::fs::create_dir(&dir).with_context(|| format!("creating {}", dir.display()))?;
-            std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))?;
-            self.set_synced(volume, None)?;
-        }
-        let head = match objects.get_bytes(&head_key(volume), MAX_HEAD).await? {
-            Some(b) => {
-                let s = String::from_utf8_lossy(&b).trim().to_string();
-                if !is_sha(&s) {
-                    bail!("the store's head of volume {volume} is not a sha256");
-                }
-                Some(s)
-            }
-            None => None,
-        };
-        let synced = self.synced(volume);
-        if head == synced {
-            return Ok(());
-        }
-        if live_here {
-            tracing::info!(volume, "volume mounted here already: its live copy is kept");
-            return Ok(());
-        }
-        let t0 = std::time::Instant::now();
-        // The old copy goes first; a failure below leaves no marker, so the next mount retries.
-        self.set_synced(volume, None)?;
-        let staged = match &head {
-            Some(sha) => {
-                let tmp = self.synced_dir()?.join(format!("{volume}.in.tar"));
-                objects
-                    .get_to_file(&tree_key(volume, sha), &tmp, Some(sha))
-                    .await
-                    .with_context(|| format!("fetching volume {volume}'s tree {sha}"))?;
-                Some(tmp)
-            }
-            None => None,
-        };
-        let r = unpack(
-            &self.cfg.volumes_dir,
-            self.cfg.volume_uid_base,
-            volume,
-            staged.as_deref(),
-        )
-        .await;
-        if let Some(tmp) = &staged {
-            let _ = std::fs::remove_file(tmp);
-        }
-        r?;
-        self.set_synced(volume, head.as_deref())?;
-        tracing::info!(volume, head = ?head, ms = t0.elapsed().as_millis() as u64, "volume filled from the object store");
-        Ok(())
-    }
-
-    /// Writes this node's copy of `share` back to the store when it changed. Over
-    /// `share.max_bytes` it is refused with [`OverQuota`] and the store keeps what it had.
-    pub(super) async fn write_back(&self, share: &VolumeShare) -> anyhow::Result<WriteBack> {
-        let volume = share.volume_id.as_str();
-        let objects = self.volume_objects()?;
-        let lock = self.volume_lock(volume);
-        let _held = lock.lock().await;
-        if !self.cfg.volumes_dir.join(volume).is_dir() {
-            return Ok(WriteBack::Absent);
-        }
-        let t0 = std::time::Instant::now();
-        let tmp = self.synced_dir()?.join(format!("{volume}.out.tar"));
-        let packed = pack(
-            &self.cfg.volumes_dir,
-            self.cfg.volume_uid_base,
-            volume,
-            &tmp,
-            share.max_bytes,
-        )
-        .await;
-        let (sha, size) = match packed {
-            Ok(v) => v,
-            Err(e) => {
-                let _ = std::fs::remove_file(&tmp);
-                return Err(e);
-            }
-        };
-        if self.synced(volume).as_deref() == Some(sha.as_str()) {
-            let _ = std::fs::remove_file(&tmp);
-            return Ok(WriteBack::Unchanged);
-        }
-        let stored = async {
-            objects.put_file(&tree_key(volume, &sha), &tmp).await?;
-            let prev = objects.get_bytes(&head_key(volume), MAX_HEAD).await?;
-            objects
-                .put_bytes(&head_key(volume), bytes::Bytes::from(sha.clone()))
-                .await?;
-            anyhow::Ok(prev.map(|b| String::from_utf8_lossy(&b).trim().to_string()))
-        }
-        .await;
-        let _ = std::fs::remove_file(&tmp);
-        let prev = stored?;
-        self.set_synced(volume, Some(&sha))?;
-        // Older trees go; the previous head stays a while for a reader that just read it.
-        let keep = [tree_key(volume, &sha), tree_key(volume, prev.as_deref().unwrap_or(""))];
-        if let Ok(list) = objects.list(&format!("volumes/{volume}/tree-")).await {
-            for o in list.into_iter().filter(|o| !keep.contains(&o.key)) {
-                let _ = objects.delete(&o.key).await;
-            }
-        }
-        tracing::info!(volume, sha = %sha, size, ms = t0.elapsed().as_millis() as u64, "volume written back to the object store");
-        Ok(WriteBack::Stored(sha, size))
+        syncer.write_back(&share.volume_id, share.max_bytes).await
     }
 
     /// Writes back every object-store volume of `shares` (a pause: its guest is stopped). The
@@ -563,5 +580,64 @@ mod tests {
         assert!(r.is_err(), "a hostile archive fails the fill");
         assert!(!outside.path().join("planted").exists());
         assert!(!Path::new("/tmp/vmon-escape-test").exists());
+    }
+
+    #[tokio::test]
+    async fn a_volume_goes_from_one_node_to_another_through_a_real_store() {
+        let root = tempfile::tempdir().expect("tempdir");
+        let garage = vmon_objstore::dev::DevGarage::start(&root.path().join("garage"))
+            .unwrap_or_else(|e| panic!("{e:#}"));
+        let objects = vmon_objstore::ObjectStore::new(garage.config.clone()).expect("store");
+        objects.ensure_bucket().await.expect("bucket");
+        let (da, db) = (root.path().join("a"), root.path().join("b"));
+        std::fs::create_dir_all(&da).expect("a");
+        std::fs::create_dir_all(&db).expect("b");
+        let a = Syncer { objects: &objects, volumes_dir: &da, first: FIRST };
+        let b = Syncer { objects: &objects, volumes_dir: &db, first: FIRST };
+        let v = "0b8f3c1e-2a4d-4c6e-9f10-1234567890ab";
+
+        // A new volume: an empty copy, nothing in the store, nothing to send.
+        assert!(!a.fill(v, false).await.expect("fill a"));
+        assert_eq!(std::fs::read_dir(da.join(v)).expect("dir").count(), 0);
+        std::fs::write(da.join(v).join("one"), "from a").expect("write");
+        let WriteBack::Stored(h1, _) = a.write_back(v, 0).await.expect("back") else {
+            panic!("a changed volume is stored");
+        };
+        assert_eq!(a.write_back(v, 0).await.expect("again"), WriteBack::Unchanged);
+
+        // The other node fills from the store; its unchanged copy sends nothing.
+        assert!(b.fill(v, false).await.expect("fill b"));
+        assert_eq!(std::fs::read_to_string(db.join(v).join("one")).expect("one"), "from a");
+        assert!(!b.fill(v, false).await.expect("current"), "a current copy is not fetched again");
+        assert_eq!(b.write_back(v, 0).await.expect("b"), WriteBack::Unchanged);
+        std::fs::write(db.join(v).join("two"), "from b").expect("write");
+        std::fs::remove_file(db.join(v).join("one")).expect("rm");
+
+        // Over the limit: refused, the store keeps the last tree.
+        std::fs::write(db.join(v).join("big"), vec![1u8; 200_000]).expect("big");
+        let e = b.write_back(v, 100_000).await.expect_err("over quota");
+        assert!(e.downcast_ref::<OverQuota>().is_some(), "{e:#}");
+        assert_eq!(a.head(v).await.expect("head"), Some(h1.clone()));
+        std::fs::remove_file(db.join(v).join("big")).expect("rm big");
+        let WriteBack::Stored(h2, _) = b.write_back(v, 100_000).await.expect("b back") else {
+            panic!("stored");
+        };
+        assert_ne!(h1, h2);
+
+        // A live copy is kept; a copy not mounted is replaced by the store's tree.
+        std::fs::write(da.join(v).join("local"), "unsent").expect("write");
+        assert!(!a.fill(v, true).await.expect("live"));
+        assert!(da.join(v).join("local").exists());
+        assert!(a.fill(v, false).await.expect("refill"));
+        let mut names: Vec<String> = std::fs::read_dir(da.join(v))
+            .expect("dir")
+            .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        assert_eq!(names, ["two"]);
+        // Only the current and the previous trees are kept.
+        let trees = objects.list(&format!("volumes/{v}/tree-")).await.expect("list");
+        assert!(trees.len() <= 2, "{trees:?}");
+        assert!(trees.iter().any(|o| o.key == tree_key(v, &h2)));
     }
 }
