@@ -147,8 +147,10 @@ impl Syncer<'_> {
     pub(super) async fn fill(&self, volume: &str, live: bool) -> anyhow::Result<bool> {
         let dir = self.volumes_dir.join(volume);
         if !dir.exists() {
+            // As the api makes a volume's root: anyone in the guest may write it (the volumes
+            // directory above is root's 0700).
             std::fs::create_dir(&dir).with_context(|| format!("creating {}", dir.display()))?;
-            std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))?;
+            std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777))?;
             self.set_synced(volume, None)?;
         }
         let head = self.head(volume).await?;
