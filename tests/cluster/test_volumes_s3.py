@@ -31,8 +31,8 @@ def _admin_call(cluster, method: str, path: str):
         return e.code, json.loads(e.read() or b"{}")
 
 
-def _run(sbx, cmd: str) -> str:
-    return sbx.commands.run(cmd, timeout=120).stdout
+def _run(sbx, cmd: str, user: str = "user") -> str:
+    return sbx.commands.run(cmd, timeout=120, user=user).stdout
 
 
 def test_a_volume_travels_between_nodes_through_the_store(cluster):
@@ -48,6 +48,7 @@ def test_a_volume_travels_between_nodes_through_the_store(cluster):
             "echo from-a > /mnt/v/a.txt && mkdir -p /mnt/v/d && "
             "head -c 1048576 /dev/urandom > /mnt/v/d/blob && "
             "chown 1000:1000 /mnt/v/d/blob && chmod 640 /mnt/v/d/blob",
+            user="root",
         )
         blob_sum = _run(a, "sha256sum /mnt/v/d/blob").split()[0]
 

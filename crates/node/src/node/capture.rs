@@ -340,6 +340,11 @@ impl Node {
             Self::sync_guest(&l, "snapshot").await;
         }
         vm.qmp.stop().await.map_err(|e| err(e.into()))?;
+        // A snapshot's or fork's object-store volumes go back as they are now.
+        if let Err(e) = self.write_back_all(&l.state.volumes).await {
+            let _ = vm.qmp.cont().await;
+            return Err(e);
+        }
         let result = async {
             let (frozen, chain) = self.switch_disk(&mut l).await?;
             l.state.save(&l.dir)?;
