@@ -241,7 +241,9 @@ impl Node {
                 volumes_dir: &self.cfg.volumes_dir,
                 first: self.cfg.volume_uid_base,
             }),
-            None => bail!("this node has no object store (VMON_S3_ENDPOINT) for object-store volumes"),
+            None => {
+                bail!("this node has no object store (VMON_S3_ENDPOINT) for object-store volumes")
+            }
         }
     }
 
@@ -379,7 +381,10 @@ async fn confined(
     let source_c = std::ffi::CString::new(source.as_os_str().as_encoded_bytes())
         .context("a volume path holds a NUL byte")?;
     let mut cmd = tokio::process::Command::new(program);
-    cmd.kill_on_drop(true).env_clear().env("PATH", "/usr/bin:/bin").env("LC_ALL", "C");
+    cmd.kill_on_drop(true)
+        .env_clear()
+        .env("PATH", "/usr/bin:/bin")
+        .env("LC_ALL", "C");
     let ns = Arc::new(ns);
     let ns_fd = ns.raw_fd();
     let keep = ns.clone();
@@ -423,12 +428,19 @@ async fn unpack(
         .stdin(stdin)
         .stdout(Stdio::null())
         .stderr(Stdio::piped());
-    let out = cmd.spawn().context("starting the unpacker")?.wait_with_output().await?;
+    let out = cmd
+        .spawn()
+        .context("starting the unpacker")?
+        .wait_with_output()
+        .await?;
     if !out.status.success() {
         bail!(
             "unpacking failed ({}): {}",
             out.status,
-            String::from_utf8_lossy(&out.stderr).chars().take(2000).collect::<String>()
+            String::from_utf8_lossy(&out.stderr)
+                .chars()
+                .take(2000)
+                .collect::<String>()
         );
     }
     Ok(())
@@ -531,7 +543,9 @@ mod tests {
         assert_eq!(size1, std::fs::metadata(&tar1).expect("tar").len());
         // Nothing changed: the same bytes (what lets a write-back upload nothing).
         let tar2 = vols.path().join("two.tar");
-        let (sha2, _) = pack(vols.path(), FIRST, "a", &tar2, 0).await.expect("again");
+        let (sha2, _) = pack(vols.path(), FIRST, "a", &tar2, 0)
+            .await
+            .expect("again");
         assert_eq!(sha1, sha2);
         let base = std::fs::metadata(&a).expect("a").uid();
         assert!(base >= FIRST, "the volume got a range of its own: {base}");
@@ -539,7 +553,9 @@ mod tests {
         let b = vols.path().join("b");
         std::fs::create_dir(&b).expect("b");
         std::fs::write(b.join("stale"), "old copy").expect("stale");
-        unpack(vols.path(), FIRST, "b", Some(&tar1)).await.expect("unpack");
+        unpack(vols.path(), FIRST, "b", Some(&tar1))
+            .await
+            .expect("unpack");
         assert!(!b.join("stale").exists(), "the old copy is replaced");
         assert_eq!(std::fs::read_to_string(b.join("d/e/f")).expect("f"), "deep");
         assert_eq!(std::fs::read(b.join("big")).expect("big").len(), 300_000);
@@ -548,7 +564,11 @@ mod tests {
         let bbase = std::fs::metadata(&b).expect("b").uid();
         assert_ne!(bbase, base, "another volume, another range");
         let f = std::fs::metadata(b.join("d/e/f")).expect("f");
-        assert_eq!((f.uid(), f.gid()), (bbase + 1000, bbase + 1000), "guest ids kept");
+        assert_eq!(
+            (f.uid(), f.gid()),
+            (bbase + 1000, bbase + 1000),
+            "guest ids kept"
+        );
         assert_eq!(std::fs::metadata(outside.path()).expect("o").uid(), 0);
 
         // Over the limit: refused.
@@ -594,8 +614,16 @@ mod tests {
         let (da, db) = (root.path().join("a"), root.path().join("b"));
         std::fs::create_dir_all(&da).expect("a");
         std::fs::create_dir_all(&db).expect("b");
-        let a = Syncer { objects: &objects, volumes_dir: &da, first: FIRST };
-        let b = Syncer { objects: &objects, volumes_dir: &db, first: FIRST };
+        let a = Syncer {
+            objects: &objects,
+            volumes_dir: &da,
+            first: FIRST,
+        };
+        let b = Syncer {
+            objects: &objects,
+            volumes_dir: &db,
+            first: FIRST,
+        };
         let v = "0b8f3c1e-2a4d-4c6e-9f10-1234567890ab";
 
         // A new volume: an empty copy, nothing in the store, nothing to send.
@@ -605,12 +633,21 @@ mod tests {
         let WriteBack::Stored(h1, _) = a.write_back(v, 0).await.expect("back") else {
             panic!("a changed volume is stored");
         };
-        assert_eq!(a.write_back(v, 0).await.expect("again"), WriteBack::Unchanged);
+        assert_eq!(
+            a.write_back(v, 0).await.expect("again"),
+            WriteBack::Unchanged
+        );
 
         // The other node fills from the store; its unchanged copy sends nothing.
         assert!(b.fill(v, false).await.expect("fill b"));
-        assert_eq!(std::fs::read_to_string(db.join(v).join("one")).expect("one"), "from a");
-        assert!(!b.fill(v, false).await.expect("current"), "a current copy is not fetched again");
+        assert_eq!(
+            std::fs::read_to_string(db.join(v).join("one")).expect("one"),
+            "from a"
+        );
+        assert!(
+            !b.fill(v, false).await.expect("current"),
+            "a current copy is not fetched again"
+        );
         assert_eq!(b.write_back(v, 0).await.expect("b"), WriteBack::Unchanged);
         std::fs::write(db.join(v).join("two"), "from b").expect("write");
         std::fs::remove_file(db.join(v).join("one")).expect("rm");
@@ -638,7 +675,10 @@ mod tests {
         names.sort();
         assert_eq!(names, ["two"]);
         // Only the current and the previous trees are kept.
-        let trees = objects.list(&format!("volumes/{v}/tree-")).await.expect("list");
+        let trees = objects
+            .list(&format!("volumes/{v}/tree-"))
+            .await
+            .expect("list");
         assert!(trees.len() <= 2, "{trees:?}");
         assert!(trees.iter().any(|o| o.key == tree_key(v, &h2)));
     }
