@@ -18,6 +18,28 @@ pub const MIN_IDLE_SECS: u64 = 60;
 /// the loopback addresses, where a test's or a developer's own registry listens.
 pub const DEFAULT_INSECURE: &[&str] = &["localhost", "127.0.0.0/8", "::1"];
 
+/// Where volumes keep their files ([`Config::volume_store`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum VolumeStore {
+    /// `volumes_dir`: one filesystem every node and api shares.
+    #[default]
+    Local,
+    /// The cluster's object store, cached by each node that mounts the volume.
+    S3,
+}
+
+impl std::str::FromStr for VolumeStore {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "local" => Ok(VolumeStore::Local),
+            "s3" => Ok(VolumeStore::S3),
+            _ => Err("expected local or s3".into()),
+        }
+    }
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Config {
@@ -111,6 +133,10 @@ pub struct Config {
     pub volume_key_file: Option<std::path::PathBuf>,
     /// How long a volume token is valid, in seconds (`VMON_VOLUME_TOKEN_TTL_SECS`).
     pub volume_token_ttl_secs: u64,
+    /// Where sandboxes' volumes live (`VMON_VOLUME_STORE`): `local` (default: `volumes_dir`,
+    /// shared by every node) or `s3` (the nodes' object store; each node keeps a cache in its
+    /// own volumes directory, see docs/architecture.md).
+    pub volume_store: VolumeStore,
     /// Whether `code-interpreter-v1` is built in the background after `base`
     /// (`VMON_PREBUILD_CODE_INTERPRETER`); when `false`, the first create naming it builds it.
     pub prebuild_code_interpreter: bool,
@@ -313,6 +339,7 @@ impl Default for Config {
             volumes_dir: None,
             volume_key_file: None,
             volume_token_ttl_secs: 3600,
+            volume_store: VolumeStore::Local,
             prebuild_code_interpreter: true,
             migration_downtime_ms: 300,
             idle: IdleConfig::default(),
@@ -421,6 +448,7 @@ impl Config {
         set(&mut self.volumes_dir, o.volumes_dir.map(env::path));
         set(&mut self.volume_key_file, o.volume_key_file.map(env::path));
         set(&mut self.volume_token_ttl_secs, o.volume_token_ttl_secs);
+        set(&mut self.volume_store, o.volume_store);
         set(&mut self.proxy_tls_cert, o.proxy_tls_cert.map(env::path));
         set(&mut self.proxy_tls_key, o.proxy_tls_key.map(env::path));
         set(&mut self.api_tls_cert, o.api_tls_cert.map(env::path));

@@ -6,6 +6,7 @@
 //! the URL does, so a token of one volume fails the MAC of every other; the team in clear lets
 //! another team's token see 404, as every other route of another team's volume does.
 
+pub mod store;
 pub mod tree;
 
 use std::path::{Path, PathBuf};
@@ -212,6 +213,7 @@ impl Control {
                 Some(v) => shares.push(VolumeShare {
                     volume_id: v.id,
                     path: m.path.clone(),
+                    ..crate::volumes::store::share_fields(self.config())
                 }),
                 None => missing.push(format!("volume mount #{i}: volume '{}' not found", m.name)),
             }

@@ -30,6 +30,7 @@ async fn start_with_volume(
         volumes: vec![VolumeShare {
             volume_id: volume.to_string(),
             path: "/mnt/v".into(),
+            ..Default::default()
         }],
         sandbox_id: id.to_string(),
         execution_id: unique("e"),

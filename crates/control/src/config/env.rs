@@ -117,6 +117,8 @@ pub(super) struct Overrides {
     pub proxy_signed_misses_per_minute: Option<u32>,
     #[arg(long, env = "VMON_BASE_VCPUS", value_parser = trimmed::<u32>)]
     pub base_vcpus: Option<u32>,
+    #[arg(long, env = "VMON_VOLUME_STORE", value_parser = trimmed::<super::VolumeStore>)]
+    pub volume_store: Option<super::VolumeStore>,
     #[arg(long, env = "VMON_BASE_MEMORY_MB", value_parser = trimmed::<u32>)]
     pub base_memory_mb: Option<u32>,
     #[arg(long, env = "VMON_BASE_DISK_MB", value_parser = trimmed::<u32>)]

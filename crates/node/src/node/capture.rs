@@ -223,6 +223,12 @@ impl Node {
             l.vm.as_ref()
                 .ok_or_else(|| NodeError::Failed("sandbox has no VM".into()))?;
         vm.qmp.stop().await.map_err(|e| err(e.into()))?;
+        // The guest is stopped: its object-store volumes go back whole, or the pause fails
+        // and the sandbox runs on.
+        if let Err(e) = self.write_back_all(&l.state.volumes).await {
+            let _ = vm.qmp.cont().await;
+            return Err(e);
+        }
         // Park: keep the stopped QEMU for a fast resume. Its disk moves to a fresh overlay first
         // so the build's stays frozen whatever happens to the kept process.
         let park =
@@ -337,6 +343,11 @@ impl Node {
             Self::sync_guest(&l, "snapshot").await;
         }
         vm.qmp.stop().await.map_err(|e| err(e.into()))?;
+        // A snapshot's or fork's object-store volumes go back as they are now.
+        if let Err(e) = self.write_back_all(&l.state.volumes).await {
+            let _ = vm.qmp.cont().await;
+            return Err(e);
+        }
         let result = async {
             let (frozen, chain) = self.switch_disk(&mut l).await?;
             l.state.save(&l.dir)?;

@@ -24,6 +24,7 @@ mod remote;
 mod restore;
 mod template;
 mod volume_owner;
+mod volume_store;
 mod volumes;
 
 use std::collections::{HashMap, HashSet};
@@ -421,6 +422,11 @@ impl Node {
         node.slots.set_spares(node.cfg.spare_slots);
         node.slots.refill();
         crate::telemetry::spawn(Arc::downgrade(&node));
+        if node.store.is_some() {
+            node.spawn_volume_sync(Duration::from_secs(
+                env_or("VMON_VOLUME_SYNC_SECS", 60u64).max(1),
+            ));
+        }
         let weak = Arc::downgrade(&node);
         tokio::spawn(async move {
             let Some(node) = weak.upgrade() else { return };

@@ -473,6 +473,7 @@ impl Node {
                 spec.sandbox_id
             )));
         }
+        self.fill_store_volumes(&spec.volumes).await?;
         super::volumes::validate(&self.cfg.volumes_dir, &spec.volumes)?;
         let rec = self.record(&spec.build_id)?;
         self.check_compatible(&rec)?;
@@ -685,6 +686,7 @@ mod tests {
         v.volumes.push(vmon_proto::node::VolumeShare {
             volume_id: "v".into(),
             path: "/data".into(),
+            ..Default::default()
         });
         assert!(must_cold_boot(&v));
     }
