@@ -571,7 +571,15 @@ async fn prometheus(State(s): State<AppState>, _: MetricsReader) -> Response {
         tracing::warn!(error = %e, "metrics: the node did not give its pool depths");
         Vec::new()
     });
-    let body = platform().render(&[("running", running), ("paused", paused)], &pool);
+    let mut body = platform().render(&[("running", running), ("paused", paused)], &pool);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    body.push_str(&platform::render_fleet(
+        &s.control.members().await,
+        &s.control.draining_nodes().await,
+        now,
+    ));
     (
         [(
             header::CONTENT_TYPE,
