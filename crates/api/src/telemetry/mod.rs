@@ -567,10 +567,17 @@ async fn prometheus(State(s): State<AppState>, _: MetricsReader) -> Response {
         }
         Err(e) => tracing::warn!(error = %e.message, "metrics: listing sandboxes failed"),
     }
-    let pool = s.control.node.pool_depths().await.unwrap_or_else(|e| {
+    let depths = s.control.node.pool_depths().await.unwrap_or_else(|e| {
         tracing::warn!(error = %e, "metrics: the node did not give its pool depths");
         Vec::new()
     });
+    // A cluster replica hears every node's pools: one series per build, summed over them (two
+    // series with the same labels would be a malformed exposition).
+    let mut by_build = BTreeMap::<String, usize>::new();
+    for (build, n) in depths {
+        *by_build.entry(build.to_string()).or_default() += n;
+    }
+    let pool: Vec<(String, usize)> = by_build.into_iter().collect();
     let mut body = platform().render(&[("running", running), ("paused", paused)], &pool);
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
