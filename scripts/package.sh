@@ -7,7 +7,7 @@
 #   scripts/package.sh --out DIR       # where the .deb goes (default <target dir>/debian)
 #
 # VMON_DEB_PROFILE=dev packages the debug binaries already built (`cargo build --workspace
-# --bins`) without building again: what CI's package test does to stay within its budget.
+# --bins`) without building again, stripped: what CI's package test does, within its budget.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=""
@@ -29,7 +29,7 @@ profile=${VMON_DEB_PROFILE:-release}
 if [ "$profile" = release ]; then
   cargo build --release --locked -p vmon -p vmon-envd --bins
 else
-  args+=(--profile "$profile" --fast)
+  args+=(--profile "$profile" --fast --strip)
 fi
 # Both binaries are built beforehand (envd is another crate of the workspace).
 args+=(--no-build)

@@ -201,12 +201,14 @@ def test_the_package_installs_into_a_fresh_root(deb: Path, root: Root):
     assert out.returncode != 0
     assert "no ready vmon up answered at http://127.0.0.1:3000/health" in out.stderr, out.stderr
 
-    # The units as installed, against this host's systemd: the installed /usr/bin is laid over
-    # the host's in a mount namespace of this command only (verify checks ExecStart's binary).
+    # The units as installed, against this host's systemd: the installed /usr/bin and /usr/lib
+    # are laid under the host's (whose files win) in a mount namespace of this command only,
+    # since verify checks that ExecStart's binary is there.
     unit_files = [str(root / f"lib/systemd/system/{u}.service") for u in UNITS]
     verify = run(
         "unshare", "-m", "--propagation", "private", "sh", "-c",
-        f'mount -t overlay overlay -o lowerdir={root / "usr/bin"}:/usr/bin /usr/bin && '
+        f'mount -t overlay overlay -o lowerdir=/usr/bin:{root / "usr/bin"} /usr/bin && '
+        f'mount -t overlay overlay -o lowerdir=/usr/lib:{root / "usr/lib"} /usr/lib && '
         'exec systemd-analyze verify "$@"', "verify", *unit_files,
         check=False,
     )

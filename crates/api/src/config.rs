@@ -699,14 +699,15 @@ mod tests {
             serde_json::to_value(&shipped).expect("json"),
             serde_json::to_value(Config::default()).expect("json")
         );
-        let setting = |l: &str| {
+        /// A commented-out setting (`#name = value`, `#[table]`) without its `#`.
+        fn setting(l: &str) -> Option<&str> {
             l.strip_prefix('#').filter(|rest| {
                 rest.starts_with('[')
                     || rest
                         .split_once(" = ")
                         .is_some_and(|(k, _)| !k.is_empty() && !k.contains(' '))
             })
-        };
+        }
         let uncommented: String = text
             .lines()
             .map(|l| setting(l).unwrap_or(l))

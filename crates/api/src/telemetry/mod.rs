@@ -575,7 +575,7 @@ async fn prometheus(State(s): State<AppState>, _: MetricsReader) -> Response {
     // series with the same labels would be a malformed exposition).
     let mut by_build = BTreeMap::<String, usize>::new();
     for (build, n) in depths {
-        *by_build.entry(build.to_string()).or_default() += n;
+        *by_build.entry(build).or_default() += n;
     }
     let pool: Vec<(String, usize)> = by_build.into_iter().collect();
     let mut body = platform().render(&[("running", running), ("paused", paused)], &pool);
