@@ -223,16 +223,24 @@ pub fn render_fleet(
     // Each family's value from the node's registration, the time now and its drain.
     type Field = fn(&vmon_proto::cluster::NodeInfo, u64, bool) -> u64;
     let families: [(&str, &str, Field); 8] = [
-        ("vmon_node_running_sandboxes", "Sandboxes running on the node.", |n, _, _| {
-            u64::from(n.running)
+        (
+            "vmon_node_running_sandboxes",
+            "Sandboxes running on the node.",
+            |n, _, _| u64::from(n.running),
+        ),
+        (
+            "vmon_node_free_slots",
+            "Network slots the node has left.",
+            |n, _, _| u64::from(n.free_slots),
+        ),
+        ("vmon_node_vcpus", "The node's host CPUs.", |n, _, _| {
+            u64::from(n.vcpus)
         }),
-        ("vmon_node_free_slots", "Network slots the node has left.", |n, _, _| {
-            u64::from(n.free_slots)
-        }),
-        ("vmon_node_vcpus", "The node's host CPUs.", |n, _, _| u64::from(n.vcpus)),
-        ("vmon_node_memory_bytes", "The node's host memory.", |n, _, _| {
-            n.memory_mb << 20
-        }),
+        (
+            "vmon_node_memory_bytes",
+            "The node's host memory.",
+            |n, _, _| n.memory_mb << 20,
+        ),
         (
             "vmon_node_free_memory_bytes",
             "Memory available for new guests (MemAvailable).",
@@ -335,9 +343,18 @@ mod tests {
         let labels = |id: &str| format!("{{node=\"{id}\",host=\"host-{id}\",accel=\"tcg\"}}");
         assert!(text.contains("vmon_nodes 2\n"), "{text}");
         assert!(text.contains(&format!("vmon_node_running_sandboxes{} 3", labels("n1"))));
-        assert!(text.contains(&format!("vmon_node_memory_bytes{} 1073741824", labels("n1"))));
-        assert!(text.contains(&format!("vmon_node_free_disk_bytes{} 2097152", labels("n2"))));
-        assert!(text.contains(&format!("vmon_node_heartbeat_age_seconds{} 4", labels("n1"))));
+        assert!(text.contains(&format!(
+            "vmon_node_memory_bytes{} 1073741824",
+            labels("n1")
+        )));
+        assert!(text.contains(&format!(
+            "vmon_node_free_disk_bytes{} 2097152",
+            labels("n2")
+        )));
+        assert!(text.contains(&format!(
+            "vmon_node_heartbeat_age_seconds{} 4",
+            labels("n1")
+        )));
         assert!(text.contains(&format!("vmon_node_draining{} 1", labels("n2"))));
         assert!(text.contains(&format!("vmon_node_draining{} 0", labels("n1"))));
         assert!(text.contains(&format!(
