@@ -24,7 +24,8 @@ while [ $# -gt 0 ]; do
   esac
 done
 deb=$(scripts/install-cargo-deb.sh)
-args=(-p vmon --locked --compress-type gzip)
+# gzip by the system tool: cargo-deb's own (zopfli) took minutes for a debug binary.
+args=(-p vmon --locked --compress-type gzip --compress-system)
 profile=${VMON_DEB_PROFILE:-release}
 if [ "$profile" = release ]; then
   cargo build --release --locked -p vmon -p vmon-envd --bins
