@@ -92,6 +92,11 @@ systemctl disable --now etcd >/dev/null 2>&1 || true
 systemctl disable --now docker-registry >/dev/null 2>&1 || true
 # And for Prometheus (tests/e2e/test_prometheus.py starts its own).
 systemctl disable --now prometheus >/dev/null 2>&1 || true
+# (A host without systemd as init ran its init script, unless policy-rc.d forbade it.)
+if [ ! -d /run/systemd/system ] && [ -x /etc/init.d/prometheus ]; then
+  /etc/init.d/prometheus stop >/dev/null 2>&1 || true
+  update-rc.d prometheus disable >/dev/null 2>&1 || true
+fi
 
 # envd's tests run commands as this user; made once here, before any test runs, so that tests
 # running in parallel never race on useradd. A home left owned by another uid (a user deleted
@@ -107,7 +112,7 @@ if [ "$(stat -c %u "$home")" != "$uid" ]; then
   chown -R "$TEST_USER:" "$home"
 fi
 
-if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import e2b, e2b_code_interpreter, pytest, selenium, schemathesis, ipykernel, jupyter_client, matplotlib, pandas' 2>/dev/null; then
+if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import e2b, e2b_code_interpreter, pytest, selenium, schemathesis, ipykernel, jupyter_client, matplotlib, pandas, yaml' 2>/dev/null; then
   python3 -m venv .venv
   .venv/bin/pip install -q --upgrade pip >/dev/null
   .venv/bin/pip install -q -r tests/requirements.txt
