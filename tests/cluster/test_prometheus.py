@@ -46,9 +46,13 @@ def test_the_nodes_and_a_lost_node_as_prometheus_sees_them(cluster, prometheus):
     want = {(f"127.0.0.1:{cluster.api_port(i)}", f"node{n}", f"host-{n}") for i in (1, 2) for n in (1, 2)}
     wait_for(lambda: nodes_seen(prometheus) == want, 90, what="both replicas reporting both nodes")
 
-    ratio = prometheus.query("vmon:cluster_free_memory:ratio")
+    # The recording rules see the nodes at their first evaluation after that scrape (every 1 s
+    # here): asking at once raced it and found nothing.
+    ratio = wait_for(lambda: prometheus.query("vmon:cluster_free_memory:ratio"), 30,
+                     what="vmon:cluster_free_memory:ratio recorded")
     assert len(ratio) == 1 and 0 < float(ratio[0]["value"][1]) <= 1, ratio
-    slots = prometheus.query("vmon:cluster_free_slots:sum")
+    slots = wait_for(lambda: prometheus.query("vmon:cluster_free_slots:sum"), 30,
+                     what="vmon:cluster_free_slots:sum recorded")
     assert len(slots) == 1 and 0 < float(slots[0]["value"][1]) <= 2 * 512, slots
     nodes = prometheus.query("max(vmon_nodes)")
     assert float(nodes[0]["value"][1]) == 2
