@@ -248,6 +248,7 @@ start_proxy() {
 }
 
 start() {
+  check_dirs
   case "$1" in
     etcd[123]) start_etcd "${1#etcd}" ;;
     pg) start_pg ;;
@@ -309,8 +310,42 @@ EOF
   fi
 }
 
+# check_dirs: the cluster's directories must be reachable by the users its parts run as:
+# PostgreSQL runs as `postgres` (initdb writes DIR/pg), and each node's QEMUs run under
+# unprivileged ids that must pass through DIR to reach the node's files. A directory whose
+# parents a user other than root cannot traverse (root's home, mode 0700) fails deep inside
+# initdb with "Permission denied"; say so before anything starts.
+check_dirs() {
+  local path p blocked="" mode
+  for path in "$DIR" "$IMAGES"; do
+    p=$(realpath -m -- "$path")
+    # Each existing directory from the path up to /: "other" users need to search it.
+    while :; do
+      if [ -d "$p" ]; then
+        mode=$(stat -c '%a' -- "$p")
+        if [ $((8#$mode & 1)) -eq 0 ]; then
+          blocked="$p (mode $mode, owner $(stat -c '%U' -- "$p"))"
+        fi
+      fi
+      [ "$p" = / ] && break
+      p=$(dirname -- "$p")
+    done
+    if [ -n "$blocked" ]; then
+      cat >&2 <<EOF
+error: $path is under $blocked, which users other than its owner cannot pass through.
+  PostgreSQL runs as the postgres user (initdb would fail with "Permission denied") and the
+  nodes' QEMUs run under unprivileged ids; both need to reach their files there.
+  Use a directory everyone can traverse, e.g. VMON_CLUSTER_DIR=/var/tmp/vmon-cluster (the
+  default), or let others pass through: chmod o+x ${blocked%% (*}
+EOF
+      return 1
+    fi
+  done
+}
+
 up() {
   local detach=$1
+  check_dirs
   install_parts
   mkdir -p "$DIR" "$IMAGES"
   if [ ! -e "$DIR/build/images" ]; then

@@ -27,6 +27,14 @@ BINS=(
   # The disk-full test: a small ext4 (mkfs.ext4 comes with vmon's own packages) on a loop mount.
   fallocate:util-linux
   mount:mount
+  # The deployment's tests (tests/deploy, tests/e2e/test_prometheus.py): Prometheus and
+  # promtool run the alert rules against a real vmon; systemd-analyze verifies the units the
+  # package installs (a machine without systemd as init has no systemd-analyze); unshare and
+  # chroot install the package into a fresh root.
+  prometheus:prometheus
+  promtool:prometheus
+  systemd-analyze:systemd
+  unshare:util-linux
   # The code-interpreter server's R contexts run on the host in tests/code_interpreter: R and
   # its Jupyter kernel (checked below by its package), as in the guest image.
   R:r-base-core
@@ -75,11 +83,20 @@ done
 scripts/install-garage.sh >/dev/null
 # The dependency policy checker scripts/test.sh runs (the same cache, keyed by version).
 scripts/install-cargo-deny.sh >/dev/null
+# The Debian package's builder (scripts/package.sh; the same cache).
+scripts/install-cargo-deb.sh >/dev/null
 
 # Debian starts a default etcd on install; tests run their own.
 systemctl disable --now etcd >/dev/null 2>&1 || true
 # The same for the registry (the OCI tests start their own on a free port).
 systemctl disable --now docker-registry >/dev/null 2>&1 || true
+# And for Prometheus (tests/e2e/test_prometheus.py starts its own).
+systemctl disable --now prometheus >/dev/null 2>&1 || true
+# (A host without systemd as init ran its init script, unless policy-rc.d forbade it.)
+if [ ! -d /run/systemd/system ] && [ -x /etc/init.d/prometheus ]; then
+  /etc/init.d/prometheus stop >/dev/null 2>&1 || true
+  update-rc.d prometheus disable >/dev/null 2>&1 || true
+fi
 
 # envd's tests run commands as this user; made once here, before any test runs, so that tests
 # running in parallel never race on useradd. A home left owned by another uid (a user deleted
@@ -95,7 +112,7 @@ if [ "$(stat -c %u "$home")" != "$uid" ]; then
   chown -R "$TEST_USER:" "$home"
 fi
 
-if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import e2b, e2b_code_interpreter, pytest, selenium, schemathesis, ipykernel, jupyter_client, matplotlib, pandas' 2>/dev/null; then
+if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import e2b, e2b_code_interpreter, pytest, selenium, schemathesis, ipykernel, jupyter_client, matplotlib, pandas, yaml' 2>/dev/null; then
   python3 -m venv .venv
   .venv/bin/pip install -q --upgrade pip >/dev/null
   .venv/bin/pip install -q -r tests/requirements.txt

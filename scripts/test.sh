@@ -53,6 +53,10 @@ cargo test --workspace --no-fail-fast -- --test-threads 2
 if [ -d tests/e2e ] && ls tests/e2e/test_*.py >/dev/null 2>&1; then
   .venv/bin/python -m pytest -q tests/e2e
 fi
+# The Debian package (tests/deploy): built from the debug binaries above, installed with dpkg
+# into an overlay over the guest image's debootstrap tree, its units verified; and
+# scripts/cluster.sh's check of its directories.
+.venv/bin/python -m pytest -q tests/deploy
 # The soak (issue 21), bounded: pause/resume cycles rotating kept-QEMU, from-files and
 # after-restart resumes, each checking a process's pid, its memory's hash and a file's hash.
 VMON_BENCH_PROFILE=debug VMON_SOAK_CYCLES="${VMON_SOAK_CYCLES:-50}" .venv/bin/python tests/bench/soak.py

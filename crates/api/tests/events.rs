@@ -292,10 +292,19 @@ async fn a_full_lifecycle_arrives_signed_and_in_order() {
         .unwrap()
         .iter()
         .all(|a| a["success"] == true && a["statusCode"] == 200 && a["attempt"] == 1));
-    let s = h
-        .req("GET", &format!("/events/webhooks/{hook}/stats"), None)
-        .await;
-    assert_eq!(s.status, StatusCode::OK);
+    // An attempt is recorded before its outbox row is marked done: `pending` reaches 0 just
+    // after the last delivery shows, not with it.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    let s = loop {
+        let s = h
+            .req("GET", &format!("/events/webhooks/{hook}/stats"), None)
+            .await;
+        assert_eq!(s.status, StatusCode::OK);
+        if s.json["pending"] == 0 || tokio::time::Instant::now() > deadline {
+            break s;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
     assert_eq!(
         (s.json["attempts"].as_i64(), s.json["successes"].as_i64()),
         (Some(6), Some(6))

@@ -415,10 +415,10 @@ async fn fork_and_snapshots() {
 /// One pass of the reaper, waited for until every expiry it started has ended.
 async fn reap(h: &common::Harness, in_flight: &Arc<Mutex<HashSet<String>>>) {
     h.control.reap_once(in_flight).await;
-    for _ in 0..100 {
-        if in_flight.lock().unwrap().is_empty() {
-            break;
-        }
+    // The expiries run as tasks of their own; on a loaded machine (a CI run beside other
+    // builds) they take seconds, so wait for them by a generous deadline, not a short count.
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(60);
+    while !in_flight.lock().unwrap().is_empty() && tokio::time::Instant::now() < deadline {
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
 }

@@ -661,6 +661,63 @@ mod tests {
         );
     }
 
+    /// The commented `/etc/vmon/config.toml` the Debian package installs: as shipped (every
+    /// setting commented out) it is the defaults; with every `#name = value` and `#[table]`
+    /// line uncommented it still parses (so no setting it shows is misspelt or of the wrong
+    /// type: unknown keys are refused), and it shows every setting there is.
+    #[test]
+    fn the_packaged_config_shows_every_setting_and_parses() {
+        let text = include_str!("../../../deploy/debian/config.toml");
+        let shipped: Config = toml::from_str(text).expect("the shipped file parses");
+        assert_eq!(
+            serde_json::to_value(&shipped).expect("json"),
+            serde_json::to_value(Config::default()).expect("json")
+        );
+        /// A commented-out setting (`#name = value`, `#[table]`) without its `#`.
+        fn setting(l: &str) -> Option<&str> {
+            l.strip_prefix('#').filter(|rest| {
+                rest.starts_with('[')
+                    || rest
+                        .split_once(" = ")
+                        .is_some_and(|(k, _)| !k.is_empty() && !k.contains(' '))
+            })
+        }
+        let uncommented: String = text
+            .lines()
+            .map(|l| setting(l).unwrap_or(l))
+            .collect::<Vec<_>>()
+            .join("\n");
+        let all: Config = toml::from_str(&uncommented).expect("every setting parses");
+        // Every setting there is (every leaf of the defaults; `None`s are JSON nulls) is
+        // shown, as `#name =` or as a `#[table]` of its own.
+        fn leaves(prefix: &str, v: &serde_json::Value, out: &mut Vec<String>) {
+            for (k, v) in v.as_object().into_iter().flatten() {
+                let path = format!("{prefix}{k}");
+                match v {
+                    serde_json::Value::Object(m) if !m.is_empty() => {
+                        leaves(&format!("{path}."), v, out)
+                    }
+                    _ => out.push(path),
+                }
+            }
+        }
+        let mut settings = Vec::new();
+        leaves(
+            "",
+            &serde_json::to_value(Config::default()).expect("json"),
+            &mut settings,
+        );
+        assert!(settings.len() > 40, "{settings:?}");
+        for path in &settings {
+            let name = path.rsplit('.').next().unwrap_or(path);
+            assert!(
+                text.contains(&format!("\n#{name} =")) || text.contains(&format!("\n#[{path}")),
+                "deploy/debian/config.toml does not show `{path}`"
+            );
+        }
+        assert!(all.idle.teams.contains_key("research"));
+    }
+
     #[test]
     fn the_variables_are_one_consistent_clap_definition() {
         use clap::CommandFactory;

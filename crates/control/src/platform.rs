@@ -198,6 +198,87 @@ impl Platform {
     }
 }
 
+/// The exposition of this build's version and of the cluster's nodes as this replica sees them
+/// (its members: registered, proving their id): capacity, load, heartbeat age, drain. Empty
+/// of node series on one machine (`vmon up`, `vmon api --node`).
+pub fn render_fleet(
+    nodes: &[vmon_proto::cluster::NodeInfo],
+    draining: &std::collections::HashSet<String>,
+    now_unix: u64,
+) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "# HELP vmon_build_info The running vmon's version.");
+    let _ = writeln!(out, "# TYPE vmon_build_info gauge");
+    let _ = writeln!(
+        out,
+        "vmon_build_info{{version=\"{}\"}} 1",
+        label_value(env!("CARGO_PKG_VERSION"))
+    );
+    let _ = writeln!(
+        out,
+        "# HELP vmon_nodes Nodes this replica counts as members of the cluster."
+    );
+    let _ = writeln!(out, "# TYPE vmon_nodes gauge");
+    let _ = writeln!(out, "vmon_nodes {}", nodes.len());
+    // Each family's value from the node's registration, the time now and its drain.
+    type Field = fn(&vmon_proto::cluster::NodeInfo, u64, bool) -> u64;
+    let families: [(&str, &str, Field); 8] = [
+        (
+            "vmon_node_running_sandboxes",
+            "Sandboxes running on the node.",
+            |n, _, _| u64::from(n.running),
+        ),
+        (
+            "vmon_node_free_slots",
+            "Network slots the node has left.",
+            |n, _, _| u64::from(n.free_slots),
+        ),
+        ("vmon_node_vcpus", "The node's host CPUs.", |n, _, _| {
+            u64::from(n.vcpus)
+        }),
+        (
+            "vmon_node_memory_bytes",
+            "The node's host memory.",
+            |n, _, _| n.memory_mb << 20,
+        ),
+        (
+            "vmon_node_free_memory_bytes",
+            "Memory available for new guests (MemAvailable).",
+            |n, _, _| n.free_memory_mb << 20,
+        ),
+        (
+            "vmon_node_free_disk_bytes",
+            "Free space on the filesystem of the node's data dir.",
+            |n, _, _| n.free_disk_mb << 20,
+        ),
+        (
+            "vmon_node_heartbeat_age_seconds",
+            "Seconds since the node's last heartbeat.",
+            |n, now, _| now.saturating_sub(n.updated_unix),
+        ),
+        (
+            "vmon_node_draining",
+            "1 while the node is draining or drained (it takes no new work).",
+            |_, _, draining| u64::from(draining),
+        ),
+    ];
+    for (name, help, field) in families {
+        let _ = writeln!(out, "# HELP {name} {help}");
+        let _ = writeln!(out, "# TYPE {name} gauge");
+        for n in nodes {
+            let value = field(n, now_unix, draining.contains(&n.id));
+            let _ = writeln!(
+                out,
+                "{name}{{node=\"{}\",host=\"{}\",accel=\"{}\"}} {value}",
+                label_value(&n.id),
+                label_value(&n.host),
+                label_value(&n.accel)
+            );
+        }
+    }
+    out
+}
+
 /// A label value as the exposition format wants it escaped.
 fn label_value(s: &str) -> String {
     s.chars()
@@ -237,5 +318,53 @@ mod tests {
         assert!(text.contains("vmon_pool_depth{build=\"b\\\"1\"} 2"));
         assert!(text.contains("vmon_webhook_deliveries_total{outcome=\"delivered\"} 2"));
         assert!(text.contains("vmon_webhook_deliveries_total{outcome=\"failed\"} 0"));
+    }
+
+    #[test]
+    fn renders_the_fleet() {
+        let node = |id: &str, running| vmon_proto::cluster::NodeInfo {
+            id: id.into(),
+            rpc_url: format!("https://{id}:3002"),
+            ingress_url: None,
+            host: format!("host-{id}"),
+            accel: "tcg".into(),
+            qemu_version: "7.2".into(),
+            cpu_baseline: "x".into(),
+            vcpus: 8,
+            memory_mb: 1024,
+            free_memory_mb: 512,
+            free_disk_mb: 2,
+            free_slots: 500,
+            running,
+            updated_unix: 1000,
+            gpus: Default::default(),
+        };
+        let draining: std::collections::HashSet<String> = ["n2".to_string()].into();
+        let text = render_fleet(&[node("n1", 3), node("n2", 0)], &draining, 1004);
+        let labels = |id: &str| format!("{{node=\"{id}\",host=\"host-{id}\",accel=\"tcg\"}}");
+        assert!(text.contains("vmon_nodes 2\n"), "{text}");
+        assert!(text.contains(&format!("vmon_node_running_sandboxes{} 3", labels("n1"))));
+        assert!(text.contains(&format!(
+            "vmon_node_memory_bytes{} 1073741824",
+            labels("n1")
+        )));
+        assert!(text.contains(&format!(
+            "vmon_node_free_disk_bytes{} 2097152",
+            labels("n2")
+        )));
+        assert!(text.contains(&format!(
+            "vmon_node_heartbeat_age_seconds{} 4",
+            labels("n1")
+        )));
+        assert!(text.contains(&format!("vmon_node_draining{} 1", labels("n2"))));
+        assert!(text.contains(&format!("vmon_node_draining{} 0", labels("n1"))));
+        assert!(text.contains(&format!(
+            "vmon_build_info{{version=\"{}\"}} 1",
+            env!("CARGO_PKG_VERSION")
+        )));
+        // One machine: the version, no node series.
+        let alone = render_fleet(&[], &Default::default(), 0);
+        assert!(alone.contains("vmon_nodes 0\n"));
+        assert!(!alone.contains("vmon_node_free_slots{"));
     }
 }

@@ -405,11 +405,26 @@ async fn prometheus(State(s): State<AppState>, _: MetricsReader) -> Response {
         }
         Err(e) => tracing::warn!(error = %e, "metrics: listing sandboxes failed"),
     }
-    let pool = s.control.node().pool_depths().await.unwrap_or_else(|e| {
+    let depths = s.control.node().pool_depths().await.unwrap_or_else(|e| {
         tracing::warn!(error = %e, "metrics: the node did not give its pool depths");
         Vec::new()
     });
-    let body = platform().render(&[("running", running), ("paused", paused)], &pool);
+    // A cluster replica hears every node's pools: one series per build, summed over them (two
+    // series with the same labels would be a malformed exposition).
+    let mut by_build = BTreeMap::<String, usize>::new();
+    for (build, n) in depths {
+        *by_build.entry(build).or_default() += n;
+    }
+    let pool: Vec<(String, usize)> = by_build.into_iter().collect();
+    let mut body = platform().render(&[("running", running), ("paused", paused)], &pool);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    body.push_str(&platform::render_fleet(
+        &s.control.members().await,
+        &s.control.draining_nodes().await,
+        now,
+    ));
     (
         [(
             header::CONTENT_TYPE,

@@ -39,6 +39,15 @@ pub async fn run(data_dir: &Path, args: Args) -> anyhow::Result<()> {
     if !args.etcd.endpoints.is_empty() {
         return replica(data_dir, config, args, node_tls).await;
     }
+    if args.node.is_none() && !is_root() {
+        // The in-process node makes namespaces and nftables rules and runs QEMUs as their own
+        // uids: say what to do instead of failing somewhere inside it.
+        anyhow::bail!(
+            "`vmon api` without --node (VMON_NODE_URL) or --etcd (VMON_ETCD_ENDPOINTS) runs its \
+             node in-process, which needs root; as an unprivileged user (the packaged \
+             vmon-api.service) point it at a `vmon node` or a cluster, or run `vmon up` as root"
+        );
+    }
     let remote_node = match args.node {
         Some(url) => {
             let token = args
@@ -98,4 +107,9 @@ async fn replica(
         },
     )
     .await
+}
+
+fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() == 0 }
 }
