@@ -18,11 +18,13 @@ pub const HEARTBEAT: Duration = Duration::from_secs(2);
 /// A lost lease (etcd unreachable for a whole TTL) is granted anew: the cluster may have
 /// reported the node's sandboxes killed meanwhile, and the leader then kills what the node
 /// still runs without a record. On `cancel` the lease is left to expire, as after a crash:
-/// a node restarted within the TTL keeps its sandboxes.
-pub async fn register<F, Fut>(kv: Kv, id: String, info: F, cancel: CancellationToken)
+/// a node restarted within the TTL keeps its sandboxes. `renewed` is told when each heartbeat
+/// etcd accepted under the lease was sent (the node's [`crate::fence::Fence`]).
+pub async fn register<F, Fut, R>(kv: Kv, id: String, info: F, renewed: R, cancel: CancellationToken)
 where
     F: Fn() -> Fut + Send,
     Fut: Future<Output = NodeInfo> + Send,
+    R: Fn(tokio::time::Instant) + Send,
 {
     let key = format!("{NODES_PREFIX}{id}");
     while !cancel.is_cancelled() {
@@ -42,8 +44,10 @@ where
             let entry = info().await;
             match serde_json::to_vec(&entry) {
                 Ok(value) => {
-                    if let Err(e) = kv.write(Write::put(&key, value).lease(&lease)).await {
-                        tracing::warn!(error = %e, "node heartbeat failed");
+                    let sent = tokio::time::Instant::now();
+                    match kv.write(Write::put(&key, value).lease(&lease)).await {
+                        Ok(_) => renewed(sent),
+                        Err(e) => tracing::warn!(error = %e, "node heartbeat failed"),
                     }
                 }
                 Err(e) => tracing::warn!(error = %e, "encoding the node entry failed"),
@@ -175,6 +179,7 @@ mod tests {
                 let n = c.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                 async move { info(n) }
             },
+            |_| {},
             cancel.clone(),
         ));
         let mut seen = None;
