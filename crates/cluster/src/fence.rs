@@ -6,17 +6,17 @@
 //! So that nothing the cluster reported gone keeps running or writing, the node fences itself
 //! before that moment, on its own clock:
 //!
-//! * **Held**: the last heartbeat etcd accepted under the lease was sent less than the lease
-//!   TTL ago. Every call is served.
+//! * **Held**: the last lease refresh etcd acknowledged was sent less than the lease TTL ago
+//!   (etcd keeps the lease at least a TTL after it). Every call is served.
 //! * **Lapsed** (TTL to `grace + TTL/2`): the cluster may already see the node gone; its
 //!   sandboxes are untouched (their guests run, traffic flows) but it takes no new work
 //!   (starts, template builds, live migrations), which the cluster places elsewhere.
-//! * **Fenced** (from `grace + TTL/2`, and at once when a heartbeat is accepted after such a
-//!   gap, as after a SIGSTOP): the node stops every VM it runs and refuses every call that
-//!   changes a sandbox or writes the object store, until its VMs are stopped and a heartbeat
-//!   is accepted again. The cluster's own count ends no sooner than `TTL + grace` after that
-//!   last accepted heartbeat, so a node fences itself at least `TTL/2` before its sandboxes
-//!   are reported killed.
+//! * **Fenced** (from `grace + TTL/2`, and at once when a refresh comes after such a gap, as
+//!   after a SIGSTOP): the node stops every VM it runs and refuses every call that
+//!   changes a sandbox or writes the object store, until its VMs are stopped and a refresh
+//!   is seen again. The cluster's own count ends no sooner than `TTL + grace` after that last
+//!   acknowledged refresh, so a node fences itself at least `TTL/2` before its sandboxes are
+//!   reported killed.
 //!
 //! [`FencedNode`] puts the check in front of every call of the node contract; [`watch`] stops
 //! the VMs when the fence falls; [`Fence::writable`] is the object store's gate.
@@ -36,23 +36,23 @@ const IN_FLIGHT_WAIT: Duration = Duration::from_secs(60);
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Standing {
     Held,
-    /// No heartbeat accepted for this long (at least the lease TTL).
+    /// No refresh acknowledged for this long (at least the lease TTL).
     Lapsed(Duration),
     Fenced,
 }
 
 #[derive(Debug)]
 struct State {
-    /// When the last heartbeat etcd accepted under the lease was sent (the node's start
-    /// until the first).
+    /// When the last lease refresh etcd acknowledged was sent (the node's start until the
+    /// first).
     last: Instant,
-    /// The fence fell and has not been lifted (VMs stopped, then a heartbeat accepted).
+    /// The fence fell and has not been lifted (VMs stopped, then a refresh seen).
     fenced: bool,
     /// Every VM was stopped since the fence fell.
     stopped: bool,
 }
 
-/// A node's lease standing, fed by its heartbeats ([`Fence::renewed`]).
+/// A node's lease standing, fed by its lease's refreshes ([`Fence::renewed`]).
 #[derive(Debug)]
 pub struct Fence {
     node_id: String,
@@ -66,7 +66,7 @@ pub struct Fence {
 impl Fence {
     /// The fence of a node whose lease has `ttl`, in a cluster that waits `grace` after a
     /// lapse before reporting its sandboxes killed. It falls `grace + ttl/2` after the last
-    /// accepted heartbeat.
+    /// acknowledged refresh.
     pub fn new(node_id: impl Into<String>, ttl: Duration, grace: Duration) -> Arc<Fence> {
         Arc::new(Fence {
             node_id: node_id.into(),
@@ -86,14 +86,19 @@ impl Fence {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// A heartbeat sent at `sent` was accepted under the node's lease. One that follows the
-    /// previous by the fence's span or more fences first (the node was stalled: it may have
-    /// been reported gone while it could not tell), and lifts the fence only once its VMs
-    /// are stopped.
+    /// A refresh of the node's lease sent at `sent` was acknowledged (or a lease granted).
+    /// One that follows the previous by the fence's span or more fences first (the node was
+    /// stalled: it may have been reported gone while it could not tell); the fence is lifted
+    /// by one that comes once its VMs are stopped.
+    /// Told again of a refresh it knows (or an older one), it changes nothing.
     pub fn renewed(&self, sent: Instant) {
         let mut s = self.lock();
-        if sent.saturating_duration_since(s.last) >= self.after && !s.fenced {
-            tracing::error!(node_id = %self.node_id, gap_secs = sent.saturating_duration_since(s.last).as_secs(), "no heartbeat was accepted for longer than the fence allows (a stall?): fencing before serving again");
+        if sent <= s.last {
+            return;
+        }
+        let gap = sent - s.last;
+        if gap >= self.after && !s.fenced {
+            tracing::error!(node_id = %self.node_id, gap_secs = gap.as_secs(), "no lease refresh was acknowledged for longer than the fence allows (a stall?): fencing before serving again");
             s.fenced = true;
             s.stopped = false;
             self.wake.notify_one();
@@ -101,9 +106,7 @@ impl Fence {
             tracing::warn!(node_id = %self.node_id, "the lease is held again: the fence is lifted");
             s.fenced = false;
         }
-        if sent > s.last {
-            s.last = sent;
-        }
+        s.last = sent;
     }
 
     /// The standing at `now`.
@@ -158,7 +161,7 @@ impl Fence {
         }
     }
 
-    /// The time the fence falls unless a heartbeat is accepted first.
+    /// The time the fence falls unless a refresh is acknowledged first.
     fn deadline(&self) -> Instant {
         self.lock().last + self.after
     }
@@ -242,7 +245,7 @@ pub async fn watch(fence: Arc<Fence>, node: Arc<dyn NodeControl>, cancel: Cancel
             tracing::warn!(node_id = %fence.node_id, "fenced: every VM is stopped; serving again once the lease is held");
             continue;
         }
-        // Past the deadline with the VMs stopped, a heartbeat lifts the fence: look again
+        // Past the deadline with the VMs stopped, a refresh lifts the fence: look again
         // now and then.
         let deadline = fence.deadline();
         let now = Instant::now();

@@ -18,8 +18,9 @@ pub const HEARTBEAT: Duration = Duration::from_secs(2);
 /// A lost lease (etcd unreachable for a whole TTL) is granted anew: the cluster may have
 /// reported the node's sandboxes killed meanwhile, and the leader then kills what the node
 /// still runs without a record. On `cancel` the lease is left to expire, as after a crash:
-/// a node restarted within the TTL keeps its sandboxes. `renewed` is told when each heartbeat
-/// etcd accepted under the lease was sent (the node's [`crate::fence::Fence`]).
+/// a node restarted within the TTL keeps its sandboxes. `renewed` is told, every heartbeat,
+/// when the last lease refresh etcd acknowledged was sent (etcd keeps the lease, and so the
+/// entry, at least a TTL after it): the node's [`crate::fence::Fence`].
 pub async fn register<F, Fut, R>(kv: Kv, id: String, info: F, renewed: R, cancel: CancellationToken)
 where
     F: Fn() -> Fut + Send,
@@ -41,13 +42,14 @@ where
         tracing::info!(node_id = %id, lease = lease.id(), "node registered");
         let lost = lease.lost();
         loop {
+            if !lost.is_cancelled() {
+                renewed(lease.refreshed_at());
+            }
             let entry = info().await;
             match serde_json::to_vec(&entry) {
                 Ok(value) => {
-                    let sent = tokio::time::Instant::now();
-                    match kv.write(Write::put(&key, value).lease(&lease)).await {
-                        Ok(_) => renewed(sent),
-                        Err(e) => tracing::warn!(error = %e, "node heartbeat failed"),
+                    if let Err(e) = kv.write(Write::put(&key, value).lease(&lease)).await {
+                        tracing::warn!(error = %e, "node heartbeat failed");
                     }
                 }
                 Err(e) => tracing::warn!(error = %e, "encoding the node entry failed"),
