@@ -27,7 +27,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use vmon_proto::node::{NodeCall, NodeCalls, NodeControl, NodeError, NodeReply};
+use vmon_proto::node::{NodeCall, NodeControl, NodeError, NodeReply};
 
 /// How long the fence's stop waits for calls that were in flight when it fell.
 const IN_FLIGHT_WAIT: Duration = Duration::from_secs(60);
@@ -229,8 +229,12 @@ impl Drop for InFlight<'_> {
 #[async_trait::async_trait]
 impl NodeControl for FencedNode {
     async fn handle(&self, call: NodeCall) -> Result<NodeReply, NodeError> {
-        self.fence.in_flight.fetch_add(1, Ordering::SeqCst);
-        let _counted = InFlight(&self.fence.in_flight);
+        // Counted before the check, so that the fence's stop, which reads the count after it
+        // fell, waits for every such call it let in.
+        let _counted = (new_work(&call) || changes_a_sandbox(&call)).then(|| {
+            self.fence.in_flight.fetch_add(1, Ordering::SeqCst);
+            InFlight(&self.fence.in_flight)
+        });
         self.fence.admit(&call)?;
         self.inner.handle(call).await
     }

@@ -1,5 +1,5 @@
 use super::*;
-use vmon_proto::node::{Kill, ListRunning, MigrateCommit, Pause, Running};
+use vmon_proto::node::{Kill, ListRunning, MigrateCommit, NodeCalls, Pause, Running};
 
 const TTL: Duration = Duration::from_millis(400);
 const GRACE: Duration = Duration::from_millis(600);
