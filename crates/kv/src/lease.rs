@@ -127,12 +127,12 @@ async fn keep_alive(
     engine: Arc<dyn Engine>,
     id: LeaseId,
     ttl: Duration,
-    refreshed: Arc<std::sync::Mutex<Instant>>,
+    acked: Arc<std::sync::Mutex<Instant>>,
     lost: CancellationToken,
     stop: CancellationToken,
 ) {
     let interval = (ttl / 3).max(Duration::from_millis(100));
-    let mut acknowledged = *refreshed.lock().unwrap_or_else(|p| p.into_inner());
+    let mut acknowledged = *acked.lock().unwrap_or_else(|p| p.into_inner());
     loop {
         let next = Instant::now() + interval;
         tokio::select! {
@@ -158,7 +158,7 @@ async fn keep_alive(
             refreshed = tokio::time::timeout(interval, engine.keep_alive_once(id)) => match refreshed {
                 Ok(Ok(true)) => {
                     acknowledged = sent;
-                    *refreshed.lock().unwrap_or_else(|p| p.into_inner()) = sent;
+                    *acked.lock().unwrap_or_else(|p| p.into_inner()) = sent;
                 }
                 Ok(Ok(false)) => {
                     tracing::warn!(lease = id, "lease expired on the server");
