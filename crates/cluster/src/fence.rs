@@ -287,7 +287,10 @@ async fn kill_all(fence: &Fence, node: &dyn NodeControl) {
     };
     for r in running {
         tracing::warn!(node_id = %fence.node_id, sandbox_id = %r.sandbox_id, execution_id = %r.execution_id, "fenced: stopping the VM");
-        if let Err(e) = node.kill(r.sandbox_id.clone(), r.execution_id.clone()).await {
+        if let Err(e) = node
+            .kill(r.sandbox_id.clone(), r.execution_id.clone())
+            .await
+        {
             tracing::error!(node_id = %fence.node_id, sandbox_id = %r.sandbox_id, error = %e, "fenced, but killing the VM failed");
         }
     }

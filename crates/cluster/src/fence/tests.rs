@@ -53,7 +53,11 @@ fn a_heartbeat_after_a_stall_fences_until_the_vms_are_stopped() {
     assert_eq!(f.standing_at(back), Standing::Fenced);
     assert!(f.due());
     f.renewed(back + TTL / 4);
-    assert_eq!(f.standing_at(back + TTL / 4), Standing::Fenced, "not lifted before the stop");
+    assert_eq!(
+        f.standing_at(back + TTL / 4),
+        Standing::Fenced,
+        "not lifted before the stop"
+    );
     f.lock().stopped = true;
     assert!(!f.due());
     f.renewed(back + TTL / 2);
@@ -114,7 +118,10 @@ fn vm(id: &str) -> Running {
 #[tokio::test]
 async fn a_node_that_cannot_renew_stops_its_vms_on_its_own_and_serves_again_once_held() {
     let vms = Arc::new(Vms::default());
-    vms.0.lock().unwrap_or_else(|p| p.into_inner()).extend([vm("i1"), vm("i2")]);
+    vms.0
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .extend([vm("i1"), vm("i2")]);
     let f = Fence::new("n1", TTL, GRACE);
     f.renewed(Instant::now());
     let cancel = CancellationToken::new();
@@ -132,7 +139,10 @@ async fn a_node_that_cannot_renew_stops_its_vms_on_its_own_and_serves_again_once
     // Heartbeats accepted again: the fence is lifted.
     f.renewed(Instant::now());
     assert_eq!(f.standing(), Standing::Held);
-    assert!(matches!(served.handle(pause()).await, Err(NodeError::Failed(_))), "served again (by the inner node)");
+    assert!(
+        matches!(served.handle(pause()).await, Err(NodeError::Failed(_))),
+        "served again (by the inner node)"
+    );
     cancel.cancel();
     task.await.expect("watch");
 }
