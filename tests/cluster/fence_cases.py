@@ -1,4 +1,11 @@
-"""Fencing and partitions on the local cluster (docs/architecture.md, "Fencing: never two
+"""NOT YET IN CI (not collected: the name is not test_*.py): written in the time box of
+issue 39's fencing work and not run on a cluster yet. Run it with the fault ports on:
+
+    VMON_CLUSTER_TEST_FAULTS=1 .venv/bin/python -m pytest -q tests/cluster/fence_cases.py
+
+and rename it test_fence.py (and turn VMON_CLUSTER_TEST_FAULTS on in conftest.py) once green.
+
+Fencing and partitions on the local cluster (docs/architecture.md, "Fencing: never two
 copies"): a node's own fence, fed by its heartbeats, against a cut from etcd (nft drops,
 scripts/cluster.sh `cut`) and a stall (SIGSTOP). The lease is 10 s, the grace
 (VMON_NODE_GRACE_SECS) 20 s here, so a node fences itself 25 s after its last accepted
