@@ -68,6 +68,12 @@ impl Lease {
         *self.refreshed.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// A handle that reads [`Lease::refreshed_at`] from elsewhere (another task), for as long
+    /// as it is kept (after the lease ends it reads its last acknowledged refresh).
+    pub fn refreshes(&self) -> Refreshes {
+        Refreshes(self.refreshed.clone())
+    }
+
     /// The backend's lease id.
     pub fn id(&self) -> LeaseId {
         self.id
@@ -102,6 +108,17 @@ impl Lease {
     pub fn abandon(mut self) {
         self.revoke_on_drop = false;
         self.stop.cancel();
+    }
+}
+
+/// [`Lease::refreshed_at`] apart from the lease ([`Lease::refreshes`]).
+#[derive(Clone)]
+pub struct Refreshes(Arc<std::sync::Mutex<Instant>>);
+
+impl Refreshes {
+    /// When the last refresh the server acknowledged was sent.
+    pub fn at(&self) -> Instant {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
