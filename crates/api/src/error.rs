@@ -48,6 +48,21 @@ impl ApiError {
     pub fn unavailable(message: impl Into<String>) -> Self {
         Self::new(StatusCode::SERVICE_UNAVAILABLE, message)
     }
+    /// A failure of the records store, `what` failing: 503 when the database could not be
+    /// reached (the call wrote nothing; retry later or through another replica), else 500.
+    pub fn records(what: &str, e: &anyhow::Error) -> Self {
+        let unreachable = e.chain().any(|c| {
+            matches!(
+                c.downcast_ref::<vmon_store::StoreError>(),
+                Some(vmon_store::StoreError::Unavailable(_))
+            )
+        });
+        if unreachable {
+            Self::unavailable(format!("{what}: the record store is unreachable; retry"))
+        } else {
+            Self::internal(format!("{what}: {e:#}"))
+        }
+    }
     pub fn with_code(mut self, code: &'static str) -> Self {
         self.error_code = Some(code);
         self

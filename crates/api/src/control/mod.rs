@@ -540,7 +540,7 @@ pub(crate) fn kv_error(e: KvError) -> ApiError {
 }
 
 pub(crate) fn record_error(e: anyhow::Error) -> ApiError {
-    ApiError::internal(format!("the record store failed: {e:#}"))
+    ApiError::records("the record store failed", &e)
 }
 
 /// Timeouts arrive as signed integers; negative ones are a client error.

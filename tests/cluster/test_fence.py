@@ -1,15 +1,9 @@
-"""NOT YET IN CI (not collected: the name is not test_*.py): written in the time box of
-issue 39's fencing work and not run on a cluster yet. Run it with the fault ports on:
-
-    VMON_CLUSTER_TEST_FAULTS=1 .venv/bin/python -m pytest -q tests/cluster/fence_cases.py
-
-and rename it test_fence.py (and turn VMON_CLUSTER_TEST_FAULTS on in conftest.py) once green.
-
-Fencing and partitions on the local cluster (docs/architecture.md, "Fencing: never two
-copies"): a node's own fence, fed by its heartbeats, against a cut from etcd (nft drops,
-scripts/cluster.sh `cut`) and a stall (SIGSTOP). The lease is 10 s, the grace
-(VMON_NODE_GRACE_SECS) 20 s here, so a node fences itself 25 s after its last accepted
-heartbeat and the cluster reports its sandboxes killed no sooner than 30 s after it.
+"""Fencing and partitions on the local cluster (docs/architecture.md, "Fencing: never two
+copies"): a node's own fence, fed by its lease's acknowledged refreshes, against a cut from
+etcd (nft drops, scripts/cluster.sh `cut`) and a stall (SIGSTOP); an api replica cut from
+its stores. The lease is 10 s, the grace (VMON_NODE_GRACE_SECS) 20 s here, so a node fences
+itself 25 s after its last acknowledged refresh and the cluster reports its sandboxes killed
+no sooner than 30 s after it.
 
 A sandbox's QEMU is found by the tag its node recorded (`sandboxes/<id>/<run>/sandbox.json`)
 in the process's command line (`-name vmon-<tag>`), so that the tests look at processes, not
@@ -26,10 +20,11 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import httpx
 from e2b import Sandbox
 
 from conftest import DIR, wait_for
-from test_cluster import _events, _logged, _running_records
+from test_cluster import _all_vms, _events, _logged, _running_records
 
 
 def _qemu_tags(node: int, sandbox_id: str) -> set[str]:
@@ -167,3 +162,41 @@ def test_a_node_stalled_past_the_grace_fences_before_anything_else_when_it_wakes
     assert kinds.count("sandbox.lifecycle.killed") == 1 and kinds[-1] == "sandbox.lifecycle.killed", kinds
     assert sid not in _running_records(cluster)
     assert sid not in cluster.running_on(victim)
+
+
+def _timed(method: str, url: str, cluster, **kw) -> tuple[int, dict, float]:
+    """(status, JSON body, seconds) of one call with the team's key."""
+    t0 = time.monotonic()
+    r = httpx.request(method, url, headers={"X-API-Key": cluster.api_key}, timeout=60, **kw)
+    took = time.monotonic() - t0
+    try:
+        body = r.json()
+    except ValueError:
+        body = {"text": r.text}
+    return r.status_code, body, took
+
+
+def test_an_api_replica_cut_from_its_stores_answers_503_and_makes_nothing(cluster):
+    """api1 loses PostgreSQL and etcd: its calls answer 503 `{code, message}` within seconds
+    (the store's connection deadline), a create through it leaves no sandbox behind, api2
+    serves meanwhile, and api1 serves again once healed."""
+    before = {s.sandbox_id for s in Sandbox.list(api_url=cluster.api_b).next_items()}
+    with cluster.cut("api1", 60):
+        status, body, took = _timed("GET", f"{cluster.api_a}/sandboxes", cluster)
+        print(f"a list through the cut replica: {status} in {took:.1f}s")
+        assert status == 503 and body.get("code") == 503 and body.get("message"), (status, body)
+        assert took < 15, f"answered after {took:.1f}s"
+        status, body, took = _timed(
+            "POST", f"{cluster.api_a}/sandboxes", cluster, json={"templateID": "base", "timeout": 60}
+        )
+        print(f"a create through the cut replica: {status} in {took:.1f}s")
+        assert status == 503 and body.get("code") == 503, (status, body)
+        assert took < 15, f"answered after {took:.1f}s"
+        status, _, _ = _timed("GET", f"{cluster.api_b}/sandboxes", cluster)
+        assert status == 200, "the other replica serves meanwhile"
+    wait_for(
+        lambda: _timed("GET", f"{cluster.api_a}/sandboxes", cluster)[0] == 200, 60, 1, "api1 to serve again"
+    )
+    after = {s.sandbox_id for s in Sandbox.list(api_url=cluster.api_b).next_items()}
+    assert after == before, f"the cut replica's create left {after - before}"
+    assert not (_all_vms(cluster) - before), "no VM was started for it"
