@@ -1,4 +1,9 @@
-"""Fencing and partitions on the local cluster (docs/architecture.md, "Fencing: never two
+"""NOT COLLECTED YET (the name is not test_*.py): run 1 passed 4/4, run 2 failed the SIGSTOP
+case (its Sandbox.create got 404 "build ... was not found" right after the cut-past-the-grace
+case fenced the node holding the base build; cause not found yet). Run with
+`pytest -q tests/cluster/fence_cases.py` (the fault ports are on by default).
+
+Fencing and partitions on the local cluster (docs/architecture.md, "Fencing: never two
 copies"): a node's own fence, fed by its lease's acknowledged refreshes, against a cut from
 etcd (nft drops, scripts/cluster.sh `cut`) and a stall (SIGSTOP); an api replica cut from
 its stores. The lease is 10 s, the grace (VMON_NODE_GRACE_SECS) 20 s here, so a node fences
