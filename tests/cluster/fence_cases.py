@@ -1,7 +1,7 @@
 """NOT COLLECTED YET (the name is not test_*.py): run 1 passed 4/4, run 2 failed the SIGSTOP
 case (its Sandbox.create got 404 "build ... was not found" right after the cut-past-the-grace
 case fenced the node holding the base build; cause not found yet). Run with
-`pytest -q tests/cluster/fence_cases.py` (the fault ports are on by default).
+`VMON_CLUSTER_TEST_FAULTS=1 pytest -q tests/cluster/fence_cases.py`.
 
 Fencing and partitions on the local cluster (docs/architecture.md, "Fencing: never two
 copies"): a node's own fence, fed by its lease's acknowledged refreshes, against a cut from
