@@ -9,6 +9,9 @@
 #   scripts/cluster.sh down          # stops every part (and the nodes' VMs)
 #   scripts/cluster.sh start NAME    # (re)starts one part: etcd1..3 pg garage node1 node2 api1 api2 proxy proxy2
 #   scripts/cluster.sh kill NAME     # kill -9 of one part (chaos tests)
+#   scripts/cluster.sh cut PART SECS # (faults on) PART (node1 node2 api1 api2) loses etcd and
+#                                    # PostgreSQL for SECS seconds (packets dropped, no refusal)
+#   scripts/cluster.sh heal PART     # ends PART's cut now
 #
 # VMON_CLUSTER_DIR (default /var/tmp/vmon-cluster) keeps every part's state and log
 # (logs/NAME.log) and pid (pids/NAME.pid); VMON_CLUSTER_PORT (default 3300) is the first of the
@@ -27,6 +30,14 @@
 # only; each node's certificate names its id (node1.node.vmon), which the api replicas and the
 # other nodes check against the registry entry's id (vmon_node::tls::node_name), so an entry
 # pointing elsewhere gets neither calls nor the node token.
+#
+# VMON_CLUSTER_FAULTS=1 (given to `up`, remembered like VMON_CLUSTER_TLS) lets the harness
+# partition a part from the cluster's stores on this one loopback: each client part (node1,
+# node2, api1, api2) reaches etcd and PostgreSQL through ports of its own (PORT+60+10*c+m,
+# c = 0..3 in that order, m = 1..3 the etcd members, 4 PostgreSQL) that an nft table
+# (`ip vmon-cluster-PORT`) maps to the real ones; `cut` drops the part's packets to them for a
+# bounded time (set elements with a timeout: the kernel undoes the cut even if the harness
+# dies), and `down` deletes the table.
 #
 # VMON_CLUSTER_TLS=1 (given to `up`, remembered for later commands; `up` with 0 turns it off)
 # also runs the api replicas (and with them the admin token the proxy presents) and
@@ -50,11 +61,9 @@ PG_PORT=$((P + 40))
 TLS_DIR=$DIR/tls
 if [ -n "${VMON_CLUSTER_TLS:-}" ]; then TLS=$VMON_CLUSTER_TLS; elif [ -f "$TLS_DIR/on" ]; then TLS=1; else TLS=0; fi
 [ "$TLS" = 1 ] && SCHEME=https || SCHEME=http
+if [ -n "${VMON_CLUSTER_FAULTS:-}" ]; then FAULTS=$VMON_CLUSTER_FAULTS; elif [ -f "$DIR/faults-on" ]; then FAULTS=1; else FAULTS=0; fi
+NFT_TABLE="vmon-cluster-$P"
 ETCD_ENDPOINTS="https://127.0.0.1:$((P + 31)),https://127.0.0.1:$((P + 33)),https://127.0.0.1:$((P + 35))"
-STORE_URL="postgres://postgres@127.0.0.1:$PG_PORT/postgres"
-if [ "$TLS" = 1 ]; then
-  STORE_URL+="?sslmode=verify-full&sslrootcert=$TLS_DIR/ca.pem"
-fi
 
 vmon_bin() {
   if [ -n "${VMON_BIN:-}" ]; then echo "$VMON_BIN"; else echo "$ROOT/target/release/vmon"; fi
@@ -125,10 +134,84 @@ make_certs() {
   chown postgres:postgres "$TLS_DIR/pg.key"
 }
 
+# client_index PART: a client part's place in the fault ports (empty for other parts).
+client_index() {
+  case "$1" in node1) echo 0 ;; node2) echo 1 ;; api1) echo 2 ;; api2) echo 3 ;; esac
+}
+
+# store_port PART M REAL: the port PART reaches store M (1..3 etcd members, 4 PostgreSQL) at:
+# its own fault port with faults on, else REAL.
+store_port() {
+  local c
+  c=$(client_index "$1")
+  if [ "$FAULTS" = 1 ] && [ -n "$c" ]; then echo $((P + 60 + 10 * c + $2)); else echo "$3"; fi
+}
+
 # etcd_client PART: the environment of a process that is a client of the cluster's etcd.
 etcd_client() {
-  echo "VMON_ETCD_ENDPOINTS=$ETCD_ENDPOINTS" "VMON_ETCD_CA_FILE=$TLS_DIR/ca.pem" \
+  local eps="" m
+  for m in 1 2 3; do
+    eps+="https://127.0.0.1:$(store_port "$1" "$m" $((P + 29 + 2 * m))),"
+  done
+  echo "VMON_ETCD_ENDPOINTS=${eps%,}" "VMON_ETCD_CA_FILE=$TLS_DIR/ca.pem" \
     "VMON_ETCD_CERT_FILE=$TLS_DIR/$1.pem" "VMON_ETCD_KEY_FILE=$TLS_DIR/$1.key"
+}
+
+# store_url PART: the PostgreSQL URL of PART.
+store_url() {
+  local url
+  url="postgres://postgres@127.0.0.1:$(store_port "$1" 4 "$PG_PORT")/postgres"
+  if [ "$TLS" = 1 ]; then url+="?sslmode=verify-full&sslrootcert=$TLS_DIR/ca.pem"; fi
+  echo "$url"
+}
+
+# faults_table: the nft table that maps every client part's fault ports to the real ones and
+# drops what `cut` put in its set (made anew: no cut survives it).
+faults_table() {
+  local c m real rules=""
+  for c in 0 1 2 3; do
+    for m in 1 2 3 4; do
+      if [ "$m" = 4 ]; then real=$PG_PORT; else real=$((P + 29 + 2 * m)); fi
+      rules+="    ip daddr 127.0.0.1 tcp dport $((P + 60 + 10 * c + m)) dnat to 127.0.0.1:$real"$'\n'
+    done
+  done
+  nft delete table ip "$NFT_TABLE" 2>/dev/null || true
+  nft -f - <<EOF
+table ip $NFT_TABLE {
+  set cut {
+    type inet_service
+    flags timeout
+  }
+  chain drop_cut {
+    type filter hook output priority -150; policy accept;
+    ip daddr 127.0.0.1 tcp dport @cut drop
+  }
+  chain to_stores {
+    type nat hook output priority -100; policy accept;
+$rules  }
+}
+EOF
+}
+
+# cut_part PART SECS: PART's packets to etcd and PostgreSQL are dropped for SECS seconds.
+cut_part() {
+  local c m elems=""
+  c=$(client_index "$1")
+  if [ "$FAULTS" != 1 ] || [ -z "$c" ]; then
+    echo "cut: faults are off (VMON_CLUSTER_FAULTS=1 at up) or $1 is not node1 node2 api1 api2" >&2
+    return 2
+  fi
+  for m in 1 2 3 4; do elems+="$((P + 60 + 10 * c + m)) timeout ${2}s, "; done
+  nft add element ip "$NFT_TABLE" cut "{ ${elems%, } }"
+}
+
+heal_part() {
+  local c m
+  c=$(client_index "$1")
+  [ -n "$c" ] || return 2
+  for m in 1 2 3 4; do
+    nft delete element ip "$NFT_TABLE" cut "{ $((P + 60 + 10 * c + m)) }" 2>/dev/null || true
+  done
 }
 
 wait_port() {
@@ -233,7 +316,7 @@ start_api() {
   run "api$i" env VMON_API_LISTEN="127.0.0.1:$port" VMON_API_URL="$SCHEME://127.0.0.1:$port" \
     VMON_API_TLS_CERT="$cert" VMON_API_TLS_KEY="$key" VMON_VOLUME_STORE="$vstore" \
     VMON_PROXY_LISTEN="127.0.0.1:$PROXY_PORT" VMON_CLIENT_ID="api$i" \
-    VMON_STORE_URL="$STORE_URL" VMON_NODE_TOKEN="$(node_token)" $(etcd_client "api$i") \
+    VMON_STORE_URL="$(store_url "api$i")" VMON_NODE_TOKEN="$(node_token)" $(etcd_client "api$i") \
     "$(vmon_bin)" --data-dir "$DIR/api" api --node-ca "$TLS_DIR/ca.pem"
 }
 
@@ -278,6 +361,7 @@ stop_all() {
     kill -KILL -- "-$pid" 2>/dev/null || true
     rm -f "$f"
   done
+  nft delete table ip "$NFT_TABLE" 2>/dev/null || true
   if [ -x scripts/garage-dev.sh ]; then
     scripts/garage-dev.sh stop "$DIR/garage" 2>/dev/null || true
   fi
@@ -354,6 +438,12 @@ up() {
   fi
   make_certs
   if [ "$TLS" = 1 ]; then touch "$TLS_DIR/on"; else rm -f "$TLS_DIR/on"; fi
+  if [ "$FAULTS" = 1 ]; then
+    touch "$DIR/faults-on"
+    faults_table
+  else
+    rm -f "$DIR/faults-on"
+  fi
   echo "vmon cluster: guest image (cached in $IMAGES)" >&2
   "$(vmon_bin)" --data-dir "$DIR/build" image build >&2
   for i in 1 2 3; do alive "etcd$i" || start_etcd "$i"; done
@@ -394,5 +484,7 @@ case "${1:-up}" in
     if alive "$2"; then kill -KILL -- "-$(cat "$DIR/pids/$2.pid")" 2>/dev/null || true; fi
     ;;
   env) exports ;;
-  *) echo "usage: $0 up [--detach] | down | start NAME | kill NAME | env" >&2; exit 2 ;;
+  cut) cut_part "$2" "$3" ;;
+  heal) heal_part "$2" ;;
+  *) echo "usage: $0 up [--detach] | down | start NAME | kill NAME | cut PART SECS | heal PART | env" >&2; exit 2 ;;
 esac

@@ -49,6 +49,21 @@ impl ApiError {
     pub fn unavailable(message: impl Into<String>) -> Self {
         Self::new(StatusCode::SERVICE_UNAVAILABLE, message)
     }
+    /// A failure of the records store, `what` failing: 503 when the database could not be
+    /// reached (the call wrote nothing; retry later or through another replica), else 500.
+    pub fn records(what: &str, e: &anyhow::Error) -> Self {
+        let unreachable = e.chain().any(|c| {
+            matches!(
+                c.downcast_ref::<vmon_store::StoreError>(),
+                Some(vmon_store::StoreError::Unavailable(_))
+            )
+        });
+        if unreachable {
+            Self::unavailable(format!("{what}: the record store is unreachable; retry"))
+        } else {
+            Self::internal(format!("{what}: {e:#}"))
+        }
+    }
     pub fn with_code(mut self, code: &'static str) -> Self {
         self.error_code = Some(code);
         self
@@ -84,6 +99,10 @@ impl IntoResponse for ApiError {
 impl From<ControlError> for ApiError {
     fn from(e: ControlError) -> Self {
         use ControlError as E;
+        if let E::Records(inner) = &e {
+            // An unreachable PostgreSQL is a 503 (retry), any other store failure a 500.
+            return Self::records("the record store failed", inner);
+        }
         let status = match &e {
             E::Invalid(_) => StatusCode::BAD_REQUEST,
             E::BadSignature(_) => StatusCode::UNAUTHORIZED,

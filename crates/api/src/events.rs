@@ -173,7 +173,7 @@ impl From<WebhookStats> for StatsView {
 }
 
 fn record_error(e: anyhow::Error) -> ApiError {
-    ApiError::internal(format!("the record store failed: {e:#}"))
+    ApiError::records("the record store failed", &e)
 }
 
 /// `offset`, `limit` (1–100, default 10), `orderAsc`, `types` (repeated or comma-separated).

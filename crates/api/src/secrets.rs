@@ -92,7 +92,7 @@ pub struct UpdateSecretRequest {
 }
 
 fn record_error(e: anyhow::Error) -> ApiError {
-    ApiError::internal(format!("the records store failed: {e:#}"))
+    ApiError::records("the record store failed", &e)
 }
 
 /// A JSON body of at most [`MAX_BODY`] bytes; the parse error never quotes the body (it may

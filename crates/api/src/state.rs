@@ -43,7 +43,7 @@ impl FromRequestParts<AppState> for Auth {
             .records()
             .team_by_key_hash(&ids::hash_key(key))
             .await
-            .map_err(|e| ApiError::internal(format!("looking up the API key failed: {e:#}")))?
+            .map_err(|e| ApiError::records("looking up the API key failed", &e))?
             .ok_or_else(|| ApiError::unauthorized("invalid API key"))?;
         Ok(Auth(team))
     }

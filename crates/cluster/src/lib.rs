@@ -7,7 +7,10 @@
 //!   are placed ([`placement`]); every other call goes to the node that runs the sandbox or
 //!   holds the build. It also implements [`vmon_proto::cluster::Cluster`], the leader's view
 //!   for reporting a dead node's sandboxes killed.
+//! * [`fence`]: a node that cannot show its lease takes no new work, and past the grace
+//!   stops its VMs and writes nothing, before the cluster reports its sandboxes killed.
 
+pub mod fence;
 pub mod nodes;
 pub mod placement;
 mod reach;

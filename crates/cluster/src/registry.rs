@@ -18,12 +18,18 @@ pub const HEARTBEAT: Duration = Duration::from_secs(2);
 /// A lost lease (etcd unreachable for a whole TTL) is granted anew: the cluster may have
 /// reported the node's sandboxes killed meanwhile, and the leader then kills what the node
 /// still runs without a record. On `cancel` the lease is left to expire, as after a crash:
-/// a node restarted within the TTL keeps its sandboxes.
-pub async fn register<F, Fut>(kv: Kv, id: String, info: F, cancel: CancellationToken)
+/// a node restarted within the TTL keeps its sandboxes. `renewed` is told, every
+/// [`FEED`], when the last lease refresh etcd acknowledged was sent (etcd keeps the lease,
+/// and so the entry, at least a TTL after it): the node's [`crate::fence::Fence`]. It is
+/// told from a task of its own, so that a heartbeat put slow under load never makes the
+/// lease look older than it is.
+pub async fn register<F, Fut, R>(kv: Kv, id: String, info: F, renewed: R, cancel: CancellationToken)
 where
     F: Fn() -> Fut + Send,
     Fut: Future<Output = NodeInfo> + Send,
+    R: Fn(tokio::time::Instant) + Send + Sync + 'static,
 {
+    let renewed = std::sync::Arc::new(renewed);
     let key = format!("{NODES_PREFIX}{id}");
     while !cancel.is_cancelled() {
         let lease = match kv.grant_lease(NODE_TTL).await {
@@ -38,6 +44,11 @@ where
         };
         tracing::info!(node_id = %id, lease = lease.id(), "node registered");
         let lost = lease.lost();
+        let _feed = Feed(tokio::spawn(feed(
+            lease.refreshes(),
+            renewed.clone(),
+            lost.clone(),
+        )));
         loop {
             let entry = info().await;
             match serde_json::to_vec(&entry) {
@@ -60,6 +71,32 @@ where
                 _ = tokio::time::sleep(HEARTBEAT) => {}
             }
         }
+    }
+}
+
+/// How often the fence is told of the lease's last acknowledged refresh.
+pub const FEED: Duration = Duration::from_millis(250);
+
+/// Tells `renewed` of the lease's acknowledged refreshes until the lease is lost.
+async fn feed<R>(refreshes: vmon_kv::Refreshes, renewed: std::sync::Arc<R>, lost: CancellationToken)
+where
+    R: Fn(tokio::time::Instant) + Send + Sync + 'static,
+{
+    while !lost.is_cancelled() {
+        renewed(refreshes.at());
+        tokio::select! {
+            _ = lost.cancelled() => return,
+            _ = tokio::time::sleep(FEED) => {}
+        }
+    }
+}
+
+/// Ends the feed with the lease it reads.
+struct Feed(tokio::task::JoinHandle<()>);
+
+impl Drop for Feed {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 
@@ -176,6 +213,7 @@ mod tests {
                 let n = c.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                 async move { info(n) }
             },
+            |_| {},
             cancel.clone(),
         ));
         let mut seen = None;

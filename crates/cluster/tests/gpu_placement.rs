@@ -154,6 +154,7 @@ async fn starts_go_where_the_gpus_are_free() {
                 }
                 async move { e }
             },
+            |_| {},
             cancel.clone(),
         ));
     }

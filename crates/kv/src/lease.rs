@@ -22,6 +22,8 @@ pub struct Lease {
     stop: CancellationToken,
     engine: Arc<dyn Engine>,
     revoke_on_drop: bool,
+    /// When the last refresh the server acknowledged was sent.
+    refreshed: Arc<std::sync::Mutex<Instant>>,
 }
 
 impl std::fmt::Debug for Lease {
@@ -40,11 +42,12 @@ impl Lease {
         let id = engine.grant(ttl).await?;
         let lost = CancellationToken::new();
         let stop = CancellationToken::new();
+        let refreshed = Arc::new(std::sync::Mutex::new(sent));
         tokio::spawn(keep_alive(
             engine.clone(),
             id,
             ttl,
-            sent,
+            refreshed.clone(),
             lost.clone(),
             stop.clone(),
         ));
@@ -55,7 +58,20 @@ impl Lease {
             stop,
             engine,
             revoke_on_drop: true,
+            refreshed,
         })
+    }
+
+    /// When the last refresh the server acknowledged was sent (the grant's request before the
+    /// first): the server keeps the lease at least until this plus its TTL.
+    pub fn refreshed_at(&self) -> Instant {
+        *self.refreshed.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A handle that reads [`Lease::refreshed_at`] from elsewhere (another task), for as long
+    /// as it is kept (after the lease ends it reads its last acknowledged refresh).
+    pub fn refreshes(&self) -> Refreshes {
+        Refreshes(self.refreshed.clone())
     }
 
     /// The backend's lease id.
@@ -95,6 +111,17 @@ impl Lease {
     }
 }
 
+/// [`Lease::refreshed_at`] apart from the lease ([`Lease::refreshes`]).
+#[derive(Clone)]
+pub struct Refreshes(Arc<std::sync::Mutex<Instant>>);
+
+impl Refreshes {
+    /// When the last refresh the server acknowledged was sent.
+    pub fn at(&self) -> Instant {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
 impl Drop for Lease {
     fn drop(&mut self) {
         self.stop.cancel();
@@ -117,12 +144,12 @@ async fn keep_alive(
     engine: Arc<dyn Engine>,
     id: LeaseId,
     ttl: Duration,
-    granted_at: Instant,
+    acked: Arc<std::sync::Mutex<Instant>>,
     lost: CancellationToken,
     stop: CancellationToken,
 ) {
     let interval = (ttl / 3).max(Duration::from_millis(100));
-    let mut acknowledged = granted_at;
+    let mut acknowledged = *acked.lock().unwrap_or_else(|p| p.into_inner());
     loop {
         let next = Instant::now() + interval;
         tokio::select! {
@@ -146,7 +173,10 @@ async fn keep_alive(
             // One attempt may hang on a member that lost its leader; give up on it after an
             // interval and try again (likely through another member) while the TTL lasts.
             refreshed = tokio::time::timeout(interval, engine.keep_alive_once(id)) => match refreshed {
-                Ok(Ok(true)) => acknowledged = sent,
+                Ok(Ok(true)) => {
+                    acknowledged = sent;
+                    *acked.lock().unwrap_or_else(|p| p.into_inner()) = sent;
+                }
                 Ok(Ok(false)) => {
                     tracing::warn!(lease = id, "lease expired on the server");
                     lost.cancel();

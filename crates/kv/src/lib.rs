@@ -73,7 +73,7 @@ use tokio_util::sync::CancellationToken;
 use engine::{Cmp, Engine, Op};
 
 pub use idempotency::{IdempotencyOutcome, IdempotencyRecord};
-pub use lease::Lease;
+pub use lease::{Lease, Refreshes};
 pub use lock::{Fence, LeaderInfo, Leadership, LockGuard};
 
 /// A store revision: grows with every write, never reused.

@@ -126,7 +126,12 @@ pub struct Store {
     dir: PathBuf,
     /// One upload at a time: later builds then find their parents' objects already there.
     uploads: tokio::sync::Semaphore,
+    /// Asked before every write (in a cluster, the node's fence): an `Err` refuses it.
+    gate: std::sync::OnceLock<WriteGate>,
 }
+
+/// Whether the store may be written now; `Err` says why not.
+pub type WriteGate = std::sync::Arc<dyn Fn() -> Result<(), String> + Send + Sync>;
 
 impl std::fmt::Debug for Store {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -148,7 +153,21 @@ impl Store {
             s3: ObjectStore::new(cfg)?,
             dir,
             uploads: tokio::sync::Semaphore::new(1),
+            gate: std::sync::OnceLock::new(),
         })
+    }
+
+    /// Puts `gate` before every write from now on (once; a later gate is ignored).
+    pub fn set_write_gate(&self, gate: WriteGate) {
+        let _ = self.gate.set(gate);
+    }
+
+    /// Whether the store may be written now (the gate, when there is one).
+    fn may_write(&self) -> anyhow::Result<()> {
+        match self.gate.get() {
+            Some(g) => g().map_err(|m| anyhow::anyhow!(m)),
+            None => Ok(()),
+        }
     }
 
     pub fn objects(&self) -> &ObjectStore {
@@ -242,6 +261,7 @@ impl Store {
             let sum = match self.s3.head(&key).await? {
                 Some(_) => self.artifact_sum(name, &path).await?,
                 None => {
+                    self.may_write()?;
                     let (size, sha256) = self
                         .s3
                         .put_file(&key, &path)
@@ -265,6 +285,7 @@ impl Store {
                 let sum = self.rootfs_sum(path).await?;
                 let key = rootfs_key(&sum.sha256);
                 if self.s3.head(&key).await?.is_none() {
+                    self.may_write()?;
                     let (_, sha) = self.s3.put_file(&key, path).await?;
                     if sha != sum.sha256 {
                         let _ = self.s3.delete(&key).await;
@@ -281,6 +302,9 @@ impl Store {
             rootfs: rootfs_sum,
             uploaded_unix: now_unix(),
         };
+        // The manifest makes the build usable elsewhere: the last word of a fenced node is
+        // never it.
+        self.may_write()?;
         self.s3
             .put_bytes(
                 &manifest_key(&rec.id),
@@ -356,6 +380,7 @@ impl Store {
 
     /// Deletes `id`'s manifest (its objects go with the next [`Store::collect`]).
     pub async fn delete_manifest(&self, id: &str) -> anyhow::Result<()> {
+        self.may_write()?;
         self.s3.delete(&manifest_key(id)).await?;
         let _ = std::fs::remove_file(self.stored_path(id));
         Ok(())
@@ -390,6 +415,7 @@ impl Store {
             for o in self.s3.list(prefix).await? {
                 let old = o.modified_unix.is_some_and(|t| t <= cutoff);
                 if old && !named.contains(&o.key) {
+                    self.may_write()?;
                     self.s3.delete(&o.key).await?;
                     deleted.push(o.key);
                 }

@@ -69,7 +69,7 @@ fn enabled(s: &AppState) -> ApiResult<&Arc<Volumes>> {
 }
 
 fn record_error(e: anyhow::Error) -> ApiError {
-    ApiError::internal(format!("the records store failed: {e:#}"))
+    ApiError::records("the record store failed", &e)
 }
 
 /// A volume id as infra checks it: a UUID, else 400.

@@ -291,6 +291,28 @@ fn restore_init(spec: &StartSpec, rec: &BuildRecord) -> InitRequest {
     }
 }
 
+/// [`probe_qmp`] up to three times while it times out: on a loaded host a fresh QEMU can
+/// miss the QMP deadline, and a node that then fails to start (a restart after a crash) leaves
+/// its surviving sandboxes unserved. A probe that answers is never retried.
+async fn probe_qmp_patiently(qemu: &Path, dir: &Path) -> anyhow::Result<()> {
+    let mut attempt = 1;
+    loop {
+        match probe_qmp(qemu, dir).await {
+            Err(e)
+                if attempt < 3
+                    && matches!(
+                        e.downcast_ref::<vmon_vm::QmpError>(),
+                        Some(vmon_vm::QmpError::Timeout(_))
+                    ) =>
+            {
+                tracing::warn!(attempt, error = %e, "the QMP probe timed out (a loaded host?); probing again");
+                attempt += 1;
+            }
+            other => return other,
+        }
+    }
+}
+
 /// Checks that `qemu` offers what snapshots need, with a throwaway machine-less process.
 pub async fn probe_qmp(qemu: &Path, dir: &Path) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir)?;
@@ -347,7 +369,7 @@ impl Node {
         let accel = vmon_vm::probe_accel(cfg.accel).map_err(|e| anyhow::anyhow!(e))?;
         tracing::info!(accel = accel.accel.as_str(), reason = %accel.reason, "accelerator");
         let qemu_version = qemu_version(&cfg.qemu_binary)?;
-        probe_qmp(&cfg.qemu_binary, &cfg.data_dir.join("run")).await?;
+        probe_qmp_patiently(&cfg.qemu_binary, &cfg.data_dir.join("run")).await?;
         let envd = match &cfg.envd_binary {
             Some(p) => p.clone(),
             None => std::env::current_exe()?.with_file_name("envd"),

@@ -321,4 +321,11 @@ impl Node {
     pub fn object_store(&self) -> Option<&vmon_objstore::ObjectStore> {
         self.store.as_ref().map(|s| s.objects())
     }
+
+    /// Puts `gate` before every write to the object store (in a cluster, the node's fence).
+    pub fn set_store_gate(&self, gate: crate::store::WriteGate) {
+        if let Some(store) = &self.store {
+            store.set_write_gate(gate);
+        }
+    }
 }

@@ -101,6 +101,11 @@ struct ClusterArgs {
     /// directly (default: the hostname).
     #[arg(long, env = "VMON_NODE_HOST")]
     host: Option<String>,
+    /// The cluster's grace for a node whose lease lapsed (the api replicas' `node_grace_secs`,
+    /// the same variable): this node fences itself (stops its VMs, writes nothing) once it
+    /// has had no lease for the grace plus half the lease TTL.
+    #[arg(long, env = "VMON_NODE_GRACE_SECS", default_value_t = 300)]
+    grace_secs: u64,
 }
 
 pub async fn run(data_dir: &Path, args: Args) -> anyhow::Result<()> {
@@ -177,8 +182,12 @@ async fn serve(data_dir: &Path, args: RunArgs) -> anyhow::Result<()> {
         let _ = tokio::signal::ctrl_c().await;
         c.cancel();
     });
+    let mut served: Arc<dyn vmon_proto::node::NodeControl> = node.clone();
     if !args.cluster.etcd.endpoints.is_empty() {
-        join_cluster(data_dir, &args, scheme, node.clone(), cancel.clone()).await?;
+        let fence = join_cluster(data_dir, &args, scheme, node.clone(), cancel.clone()).await?;
+        // Every call passes the fence: a node without its lease takes no new work, and past
+        // the grace changes nothing.
+        served = vmon_cluster::fence::FencedNode::new(served, fence);
     }
     println!(
         "vmon node listening on {scheme}://{} (token in {})",
@@ -192,7 +201,6 @@ async fn serve(data_dir: &Path, args: RunArgs) -> anyhow::Result<()> {
     if node.object_store().is_some() {
         tokio::spawn(collect_store_hourly(node.clone(), cancel.clone()));
     }
-    let served: Arc<dyn vmon_proto::node::NodeControl> = node.clone();
     let channels: Arc<dyn vmon_node::channel::Channels> = node.clone();
     vmon_node::rpc::serve_node(listener, served, Some(channels), token, tls, cancel).await?;
     node.drain_pool().await;
@@ -222,14 +230,16 @@ async fn collect_store_hourly(
     }
 }
 
-/// Registers the node in etcd and keeps its entry fresh until `cancel`.
+/// Registers the node in etcd and keeps its entry fresh until `cancel`; returns the node's
+/// fence, fed by the heartbeats, which stops its VMs when it falls and gates its writes to
+/// the object store.
 async fn join_cluster(
     data_dir: &Path,
     args: &RunArgs,
     scheme: &str,
     node: Arc<vmon_node::Node>,
     cancel: tokio_util::sync::CancellationToken,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<Arc<vmon_cluster::fence::Fence>> {
     use vmon_proto::node::NodeCalls;
     let c = &args.cluster;
     if scheme != "https" || args.node_ca.is_none() {
@@ -258,6 +268,18 @@ async fn join_cluster(
     }
     let ingress_url = c.ingress.clone();
     let host = c.host.clone().unwrap_or_else(|| facts.hostname.clone());
+    let fence = vmon_cluster::fence::Fence::new(
+        id.clone(),
+        vmon_cluster::registry::NODE_TTL,
+        std::time::Duration::from_secs(c.grace_secs),
+    );
+    let gate = fence.clone();
+    node.set_store_gate(Arc::new(move || gate.writable()));
+    tokio::spawn(vmon_cluster::fence::watch(
+        fence.clone(),
+        node.clone(),
+        cancel.clone(),
+    ));
     let dir = data_dir.to_path_buf();
     let node_id = id.clone();
     let info = move || {
@@ -299,8 +321,15 @@ async fn join_cluster(
         "vmon node {id} joins the cluster at {}",
         c.etcd.endpoints.join(",")
     );
-    tokio::spawn(vmon_cluster::registry::register(kv, id, info, cancel));
-    Ok(())
+    let renew = fence.clone();
+    tokio::spawn(vmon_cluster::registry::register(
+        kv,
+        id,
+        info,
+        move |sent| renew.renewed(sent),
+        cancel,
+    ));
+    Ok(fence)
 }
 
 /// An id kept in `path`, made on first use.
