@@ -656,6 +656,12 @@ impl Node {
         envd_client::run(addr, token.as_deref(), user, cmd, timeout).await
     }
 
+    /// Marks `groups` held by sandbox `sandbox_id` as a GPU sandbox's are (tests of the release
+    /// paths on hosts without GPUs, where no QEMU can be given a device).
+    pub fn hold_gpus(&self, sandbox_id: &str, groups: &[u32]) {
+        self.gpus.hold(sandbox_id, groups);
+    }
+
     /// Kills a sandbox's QEMU without telling it (tests of crash recovery).
     pub async fn crash_vm(&self, sandbox_id: &str) -> Result<u32, NodeError> {
         let live = self.live(sandbox_id)?;
