@@ -11,6 +11,7 @@ pub mod admin;
 pub mod config;
 pub mod control;
 pub mod dashboard;
+pub mod desktop;
 pub mod error;
 pub mod events;
 pub mod http;

@@ -8,7 +8,7 @@
 //! client goes away.
 
 mod builtin;
-pub use builtin::CODE_INTERPRETER;
+pub use builtin::{builtin, Builtin, CODE_INTERPRETER};
 mod checkpoint;
 mod cluster;
 mod collect;

@@ -42,6 +42,12 @@ impl Node {
         // From an OCI image: its rootfs made into a disk first (in the build's run dir, moved
         // into the artifacts by the boot).
         let mut disk_mb = image.manifest.disk_mb.max(spec.disk_mb);
+        if spec.image.is_some() && spec.layer.is_some() {
+            return Err(NodeError::InvalidArgument(
+                "a template boots an OCI image or a layer, not both".into(),
+            ));
+        }
+        // From an OCI image or one of the node's layers: a raw disk in the run dir.
         let oci_disk = match &spec.image {
             Some(oci) => {
                 let path = dir.join("rootfs.img");
@@ -56,7 +62,22 @@ impl Node {
                 tracing::info!(build = %spec.build_id, secs = t0.elapsed().as_secs_f64(), "image pulled and made into a disk");
                 Some(path)
             }
-            None => None,
+            None => match spec.layer.as_deref() {
+                Some(layer) => {
+                    std::fs::create_dir_all(&dir).map_err(|e| err(e.into()))?;
+                    match self.layer_disk(layer, image, &dir).await {
+                        Ok((path, mb)) => {
+                            disk_mb = mb.max(spec.disk_mb);
+                            Some(path)
+                        }
+                        Err(e) => {
+                            let _ = std::fs::remove_dir_all(&dir);
+                            return Err(e);
+                        }
+                    }
+                }
+                None => None,
+            },
         };
         let disk = match &oci_disk {
             Some(p) => BootDisk::NewRaw(p),

@@ -522,6 +522,7 @@ async fn bench_template(node: &Node, memory_mb: u32) -> anyhow::Result<String> {
         warm_request: None,
         env_vars: Default::default(),
         image: None,
+        layer: None,
     })
     .await?;
     Ok(tpl)
