@@ -62,7 +62,7 @@ fn route_of(rec: &SandboxRecord) -> SandboxRoute {
     }
 }
 
-/// Whether `name` is a built-in template's (`code-interpreter-v1`).
+/// Whether `name` is a built-in template's (`code-interpreter-v1`, `desktop`).
 pub fn builtin_name(name: &str) -> bool {
     builtin::builtin(name).is_some()
 }
