@@ -87,6 +87,11 @@ const DESKTOP_FILES: &[(&str, &str, u32)] = &[
         0o755,
     ),
     (
+        "/usr/local/bin/xdpyinfo",
+        include_str!("../assets/desktop/xdpyinfo"),
+        0o755,
+    ),
+    (
         "/usr/local/bin/startxfce4",
         include_str!("../assets/desktop/startxfce4"),
         0o755,
