@@ -327,7 +327,13 @@ def test_stream_in_a_browser(desktop, browser):
     assert desktop.get_cursor_position() == (5, 5)
 
     desktop.stream.stop()
-    assert desktop.commands.run("pgrep -x x11vnc || true").stdout.strip() == ""
+    # x11vnc takes a second or two to exit after the SDK's `pkill x11vnc`; until then the SDK's
+    # `start` says "Stream is already running" (as anywhere x11vnc runs).
+    wait_for(
+        lambda: desktop.commands.run("pgrep -x x11vnc || true").stdout.strip() == "" or None,
+        timeout=30,
+        what="x11vnc to exit",
+    )
 
     # With a password: the URL with the key connects, the one without asks for it.
     desktop.stream.start(require_auth=True)

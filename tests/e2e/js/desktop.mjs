@@ -50,8 +50,13 @@ try {
   }
   check(page !== null && page.includes('noVNC'), 'noVNC page through the proxy')
   await desktop.stream.stop()
-  const vnc = await desktop.commands.run('pgrep -x x11vnc || true')
-  check(vnc.stdout.trim() === '', 'stream.stop')
+  // x11vnc exits a second or two after the SDK's `pkill x11vnc`.
+  let running = true
+  for (let i = 0; i < 60 && running; i++) {
+    running = (await desktop.commands.run('pgrep -x x11vnc || true')).stdout.trim() !== ''
+    if (running) await new Promise((r) => setTimeout(r, 500))
+  }
+  check(!running, 'stream.stop')
 
   check((await desktop.kill()) === true, 'kill')
 } catch (e) {
