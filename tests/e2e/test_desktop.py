@@ -161,22 +161,32 @@ def test_keyboard_writes_presses_and_hotkeys(desktop):
     assert desktop.get_current_window_id() == win
 
 
+def stop_xev(d: Desktop) -> None:
+    d.commands.run("pkill -x xev || true")
+    wait_for(
+        lambda: not d.commands.run("xdotool search --onlyvisible --name '^Event Tester$' || true").stdout.strip(),
+        timeout=30,
+        what="xev's window to go",
+    )
+    time.sleep(1)  # the desktop repainted where it was
+
+
 def test_screenshots_change_after_input(desktop):
-    desktop.commands.run("pkill -x xev || true")
+    stop_xev(desktop)
     before = png(desktop.screenshot())
     win = start_xev(desktop)
     assert desktop.get_window_title(win) == "Event Tester"
     after = png(desktop.screenshot())
     assert changed(before, after, (100, 100, 600, 500)) > 10_000, "xev's window is not on the screenshot"
     # A right click on the desktop opens xfdesktop's menu: the pixels under it change.
-    desktop.commands.run("pkill -x xev || true")
+    stop_xev(desktop)
     desktop.move_mouse(W - 300, H - 300)
     base = png(desktop.screenshot())
     desktop.right_click(W - 300, H - 300)
 
     def menu():
         shot = png(desktop.screenshot())
-        return shot if changed(base, shot, (W - 300, H - 300, W, H)) > 2_000 else None
+        return shot if changed(base, shot, (0, 0, W, H)) > 2_000 else None
 
     assert wait_for(menu, timeout=60, what="the desktop's menu").size == (W, H)
     desktop.press("escape")
@@ -193,7 +203,8 @@ def test_launch_open_and_window_queries(desktop):
 
     term = wait_for(terminal, timeout=120, what="the terminal's window")
     desktop.commands.run(f"xdotool windowactivate --sync {term}")
-    assert desktop.get_current_window_id() == term
+    # GTK gives the input focus to a window of the terminal's own (not always the titled one).
+    assert desktop.get_current_window_id() in desktop.get_application_windows("xfce4-terminal")
     desktop.commands.run("pkill -f xfce4-terminal || true")
 
     page = open_page(desktop)
@@ -303,7 +314,7 @@ def test_stream_in_a_browser(desktop, browser):
     from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.by import By
 
-    desktop.commands.run("pkill -x xev || true")
+    stop_xev(desktop)
     desktop.stream.start()
     with pytest.raises(RuntimeError):
         desktop.stream.start()
