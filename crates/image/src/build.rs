@@ -718,7 +718,12 @@ pub(crate) fn install_envd(tree: &Path, envd: &Path) -> anyhow::Result<()> {
 }
 
 /// Writes `contents` at the absolute guest path `path` in the tree.
-pub(crate) fn install_file(tree: &Path, path: &str, contents: &[u8], mode: u32) -> anyhow::Result<()> {
+pub(crate) fn install_file(
+    tree: &Path,
+    path: &str,
+    contents: &[u8],
+    mode: u32,
+) -> anyhow::Result<()> {
     let dst = tree.join(path.trim_start_matches('/'));
     if let Some(dir) = dst.parent() {
         std::fs::create_dir_all(dir)?;

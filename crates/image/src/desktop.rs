@@ -208,7 +208,11 @@ pub async fn desktop_disk(
     }
     std::fs::rename(&staging, &dir)?;
     std::fs::File::open(&images)?.sync_all()?;
-    tracing::info!(hash, secs = t0.elapsed().as_secs_f64(), "desktop layer built");
+    tracing::info!(
+        hash,
+        secs = t0.elapsed().as_secs_f64(),
+        "desktop layer built"
+    );
     Ok(disk)
 }
 
@@ -288,6 +292,9 @@ mod tests {
             }
         }
         // The SDKs' noVNC path.
-        assert_eq!(format!("/{NOVNC_LINK}/utils/novnc_proxy"), "/opt/noVNC/utils/novnc_proxy");
+        assert_eq!(
+            format!("/{NOVNC_LINK}/utils/novnc_proxy"),
+            "/opt/noVNC/utils/novnc_proxy"
+        );
     }
 }

@@ -101,8 +101,9 @@ impl Control {
     /// a caller that arrives during a build waits for it and then finds it built.
     pub async fn ensure_builtin(&self, alias: &str) -> anyhow::Result<BuildInfo> {
         let b = builtin(alias).ok_or_else(|| anyhow::anyhow!("no builtin template {alias:?}"))?;
-        debug_assert!(b.start_cmd.is_none_or(|c| c.contains(CODE_INTERPRETER_PY)
-            || c.contains(crate::desktop::DESKTOP_START)));
+        debug_assert!(b.start_cmd.is_none_or(
+            |c| c.contains(CODE_INTERPRETER_PY) || c.contains(crate::desktop::DESKTOP_START)
+        ));
         let _one_at_a_time = self.builtin_builds.lock().await;
         let mut spec = self.config.base_template.clone();
         spec.memory_mb = spec.memory_mb.max(b.min_memory_mb);
