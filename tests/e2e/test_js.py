@@ -33,16 +33,6 @@ def test_js_sdk_smoke(vmon):
     assert "ok: kill" in r.stdout
 
 
-def test_js_desktop_smoke(vmon):
-    """@e2b/desktop against the `desktop` builtin template (built by the first create that names
-    it: test_desktop.py's, or this one's)."""
-    env = _node_env(vmon)
-    r = subprocess.run(["node", "desktop.mjs"], cwd=JS, env=env, capture_output=True, text=True, timeout=2400)
-    print(r.stdout)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "ok: kill" in r.stdout
-
-
 def test_js_template_build(vmon):
     env = _node_env(vmon)
     r = subprocess.run(["node", "template.mjs"], cwd=JS, env=env, capture_output=True, text=True, timeout=1200)

@@ -1,3 +1,7 @@
+# NOT COLLECTED YET (named so pytest skips the file): written and checked by hand against the
+# same Debian packages, but never run to the end against `vmon up` before the author's time box
+# ended. Rename to test_desktop.py (and add back test_js.py's `node desktop.mjs` test) once it
+# has passed once.
 """Desktop sandboxes with the official `e2b-desktop` SDK (tests/requirements.txt) against
 `vmon up`: the `desktop` builtin template (docs/templates.md) restores a running xfce4 desktop;
 create with a resolution and dpi, screenshots, every mouse and keyboard call checked against the
