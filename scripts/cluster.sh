@@ -223,13 +223,15 @@ start_api() {
   local i=$1 port
   port=$(api_port "$i")
   mkdir -p "$DIR/api"
-  local cert="" key=""
+  local cert="" key="" vstore=local
   if [ "$TLS" = 1 ]; then
     cert="$TLS_DIR/api$i.pem" key="$TLS_DIR/api$i.key"
   fi
+  # With the S3 store, volumes live in it (each node caches what it mounts): no shared dir.
+  [ -f "$DIR/s3.env" ] && vstore=s3
   # shellcheck disable=SC2046
   run "api$i" env VMON_API_LISTEN="127.0.0.1:$port" VMON_API_URL="$SCHEME://127.0.0.1:$port" \
-    VMON_API_TLS_CERT="$cert" VMON_API_TLS_KEY="$key" \
+    VMON_API_TLS_CERT="$cert" VMON_API_TLS_KEY="$key" VMON_VOLUME_STORE="$vstore" \
     VMON_PROXY_LISTEN="127.0.0.1:$PROXY_PORT" VMON_CLIENT_ID="api$i" \
     VMON_STORE_URL="$STORE_URL" VMON_NODE_TOKEN="$(node_token)" $(etcd_client "api$i") \
     "$(vmon_bin)" --data-dir "$DIR/api" api --node-ca "$TLS_DIR/ca.pem"

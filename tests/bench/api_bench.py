@@ -12,6 +12,15 @@ from git history (VMON_BENCH_CI_WORKER, a revision; `-` skips it) and started be
 prints medians and p99 with the machine.
 A count set to 0 (VMON_BENCH_SEQ, _PAR, _PACED, _LOOP, _BURST, _CYCLES, _CI) skips its part.
 
+With a server of its own, the everyday loop also prints where each command's time went (issue 42):
+the server runs with `VMON_LOG=...,vmon_proxy=debug,vmon_node=debug`, and the bench reads the
+proxy's `proxied:` lines (routing, the guest's response headers, the body's end), envd's own
+`process started` / `process ended` lines in the sandbox's console log (the command's life in the
+guest, by the guest's clock), and the node's pool refills (whether a warm-up ran beside the
+command). VMON_BENCH_LOOP_THINK (seconds, default 0) waits between each create and its first
+command; VMON_BENCH_BINARY runs another `vmon` binary; VMON_BENCH_DATA keeps the server's data dir
+there between runs (its `base` template is built once).
+
 Against a running server when E2B_API_URL / E2B_API_KEY / E2B_SANDBOX_URL are set; otherwise it
 starts its own `vmon up` (built binary from target/, data dir under /var/tmp with the shared
 image cache) and stops it at the end.
@@ -19,6 +28,7 @@ image cache) and stops it at the end.
 
 from __future__ import annotations
 
+import calendar
 import concurrent.futures
 import math
 import os
@@ -83,15 +93,124 @@ def starts_since(log: Path | None, offset: int) -> list[tuple[str, str]]:
     return out
 
 
-def everyday_loop(Sandbox, n: int, log: Path | None) -> tuple[dict[str, list[float]], dict[str, dict[str, int]]]:
+def log_time(line: str) -> float | None:
+    """The UTC time (epoch seconds) a tracing line of the server starts with."""
+    m = re.match(r"\s*(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?)Z", line)
+    if not m:
+        return None
+    whole, _, frac = m.group(1).partition(".")
+    t = calendar.timegm(time.strptime(whole, "%Y-%m-%dT%H:%M:%S"))
+    return t + float(f"0.{frac or 0}")
+
+
+def log_field(line: str, name: str) -> str | None:
+    m = re.search(rf"\b{name}=\"?([^\s\"]+)", line)
+    return m.group(1) if m else None
+
+
+def guest_life_ms(data: Path, sid: str, nth: int) -> float | None:
+    """How long the `nth` (0-based) `echo hi` of sandbox `sid` lived in its guest, from envd's own
+    `process started` / `process ended` lines (the guest's clock) in its console logs."""
+    import json
+
+    runs = sorted((data / "sandboxes" / sid).glob("*/console.log"), key=lambda p: p.stat().st_mtime)
+    lives = []
+    for log in runs:
+        skip = 0
+        try:
+            skip = int((log.parent / "console.skip").read_text().strip() or 0)
+        except (OSError, ValueError):
+            pass
+        started: dict[int, float] = {}
+        with open(log, "rb") as f:
+            f.seek(skip)
+            for raw in f:
+                i = raw.find(b"{")
+                if i < 0 or b"process" not in raw:
+                    continue
+                try:
+                    rec = json.loads(raw[i:])
+                except ValueError:
+                    continue
+                fields = rec.get("fields", rec)  # envd's JSON lines are flattened
+                if "echo hi" not in str(fields.get("cmd", "")):
+                    continue
+                t = log_time(str(rec.get("timestamp", "")))
+                pid = fields.get("pid")
+                if t is None or pid is None:
+                    continue
+                if fields.get("message") == "process started":
+                    started[pid] = t
+                elif fields.get("message") == "process ended" and pid in started:
+                    lives.append((t - started.pop(pid)) * 1e3)
+    return lives[nth] if nth < len(lives) else None
+
+
+def command_stages(log: Path, cmds: list[tuple[str, int, float, float]]) -> dict[str, dict[str, list[float]]]:
+    """Where each command's time went: for (sandbox, nth command, wall start, wall end) the proxy's
+    routing, its wait for the guest's response headers and the body's end, envd's own life of the
+    process, and whether a template's pool refill (a warm-up) ran during it."""
+    text = strip_ansi(log.read_text(errors="replace"))
+    proxied: dict[str, list[dict[str, float]]] = {}
+    refills: list[tuple[float, float]] = []
+    making: dict[str, float] = {}
+    for line in text.splitlines():
+        t = log_time(line)
+        if t is None:
+            continue
+        if "proxied: headers" in line and log_field(line, "path") == "/process.Process/Start":
+            sid = log_field(line, "sandbox") or ""
+            proxied.setdefault(sid, []).append({
+                "route": float(log_field(line, "route_ms") or 0),
+                "headers": float(log_field(line, "headers_ms") or 0)})
+        elif "proxied: end" in line and log_field(line, "path") == "/process.Process/Start":
+            sid = log_field(line, "sandbox") or ""
+            for p in proxied.get(sid, []):
+                if "end" not in p:
+                    p["end"] = float(log_field(line, "end_ms") or 0)
+                    break
+        elif "pool refill making a process" in line:
+            key = log_field(line, "pool") or ""
+            if not key.startswith("blank:"):
+                making[key] = t
+        elif "pool refill made a process" in line or "pool refill failed" in line:
+            key = log_field(line, "pool") or ""
+            if key in making:
+                refills.append((making.pop(key), t))
+    out: dict[str, dict[str, list[float]]] = {}
+    for sid, nth, t0, t1 in cmds:
+        label = "first command" if nth == 0 else "command after resume"
+        row_ = out.setdefault(label, {})
+        beside = any(a < t1 and b > t0 for a, b in refills) or any(a < t1 for a in making.values())
+        row_.setdefault("SDK total, with a warm-up beside it" if beside else "SDK total, no warm-up beside it",
+                        []).append((t1 - t0) * 1e3)
+        row_.setdefault("SDK total", []).append((t1 - t0) * 1e3)
+        seen = proxied.get(sid, [])
+        if nth < len(seen):
+            p = seen[nth]
+            row_.setdefault("proxy: routing", []).append(p["route"])
+            row_.setdefault("proxy: request in -> guest's headers", []).append(p["headers"])
+            if "end" in p:
+                row_.setdefault("proxy: request in -> body's end", []).append(p["end"])
+                row_.setdefault("outside the proxy (SDK, client, loopback)", []).append((t1 - t0) * 1e3 - p["end"])
+        life = guest_life_ms(log.parent, sid, nth)
+        if life is not None:
+            row_.setdefault("guest: envd's process start -> end", []).append(life)
+    return out
+
+
+def everyday_loop(Sandbox, n: int, log: Path | None) -> tuple[dict[str, list[float]], dict[str, dict[str, int]],
+                                                                 dict[str, dict[str, list[float]]]]:
     """create -> command -> pause -> connect -> command -> fork x1 -> kill, `n` times back to back, as a
     user's agent runs it. Returns each step's times and, when the server's log is ours, where the
-    QEMU of each create, resume and fork child came from."""
+    QEMU of each create, resume and fork child came from and where each command's time went."""
     steps: dict[str, list[float]] = {k: [] for k in (
         "create", "first command", "pause", "connect (resume)", "command after resume", "fork x1",
         "kill (source and child)", "whole iteration")}
     ids: dict[str, set[str]] = {"create": set(), "fork child": set()}
     offset = log.stat().st_size if log else 0
+    think = float(os.environ.get("VMON_BENCH_LOOP_THINK", "0"))
+    cmds: list[tuple[str, int, float, float]] = []
 
     def timed(step: str, f):
         t = time.perf_counter()
@@ -99,15 +218,22 @@ def everyday_loop(Sandbox, n: int, log: Path | None) -> tuple[dict[str, list[flo
         steps[step].append((time.perf_counter() - t) * 1e3)
         return r
 
+    def command(sid: str, nth: int, step: str, sbx) -> None:
+        w0 = time.time()
+        out = timed(step, lambda: sbx.commands.run("echo hi"))
+        cmds.append((sid, nth, w0, time.time()))
+        assert out.stdout.strip() == "hi", out
+
     for _ in range(n):
         t0 = time.perf_counter()
         sbx = timed("create", lambda: Sandbox.create("base", timeout=300))
         ids["create"].add(sbx.sandbox_id)
-        out = timed("first command", lambda: sbx.commands.run("echo hi"))
-        assert out.stdout.strip() == "hi", out
+        if think:
+            time.sleep(think)
+        command(sbx.sandbox_id, 0, "first command", sbx)
         assert timed("pause", sbx.pause)
         sbx = timed("connect (resume)", lambda: Sandbox.connect(sbx.sandbox_id, timeout=300))
-        assert timed("command after resume", lambda: sbx.commands.run("echo hi")).stdout.strip() == "hi"
+        command(sbx.sandbox_id, 1, "command after resume", sbx)
         children = timed("fork x1", lambda: sbx.fork(count=1, timeout=300))
         for c in children:
             if isinstance(c, Exception):
@@ -134,7 +260,80 @@ def everyday_loop(Sandbox, n: int, log: Path | None) -> tuple[dict[str, list[flo
             continue
         origins.setdefault(kind, {}).setdefault(src, 0)
         origins[kind][src] += 1
-    return steps, origins
+    return steps, origins, (command_stages(log, cmds) if log else {})
+
+
+GUEST_HTTP_PORT = 8000
+# A small HTTP/1.1 server with keep-alive (http.server speaks 1.0 and closes by default).
+GUEST_HTTP_SERVER = (
+    "import http.server as h\n"
+    "class H(h.BaseHTTPRequestHandler):\n"
+    "    protocol_version = 'HTTP/1.1'\n"
+    "    def do_GET(self):\n"
+    "        self.send_response(200); self.send_header('content-length', '2'); self.end_headers()\n"
+    "        self.wfile.write(b'ok')\n"
+    "    def log_message(self, *a): pass\n"
+    f"h.ThreadingHTTPServer(('0.0.0.0', {GUEST_HTTP_PORT}), H).serve_forever()\n")
+
+
+def proxy_overhead(Sandbox, n: int, data: Path | None) -> tuple[dict[str, list[float]], str]:
+    """A small GET to a guest's HTTP server through the proxy and straight to the guest's address
+    (read from the api's admin route, so only with a server of our own), alternating, one sandbox,
+    each over a kept-alive connection and over a new connection per request."""
+    import http.client
+    import json
+    from urllib.parse import urlparse
+
+    if data is None:
+        return {}, "skipped: the guest's address needs the admin token of a server of our own"
+    token = (data / "admin-token").read_text().strip()
+    api = urlparse(os.environ["E2B_API_URL"])
+    proxy = urlparse(os.environ["E2B_SANDBOX_URL"])
+    sbx = Sandbox.create("base", timeout=300)
+    try:
+        sbx.files.write("/tmp/bench_http.py", GUEST_HTTP_SERVER)
+        sbx.commands.run("python3 /tmp/bench_http.py", background=True)
+        conn = http.client.HTTPConnection(api.hostname, api.port, timeout=30)
+        conn.request("GET", f"/admin/routes/{sbx.sandbox_id}", headers={"x-admin-token": token})
+        guest = json.loads(conn.getresponse().read())["guestIp"]
+        conn.close()
+        via_headers = {"e2b-sandbox-id": sbx.sandbox_id, "e2b-sandbox-port": str(GUEST_HTTP_PORT)}
+
+        def get(c: http.client.HTTPConnection, headers: dict[str, str]) -> float:
+            t = time.perf_counter()
+            c.request("GET", "/", headers=headers)
+            r = c.getresponse()
+            body = r.read()
+            ms = (time.perf_counter() - t) * 1e3
+            assert r.status == 200 and body == b"ok", (r.status, body)
+            return ms
+
+        deadline = time.monotonic() + 120
+        while True:  # the server's start (Python under TCG)
+            try:
+                get(http.client.HTTPConnection(guest, GUEST_HTTP_PORT, timeout=5), {})
+                break
+            except (OSError, AssertionError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+        out: dict[str, list[float]] = {}
+        kept = {"proxy": http.client.HTTPConnection(proxy.hostname, proxy.port, timeout=30),
+                "direct": http.client.HTTPConnection(guest, GUEST_HTTP_PORT, timeout=30)}
+        for i in range(n + 10):
+            for way in ("proxy", "direct"):
+                host, port, headers = ((proxy.hostname, proxy.port, via_headers) if way == "proxy"
+                                       else (guest, GUEST_HTTP_PORT, {}))
+                a = get(kept[way], headers)
+                fresh = http.client.HTTPConnection(host, port, timeout=30)
+                b = get(fresh, headers)
+                fresh.close()
+                if i >= 10:  # the first ten warm the path up
+                    out.setdefault(f"{way}, kept-alive connection", []).append(a)
+                    out.setdefault(f"{way}, a new connection per request", []).append(b)
+        return out, ""
+    finally:
+        sbx.kill()
 
 
 def machine() -> str:
@@ -149,16 +348,22 @@ def machine() -> str:
 def start_server() -> tuple[subprocess.Popen, dict[str, str], Path]:
     target = Path(os.environ.get("CARGO_TARGET_DIR", REPO / "target"))
     profile = os.environ.get("VMON_BENCH_PROFILE", "release")
-    binary = target / profile / "vmon"
+    binary = Path(os.environ.get("VMON_BENCH_BINARY") or target / profile / "vmon")
     if not binary.exists():
         sys.exit(f"{binary} is missing: cargo build --release -p vmon -p vmon-envd")
-    data = Path(f"/var/tmp/vmon-bench-api-{os.getpid()}")
-    shutil.rmtree(data, ignore_errors=True)
-    data.mkdir(parents=True)
+    kept = os.environ.get("VMON_BENCH_DATA")
+    data = Path(kept or f"/var/tmp/vmon-bench-api-{os.getpid()}")
+    if not kept:
+        shutil.rmtree(data, ignore_errors=True)
+    data.mkdir(parents=True, exist_ok=True)
     cache = Path(os.environ.get("VMON_TEST_DATA_DIR", "/var/tmp/vmon-ci")) / "images"
     cache.mkdir(parents=True, exist_ok=True)
-    (data / "images").symlink_to(cache)
+    if not (data / "images").is_symlink():
+        (data / "images").symlink_to(cache)
     env = {k: v for k, v in os.environ.items() if not k.startswith("E2B_")}
+    # The stage breakdown of the everyday loop reads the proxy's and the pool's debug lines.
+    env["VMON_LOG"] = ",".join(x for x in (env.get("VMON_LOG", "info"), "vmon_proxy=debug", "vmon_node::pool=debug")
+                               if x)
     ports = []
     for _ in range(2):
         with socket.socket() as s:
@@ -168,7 +373,7 @@ def start_server() -> tuple[subprocess.Popen, dict[str, str], Path]:
                VMON_PROXY_LISTEN=f"127.0.0.1:{ports[1]}")
     # A burst keeps 20 sandboxes at once, the default team's whole limit: leave it room.
     env.setdefault("VMON_MAX_CONCURRENT", "64")
-    log = open(data / "vmon-up.log", "w")
+    log = open(data / "vmon-up.log", "a" if kept else "w")
     proc = subprocess.Popen([str(binary), "up"], env=env, stdout=subprocess.PIPE, stderr=log, text=True,
                             start_new_session=True)
     exports: dict[str, str] = {}
@@ -279,6 +484,7 @@ def main() -> None:
     ci_n = int(os.environ.get("VMON_BENCH_CI", "5"))
     burst_n = int(os.environ.get("VMON_BENCH_BURST", "20"))
     loop_n = int(os.environ.get("VMON_BENCH_LOOP", "20"))
+    proxy_n = int(os.environ.get("VMON_BENCH_PROXY", "200"))
 
     kills: list[float] = []
 
@@ -310,10 +516,14 @@ def main() -> None:
     par_wall = (time.perf_counter() - t) * 1e3
 
     # The everyday loop, after a quiet moment (the pool back at its base, as a user meets it).
-    loop_steps, loop_origins = {}, {}
+    loop_steps, loop_origins, loop_stages = {}, {}, {}
     if loop_n:
         time.sleep(5)
-        loop_steps, loop_origins = everyday_loop(Sandbox, loop_n, own[1] / "vmon-up.log" if own else None)
+        loop_steps, loop_origins, loop_stages = everyday_loop(Sandbox, loop_n,
+                                                              own[1] / "vmon-up.log" if own else None)
+
+    proxy_rows, proxy_note = (proxy_overhead(Sandbox, proxy_n, own[1] if own else None) if proxy_n
+                              else ({}, "skipped (VMON_BENCH_PROXY=0)"))
 
     # Bursts: `Sandbox.create` in a loop (the issue's "20 creates back to back"), then one
     # command in each; the second burst comes 20 s later, when the pool has grown by demand.
@@ -422,6 +632,26 @@ def main() -> None:
                               for kind, c in loop_origins.items()))
         elif not own:
             print("\n(pool hits not counted: the server's log is not this bench's)")
+        for label, parts in loop_stages.items():
+            print(f"\nwhere the loop's {label} went (medians of the commands with each figure):\n")
+            print("| stage | median | p95 | n |\n|---|---|---|---|")
+            for name, v in parts.items():
+                row95(name, v)
+        print("\n| operation | median | p99 | n |\n|---|---|---|---|")
+    if proxy_rows or proxy_note:
+        print(f"\n### the proxy's overhead: GET / of a guest's small HTTP server, {proxy_n} each way, "
+              "alternating, one sandbox\n")
+        if proxy_note:
+            print(proxy_note)
+        print("| way | median | p99 | n |\n|---|---|---|---|")
+        for name, v in proxy_rows.items():
+            row(name, v)
+        for kind in ("kept-alive connection", "a new connection per request"):
+            via, direct = proxy_rows.get(f"proxy, {kind}"), proxy_rows.get(f"direct, {kind}")
+            if via and direct:
+                print(f"| proxy minus direct ({kind}), p50 / p99 | "
+                      f"{statistics.median(via) - statistics.median(direct):.2f} ms | "
+                      f"{pct(via, 0.99) - pct(direct, 0.99):.2f} ms | |")
         print("\n| operation | median | p99 | n |\n|---|---|---|---|")
     row("code-interpreter-v1: create", ci_create)
     row("code-interpreter-v1: first run_code('1+1') after create", ci_first)

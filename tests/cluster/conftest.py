@@ -37,6 +37,8 @@ IMAGE_CACHE = Path(
 )
 SCRIPT = REPO / "scripts" / "cluster.sh"
 TLS = os.environ.get("VMON_CLUSTER_TEST_TLS", "1") != "0"
+# The team's volume byte quota in the cluster (small: test_volumes_s3 passes it).
+VOLUME_QUOTA = 32 << 20
 
 
 def wait_for(predicate, timeout: float = 60.0, interval: float = 0.5, what: str = "condition"):
@@ -190,6 +192,7 @@ def cluster():
         # A lapsed node is suspect for this long before its sandboxes are reported orphaned
         # (default 300 s): longer than a stall test's lapse, short enough for the orphan test.
         VMON_NODE_GRACE_SECS="20",
+        VMON_MAX_VOLUME_BYTES=str(VOLUME_QUOTA),
     )
     subprocess.run([str(SCRIPT), "down"], env=env, check=False, timeout=300)
     shutil.rmtree(DIR, ignore_errors=True)

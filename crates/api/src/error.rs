@@ -3,6 +3,7 @@
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 
+use crate::control::ControlError;
 use crate::wire::ErrorBody;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -79,16 +80,39 @@ impl IntoResponse for ApiError {
     }
 }
 
+/// The one place a domain error becomes an HTTP status; the message is the error's own.
+impl From<ControlError> for ApiError {
+    fn from(e: ControlError) -> Self {
+        use ControlError as E;
+        let status = match &e {
+            E::Invalid(_) => StatusCode::BAD_REQUEST,
+            E::BadSignature(_) => StatusCode::UNAUTHORIZED,
+            E::NotFound(_) | E::SandboxNotFound(_) => StatusCode::NOT_FOUND,
+            E::Conflict(_) => StatusCode::CONFLICT,
+            E::Limit(_) => StatusCode::TOO_MANY_REQUESTS,
+            E::Quota(_) => StatusCode::INSUFFICIENT_STORAGE,
+            E::Unavailable(_) | E::Kv(_) => StatusCode::SERVICE_UNAVAILABLE,
+            E::Internal(_) | E::Records(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            E::Node(n) => node_status(n),
+        };
+        Self::new(status, e.to_string())
+    }
+}
+
 impl From<vmon_proto::node::NodeError> for ApiError {
     fn from(e: vmon_proto::node::NodeError) -> Self {
-        use vmon_proto::node::NodeError as E;
-        match &e {
-            E::NotFound(_) | E::BuildNotFound(_) => Self::not_found(e.to_string()),
-            E::BuildInUse(_) => Self::conflict(e.to_string()),
-            E::InvalidArgument(_) => Self::bad_request(e.to_string()),
-            E::Exhausted(_) => Self::unavailable(e.to_string()),
-            E::Failed(_) => Self::internal(e.to_string()),
-        }
+        Self::new(node_status(&e), e.to_string())
+    }
+}
+
+fn node_status(e: &vmon_proto::node::NodeError) -> StatusCode {
+    use vmon_proto::node::NodeError as E;
+    match e {
+        E::NotFound(_) | E::BuildNotFound(_) => StatusCode::NOT_FOUND,
+        E::BuildInUse(_) => StatusCode::CONFLICT,
+        E::InvalidArgument(_) => StatusCode::BAD_REQUEST,
+        E::Exhausted(_) => StatusCode::SERVICE_UNAVAILABLE,
+        E::Failed(_) => StatusCode::INTERNAL_SERVER_ERROR,
     }
 }
 

@@ -13,7 +13,7 @@ use crate::control::{CreateParams, KillReason};
 use crate::error::{ApiError, ApiResult};
 use crate::records::{SandboxRecord, SandboxState, Team};
 use crate::state::{body, query_pairs, AppState, Auth};
-use crate::wire;
+use crate::{views, wire};
 
 /// The sandbox routes (`/sandboxes`, `/v2/sandboxes`, `/snapshots`, `/health`); the whole
 /// table is assembled in [`crate::router`].
@@ -37,14 +37,16 @@ pub fn routes() -> Router<AppState> {
 }
 
 /// Runs `f` in its own task so it completes even when the client disconnects.
-async fn detached<T, F>(f: F) -> ApiResult<T>
+async fn detached<T, E, F>(f: F) -> ApiResult<T>
 where
     T: Send + 'static,
-    F: std::future::Future<Output = ApiResult<T>> + Send + 'static,
+    E: Into<ApiError> + Send + 'static,
+    F: std::future::Future<Output = Result<T, E>> + Send + 'static,
 {
-    tokio::spawn(f)
-        .await
-        .unwrap_or_else(|e| Err(ApiError::internal(format!("the operation failed: {e}"))))
+    match tokio::spawn(f).await {
+        Ok(r) => r.map_err(Into::into),
+        Err(e) => Err(ApiError::internal(format!("the operation failed: {e}"))),
+    }
 }
 
 fn query_value<'a>(pairs: &'a [(String, String)], name: &str) -> ApiResult<Option<&'a str>> {
@@ -116,7 +118,7 @@ async fn create(
         ),
     };
     let control = s.control.clone();
-    let sandbox = detached(async move {
+    let rec = detached(async move {
         control
             .create(
                 &team,
@@ -129,6 +131,7 @@ async fn create(
             .await
     })
     .await?;
+    let sandbox = views::sandbox(s.control.config(), &rec);
     Ok((StatusCode::CREATED, Json(sandbox)).into_response())
 }
 
@@ -147,7 +150,8 @@ async fn get_sandbox(
     Auth(team): Auth,
     Path(id): Path<String>,
 ) -> ApiResult<Json<wire::SandboxDetail>> {
-    Ok(Json(s.control.detail(&team, &id).await?))
+    let (rec, location) = s.control.detail(&team, &id).await?;
+    Ok(Json(views::detail(s.control.config(), &rec, location)))
 }
 
 #[utoipa::path(
@@ -165,7 +169,7 @@ async fn sandbox_health(
     Auth(team): Auth,
     Path(id): Path<String>,
 ) -> ApiResult<Json<wire::SandboxHealth>> {
-    Ok(Json(s.control.health(&team, &id).await?))
+    Ok(Json(views::health(&s.control.health(&team, &id).await?)))
 }
 
 #[utoipa::path(
@@ -325,8 +329,9 @@ async fn connect(s: AppState, team: Team, id: String, bytes: Bytes) -> ApiResult
     let req: wire::ConnectRequest = body(&bytes)?;
     let timeout = crate::control::timeout_secs(req.timeout.unwrap_or(300), "timeout")?;
     let control = s.control.clone();
-    let (sandbox, resumed) =
+    let (rec, resumed) =
         detached(async move { control.connect(&team, &id, timeout, req.memory).await }).await?;
+    let sandbox = views::sandbox(s.control.config(), &rec);
     let status = if resumed {
         StatusCode::CREATED
     } else {
@@ -359,12 +364,13 @@ async fn resume(
     let req: wire::ResumeRequest = body(&bytes)?;
     let timeout = crate::control::timeout_secs(req.timeout.unwrap_or(15), "timeout")?;
     let control = s.control.clone();
-    let sandbox = detached(async move {
+    let rec = detached(async move {
         control
             .resume(&team, &id, timeout, req.memory, req.auto_pause)
             .await
     })
     .await?;
+    let sandbox = views::sandbox(s.control.config(), &rec);
     Ok((StatusCode::CREATED, Json(sandbox)).into_response())
 }
 
@@ -395,7 +401,11 @@ async fn fork(
     let count = u32::try_from(count)
         .map_err(|_| ApiError::bad_request("count must be between 1 and 100"))?;
     let control = s.control.clone();
-    let results = detached(async move { control.fork(&team, &id, timeout, count).await }).await?;
+    let children = detached(async move { control.fork(&team, &id, timeout, count).await }).await?;
+    let results: Vec<wire::ForkResult> = children
+        .into_iter()
+        .map(|child| views::fork_result(s.control.config(), child))
+        .collect();
     Ok((StatusCode::CREATED, Json(results)).into_response())
 }
 
@@ -427,7 +437,7 @@ async fn snapshot(
             .await
     })
     .await?;
-    Ok((StatusCode::CREATED, Json(info)).into_response())
+    Ok((StatusCode::CREATED, Json(views::snapshot(info))).into_response())
 }
 
 #[utoipa::path(
@@ -486,9 +496,15 @@ async fn list_snapshots(
             query_value(&q, "name")?,
         )
         .await?;
-    let page: Vec<_> = all.iter().skip(offset).take(limit).cloned().collect();
+    let total = all.len();
+    let page: Vec<wire::SnapshotInfo> = all
+        .into_iter()
+        .skip(offset)
+        .take(limit)
+        .map(views::snapshot)
+        .collect();
     let mut resp = Json(page).into_response();
-    if offset + limit < all.len() {
+    if offset + limit < total {
         set_header(&mut resp, "x-next-token", &(offset + limit).to_string());
     }
     Ok(resp)
@@ -577,7 +593,9 @@ async fn list_legacy(
         .collect();
     recs.sort_by(|a, b| (a.started_at, &a.id).cmp(&(b.started_at, &b.id)));
     Ok(Json(
-        recs.iter().map(|r| s.control.listed_view(r)).collect(),
+        recs.iter()
+            .map(|r| views::listed(s.control.config(), r))
+            .collect(),
     ))
 }
 
@@ -680,7 +698,10 @@ async fn list_v2(
     }
     let more = recs.len() > limit;
     recs.truncate(limit);
-    let page: Vec<_> = recs.iter().map(|r| s.control.listed_view(r)).collect();
+    let page: Vec<_> = recs
+        .iter()
+        .map(|r| views::listed(s.control.config(), r))
+        .collect();
     let mut resp = Json(page).into_response();
     set_header(&mut resp, "x-total-running", &total_running.to_string());
     if more {

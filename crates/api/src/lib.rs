@@ -1,31 +1,32 @@
-//! vmon-api: the control plane. The E2B REST surface ([`router`], [`http`]), auth by hashed API keys,
-//! team admission, the per-sandbox state machine ([`control`]), the timeout reaper, and the
-//! route table the proxy reads.
+//! vmon-api: the control plane's HTTP side. The E2B REST surface ([`router`], [`http`] and the
+//! route modules), auth by hashed API keys and the admin token (`state.rs`), the JSON it
+//! answers (`wire.rs`, `views.rs`), the one mapping of domain errors to statuses
+//! (`error.rs`), the OpenAPI document and the dashboard. The domain (state machine, records,
+//! template builds, volumes, leader duties) is `vmon-control`, re-exported here as
+//! [`control`], [`config`], [`ids`] and [`records`].
 //!
-//! It talks to hosts only through [`vmon_proto::node::NodeControl`] and to envd never; it
-//! keeps records through the [`records::Records`] port and coordination (locks, counters,
-//! idempotency, leadership) in `vmon-kv`. It must never start a VM, touch a layer file or
-//! answer for a guest.
+//! It talks to hosts only through [`vmon_proto::node::NodeControl`] and to envd never. It
+//! must never start a VM, touch a layer file or answer for a guest.
 
 pub mod admin;
-pub mod config;
-pub mod control;
 pub mod dashboard;
-pub mod desktop;
 pub mod error;
 pub mod events;
 pub mod http;
-pub mod ids;
 pub mod openapi;
-pub mod records;
 pub mod secrets;
 pub mod state;
 pub mod telemetry;
 pub mod templates;
+pub mod views;
 pub mod volumes;
 pub mod wire;
 
 use std::sync::Arc;
+
+// The domain (`crates/control`) under the paths the routes have always used.
+pub use vmon_control as control;
+pub use vmon_control::{config, ids, records};
 
 pub use config::Config;
 pub use control::{Control, ProxyRoutes};

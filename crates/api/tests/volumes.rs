@@ -512,7 +512,8 @@ async fn volume_mounts_are_validated_resolved_and_cold_boot() {
         start.volumes,
         vec![vmon_proto::node::VolumeShare {
             volume_id: id.clone(),
-            path: "/mnt/data".into()
+            path: "/mnt/data".into(),
+            ..Default::default()
         }]
     );
     let info = h.req("GET", &format!("/sandboxes/{sbx}"), None).await;

@@ -47,7 +47,8 @@ pub struct ClusterNodes {
     /// node id: the URL it was tried at, the outcome and when.
     proofs: Mutex<HashMap<String, (String, Proof, Instant)>>,
     /// Starts this process placed lately, which the nodes' heartbeats may not show yet.
-    placed: Mutex<Vec<(Instant, String)>>,
+    /// With the GPUs each start passed through.
+    placed: Mutex<Vec<(Instant, String, u32)>>,
     clients: Mutex<HashMap<String, (String, Arc<RemoteNode>)>>,
     /// Itself, for the background work a call leaves (spreading a template build).
     me: std::sync::Weak<ClusterNodes>,
@@ -318,22 +319,32 @@ impl ClusterNodes {
         build_id: &str,
         holders: &HashSet<String>,
         memory_restore: bool,
+        gpus: u32,
     ) -> Result<Vec<NodeInfo>, NodeError> {
         let place = self.build_place(build_id).await;
+        let recent = {
+            let mut placed = self.placed.lock().unwrap_or_else(|p| p.into_inner());
+            placed.retain(|(at, _, _)| at.elapsed() < registry::HEARTBEAT * 2);
+            placed.clone()
+        };
+        let mut pending_gpus = HashMap::new();
+        for (_, n, g) in &recent {
+            *pending_gpus.entry(n.clone()).or_insert(0) += g;
+        }
         let need = Need {
             memory_mb: place.as_ref().map(|p| u64::from(p.memory_mb)).unwrap_or(0),
             origin: place.map(|p| p.origin),
             memory_restore,
+            gpus,
+            pending_gpus,
         };
-        let recent = {
-            let mut placed = self.placed.lock().unwrap_or_else(|p| p.into_inner());
-            placed.retain(|(at, _)| at.elapsed() < registry::HEARTBEAT * 2);
-            placed.iter().map(|(_, n)| n.clone()).collect::<Vec<_>>()
+        let members = self.placeable().await;
+        // More GPUs than any node has: no wait helps (400), unlike a busy cluster (503).
+        placement::gpu_capacity(&members, &need).map_err(NodeError::InvalidArgument)?;
+        let extra = |id: &str| {
+            u32::try_from(recent.iter().filter(|(_, n, _)| n == id).count()).unwrap_or(0)
         };
-        let extra =
-            |id: &str| u32::try_from(recent.iter().filter(|n| *n == id).count()).unwrap_or(0);
-        placement::rank_with(&self.placeable().await, holders, &need, extra)
-            .map_err(NodeError::Exhausted)
+        placement::rank_with(&members, holders, &need, extra).map_err(NodeError::Exhausted)
     }
 
     /// Calls `f` on each live node at once (bounded by [`ASK_TIMEOUT`]), keeping the answers.

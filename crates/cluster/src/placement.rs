@@ -1,8 +1,8 @@
 //! Where a start goes: a node that can run it (the build's accelerator, QEMU and CPU baseline
-//! for a memory restore; enough free memory and a free slot), preferring nodes that hold the
-//! build, then the least loaded.
+//! for a memory restore; enough free memory and a free slot; the GPUs it passes through free),
+//! preferring nodes that hold the build, then the least loaded.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 use vmon_proto::cluster::{BuildOrigin, NodeInfo};
 
@@ -21,6 +21,27 @@ pub struct Need {
     pub origin: Option<BuildOrigin>,
     /// Whether the start restores memory (not a cold boot).
     pub memory_restore: bool,
+    /// GPUs the start passes through: one node must have that many free.
+    pub gpus: u32,
+    /// GPUs of starts placed since each node's last heartbeat (which its `free` does not
+    /// show yet), by node id.
+    pub pending_gpus: HashMap<String, u32>,
+}
+
+/// Whether any member has `need.gpus` GPUs at all: a start asking for more than the largest
+/// node has is refused at once (the api's 400), not retried as if busy.
+pub fn gpu_capacity(members: &[NodeInfo], need: &Need) -> Result<(), String> {
+    if need.gpus == 0 {
+        return Ok(());
+    }
+    let most = members.iter().map(|n| n.gpus.total).max().unwrap_or(0);
+    if need.gpus > most {
+        return Err(format!(
+            "the sandbox asks for {} GPUs and no node has that many (the most any node has is {most})",
+            need.gpus
+        ));
+    }
+    Ok(())
 }
 
 /// The nodes that can take the start, best first; or why none can. `extra(id)` is load the
@@ -55,6 +76,14 @@ pub fn rank_with(
                 n.free_memory_mb,
                 need.memory_mb + HEADROOM_MB
             ));
+        } else if need.gpus > 0 && free_gpus(n, need) < need.gpus {
+            reasons.push(format!(
+                "{} has {} of {} GPUs free, {} needed",
+                n.id,
+                free_gpus(n, need),
+                n.gpus.total,
+                need.gpus
+            ));
         } else if let Some(o) = need.origin.as_ref().filter(|_| need.memory_restore) {
             if n.restores_from(o) {
                 fit.push(n);
@@ -88,6 +117,13 @@ pub fn rank_with(
     Ok(fit.into_iter().cloned().collect())
 }
 
+/// A node's free GPUs less those of starts its heartbeat does not show yet.
+fn free_gpus(n: &NodeInfo, need: &Need) -> u32 {
+    n.gpus
+        .free
+        .saturating_sub(need.pending_gpus.get(&n.id).copied().unwrap_or(0))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -108,7 +144,71 @@ mod tests {
             free_slots: 10,
             running,
             updated_unix: 0,
+            gpus: Default::default(),
         }
+    }
+
+    fn with_gpus(id: &str, total: u32, free: u32) -> NodeInfo {
+        NodeInfo {
+            gpus: vmon_proto::gpu::GpuInventory {
+                total,
+                free,
+                models: Default::default(),
+            },
+            ..node(id, 0, 4000)
+        }
+    }
+
+    #[test]
+    fn gpus_are_counted() {
+        let ms = [
+            node("plain", 0, 4000),
+            with_gpus("g2", 2, 1),
+            with_gpus("g4", 4, 4),
+        ];
+        let need = |gpus| Need {
+            gpus,
+            ..Need::default()
+        };
+        let ids = |r: Vec<NodeInfo>| r.into_iter().map(|n| n.id).collect::<Vec<_>>();
+        // No GPU asked: every node, the least loaded first.
+        assert_eq!(
+            rank(&ms, &HashSet::new(), &need(0))
+                .map(ids)
+                .expect("fits")
+                .len(),
+            3
+        );
+        assert_eq!(
+            rank(&ms, &HashSet::new(), &need(1)).map(ids),
+            Ok(vec!["g2".to_string(), "g4".to_string()])
+        );
+        assert_eq!(
+            rank(&ms, &HashSet::new(), &need(3)).map(ids),
+            Ok(vec!["g4".to_string()])
+        );
+        // Starts the heartbeat does not show yet hold their GPUs.
+        let pending = Need {
+            gpus: 1,
+            pending_gpus: [("g4".to_string(), 4)].into(),
+            ..Need::default()
+        };
+        assert_eq!(
+            rank(&ms, &HashSet::new(), &pending).map(ids),
+            Ok(vec!["g2".to_string()])
+        );
+        let only = rank(&ms, &HashSet::new(), &need(4))
+            .map(ids)
+            .expect("g4 has 4");
+        assert_eq!(only, ["g4"]);
+        let busy = [with_gpus("g4", 4, 1)];
+        let e = rank(&busy, &HashSet::new(), &need(2)).expect_err("busy");
+        assert!(e.contains("g4 has 1 of 4 GPUs free, 2 needed"), "{e}");
+        assert_eq!(gpu_capacity(&busy, &need(4)), Ok(()));
+        let e = gpu_capacity(&ms, &need(5)).expect_err("too many");
+        assert!(e.contains("asks for 5 GPUs"), "{e}");
+        assert!(e.contains("the most any node has is 4"), "{e}");
+        assert_eq!(gpu_capacity(&ms, &need(0)), Ok(()));
     }
 
     #[test]
@@ -166,6 +266,7 @@ mod tests {
             memory_mb: 512,
             origin: Some(kvm.clone()),
             memory_restore: true,
+            ..Need::default()
         };
         let e = rank(&[node("b", 0, 4000)], &HashSet::new(), &need).expect_err("accel");
         assert!(e.contains("cannot restore memory made under kvm"), "{e}");

@@ -165,6 +165,7 @@ mod tests {
             free_slots: 1,
             running: n,
             updated_unix: 0,
+            gpus: Default::default(),
         };
         let counter = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
         let c = counter.clone();

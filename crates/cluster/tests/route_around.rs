@@ -36,6 +36,7 @@ fn entry(id: &str, port: u16) -> NodeInfo {
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_secs())
             .unwrap_or(0),
+        gpus: Default::default(),
     }
 }
 
@@ -68,6 +69,7 @@ async fn a_start_passes_every_node_that_refuses_and_ends_unavailable_with_the_re
             network: Default::default(),
             volumes: Vec::new(),
             egress: Default::default(),
+            gpus: 0,
         })
         .await
         .expect_err("no node can serve it");

@@ -26,6 +26,11 @@ pub struct NodeConfig {
     /// Pools grow above their base size only while the host has this much memory available
     /// (`VMON_POOL_MIN_AVAILABLE_MB`).
     pub pool_min_available_mb: u64,
+    /// How long a refill runs at background CPU weight after it starts, even when it brings
+    /// its key back to its base, so the sandbox whose claim started it has the CPU for its
+    /// first commands (`VMON_POOL_YIELD_MS`, default 1000; 0: such a refill runs at the normal
+    /// weight from its start).
+    pub pool_yield: Duration,
     /// Network slots kept ready ahead of time.
     pub spare_slots: usize,
     /// How long a cold boot may take to reach envd.
@@ -87,6 +92,11 @@ pub struct NodeConfig {
     /// volume `k` owns `base + k * 65536` and the 65,535 ids after it, 8,192 ranges in all
     /// (below the QEMUs' ids by default). No account needs to exist for these ids.
     pub volume_uid_base: u32,
+    /// Where GPUs bound to `vfio-pci` and their IOMMU groups are discovered at open
+    /// (`VMON_SYSFS_ROOT`, default `/sys`; tests point it at a tree they build).
+    pub sysfs_root: PathBuf,
+    /// Where the IOMMU groups' device nodes are (`VMON_VFIO_DEV_DIR`, default `/dev/vfio`).
+    pub vfio_dev_dir: PathBuf,
 }
 
 impl NodeConfig {
@@ -104,6 +114,7 @@ impl NodeConfig {
             blank_pool_size: env_or("VMON_BLANK_POOL", 4),
             pool_max: env_or("VMON_POOL_MAX", 8),
             pool_min_available_mb: env_or("VMON_POOL_MIN_AVAILABLE_MB", 2048),
+            pool_yield: Duration::from_millis(env_or("VMON_POOL_YIELD_MS", 1000)),
             spare_slots: 2,
             boot_timeout: Duration::from_secs(240),
             boot_stall_after: Duration::from_secs(env_or("VMON_BOOT_STALL_SECS", 60)),
@@ -136,6 +147,12 @@ impl NodeConfig {
                 b if b < vmon_proto::node::volume_ids::VOLUME_IDS => DEFAULT_VOLUME_UID_BASE,
                 b => b,
             },
+            sysfs_root: std::env::var_os("VMON_SYSFS_ROOT")
+                .filter(|v| !v.is_empty())
+                .map_or_else(|| PathBuf::from("/sys"), PathBuf::from),
+            vfio_dev_dir: std::env::var_os("VMON_VFIO_DEV_DIR")
+                .filter(|v| !v.is_empty())
+                .map_or_else(|| PathBuf::from("/dev/vfio"), PathBuf::from),
         }
     }
 }

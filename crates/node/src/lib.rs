@@ -9,6 +9,7 @@ pub mod builds;
 pub mod channel;
 mod config;
 pub mod envd_client;
+pub mod gpus;
 mod node;
 mod pool;
 pub mod rpc;

@@ -58,6 +58,10 @@ pub struct SandboxState {
     /// How its current execution started (reported to the api with the start).
     #[serde(default)]
     pub start_kind: Option<vmon_proto::node::StartKind>,
+    /// The IOMMU groups passed through to it (a GPU sandbox): held while its QEMU lives, its
+    /// memory never captured, never migrated.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gpu_groups: Vec<u32>,
 }
 
 impl SandboxState {
@@ -102,6 +106,7 @@ impl SandboxState {
             network: None,
             volumes: Vec::new(),
             start_kind: None,
+            gpu_groups: Vec::new(),
         }
     }
 

@@ -106,6 +106,7 @@ fn rootfs_writes_survive_a_cold_reboot_from_the_same_disk() {
         let again = node
             .start(StartSpec {
                 egress: Default::default(),
+                gpus: 0,
                 volumes: Vec::new(),
                 sandbox_id: id.clone(),
                 execution_id: unique("e"),
@@ -261,6 +262,7 @@ fn bad_input_gets_clear_errors_and_leaves_nothing() {
         let missing = node
             .start(StartSpec {
                 egress: Default::default(),
+                gpus: 0,
                 volumes: Vec::new(),
                 sandbox_id: unique("bad"),
                 execution_id: unique("e"),

@@ -38,6 +38,7 @@ fn a_remote_node_creates_pauses_resumes_and_kills() {
         let r = remote
             .start(StartSpec {
                 egress: Default::default(),
+                gpus: 0,
                 volumes: Vec::new(),
                 sandbox_id: id.clone(),
                 execution_id: unique("e"),
@@ -68,6 +69,7 @@ fn a_remote_node_creates_pauses_resumes_and_kills() {
         let r2 = remote
             .start(StartSpec {
                 egress: Default::default(),
+                gpus: 0,
                 volumes: Vec::new(),
                 sandbox_id: id.clone(),
                 execution_id: unique("e"),

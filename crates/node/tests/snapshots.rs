@@ -413,6 +413,7 @@ fn a_corrupt_layer_fails_the_resume_clearly() {
         let res = node
             .start(vmon_proto::node::StartSpec {
                 egress: Default::default(),
+                gpus: 0,
                 volumes: Vec::new(),
                 sandbox_id: id.clone(),
                 execution_id: unique("e"),

@@ -249,6 +249,7 @@ async fn start_err(node: &Node, build: &str) -> NodeError {
     match node
         .start(StartSpec {
             egress: Default::default(),
+            gpus: 0,
             volumes: Vec::new(),
             sandbox_id: unique("bad"),
             execution_id: unique("e"),

@@ -26,9 +26,11 @@ async fn start_with_volume(
 ) -> vmon_proto::node::Running {
     node.start(StartSpec {
         egress: Default::default(),
+        gpus: 0,
         volumes: vec![VolumeShare {
             volume_id: volume.to_string(),
             path: "/mnt/v".into(),
+            ..Default::default()
         }],
         sandbox_id: id.to_string(),
         execution_id: unique("e"),

@@ -47,6 +47,10 @@ pub struct NodeInfo {
     pub running: u32,
     /// Unix seconds of this heartbeat.
     pub updated_unix: u64,
+    /// GPUs bound to `vfio-pci` and how many are free (none on a node without them, or
+    /// one of an older version).
+    #[serde(default)]
+    pub gpus: crate::gpu::GpuInventory,
 }
 
 impl NodeInfo {

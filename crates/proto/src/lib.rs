@@ -9,6 +9,7 @@
 pub mod addrs;
 pub mod cluster;
 pub mod egress;
+pub mod gpu;
 pub mod node;
 pub mod progress;
 pub mod ranges;

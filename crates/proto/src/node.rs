@@ -65,14 +65,32 @@ pub struct StartSpec {
     /// (kept in the node's memory only; `Debug` prints no value).
     #[serde(default, skip_serializing_if = "crate::egress::EgressSpec::is_empty")]
     pub egress: crate::egress::EgressSpec,
+    /// Whole GPUs to pass through (VFIO). A GPU sandbox always cold-boots, whatever
+    /// `cold_boot` says: its devices' state is not in any memory snapshot. A node with fewer
+    /// GPUs than this in all refuses with `InvalidArgument`, with fewer free `Exhausted`.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub gpus: u32,
+}
+
+fn is_zero<T: Default + PartialEq>(n: &T) -> bool {
+    *n == T::default()
 }
 
 /// One volume a sandbox mounts: `<volumes dir>/<volume_id>` on the node, `path` in the guest.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct VolumeShare {
     pub volume_id: String,
     /// Absolute and clean.
     pub path: String,
+    /// The volume lives in the cluster's object store: the node fills `<volumes dir>/<id>`
+    /// from it before the mount and writes it back at pause, kill and periodically
+    /// (`crates/node/src/node/volume_store.rs`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub object_store: bool,
+    /// The most bytes (its archive's size) a write-back of an object-store volume keeps;
+    /// 0: no limit.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub max_bytes: u64,
 }
 
 /// How a volume's files are owned on the host: every volume has a range of

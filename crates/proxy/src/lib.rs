@@ -217,6 +217,7 @@ impl Proxy {
 
     /// Answer one request: route it, resume if needed, forward it.
     pub async fn handle(&self, req: Request<Incoming>) -> Response<ProxyBody> {
+        let started = std::time::Instant::now();
         let host = req
             .headers()
             .get(header::HOST)
@@ -313,6 +314,7 @@ impl Proxy {
             stamp,
             slot,
             beat,
+            started,
         };
         if is_upgrade(&req) {
             self.forward_upgrade(req, addr, &target, held).await
@@ -476,8 +478,11 @@ impl Proxy {
             stamp,
             slot,
             beat,
+            started,
         } = held;
+        let routed = started.elapsed();
         let (mut parts, body) = req.into_parts();
+        let path = parts.uri.path().to_string();
         let authority = match &upstream {
             Upstream::Kept(run) => run.clone(),
             Upstream::Fresh(addr) => addr.to_string(),
@@ -520,13 +525,23 @@ impl Proxy {
             Ok(resp) => {
                 let (mut parts, body) = resp.into_parts();
                 strip_hop_by_hop(&mut parts.headers);
+                // Where a request's time went (`VMON_LOG=vmon_proxy=debug`; the api bench reads
+                // these): routing here, the guest's headers, and the body's end (below).
+                tracing::debug!(
+                    sandbox = %target.sandbox_id,
+                    path = %path,
+                    route_ms = routed.as_secs_f64() * 1e3,
+                    headers_ms = started.elapsed().as_secs_f64() * 1e3,
+                    "proxied: headers"
+                );
                 let body = Watched::new(
                     body.map_err(BoxError::from).boxed(),
                     Some(gone),
                     stamp,
                     self.limits.idle_body_timeout,
                     Some(slot),
-                );
+                )
+                .traced(&target.sandbox_id, path, started);
                 Response::from_parts(parts, body.boxed())
             }
             Err(e) if e.is_connect() => port_not_open(target),
@@ -555,6 +570,7 @@ impl Proxy {
             stamp,
             slot,
             beat,
+            ..
         } = held;
         let stream = match tokio::time::timeout(
             Duration::from_secs(10),
@@ -678,6 +694,8 @@ struct Held {
     stamp: Arc<Stamp>,
     slot: Slot,
     beat: Arc<Beat>,
+    /// When the proxy got the request.
+    started: std::time::Instant,
 }
 
 /// Where a request goes: over a kept connection of a sandbox run (its pooled authority,

@@ -23,6 +23,8 @@ pub(crate) struct Watched {
     /// The idle-body timeout and the deadline it sets, pushed back by every frame.
     idle: Option<(Duration, std::pin::Pin<Box<tokio::time::Sleep>>)>,
     _slot: Option<Slot>,
+    /// (sandbox, path, when the proxy got the request): logged at debug when the body ends.
+    trace: Option<(String, String, std::time::Instant)>,
 }
 
 impl Watched {
@@ -39,6 +41,33 @@ impl Watched {
             stamp,
             idle: (!idle.is_zero()).then(|| (idle, Box::pin(tokio::time::sleep(idle)))),
             _slot: slot,
+            trace: None,
+        }
+    }
+
+    /// Logs the response's end (`proxied: end`, at debug) with its time since `started`.
+    pub(crate) fn traced(
+        mut self,
+        sandbox: &str,
+        path: String,
+        started: std::time::Instant,
+    ) -> Watched {
+        if tracing::enabled!(tracing::Level::DEBUG) {
+            self.trace = Some((sandbox.to_string(), path, started));
+        }
+        self
+    }
+}
+
+impl Drop for Watched {
+    fn drop(&mut self) {
+        if let Some((sandbox, path, started)) = self.trace.take() {
+            tracing::debug!(
+                sandbox = %sandbox,
+                path = %path,
+                end_ms = started.elapsed().as_secs_f64() * 1e3,
+                "proxied: end"
+            );
         }
     }
 }

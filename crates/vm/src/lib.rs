@@ -18,6 +18,7 @@ pub mod ram_base;
 pub mod ram_check;
 pub mod user;
 pub mod userns;
+pub mod vfio;
 
 pub use accel::{probe as probe_accel, Accel, AccelChoice};
 pub use machine::{FsShare, MachineDesc, NetDevice};

@@ -75,6 +75,13 @@ pub struct LaunchSpec {
     /// namespace of the QEMU's own, so that of the node's artifacts it sees only those linked
     /// into `view` (the caller links them, before launch or before naming them to QEMU).
     pub view: Option<(PathBuf, PathBuf)>,
+    /// The CPU weight its cgroup starts with ([`cgroup::set_weight`]), from its first
+    /// instruction on (QEMU's own start is CPU work too).
+    pub weight: cgroup::Weight,
+    /// PCI devices passed through by VFIO (cold boots of GPU sandboxes only): their
+    /// `vfio-pci` devices, memory locked, `RLIMIT_MEMLOCK` raised ([`crate::vfio`]). The
+    /// caller has given the QEMU user its groups' `/dev/vfio/<n>`.
+    pub vfio: Vec<String>,
 }
 
 fn c_path(p: &Path) -> anyhow::Result<std::ffi::CString> {
@@ -156,6 +163,8 @@ struct ChildSetup {
     user: Option<QemuUser>,
     supplementary: Vec<libc::gid_t>,
     die_with_node: bool,
+    /// `RLIMIT_MEMLOCK` to set (bytes), for passed-through devices.
+    memlock: Option<u64>,
 }
 
 impl ChildSetup {
@@ -207,6 +216,16 @@ impl ChildSetup {
             // Last of the descriptors: its number is above every other's target.
             if let Some(fd) = self.own_dir_fd {
                 if libc::dup2(fd, DIR_FD) < 0 {
+                    return fail();
+                }
+            }
+            // Before the uid switch: raising a limit takes CAP_SYS_RESOURCE.
+            if let Some(bytes) = self.memlock {
+                let lim = libc::rlimit {
+                    rlim_cur: bytes,
+                    rlim_max: bytes,
+                };
+                if libc::setrlimit(libc::RLIMIT_MEMLOCK, &lim) != 0 {
                     return fail();
                 }
             }
@@ -351,6 +370,8 @@ impl Vm {
             incoming: spec.incoming,
             fs_shares: &spec.fs_shares,
         });
+        let mut args = args;
+        args.extend(crate::vfio::args(&spec.vfio)?);
         let stderr_path = spec.run_dir.join("qemu.stderr");
         let stderr = std::fs::File::create(&stderr_path)?;
         // Entered by setns(2) in the child rather than through `ip netns exec`: one exec less
@@ -365,6 +386,11 @@ impl Vm {
         let limits = cgroup::Limits::for_guest(spec.machine.vcpus, spec.machine.memory_mb);
         let groups = cgroup::create(&spec.tag, &limits)
             .with_context(|| format!("cgroups for QEMU {}", spec.tag))?;
+        if spec.weight != cgroup::Weight::Normal {
+            if let Err(e) = cgroup::set_weight(&spec.tag, spec.weight) {
+                tracing::debug!(tag = %spec.tag, "setting a QEMU's CPU weight: {e:#}");
+            }
+        }
         let view = match &spec.view {
             Some((view, over)) => Some((c_path(view)?, c_path(over)?)),
             None => None,
@@ -383,6 +409,8 @@ impl Vm {
                 .unwrap_or_default(),
             user: spec.user.clone(),
             die_with_node: spec.die_with_node,
+            memlock: (!spec.vfio.is_empty())
+                .then(|| crate::vfio::memlock_bytes(spec.machine.memory_mb)),
         };
         let mut cmd = tokio::process::Command::new(&spec.machine.qemu_binary);
         // SAFETY: the closure runs in the forked child before exec; `apply` only makes

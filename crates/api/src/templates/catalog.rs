@@ -192,8 +192,9 @@ pub(crate) async fn delete(
     Path(id): Path<String>,
 ) -> ApiResult<StatusCode> {
     let control = s.control.clone();
-    tokio::spawn(async move { control.delete_template(&team, &id).await })
-        .await
-        .unwrap_or_else(|e| Err(ApiError::internal(format!("the operation failed: {e}"))))?;
+    match tokio::spawn(async move { control.delete_template(&team, &id).await }).await {
+        Ok(deleted) => deleted?,
+        Err(e) => return Err(ApiError::internal(format!("the operation failed: {e}"))),
+    }
     Ok(StatusCode::NO_CONTENT)
 }

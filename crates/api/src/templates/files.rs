@@ -1,7 +1,7 @@
 //! The files a template's COPY steps upload. The SDK asks `GET /templates/{id}/files/{hash}`
 //! and, when vmon lacks them, `PUT`s the archive to the URL the answer names, with no API key:
 //! that URL is vmon's own `/template-files/{team}/{hash}`, signed and valid for an hour (the
-//! signer, the directories and the quotas are `control/uploads.rs`). An archive is written to a
+//! signer, the directories and the quotas are `crates/control/src/uploads.rs`). An archive is written to a
 //! temporary file and renamed once complete, at most 1 GiB.
 //!
 //! A team keeps at most `quotas.max_template_files` archives (429) of at most

@@ -10,15 +10,13 @@
 //! The SDKs send a name such as `team/name:v1` as one percent-encoded segment
 //! (`team%2Fname%3Av1`): the router matches the raw path and decodes a segment after matching.
 
-mod build;
 pub(crate) mod catalog;
-mod collect_files;
 pub(crate) mod files;
-pub mod image;
 pub(crate) mod request;
 pub(crate) mod status;
-pub mod steps;
 pub(crate) mod tags;
+
+pub use vmon_control::templates::{image, steps};
 
 use axum::http::StatusCode;
 use axum::routing::{get, post, put};

@@ -207,6 +207,14 @@ pub(crate) async fn start_build(
     let start: steps::BuildStart = serde_json::from_value(raw.clone())
         .map_err(|e| ApiError::bad_request(format!("invalid request body: {e}")))?;
     let plan = steps::plan(&start)?;
+    // The template's GPU count (seed 003): a bad one is refused now, not at every create.
+    if let Some(v) = plan
+        .last()
+        .and_then(|(_, s)| s.env.get(vmon_proto::gpu::TEMPLATE_ENV))
+    {
+        vmon_proto::gpu::parse_count(v, "the template's VMON_GPUS")
+            .map_err(ApiError::bad_request)?;
+    }
     for (i, (action, _)) in plan.iter().enumerate() {
         if let steps::Action::Copy { files_hash, .. } = action {
             if !c.template_file_kept(&team.id, files_hash) {
@@ -225,11 +233,11 @@ pub(crate) async fn start_build(
     if let Some(t) = &start.from_template {
         c.resolve_template(&team, t)
             .await
-            .map_err(|e| ApiError::bad_request(format!("fromTemplate {t:?}: {}", e.message)))?;
+            .map_err(|e| ApiError::bad_request(format!("fromTemplate {t:?}: {e}")))?;
     }
     build.start = Some(redact(raw));
     // Building from the trigger on, as E2B reports it, unless it has to wait for a slot.
-    if c.template_builds.available_permits() > 0 {
+    if c.template_build_slot_free() {
         build.state = BuildState::Building;
     }
     c.records()

@@ -105,6 +105,9 @@ impl Access {
                 "volumes are not configured on this server",
             )
         })?;
+        if let Some(why) = vmon_control::volumes::store::content_refused(s.control.config()) {
+            return Err(ContentError::new(StatusCode::NOT_IMPLEMENTED, why));
+        }
         let token = headers
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())

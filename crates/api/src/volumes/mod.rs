@@ -8,7 +8,7 @@
 //! Where volumes live, their tokens and how mounts are resolved are `control::volumes`'s.
 
 pub(crate) mod content;
-pub mod tree;
+pub use vmon_control::volumes::tree;
 
 use std::path::Path;
 use std::sync::Arc;

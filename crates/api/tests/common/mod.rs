@@ -47,6 +47,9 @@ pub struct FakeNode {
     pub recorded_unix: Mutex<HashMap<String, u64>>,
     /// Builds a running sandbox stands on: `delete_build` refuses them, as the node does.
     pub in_use: Mutex<std::collections::HashSet<String>>,
+    /// The GPUs the fake node has (total, free): a start asking for more is refused as the
+    /// real node refuses it (`crates/node/src/gpus.rs`), with nothing started.
+    pub gpus: Mutex<(u32, u32)>,
 }
 
 impl FakeNode {
@@ -67,6 +70,7 @@ impl FakeNode {
             progress: vmon_proto::progress::Progress::new("the base template"),
             recorded_unix: Mutex::new(HashMap::new()),
             in_use: Mutex::new(std::collections::HashSet::new()),
+            gpus: Mutex::new((0, 0)),
         })
     }
     pub fn running_count(&self) -> usize {
@@ -182,6 +186,19 @@ impl NodeHandler for FakeNode {
             return Err(NodeError::Failed("injected start failure".into()));
         }
         let build = NodeCalls::build_info(self, &spec.build_id).await?;
+        let (total, free) = *self.gpus.lock().unwrap();
+        if spec.gpus > total {
+            return Err(NodeError::InvalidArgument(format!(
+                "the sandbox asks for {} GPUs and this node has {total}",
+                spec.gpus
+            )));
+        }
+        if spec.gpus > free {
+            return Err(NodeError::Exhausted(format!(
+                "the sandbox asks for {} GPUs and {free} of this node's {total} are free",
+                spec.gpus
+            )));
+        }
         self.starts.lock().unwrap().push(spec.clone());
         let r = Running {
             sandbox_id: spec.sandbox_id.clone(),

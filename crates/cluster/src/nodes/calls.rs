@@ -175,17 +175,20 @@ impl ClusterNodes {
     }
 
     async fn start(&self, spec: StartSpec) -> Result<Running, NodeError> {
-        let memory_restore = !spec.cold_boot && spec.volumes.is_empty();
+        let memory_restore = !spec.cold_boot && spec.volumes.is_empty() && spec.gpus == 0;
         let holders = self.holders(&spec.build_id).await;
         let (ranked, spec) = match self
-            .candidates(&spec.build_id, &holders, memory_restore)
+            .candidates(&spec.build_id, &holders, memory_restore, spec.gpus)
             .await
         {
             Ok(r) => (r, spec),
             // No node can restore its memory (another accelerator, QEMU or CPU model than
             // the build's): boot its disk on one that has room, as seed 003 says.
             Err(e) if memory_restore => {
-                match self.candidates(&spec.build_id, &holders, false).await {
+                match self
+                    .candidates(&spec.build_id, &holders, false, spec.gpus)
+                    .await
+                {
                     Ok(r) => {
                         tracing::warn!(sandbox_id = %spec.sandbox_id, build_id = %spec.build_id, reason = %e, "no node can restore this build's memory: cold-booting its disk");
                         (
@@ -217,10 +220,11 @@ impl ClusterNodes {
                 }
                 e => e,
             })?;
-        self.placed
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push((Instant::now(), node.id.clone()));
+        self.placed.lock().unwrap_or_else(|p| p.into_inner()).push((
+            Instant::now(),
+            node.id.clone(),
+            spec.gpus,
+        ));
         self.place(&spec.sandbox_id, &node.id, running.guest_ip)
             .await;
         if !holders.contains(&node.id) {

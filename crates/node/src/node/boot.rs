@@ -42,6 +42,8 @@ pub(super) struct Boot<'a> {
     pub policy: &'a NetworkPolicy,
     pub init: &'a InitRequest,
     pub volumes: &'a [VolumeShare],
+    /// IOMMU groups passed through (a GPU sandbox), already taken for it.
+    pub gpus: &'a [vmon_vm::vfio::IommuGroup],
 }
 
 /// What a boot's virtio-fs daemons share with its QEMU: its tag (their cgroups), limits, user.
@@ -204,6 +206,9 @@ impl Node {
         let (ram, ram_path) = self.builds.new_artifact("ram", "mem");
         made.push(ram_path.clone());
         self.hand_new_to(slot, &ram_path)?;
+        // The groups' device nodes become the QEMU user's (given back at release).
+        self.gpus
+            .grant(b.gpus, qemu_user.as_ref().map(|u| (u.uid, u.gid)))?;
         let view = self.view_for(run_dir)?;
         self.show(
             run_dir,
@@ -229,6 +234,8 @@ impl Node {
             user: self.qemu_user(slot),
             ram_fd: None,
             view,
+            weight: vmon_vm::cgroup::Weight::Normal,
+            vfio: crate::gpus::devices(b.gpus),
         };
         let addr = SocketAddr::new(IpAddr::V4(slot.addr()), ENVD_PORT);
         let (vm, launched) = self
@@ -255,6 +262,7 @@ impl Node {
                 network: Some(b.policy.clone()),
                 volumes: b.volumes.to_vec(),
                 start_kind: Some(vmon_proto::node::StartKind::ColdBoot),
+                gpu_groups: b.gpus.iter().map(|g| g.id).collect(),
             },
             vm: Some(vm),
             slot: slot.clone(),
@@ -395,6 +403,7 @@ impl Node {
                 policy,
                 init: &InitRequest::default(),
                 volumes: &[],
+                gpus: &[],
             })
             .await
             .map_err(err)?;

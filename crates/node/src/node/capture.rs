@@ -213,8 +213,9 @@ impl Node {
         let mut l = self.live_execution(sandbox_id, execution_id).await?;
         let _guard = self.artifacts_guard.read().await;
         let build_id = new_id("p");
-        // A guest with volumes mounted keeps part of its state in virtiofsd: disk only.
-        let memory = memory && l.state.volumes.is_empty();
+        // A guest with volumes mounted keeps part of its state in virtiofsd, one with GPUs in
+        // its devices: disk only.
+        let memory = memory && l.state.volumes.is_empty() && l.state.gpu_groups.is_empty();
         if !memory {
             Self::sync_guest(&l, "pause").await;
         }
@@ -222,6 +223,12 @@ impl Node {
             l.vm.as_ref()
                 .ok_or_else(|| NodeError::Failed("sandbox has no VM".into()))?;
         vm.qmp.stop().await.map_err(|e| err(e.into()))?;
+        // The guest is stopped: its object-store volumes go back whole, or the pause fails
+        // and the sandbox runs on.
+        if let Err(e) = self.write_back_all(&l.state.volumes).await {
+            let _ = vm.qmp.cont().await;
+            return Err(e);
+        }
         // Park: keep the stopped QEMU for a fast resume. Its disk moves to a fresh overlay first
         // so the build's stays frozen whatever happens to the kept process.
         let park =
@@ -296,6 +303,8 @@ impl Node {
         if let Some(vm) = l.vm.take() {
             vm.quit().await;
         }
+        // Its QEMU is gone: its GPUs are free.
+        self.gpus.release(sandbox_id);
         // Uploaded once QEMU has closed the build's overlay and RAM file for good.
         self.upload_later(&rec);
         // Artifacts now belong to the build.
@@ -326,7 +335,7 @@ impl Node {
         let mut l = self.live_execution(sandbox_id, execution_id).await?;
         let _guard = self.artifacts_guard.read().await;
         let build_id = new_id("c");
-        let memory = memory && l.state.volumes.is_empty();
+        let memory = memory && l.state.volumes.is_empty() && l.state.gpu_groups.is_empty();
         let vm =
             l.vm.as_ref()
                 .ok_or_else(|| NodeError::Failed("sandbox has no VM".into()))?;
@@ -334,6 +343,11 @@ impl Node {
             Self::sync_guest(&l, "snapshot").await;
         }
         vm.qmp.stop().await.map_err(|e| err(e.into()))?;
+        // A snapshot's or fork's object-store volumes go back as they are now.
+        if let Err(e) = self.write_back_all(&l.state.volumes).await {
+            let _ = vm.qmp.cont().await;
+            return Err(e);
+        }
         let result = async {
             let (frozen, chain) = self.switch_disk(&mut l).await?;
             l.state.save(&l.dir)?;

@@ -126,6 +126,9 @@ impl NodeHandler for Node {
             vm.kill().await;
         }
         vmon_vm::process::kill_recorded(&l.dir, &l.state.qemu_tag);
+        self.gpus.release(sandbox_id);
+        // Its QEMU is gone, and with it the volumes' daemons: what it wrote goes to the store.
+        self.write_back_after_kill(&l.state.volumes).await;
         let slots = self.slots.clone();
         let slot = l.slot.clone();
         let dir = l.dir.clone();

@@ -25,12 +25,18 @@ use serde_json::{json, Value};
 use tokio::sync::Mutex;
 use vmon_proto::node::{MigrateIn, MigrateOut, MigrateStats, NodeError, Running};
 
+use copy::{
+    complete_mirror, finish_memory_copy, mirror_disk, start_memory_copy, wait_for_switchover,
+};
+
 use super::{err, valid_id, Node};
 use crate::builds::new_id;
 use crate::channel::{relay, ChannelIo, Channels};
 use crate::pool::Prepared;
 use crate::rpc::RemoteNode;
 use crate::sandbox::{Live, RamSource, SandboxState};
+
+mod copy;
 
 /// A prepared target is dropped when nothing commits it within this.
 const INCOMING_TTL: Duration = Duration::from_secs(900);
@@ -119,6 +125,12 @@ impl Node {
         execution_id: &str,
     ) -> Result<MigrateIn, NodeError> {
         let l = self.live_execution(sandbox_id, execution_id).await?;
+        // A drain pauses what cannot move (filesystem-only, for a GPU sandbox).
+        if !l.state.gpu_groups.is_empty() {
+            return Err(NodeError::InvalidArgument(format!(
+                "sandbox {sandbox_id} has GPUs passed through and cannot live-migrate"
+            )));
+        }
         let RamSource::Private { basis, .. } = &l.state.ram else {
             return Err(NodeError::InvalidArgument(format!(
                 "sandbox {sandbox_id} was booted, not restored: its memory has no build under \
@@ -522,43 +534,8 @@ impl Node {
         target: &Arc<RemoteNode>,
         nbd_listen: &std::path::Path,
     ) -> anyhow::Result<MigrateStats> {
-        let q = &vm.qmp;
         let deadline = Instant::now() + Duration::from_secs(spec.timeout_secs.max(10));
-        let short = Duration::from_secs(30);
-        q.execute_raw(
-            "blockdev-add",
-            json!({"driver": "nbd", "node-name": "mig-nbd", "export": "mig",
-                   "server": {"type": "unix", "path": nbd_listen.display().to_string()}}),
-            short,
-        )
-        .await
-        .context("connecting the disk mirror to the target")?;
-        q.execute_raw(
-            "blockdev-mirror",
-            json!({"job-id": "mig", "device": l.state.disk_node, "target": "mig-nbd",
-                   "sync": "top", "copy-mode": "write-blocking"}),
-            short,
-        )
-        .await
-        .context("starting the disk mirror")?;
-        let mirror_deadline = Instant::now() + MIRROR_READY_TIMEOUT;
-        let disk_bytes = loop {
-            let jobs = q
-                .execute_raw("query-block-jobs", Value::Null, short)
-                .await?;
-            let job = jobs
-                .as_array()
-                .and_then(|a| a.iter().find(|j| j.get("device") == Some(&json!("mig"))))
-                .cloned()
-                .context("the disk mirror ended before it was in step")?;
-            if job.get("ready").and_then(Value::as_bool) == Some(true) {
-                break job.get("len").and_then(Value::as_u64).unwrap_or(0);
-            }
-            if Instant::now() > mirror_deadline.min(deadline) {
-                bail!("the disk mirror did not catch up in time");
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        };
+        let disk_bytes = mirror_disk(vm, l, nbd_listen, deadline).await?;
         // The memory stream: a socket pair, QEMU's end by `getfd`, ours relayed to the target.
         let ram = target
             .open_channel(&spec.migration_id, "ram")
@@ -568,99 +545,29 @@ impl Node {
         node_end.set_nonblocking(true)?;
         let local = tokio::net::UnixStream::from_std(node_end)?;
         let ram_relay = tokio::spawn(async move { relay(ram, local).await });
-        q.getfd("vmon-mig", qemu_end.as_fd()).await?;
-        drop(qemu_end);
-        q.execute_raw(
-            "migrate-set-capabilities",
-            json!({"capabilities": [
-                {"capability": "pause-before-switchover", "state": true},
-                {"capability": "events", "state": true},
-            ]}),
-            short,
-        )
-        .await?;
-        q.execute_raw(
-            "migrate-set-parameters",
-            json!({"downtime-limit": spec.downtime_ms.max(1), "max-bandwidth": 4u64 << 30}),
-            short,
-        )
-        .await?;
-        q.execute_raw("migrate", json!({"uri": "fd:vmon-mig"}), short)
-            .await
-            .context("starting the memory copy")?;
         let r = async {
-            loop {
-                let pr = progress(&q.execute_raw("query-migrate", Value::Null, short).await?);
-                match pr.status.as_str() {
-                    "pre-switchover" => break,
-                    "failed" | "cancelled" => bail!(
-                        "the memory copy failed: {}",
-                        pr.error.unwrap_or_else(|| pr.status.clone())
-                    ),
-                    _ if Instant::now() > deadline => bail!(
-                        "the memory copy did not converge within {} s",
-                        spec.timeout_secs
-                    ),
-                    _ => tokio::time::sleep(Duration::from_millis(10)).await,
-                }
-            }
+            start_memory_copy(vm, spec, qemu_end).await?;
+            wait_for_switchover(vm, spec, deadline).await?;
             // The guest is stopped: the mirror holds every write. Complete it (a cancel of a
             // mirror in step leaves the target consistent), drop the link, send the rest.
             let stopped = Instant::now();
-            q.execute_raw("block-job-cancel", json!({"device": "mig"}), short)
-                .await?;
-            let t = Instant::now();
-            loop {
-                let jobs = q
-                    .execute_raw("query-block-jobs", Value::Null, short)
-                    .await?;
-                let running = jobs
-                    .as_array()
-                    .is_some_and(|a| a.iter().any(|j| j.get("device") == Some(&json!("mig"))));
-                if !running {
-                    break;
-                }
-                if t.elapsed() > short {
-                    bail!("the disk mirror did not complete at the switchover");
-                }
-                tokio::time::sleep(Duration::from_millis(2)).await;
-            }
-            q.execute_raw("blockdev-del", json!({"node-name": "mig-nbd"}), short)
-                .await?;
-            q.execute_raw(
-                "migrate-continue",
-                json!({"state": "pre-switchover"}),
-                short,
-            )
-            .await?;
-            loop {
-                let pr = progress(&q.execute_raw("query-migrate", Value::Null, short).await?);
-                match pr.status.as_str() {
-                    "completed" => {
-                        let check = self
-                            .check_target_ram(&spec.migration_id, l, vm, target)
-                            .await
-                            .context("checking the target's memory")?;
-                        return anyhow::Ok(MigrateStats {
-                            copy_ms: 0,
-                            qemu_downtime_ms: pr.downtime_ms,
-                            ram_bytes: pr.ram_bytes,
-                            disk_bytes,
-                            rounds: pr.rounds,
-                            stopped_ms: stopped.elapsed().as_millis() as u64,
-                            checked_pages: check.checked,
-                            repaired_pages: check.repaired,
-                            check_ms: check.ms,
-                        });
-                    }
-                    "failed" | "cancelled" => bail!(
-                        "the last copy round failed: {}",
-                        pr.error.unwrap_or_default()
-                    ),
-                    _ if Instant::now() > deadline => bail!("the last copy round timed out"),
-                    _ => tokio::time::sleep(Duration::from_millis(2)).await,
-                }
-            }
+            complete_mirror(vm).await?;
+            let pr = finish_memory_copy(vm, deadline).await?;
+            let check = self
+                .check_target_ram(&spec.migration_id, l, vm, target)
+                .await
+                .context("checking the target's memory")?;
+            anyhow::Ok(MigrateStats {
+                copy_ms: 0,
+                qemu_downtime_ms: pr.downtime_ms,
+                ram_bytes: pr.ram_bytes,
+                disk_bytes,
+                rounds: pr.rounds,
+                stopped_ms: stopped.elapsed().as_millis() as u64,
+                checked_pages: check.checked,
+                repaired_pages: check.repaired,
+                check_ms: check.ms,
+            })
         }
         .await;
         if r.is_err() {

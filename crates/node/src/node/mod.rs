@@ -25,6 +25,7 @@ mod remote;
 mod restore;
 mod template;
 mod volume_owner;
+mod volume_store;
 mod volumes;
 
 use std::collections::{HashMap, HashSet};
@@ -111,6 +112,8 @@ pub struct Node {
     egress: egress::EgressRoom,
     /// Sealed copies of the RAM bases restores map.
     ram_bases: confine::RamBases,
+    /// GPUs for passthrough and which sandbox holds each.
+    gpus: crate::gpus::Gpus,
     /// Held for the node's life: no other node on this host may use the same slot block.
     _block_lock: std::fs::File,
     /// Held for the node's life: one node per data dir (another would sweep our artifacts).
@@ -372,6 +375,7 @@ impl Node {
         let (slot_block, block_lock) = claim_slot_block(&cfg)?;
         tracing::info!(slot_block, "network slot block");
         let qemu_ids = cfg.qemu_uid_base;
+        let gpus = crate::gpus::Gpus::discover(&cfg.sysfs_root, &cfg.vfio_dev_dir);
         let node = Arc::new_cyclic(|me| Node {
             me: me.clone(),
             pool: Pool::new(
@@ -379,7 +383,8 @@ impl Node {
                 cfg.blank_pool_size,
                 cfg.pool_max,
                 cfg.pool_min_available_mb,
-            ),
+            )
+            .with_yield(cfg.pool_yield),
             cfg,
             accel,
             qemu_version,
@@ -408,6 +413,7 @@ impl Node {
             peers: Default::default(),
             egress: egress_room,
             ram_bases: Default::default(),
+            gpus,
             _block_lock: block_lock,
             _data_lock: data_lock,
         });
@@ -417,6 +423,11 @@ impl Node {
         node.slots.set_spares(node.cfg.spare_slots);
         node.slots.refill();
         crate::telemetry::spawn(Arc::downgrade(&node));
+        if node.store.is_some() {
+            node.spawn_volume_sync(Duration::from_secs(
+                env_or("VMON_VOLUME_SYNC_SECS", 60u64).max(1),
+            ));
+        }
         let weak = Arc::downgrade(&node);
         tokio::spawn(async move {
             let Some(node) = weak.upgrade() else { return };
@@ -434,6 +445,11 @@ impl Node {
             }
         });
         Ok(node)
+    }
+
+    /// The GPUs this node passes through, and how many are free.
+    pub fn gpu_inventory(&self) -> vmon_proto::gpu::GpuInventory {
+        self.gpus.inventory()
     }
 
     /// The QEMU process of a running sandbox.
@@ -589,6 +605,7 @@ impl Node {
         }
         vmon_vm::process::kill_recorded(&live.dir, &live.state.qemu_tag);
         let _ = self.slots.release(&live.slot).await;
+        self.gpus.release(&live.state.id);
         if !keep_artifacts {
             let _ = std::fs::remove_file(self.builds.artifact(&live.state.overlay));
             if let RamSource::Shared { file } = &live.state.ram {

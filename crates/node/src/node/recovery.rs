@@ -76,6 +76,8 @@ impl Node {
         match Vm::adopt(dir, &state.qemu_tag).await {
             Ok(vm) => {
                 self.slots.mark_used(slot.index);
+                // Its GPUs stay its own (a finished pause below gives them back).
+                self.gpus.hold(&state.id, &state.gpu_groups);
                 let status = vm.qmp.query_status().await?;
                 let mut live = Live {
                     state,
@@ -113,6 +115,9 @@ impl Node {
             Err(e) => {
                 tracing::warn!(sandbox = %state.id, "QEMU is gone ({e:#}); cleaning up");
                 vmon_vm::process::kill_recorded(dir, &state.qemu_tag);
+                // Its groups' device nodes go back to root.
+                self.gpus.hold(&state.id, &state.gpu_groups);
+                self.gpus.release(&state.id);
                 let committed = match &state.pausing_build {
                     Some(b) => self.builds.get(b)?.is_some(),
                     None => false,

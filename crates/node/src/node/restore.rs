@@ -6,7 +6,7 @@
 
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -115,13 +115,11 @@ impl Node {
                 user: self.qemu_user(&slot),
                 ram_fd,
                 view,
+                weight,
+                // A restore never carries passed-through devices: GPU sandboxes cold-boot.
+                vfio: Vec::new(),
             })
             .await?;
-            if weight != Weight::Normal {
-                if let Err(e) = cgroup::set_weight(&tag, weight) {
-                    tracing::debug!(tag = %tag, "lowering a pool process's CPU weight: {e:#}");
-                }
-            }
             if let Some(key) = pool_key {
                 self.pool.making(key, &tag, weight);
             }
@@ -303,122 +301,37 @@ impl Node {
             m.entry(mem_base.clone())
                 .or_insert_with(|| rec.machine.clone());
         }
-        let (prepared, origin) = match pooled {
-            Some(p) => (p, Origin::Warm),
-            None => match self.pool.take(&blanks) {
-                // Full weight before it is filled: a blank still at a refill's weight could
-                // wait tens of seconds for the CPU to answer its disk's attach on a busy host
-                // (a resume failed so: "QMP blockdev-add timed out").
-                Some(b) if b.vm_matches(&rec.machine) => {
-                    (self.fill_blank(rec, claimed(b)).await?, Origin::Blank)
-                }
-                Some(b) => {
-                    self.discard_prepared(b).await;
-                    (
-                        self.prepare(rec, false, Weight::Normal, None).await?,
-                        Origin::Fresh,
-                    )
-                }
-                None => (
-                    self.prepare(rec, false, Weight::Normal, None).await?,
-                    Origin::Fresh,
-                ),
-            },
-        };
+        let (prepared, origin) = self.process_for(rec, &blanks, pooled).await?;
         // Claimed: from now on it is a sandbox's guest.
         let prepared = claimed(prepared);
+        let run_dir = self.sandbox_root(&spec.sandbox_id).join(&spec.execution_id);
+        let r = self
+            .start_claimed(spec, rec, mem_base, &devstate, &prepared, &run_dir)
+            .await;
+        if rec.parent.is_none() {
+            // Templates are hot: keep a process ready (started only now, so the refill does
+            // not compete with this claim). Paused builds restore once.
+            self.pool.refill(self.clone(), rec.id.clone());
+        }
+        self.pool.refill(self.clone(), blanks.clone());
         let Prepared {
-            tag,
             slot,
             overlay,
             mut vm,
             run_dir: pool_dir,
-            loaded,
             ..
         } = prepared;
-        let run_dir = self.sandbox_root(&spec.sandbox_id).join(&spec.execution_id);
-        let r = async {
-            if let Some(parent) = run_dir.parent() {
-                std::fs::create_dir_all(parent)?;
-            }
-            if run_dir.exists() {
-                std::fs::remove_dir_all(&run_dir)?;
-            }
-            std::fs::rename(&pool_dir, &run_dir)?;
-            if loaded {
-                // What the guest printed while it warmed up in the pool is not this sandbox's:
-                // log readers start after this many console bytes.
-                let len = std::fs::metadata(run_dir.join("console.log"))
-                    .map(|m| m.len())
-                    .unwrap_or(0);
-                std::fs::write(run_dir.join("console.skip"), len.to_string())?;
-            }
-            if spec.network != crate::slots::open_policy() {
-                slot.set_policy(&spec.network, self.slots.perimeter())
-                    .await?;
-            }
-            let t0 = std::time::Instant::now();
-            if !loaded {
-                vm.qmp
-                    .migrate_incoming_file(&self.builds.artifact(&devstate))
-                    .await?;
-            }
-            let t_load = t0.elapsed();
-            vm.qmp.cont().await?;
-            let t_cont = t0.elapsed();
-            let addr = SocketAddr::new(IpAddr::V4(slot.addr()), ENVD_PORT);
-            let init =
-                envd_client::init(addr, &restore_init(spec, rec), self.cfg.restore_timeout).await;
-            tracing::debug!(
-                sandbox = %spec.sandbox_id,
-                load_ms = t_load.as_secs_f64() * 1e3,
-                cont_ms = (t_cont - t_load).as_secs_f64() * 1e3,
-                init_ms = (t0.elapsed() - t_cont).as_secs_f64() * 1e3,
-                "restore stages"
-            );
-            init?;
-            let state = SandboxState {
-                envd_token: spec.envd_access_token.clone(),
-                resume_generation: rec.resume_generation + 1,
-                network: Some(spec.network.clone()),
-                start_kind: Some(vmon_proto::node::StartKind::Restore),
-                ..SandboxState::over_build(
-                    rec,
-                    mem_base,
-                    &spec.sandbox_id,
-                    &spec.execution_id,
-                    slot.index,
-                    overlay.clone(),
-                    tag.clone(),
-                )
-            };
-            state.save(&run_dir)?;
-            anyhow::Ok(state)
-        }
-        .await;
         match r {
-            Ok(state) => {
-                if rec.parent.is_none() {
-                    // Templates are hot: keep a process ready (started only now, so the
-                    // refill does not compete with this claim). Paused builds restore once.
-                    self.pool.refill(self.clone(), rec.id.clone());
-                }
-                self.pool.refill(self.clone(), blanks.clone());
-                Ok((
-                    Live {
-                        state,
-                        vm: Some(vm),
-                        slot,
-                        dir: run_dir,
-                    },
-                    origin,
-                ))
-            }
+            Ok(state) => Ok((
+                Live {
+                    state,
+                    vm: Some(vm),
+                    slot,
+                    dir: run_dir,
+                },
+                origin,
+            )),
             Err(e) => {
-                if rec.parent.is_none() {
-                    self.pool.refill(self.clone(), rec.id.clone());
-                }
-                self.pool.refill(self.clone(), blanks.clone());
                 vm.kill().await;
                 let _ = self.slots.release(&slot).await;
                 let _ = std::fs::remove_file(self.builds.artifact(&overlay));
@@ -426,6 +339,109 @@ impl Node {
                 Err(e)
             }
         }
+    }
+
+    /// The process a restore of `rec` claims: the build's own pooled one, else a blank one of
+    /// the same machine filled with the build, else a fresh one.
+    async fn process_for(
+        self: &Arc<Self>,
+        rec: &BuildRecord,
+        blanks: &str,
+        pooled: Option<Prepared>,
+    ) -> anyhow::Result<(Prepared, Origin)> {
+        if let Some(p) = pooled {
+            return Ok((p, Origin::Warm));
+        }
+        Ok(match self.pool.take(blanks) {
+            // Full weight before it is filled: a blank still at a refill's weight could wait
+            // tens of seconds for the CPU to answer its disk's attach on a busy host (a resume
+            // failed so: "QMP blockdev-add timed out").
+            Some(b) if b.vm_matches(&rec.machine) => {
+                (self.fill_blank(rec, claimed(b)).await?, Origin::Blank)
+            }
+            Some(b) => {
+                self.discard_prepared(b).await;
+                (
+                    self.prepare(rec, false, Weight::Normal, None).await?,
+                    Origin::Fresh,
+                )
+            }
+            None => (
+                self.prepare(rec, false, Weight::Normal, None).await?,
+                Origin::Fresh,
+            ),
+        })
+    }
+
+    /// Makes a claimed process the sandbox's: its run dir moved to the sandbox's, its network
+    /// policy, the device state loaded (unless warmed), `cont`, envd's `/init`; the sandbox's
+    /// state saved for re-adoption.
+    async fn start_claimed(
+        &self,
+        spec: &StartSpec,
+        rec: &BuildRecord,
+        mem_base: String,
+        devstate: &str,
+        p: &Prepared,
+        run_dir: &Path,
+    ) -> anyhow::Result<SandboxState> {
+        if let Some(parent) = run_dir.parent() {
+            std::fs::create_dir_all(parent)?;
+        }
+        if run_dir.exists() {
+            std::fs::remove_dir_all(run_dir)?;
+        }
+        std::fs::rename(&p.run_dir, run_dir)?;
+        if p.loaded {
+            // What the guest printed while it warmed up in the pool is not this sandbox's:
+            // log readers start after this many console bytes.
+            let len = std::fs::metadata(run_dir.join("console.log"))
+                .map(|m| m.len())
+                .unwrap_or(0);
+            std::fs::write(run_dir.join("console.skip"), len.to_string())?;
+        }
+        if spec.network != crate::slots::open_policy() {
+            p.slot
+                .set_policy(&spec.network, self.slots.perimeter())
+                .await?;
+        }
+        let t0 = std::time::Instant::now();
+        if !p.loaded {
+            p.vm.qmp
+                .migrate_incoming_file(&self.builds.artifact(devstate))
+                .await?;
+        }
+        let t_load = t0.elapsed();
+        p.vm.qmp.cont().await?;
+        let t_cont = t0.elapsed();
+        let addr = SocketAddr::new(IpAddr::V4(p.slot.addr()), ENVD_PORT);
+        let init =
+            envd_client::init(addr, &restore_init(spec, rec), self.cfg.restore_timeout).await;
+        tracing::debug!(
+            sandbox = %spec.sandbox_id,
+            load_ms = t_load.as_secs_f64() * 1e3,
+            cont_ms = (t_cont - t_load).as_secs_f64() * 1e3,
+            init_ms = (t0.elapsed() - t_cont).as_secs_f64() * 1e3,
+            "restore stages"
+        );
+        init?;
+        let state = SandboxState {
+            envd_token: spec.envd_access_token.clone(),
+            resume_generation: rec.resume_generation + 1,
+            network: Some(spec.network.clone()),
+            start_kind: Some(vmon_proto::node::StartKind::Restore),
+            ..SandboxState::over_build(
+                rec,
+                mem_base,
+                &spec.sandbox_id,
+                &spec.execution_id,
+                p.slot.index,
+                p.overlay.clone(),
+                p.tag.clone(),
+            )
+        };
+        state.save(run_dir)?;
+        Ok(state)
     }
 }
 
@@ -457,11 +473,15 @@ impl Node {
                 spec.sandbox_id
             )));
         }
+        self.fill_store_volumes(&spec.volumes).await?;
         super::volumes::validate(&self.cfg.volumes_dir, &spec.volumes)?;
         let rec = self.record(&spec.build_id)?;
         self.check_compatible(&rec)?;
-        // A mount's state lives outside the guest's memory: never restore one.
-        let cold_boot = spec.cold_boot || !spec.volumes.is_empty();
+        // A mount's state lives outside the guest's memory, and a passed-through device's
+        // inside no snapshot: never restore either (the pool never serves them).
+        let cold_boot = must_cold_boot(&spec);
+        // Taken before the boot, given back if it fails.
+        let gpus = self.gpus.take(&spec.sandbox_id, spec.gpus)?;
         if cold_boot {
             let kept = self
                 .parked
@@ -506,9 +526,13 @@ impl Node {
                         volume_mounts: Vec::new(),
                     },
                     volumes: &spec.volumes,
+                    gpus: &gpus,
                 })
                 .await
-                .map_err(err)?;
+                .map_err(|e| {
+                    self.gpus.release(&spec.sandbox_id);
+                    err(e)
+                })?;
             (live, held, Origin::ColdBoot)
         };
         if let Ok(mut n) = self.starts.lock() {
@@ -524,7 +548,9 @@ impl Node {
         let r = self.insert(live);
         drop(guard);
         drop(held);
-        let running = r?;
+        let running = r.inspect_err(|_| {
+            self.gpus.release(&spec.sandbox_id);
+        })?;
         if let Err(e) = self.start_egress(&spec).await {
             tracing::warn!(sandbox = %spec.sandbox_id, error = %e, "egress setup failed; the sandbox is killed");
             let _ = vmon_proto::node::NodeCalls::kill(
@@ -537,6 +563,13 @@ impl Node {
         }
         Ok(running)
     }
+}
+
+/// Whether a start cold-boots whatever the build holds: asked to, volumes mounted (their
+/// state is outside the guest's memory) or GPUs passed through (a device's state is in no
+/// snapshot, and a restored guest would find its driver's view of the card stale).
+pub(super) fn must_cold_boot(spec: &StartSpec) -> bool {
+    spec.cold_boot || !spec.volumes.is_empty() || spec.gpus > 0
 }
 
 /// Where a started sandbox's QEMU came from (logged with "sandbox started", counted by the pool).
@@ -622,4 +655,39 @@ async fn warm_service(ip: Ipv4Addr, warm: &str, token: Option<&str>) -> anyhow::
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(cold_boot: bool, gpus: u32) -> StartSpec {
+        StartSpec {
+            sandbox_id: "s".into(),
+            execution_id: "e".into(),
+            build_id: "b".into(),
+            cold_boot,
+            env_vars: Default::default(),
+            envd_access_token: None,
+            network: Default::default(),
+            volumes: Vec::new(),
+            egress: Default::default(),
+            gpus,
+        }
+    }
+
+    #[test]
+    fn gpu_sandboxes_always_cold_boot() {
+        assert!(!must_cold_boot(&spec(false, 0)), "a plain start restores");
+        assert!(must_cold_boot(&spec(true, 0)));
+        // Asked for a restore, a GPU sandbox still boots: the pool never serves it.
+        assert!(must_cold_boot(&spec(false, 1)));
+        let mut v = spec(false, 0);
+        v.volumes.push(vmon_proto::node::VolumeShare {
+            volume_id: "v".into(),
+            path: "/data".into(),
+            ..Default::default()
+        });
+        assert!(must_cold_boot(&v));
+    }
 }

@@ -2,7 +2,7 @@
 //! the whole VM) and the deletion of a build with what was kept for it.
 
 use std::net::{IpAddr, SocketAddr};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -14,7 +14,7 @@ use super::boot::BootDisk;
 use super::{err, valid_id, Node, ENVD_VERSION};
 use crate::builds::{new_id, now_unix, BuildRecord};
 use crate::envd_client::{self, InitRequest, ENVD_PORT};
-use crate::pool::blank_key;
+use crate::pool::{blank_key, Held};
 use crate::sandbox::{Live, RamSource};
 
 impl Node {
@@ -39,46 +39,7 @@ impl Node {
             .join("run")
             .join(format!("template-{}", spec.build_id));
         let t0 = std::time::Instant::now();
-        // From an OCI image: its rootfs made into a disk first (in the build's run dir, moved
-        // into the artifacts by the boot).
-        let mut disk_mb = image.manifest.disk_mb.max(spec.disk_mb);
-        if spec.image.is_some() && spec.layer.is_some() {
-            return Err(NodeError::InvalidArgument(
-                "a template boots an OCI image or a layer, not both".into(),
-            ));
-        }
-        // From an OCI image or one of the node's layers: a raw disk in the run dir.
-        let oci_disk = match &spec.image {
-            Some(oci) => {
-                let path = dir.join("rootfs.img");
-                std::fs::create_dir_all(&dir).map_err(|e| err(e.into()))?;
-                match self.oci_disk(oci, image, &dir, &path, disk_mb).await {
-                    Ok(mb) => disk_mb = mb,
-                    Err(e) => {
-                        let _ = std::fs::remove_dir_all(&dir);
-                        return Err(e);
-                    }
-                }
-                tracing::info!(build = %spec.build_id, secs = t0.elapsed().as_secs_f64(), "image pulled and made into a disk");
-                Some(path)
-            }
-            None => match spec.layer.as_deref() {
-                Some(layer) => {
-                    std::fs::create_dir_all(&dir).map_err(|e| err(e.into()))?;
-                    match self.layer_disk(layer, image, &dir).await {
-                        Ok((path, mb)) => {
-                            disk_mb = mb.max(spec.disk_mb);
-                            Some(path)
-                        }
-                        Err(e) => {
-                            let _ = std::fs::remove_dir_all(&dir);
-                            return Err(e);
-                        }
-                    }
-                }
-                None => None,
-            },
-        };
+        let (oci_disk, disk_mb) = self.template_disk(&spec, image, &dir).await?;
         let disk = match &oci_disk {
             Some(p) => BootDisk::NewRaw(p),
             None => BootDisk::Image,
@@ -102,6 +63,7 @@ impl Node {
                     ..Default::default()
                 },
                 volumes: &[],
+                gpus: &[],
             })
             .await;
         // Held until the build's record names them: the template VM is in no sandbox table,
@@ -114,92 +76,109 @@ impl Node {
             }
         };
         tracing::info!(build = %spec.build_id, secs = t0.elapsed().as_secs_f64(), "template VM is up");
-        let result = async {
-            let addr = SocketAddr::new(IpAddr::V4(live.slot.addr()), ENVD_PORT);
-            if let Some(cmd) = &spec.start_cmd {
-                let quoted = cmd.replace('\'', "'\\''");
-                let out = envd_client::run(
-                    addr,
-                    Some(&token),
-                    "user",
-                    &format!("setsid -f bash -l -c '{quoted}' >/dev/null 2>&1 </dev/null"),
-                    Duration::from_secs(60),
-                )
-                .await?;
-                if out.exit_code != 0 {
-                    bail!(
-                        "start command could not be launched: {}",
-                        String::from_utf8_lossy(&out.stderr)
-                    );
-                }
+        let addr = SocketAddr::new(IpAddr::V4(live.slot.addr()), ENVD_PORT);
+        let result = match run_start_and_ready(addr, &token, &spec).await {
+            Ok(()) => {
+                self.capture_template(&mut live, &mut held, &spec, image, &token)
+                    .await
             }
-            if let Some(ready) = &spec.ready_cmd {
-                let start = tokio::time::Instant::now();
-                loop {
-                    let out = envd_client::run(
-                        addr,
-                        Some(&token),
-                        "user",
-                        ready,
-                        Duration::from_secs(60),
-                    )
-                    .await?;
-                    if out.exit_code == 0 {
-                        break;
-                    }
-                    if start.elapsed() > Duration::from_secs(600) {
-                        bail!(
-                            "ready command never succeeded: {}",
-                            String::from_utf8_lossy(&out.stderr)
-                        );
-                    }
-                    tokio::time::sleep(Duration::from_millis(500)).await;
-                }
-            }
-            // Let the guest settle (page cache, deferred work) so restores start quiet.
-            envd_client::run(addr, Some(&token), "root", "sync", Duration::from_secs(60)).await?;
-            let vm = live.vm.as_ref().context("no VM")?;
-            vm.qmp.stop().await?;
-            let (dev, dev_path) = self.builds.new_artifact("dev", "state");
-            held.push(self.held_artifacts.hold(&dev));
-            self.hand_new_to(&live.slot, &dev_path)?;
-            self.show(&live.dir, [dev.as_str()])?;
-            vm.qmp.save_devices_state(&dev_path).await?;
-            let RamSource::Shared { file } = live.state.ram.clone() else {
-                bail!("template VM must own its RAM");
-            };
-            let rec = BuildRecord {
-                id: spec.build_id.clone(),
-                parent: None,
-                machine: live.state.machine.clone(),
-                image_hash: image.manifest.hash.clone(),
-                mem_base: Some(file),
-                layers: Vec::new(),
-                devstate: Some(dev),
-                disk: Some(live.state.overlay.clone()),
-                disk_chain: live.state.disk_chain.clone(),
-                disk_mb: live.state.disk_mb,
-                envd_version: ENVD_VERSION.into(),
-                envd_token: Some(token.clone()),
-                resume_generation: 0,
-                created_unix: now_unix(),
-                warm_request: spec.warm_request.clone(),
-                paused_from: None,
-            };
-            if let Some(vm) = live.vm.take() {
-                vm.quit().await;
-            }
-            self.builds.put(&rec)?;
-            self.upload_later(&rec);
-            anyhow::Ok(rec)
-        }
-        .await;
+            Err(e) => Err(e),
+        };
         self.destroy(&mut live, result.is_ok()).await;
         drop(held);
         let _ = std::fs::remove_dir_all(&dir);
         let rec = result.map_err(err)?;
         tracing::info!(build = %rec.id, secs = t0.elapsed().as_secs_f64(), "template built");
         Ok(Self::info(&rec))
+    }
+
+    /// The disk a template boots from: from an OCI image, its rootfs made into a raw disk in
+    /// the build's run dir (moved into the artifacts by the boot), with the disk's size;
+    /// otherwise none (the node's image) and the larger of the image's and the spec's sizes.
+    async fn template_disk(
+        &self,
+        spec: &TemplateSpec,
+        image: &vmon_image::Image,
+        dir: &Path,
+    ) -> Result<(Option<PathBuf>, u32), NodeError> {
+        let disk_mb = image.manifest.disk_mb.max(spec.disk_mb);
+        if spec.image.is_some() && spec.layer.is_some() {
+            return Err(NodeError::InvalidArgument(
+                "a template boots an OCI image or a layer, not both".into(),
+            ));
+        }
+        if let Some(layer) = spec.layer.as_deref() {
+            std::fs::create_dir_all(dir).map_err(|e| err(e.into()))?;
+            return match self.layer_disk(layer, image, dir).await {
+                Ok((path, mb)) => Ok((Some(path), mb.max(spec.disk_mb))),
+                Err(e) => {
+                    let _ = std::fs::remove_dir_all(dir);
+                    Err(e)
+                }
+            };
+        }
+        let Some(oci) = &spec.image else {
+            return Ok((None, disk_mb));
+        };
+        let t0 = std::time::Instant::now();
+        let path = dir.join("rootfs.img");
+        std::fs::create_dir_all(dir).map_err(|e| err(e.into()))?;
+        match self.oci_disk(oci, image, dir, &path, disk_mb).await {
+            Ok(mb) => {
+                tracing::info!(build = %spec.build_id, secs = t0.elapsed().as_secs_f64(), "image pulled and made into a disk");
+                Ok((Some(path), mb))
+            }
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(dir);
+                Err(e)
+            }
+        }
+    }
+
+    /// Captures the ready template VM whole: device state, its RAM file as the build's base,
+    /// its disk; writes the build's record and queues its upload.
+    async fn capture_template(
+        &self,
+        live: &mut Live,
+        held: &mut Vec<Held>,
+        spec: &TemplateSpec,
+        image: &vmon_image::Image,
+        token: &str,
+    ) -> anyhow::Result<BuildRecord> {
+        let vm = live.vm.as_ref().context("no VM")?;
+        vm.qmp.stop().await?;
+        let (dev, dev_path) = self.builds.new_artifact("dev", "state");
+        held.push(self.held_artifacts.hold(&dev));
+        self.hand_new_to(&live.slot, &dev_path)?;
+        self.show(&live.dir, [dev.as_str()])?;
+        vm.qmp.save_devices_state(&dev_path).await?;
+        let RamSource::Shared { file } = live.state.ram.clone() else {
+            bail!("template VM must own its RAM");
+        };
+        let rec = BuildRecord {
+            id: spec.build_id.clone(),
+            parent: None,
+            machine: live.state.machine.clone(),
+            image_hash: image.manifest.hash.clone(),
+            mem_base: Some(file),
+            layers: Vec::new(),
+            devstate: Some(dev),
+            disk: Some(live.state.overlay.clone()),
+            disk_chain: live.state.disk_chain.clone(),
+            disk_mb: live.state.disk_mb,
+            envd_version: ENVD_VERSION.into(),
+            envd_token: Some(token.to_string()),
+            resume_generation: 0,
+            created_unix: now_unix(),
+            warm_request: spec.warm_request.clone(),
+            paused_from: None,
+        };
+        if let Some(vm) = live.vm.take() {
+            vm.quit().await;
+        }
+        self.builds.put(&rec)?;
+        self.upload_later(&rec);
+        Ok(rec)
     }
 
     /// Pulls `oci` (by its digest) and makes its rootfs into the raw disk `out`; returns the
@@ -409,4 +388,50 @@ impl Node {
         .await
         .map_err(err)
     }
+}
+
+/// The template's start command (detached, as `user`), then its ready command every 500 ms
+/// until it succeeds (at most 10 minutes), then a `sync` so restores start quiet.
+async fn run_start_and_ready(
+    addr: SocketAddr,
+    token: &str,
+    spec: &TemplateSpec,
+) -> anyhow::Result<()> {
+    if let Some(cmd) = &spec.start_cmd {
+        let quoted = cmd.replace('\'', "'\\''");
+        let out = envd_client::run(
+            addr,
+            Some(token),
+            "user",
+            &format!("setsid -f bash -l -c '{quoted}' >/dev/null 2>&1 </dev/null"),
+            Duration::from_secs(60),
+        )
+        .await?;
+        if out.exit_code != 0 {
+            bail!(
+                "start command could not be launched: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+    }
+    if let Some(ready) = &spec.ready_cmd {
+        let start = tokio::time::Instant::now();
+        loop {
+            let out =
+                envd_client::run(addr, Some(token), "user", ready, Duration::from_secs(60)).await?;
+            if out.exit_code == 0 {
+                break;
+            }
+            if start.elapsed() > Duration::from_secs(600) {
+                bail!(
+                    "ready command never succeeded: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    }
+    // Let the guest settle (page cache, deferred work) so restores start quiet.
+    envd_client::run(addr, Some(token), "root", "sync", Duration::from_secs(60)).await?;
+    Ok(())
 }

@@ -148,11 +148,11 @@ async fn accepting(
 /// Where a daemon finds its volume: an empty directory the volume is bound over in the
 /// daemon's own mount namespace (virtiofsd `pivot_root`s into its source, which must be a
 /// mount, and reaches it as the unprivileged uid: every parent is passable by anyone).
-const MOUNT_POINT: &str = "/run/vmon/volume";
-const MOUNT_POINT_C: &std::ffi::CStr = c"/run/vmon/volume";
+pub(super) const MOUNT_POINT: &str = "/run/vmon/volume";
+pub(super) const MOUNT_POINT_C: &std::ffi::CStr = c"/run/vmon/volume";
 
 /// Makes [`MOUNT_POINT`] (root's, 0755, empty) and lets anyone pass `/run/vmon` (not list it).
-fn mount_point() -> std::io::Result<()> {
+pub(super) fn mount_point() -> std::io::Result<()> {
     let dir = Path::new(MOUNT_POINT);
     std::fs::create_dir_all(dir)?;
     std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755))?;

@@ -167,6 +167,7 @@ pub async fn start(node: &Node, id: &str, build: &str, cold: bool) -> vmon_proto
     use vmon_proto::node::{NetworkPolicy, NodeCalls, StartSpec};
     node.start(StartSpec {
         egress: Default::default(),
+        gpus: 0,
         volumes: Vec::new(),
         sandbox_id: id.to_string(),
         execution_id: unique("e"),

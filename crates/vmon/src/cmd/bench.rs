@@ -166,6 +166,7 @@ fn row(name: &str, v: &[f64], unit: &str) {
 fn spec(id: &str, build: &str) -> StartSpec {
     StartSpec {
         egress: Default::default(),
+        gpus: 0,
         volumes: Vec::new(),
         sandbox_id: id.to_string(),
         execution_id: format!("e{}", rand_hex()),

@@ -92,6 +92,15 @@ pub async fn run(data_dir: &Path, args: Args) -> anyhow::Result<()> {
         Err(e) => all &= line(false, "guest suite", &format!("{e:#}")),
     }
     all &= host_checks(data_dir);
+    // GPU passthrough (VFIO): where the node looks (VMON_SYSFS_ROOT, VMON_VFIO_DEV_DIR).
+    let node_cfg = vmon_node::NodeConfig::new(PathBuf::new());
+    for c in super::doctor_gpu::checks(
+        &node_cfg.sysfs_root,
+        &node_cfg.vfio_dev_dir,
+        super::doctor_gpu::memlock_limit(),
+    ) {
+        all &= line(c.ok, c.what, &c.detail);
+    }
     let images = data_dir.join("images");
     let n = std::fs::read_dir(&images)
         .map(|rd| {

@@ -3,6 +3,7 @@ pub mod api;
 pub mod bench;
 pub mod cert;
 pub mod doctor;
+mod doctor_gpu;
 pub mod etcd;
 pub mod image;
 pub mod node;

@@ -291,6 +291,7 @@ async fn join_cluster(
                     .duration_since(std::time::UNIX_EPOCH)
                     .map(|d| d.as_secs())
                     .unwrap_or(0),
+                gpus: node.gpu_inventory(),
             }
         }
     };

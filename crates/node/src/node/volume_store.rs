@@ -1,0 +1,685 @@
+//! Volumes kept in the cluster's object store ([`VolumeShare::object_store`]): a node mounts
+//! its own cache of the volume, `<volumes dir>/<id>`, served by the same unprivileged
+//! virtiofsd as a local volume, filled from the store before a mount and written back at
+//! pause, at kill and every `volume_sync` interval.
+//!
+//! In the store a volume is one archive of its whole tree, `volumes/<id>/tree-<sha256>.tar`
+//! (GNU tar, names sorted, numeric owners as the guest sees them), and `volumes/<id>/head`,
+//! the sha256 of the current one. A node remembers the sha256 it last filled or wrote in
+//! `<volumes dir>/.synced/<id>` (root's): a mount when that is still the head downloads
+//! nothing, a write-back whose archive hashes the same uploads nothing. An upload writes the
+//! archive first and the head after it, so a reader sees the old tree or the new one, never
+//! part of either.
+//!
+//! The volume's bytes are the tenant's: the archive is made and unpacked by `tar` running as
+//! the volume's own unprivileged host ids (in its user namespace, as the volume's virtiofsd
+//! is, [`super::volume_owner`]), in a mount namespace of its own where the cache directory
+//! is bound over [`super::volumes::MOUNT_POINT`]; GNU tar refuses members with `..` and
+//! absolute names and never extracts through a link it made. The node itself only moves the
+//! archive between the store and a root-owned staging file whose name it chose.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::Arc;
+
+use anyhow::{bail, Context};
+use sha2::Digest;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::Mutex;
+use vmon_proto::node::{NodeError, VolumeShare};
+
+use super::{valid_id, Node};
+
+/// The root-owned directory (in the volumes directory) of sync markers and staging files.
+const SYNCED_DIR: &str = ".synced";
+/// The archiver, run confined (Debian's GNU tar).
+const TAR: &str = "/usr/bin/tar";
+/// The largest `head` object (a hex sha256 and a newline).
+const MAX_HEAD: usize = 128;
+
+fn head_key(volume: &str) -> String {
+    format!("volumes/{volume}/head")
+}
+
+fn tree_key(volume: &str, sha: &str) -> String {
+    format!("volumes/{volume}/tree-{sha}.tar")
+}
+
+fn is_sha(s: &str) -> bool {
+    s.len() == 64 && s.bytes().all(|b| b.is_ascii_hexdigit())
+}
+
+/// What a write-back did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum WriteBack {
+    /// The node has no copy of the volume.
+    Absent,
+    /// The tree hashes as the node last filled or wrote it: nothing was sent.
+    Unchanged,
+    /// The tree was stored; its archive's sha256 and size.
+    Stored(String, u64),
+}
+
+/// A write-back refused because the archive passed the share's `max_bytes`.
+#[derive(Debug)]
+pub(super) struct OverQuota {
+    pub volume: String,
+    pub max: u64,
+}
+
+impl std::fmt::Display for OverQuota {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "volume {} holds more than {} bytes (quotas.max_volume_bytes): not written back; \
+             the object store keeps its previous contents",
+            self.volume, self.max
+        )
+    }
+}
+
+impl std::error::Error for OverQuota {}
+
+/// A sync error as a node error: over quota is the caller's (400), the rest a failure.
+pub(super) fn node_error(what: &str, volume: &str, e: anyhow::Error) -> NodeError {
+    if let Some(q) = e.downcast_ref::<OverQuota>() {
+        return NodeError::InvalidArgument(q.to_string());
+    }
+    NodeError::Failed(format!("{what} volume {volume}: {e:#}"))
+}
+
+/// One node's copies of object-store volumes: its volumes directory, the first id of its
+/// ranges, its store. The caller serialises the calls of one volume.
+pub(super) struct Syncer<'a> {
+    pub objects: &'a vmon_objstore::ObjectStore,
+    pub volumes_dir: &'a Path,
+    pub first: u32,
+}
+
+impl Syncer<'_> {
+    fn synced_dir(&self) -> std::io::Result<PathBuf> {
+        let dir = self.volumes_dir.join(SYNCED_DIR);
+        std::fs::create_dir_all(&dir)?;
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))?;
+        Ok(dir)
+    }
+
+    /// The sha256 of the tree this node last filled or wrote.
+    fn synced(&self, volume: &str) -> Option<String> {
+        let dir = self.synced_dir().ok()?;
+        let s = std::fs::read_to_string(dir.join(volume)).ok()?;
+        let s = s.trim().to_string();
+        is_sha(&s).then_some(s)
+    }
+
+    fn set_synced(&self, volume: &str, sha: Option<&str>) -> std::io::Result<()> {
+        let path = self.synced_dir()?.join(volume);
+        match sha {
+            Some(sha) => {
+                let tmp = path.with_extension("tmp");
+                std::fs::write(&tmp, sha)?;
+                std::fs::rename(&tmp, &path)
+            }
+            None => match std::fs::remove_file(&path) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+                _ => Ok(()),
+            },
+        }
+    }
+
+    /// The sha256 of the store's current tree of `volume`, if it has one.
+    async fn head(&self, volume: &str) -> anyhow::Result<Option<String>> {
+        match self.objects.get_bytes(&head_key(volume), MAX_HEAD).await? {
+            Some(b) => {
+                let s = String::from_utf8_lossy(&b).trim().to_string();
+                if !is_sha(&s) {
+                    bail!("the store's head of volume {volume} is not a sha256");
+                }
+                Ok(Some(s))
+            }
+            None => Ok(None),
+        }
+    }
+
+    /// Brings the copy of `volume` up to the store's tree, unless it is `live` (mounted on
+    /// this node: kept). Returns whether it unpacked anything.
+    pub(super) async fn fill(&self, volume: &str, live: bool) -> anyhow::Result<bool> {
+        let dir = self.volumes_dir.join(volume);
+        if !dir.exists() {
+            // As the api makes a volume's root: anyone in the guest may write it (the volumes
+            // directory above is root's 0700).
+            std::fs::create_dir(&dir).with_context(|| format!("creating {}", dir.display()))?;
+            std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777))?;
+            self.set_synced(volume, None)?;
+        }
+        let head = self.head(volume).await?;
+        if head == self.synced(volume) {
+            return Ok(false);
+        }
+        if live {
+            tracing::info!(volume, "volume mounted here already: its live copy is kept");
+            return Ok(false);
+        }
+        let t0 = std::time::Instant::now();
+        // The old copy goes first; a failure below leaves no marker, so the next mount retries.
+        self.set_synced(volume, None)?;
+        let staged = match &head {
+            Some(sha) => {
+                let tmp = self.synced_dir()?.join(format!("{volume}.in.tar"));
+                self.objects
+                    .get_to_file(&tree_key(volume, sha), &tmp, Some(sha))
+                    .await
+                    .with_context(|| format!("fetching volume {volume}'s tree {sha}"))?;
+                Some(tmp)
+            }
+            None => None,
+        };
+        let r = unpack(self.volumes_dir, self.first, volume, staged.as_deref()).await;
+        if let Some(tmp) = &staged {
+            let _ = std::fs::remove_file(tmp);
+        }
+        r?;
+        self.set_synced(volume, head.as_deref())?;
+        tracing::info!(volume, head = ?head, ms = t0.elapsed().as_millis() as u64, "volume filled from the object store");
+        Ok(true)
+    }
+
+    /// Writes the copy of `volume` back to the store when it changed since this node's last
+    /// sync. Over `max` bytes (0: no limit) it is refused with [`OverQuota`] and the store
+    /// keeps what it had.
+    pub(super) async fn write_back(&self, volume: &str, max: u64) -> anyhow::Result<WriteBack> {
+        if !self.volumes_dir.join(volume).is_dir() {
+            return Ok(WriteBack::Absent);
+        }
+        let t0 = std::time::Instant::now();
+        let tmp = self.synced_dir()?.join(format!("{volume}.out.tar"));
+        let packed = pack(self.volumes_dir, self.first, volume, &tmp, max).await;
+        let (sha, size) = match packed {
+            Ok(v) => v,
+            Err(e) => {
+                let _ = std::fs::remove_file(&tmp);
+                return Err(e);
+            }
+        };
+        if self.synced(volume).as_deref() == Some(sha.as_str()) {
+            let _ = std::fs::remove_file(&tmp);
+            return Ok(WriteBack::Unchanged);
+        }
+        let stored = async {
+            self.objects.put_file(&tree_key(volume, &sha), &tmp).await?;
+            let prev = self.head(volume).await.ok().flatten();
+            self.objects
+                .put_bytes(&head_key(volume), bytes::Bytes::from(sha.clone()))
+                .await?;
+            anyhow::Ok(prev)
+        }
+        .await;
+        let _ = std::fs::remove_file(&tmp);
+        let prev = stored?;
+        self.set_synced(volume, Some(&sha))?;
+        // Older trees go; the previous head stays a while for a reader that just read it.
+        let keep = [
+            tree_key(volume, &sha),
+            tree_key(volume, prev.as_deref().unwrap_or("")),
+        ];
+        if let Ok(list) = self.objects.list(&format!("volumes/{volume}/tree-")).await {
+            for o in list.into_iter().filter(|o| !keep.contains(&o.key)) {
+                let _ = self.objects.delete(&o.key).await;
+            }
+        }
+        tracing::info!(volume, sha = %sha, size, ms = t0.elapsed().as_millis() as u64, "volume written back to the object store");
+        Ok(WriteBack::Stored(sha, size))
+    }
+}
+
+impl Node {
+    fn syncer(&self) -> anyhow::Result<Syncer<'_>> {
+        match &self.store {
+            Some(s) => Ok(Syncer {
+                objects: s.objects(),
+                volumes_dir: &self.cfg.volumes_dir,
+                first: self.cfg.volume_uid_base,
+            }),
+            None => {
+                bail!("this node has no object store (VMON_S3_ENDPOINT) for object-store volumes")
+            }
+        }
+    }
+
+    /// Serialises the syncs of one volume on this node (the fetch locks' map, its own keys).
+    fn volume_lock(&self, volume: &str) -> Arc<Mutex<()>> {
+        let mut m = self
+            .fetches
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        m.entry(format!("volume:{volume}")).or_default().clone()
+    }
+
+    /// Whether a sandbox on this node mounts `volume` now (its cache is live: never refilled).
+    async fn mounted_here(&self, volume: &str) -> bool {
+        let lives: Vec<_> = match self.sandboxes.lock() {
+            Ok(m) => m.values().cloned().collect(),
+            Err(_) => return true,
+        };
+        for l in lives {
+            if l.lock()
+                .await
+                .state
+                .volumes
+                .iter()
+                .any(|s| s.volume_id == volume)
+            {
+                return true;
+            }
+        }
+        false
+    }
+
+    /// The object-store volumes of running sandboxes, once each (for the periodic write-back).
+    async fn store_shares(&self) -> Vec<VolumeShare> {
+        let lives: Vec<_> = match self.sandboxes.lock() {
+            Ok(m) => m.values().cloned().collect(),
+            Err(_) => return Vec::new(),
+        };
+        let mut out: Vec<VolumeShare> = Vec::new();
+        for l in lives {
+            for s in &l.lock().await.state.volumes {
+                if s.object_store && !out.iter().any(|o| o.volume_id == s.volume_id) {
+                    out.push(s.clone());
+                }
+            }
+        }
+        out
+    }
+
+    /// Brings this node's copy of each object-store volume of a start up to the store's
+    /// current tree (before anything is mounted). A volume a sandbox here mounts already keeps
+    /// its live copy.
+    pub(super) async fn fill_store_volumes(&self, shares: &[VolumeShare]) -> Result<(), NodeError> {
+        for s in shares.iter().filter(|s| s.object_store) {
+            let volume = s.volume_id.as_str();
+            if !valid_id(volume) {
+                return Err(NodeError::InvalidArgument(format!(
+                    "{volume:?} is not a volume id"
+                )));
+            }
+            let filled = async {
+                let syncer = self.syncer()?;
+                // Asked before the lock: a pause holding its sandbox waits for the lock.
+                let live = self.mounted_here(volume).await;
+                let lock = self.volume_lock(volume);
+                let _held = lock.lock().await;
+                syncer.fill(volume, live).await
+            };
+            filled.await.map_err(|e| node_error("filling", volume, e))?;
+        }
+        Ok(())
+    }
+
+    /// Writes this node's copy of `share` back to the store when it changed.
+    async fn write_back(&self, share: &VolumeShare) -> anyhow::Result<WriteBack> {
+        let syncer = self.syncer()?;
+        let lock = self.volume_lock(&share.volume_id);
+        let _held = lock.lock().await;
+        syncer.write_back(&share.volume_id, share.max_bytes).await
+    }
+
+    /// Writes back every object-store volume of `shares` (a pause: its guest is stopped). The
+    /// first failure is returned: the pause fails and the sandbox runs on.
+    pub(super) async fn write_back_all(&self, shares: &[VolumeShare]) -> Result<(), NodeError> {
+        for s in shares.iter().filter(|s| s.object_store) {
+            self.write_back(s)
+                .await
+                .map_err(|e| node_error("writing back", &s.volume_id, e))?;
+        }
+        Ok(())
+    }
+
+    /// Writes back what a killed sandbox mounted; failures are logged (a kill cannot fail).
+    pub(super) async fn write_back_after_kill(&self, shares: &[VolumeShare]) {
+        for s in shares.iter().filter(|s| s.object_store) {
+            if let Err(e) = self.write_back(s).await {
+                tracing::warn!(volume = %s.volume_id, error = %format!("{e:#}"), "writing back a killed sandbox's volume");
+            }
+        }
+    }
+
+    /// Every `interval`, writes back the object-store volumes of running sandboxes.
+    pub(super) fn spawn_volume_sync(self: &Arc<Self>, interval: std::time::Duration) {
+        let weak = Arc::downgrade(self);
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(interval).await;
+                let Some(node) = weak.upgrade() else { break };
+                for s in node.store_shares().await {
+                    if let Err(e) = node.write_back(&s).await {
+                        tracing::warn!(volume = %s.volume_id, error = %format!("{e:#}"), "periodic volume write-back");
+                    }
+                }
+            }
+        });
+    }
+}
+
+/// A command run as the volume's own ids, in `<volumes dir>/<id>` bound over the mount
+/// point (its working directory). The caller sets its arguments and stdio.
+async fn confined(
+    volumes_dir: &Path,
+    first: u32,
+    volume: &str,
+    program: &str,
+) -> anyhow::Result<tokio::process::Command> {
+    let (dir, v) = (volumes_dir.to_path_buf(), volume.to_string());
+    let ns = tokio::task::spawn_blocking(move || {
+        let base = super::volume_owner::ensure_range(&dir, &v, first)?;
+        vmon_vm::userns::UserNs::new(base).context("making the volume's user namespace")
+    })
+    .await??;
+    super::volumes::mount_point()?;
+    let source = volumes_dir.join(volume);
+    let source_c = std::ffi::CString::new(source.as_os_str().as_encoded_bytes())
+        .context("a volume path holds a NUL byte")?;
+    let mut cmd = tokio::process::Command::new(program);
+    cmd.kill_on_drop(true)
+        .env_clear()
+        .env("PATH", "/usr/bin:/bin")
+        .env("LC_ALL", "C");
+    let ns = Arc::new(ns);
+    let ns_fd = ns.raw_fd();
+    let keep = ns.clone();
+    // SAFETY: the closure runs in the forked child before exec and only makes
+    // async-signal-safe system calls on values prepared before the fork.
+    unsafe {
+        cmd.pre_exec(move || {
+            let _ = &keep;
+            vmon_vm::process::bind_in_own_mount_namespace(
+                &source_c,
+                super::volumes::MOUNT_POINT_C,
+            )?;
+            vmon_vm::userns::enter(ns_fd)?;
+            if libc::chdir(super::volumes::MOUNT_POINT_C.as_ptr()) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    Ok(cmd)
+}
+
+/// Empties the cache of `volume` and unpacks `archive` into it, confined.
+async fn unpack(
+    volumes_dir: &Path,
+    first: u32,
+    volume: &str,
+    archive: Option<&Path>,
+) -> anyhow::Result<()> {
+    let script = "find . -mindepth 1 -maxdepth 1 -exec rm -rf -- {} + && \
+                  if [ \"$1\" = 1 ]; then exec /usr/bin/tar --extract --file=- \
+                  --numeric-owner --same-owner --preserve-permissions \
+                  --delay-directory-restore; fi";
+    let has = if archive.is_some() { "1" } else { "0" };
+    let stdin = match archive {
+        Some(a) => Stdio::from(std::fs::File::open(a)?),
+        None => Stdio::null(),
+    };
+    let mut cmd = confined(volumes_dir, first, volume, "/bin/sh").await?;
+    cmd.args(["-c", script, "unpack", has])
+        .stdin(stdin)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    let out = cmd
+        .spawn()
+        .context("starting the unpacker")?
+        .wait_with_output()
+        .await?;
+    if !out.status.success() {
+        bail!(
+            "unpacking failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+                .chars()
+                .take(2000)
+                .collect::<String>()
+        );
+    }
+    Ok(())
+}
+
+/// Archives the cache of `volume` into `dest` (confined), hashing it; over `max` bytes
+/// (when not 0) the archiver is stopped and [`OverQuota`] returned.
+async fn pack(
+    volumes_dir: &Path,
+    first: u32,
+    volume: &str,
+    dest: &Path,
+    max: u64,
+) -> anyhow::Result<(String, u64)> {
+    let mut cmd = confined(volumes_dir, first, volume, TAR).await?;
+    cmd.args([
+        "--create",
+        "--file=-",
+        "--format=gnu",
+        "--sort=name",
+        "--numeric-owner",
+        "--one-file-system",
+        "--warning=no-file-ignored",
+        "--warning=no-file-changed",
+        ".",
+    ])
+    .stdin(Stdio::null())
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped());
+    let mut child = cmd.spawn().context("starting the archiver")?;
+    let mut out = child.stdout.take().context("the archiver's stdout")?;
+    let mut err = child.stderr.take().context("the archiver's stderr")?;
+    let errs = tokio::spawn(async move {
+        let mut v = Vec::new();
+        let _ = (&mut err).take(8192).read_to_end(&mut v).await;
+        v
+    });
+    let mut file = tokio::fs::File::create(dest).await?;
+    let mut hash = sha2::Sha256::new();
+    let mut size: u64 = 0;
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = out.read(&mut buf).await?;
+        if n == 0 {
+            break;
+        }
+        size += n as u64;
+        if max > 0 && size > max {
+            let _ = child.kill().await;
+            return Err(OverQuota {
+                volume: volume.to_string(),
+                max,
+            }
+            .into());
+        }
+        hash.update(&buf[..n]);
+        file.write_all(&buf[..n]).await?;
+    }
+    file.sync_all().await?;
+    let status = child.wait().await?;
+    let errs = errs.await.unwrap_or_default();
+    // 1: a file changed while it was read (a periodic write-back of a running guest).
+    if !matches!(status.code(), Some(0) | Some(1)) {
+        bail!(
+            "archiving failed ({status}): {}",
+            String::from_utf8_lossy(&errs)
+        );
+    }
+    Ok((hex::encode(hash.finalize()), size))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::MetadataExt;
+
+    const FIRST: u32 = 1_100_000_000;
+
+    fn sh(cmd: &str) {
+        let st = std::process::Command::new("/bin/sh")
+            .args(["-c", cmd])
+            .status()
+            .expect("sh");
+        assert!(st.success(), "{cmd}");
+    }
+
+    #[tokio::test]
+    async fn a_tree_packs_and_unpacks_as_the_volumes_own_ids_and_hashes_the_same() {
+        let vols = tempfile::tempdir().expect("tempdir");
+        let outside = tempfile::tempdir().expect("tempdir");
+        let a = vols.path().join("a");
+        std::fs::create_dir(&a).expect("a");
+        std::fs::create_dir_all(a.join("d/e")).expect("tree");
+        std::fs::write(a.join("d/e/f"), "deep").expect("file");
+        std::fs::write(a.join("big"), vec![7u8; 300_000]).expect("big");
+        std::os::unix::fs::symlink(outside.path(), a.join("out")).expect("symlink");
+        std::os::unix::fs::chown(a.join("d/e/f"), Some(1000), Some(1000)).expect("chown");
+        let tar1 = vols.path().join("one.tar");
+        let (sha1, size1) = pack(vols.path(), FIRST, "a", &tar1, 0).await.expect("pack");
+        assert_eq!(size1, std::fs::metadata(&tar1).expect("tar").len());
+        // Nothing changed: the same bytes (what lets a write-back upload nothing).
+        let tar2 = vols.path().join("two.tar");
+        let (sha2, _) = pack(vols.path(), FIRST, "a", &tar2, 0)
+            .await
+            .expect("again");
+        assert_eq!(sha1, sha2);
+        let base = std::fs::metadata(&a).expect("a").uid();
+        assert!(base >= FIRST, "the volume got a range of its own: {base}");
+
+        let b = vols.path().join("b");
+        std::fs::create_dir(&b).expect("b");
+        std::fs::write(b.join("stale"), "old copy").expect("stale");
+        unpack(vols.path(), FIRST, "b", Some(&tar1))
+            .await
+            .expect("unpack");
+        assert!(!b.join("stale").exists(), "the old copy is replaced");
+        assert_eq!(std::fs::read_to_string(b.join("d/e/f")).expect("f"), "deep");
+        assert_eq!(std::fs::read(b.join("big")).expect("big").len(), 300_000);
+        let link = std::fs::symlink_metadata(b.join("out")).expect("link");
+        assert!(link.file_type().is_symlink(), "links stay links");
+        let bbase = std::fs::metadata(&b).expect("b").uid();
+        assert_ne!(bbase, base, "another volume, another range");
+        let f = std::fs::metadata(b.join("d/e/f")).expect("f");
+        assert_eq!(
+            (f.uid(), f.gid()),
+            (bbase + 1000, bbase + 1000),
+            "guest ids kept"
+        );
+        assert_eq!(std::fs::metadata(outside.path()).expect("o").uid(), 0);
+
+        // Over the limit: refused.
+        let e = pack(vols.path(), FIRST, "a", &tar2, 100_000)
+            .await
+            .expect_err("over quota");
+        assert!(e.downcast_ref::<OverQuota>().is_some(), "{e:#}");
+        // No archive: an empty volume.
+        unpack(vols.path(), FIRST, "b", None).await.expect("empty");
+        assert_eq!(std::fs::read_dir(&b).expect("b").count(), 0);
+    }
+
+    #[tokio::test]
+    async fn an_archive_that_reaches_out_of_the_volume_writes_nothing_outside() {
+        let vols = tempfile::tempdir().expect("tempdir");
+        let outside = tempfile::tempdir().expect("tempdir");
+        let work = tempfile::tempdir().expect("tempdir");
+        let evil = work.path().join("evil.tar");
+        let o = outside.path().display();
+        let (w, e) = (work.path().display(), evil.display());
+        // A link to the host, then a file through it; and a member climbing out with `..`.
+        sh(&format!(
+            "mkdir -p {w}/s1 {w}/s2/link {w}/s3 && ln -s {o} {w}/s1/link && \
+             echo pwned > {w}/s2/link/planted && echo up > {w}/s3/up && \
+             tar -cf {e} -C {w}/s1 link && tar -rf {e} -C {w}/s2 link/planted && \
+             tar -rf {e} -C {w}/s3 --transform 's,^up,../../../../../tmp/vmon-escape-test,' up"
+        ));
+        let v = vols.path().join("v");
+        std::fs::create_dir(&v).expect("v");
+        let r = unpack(vols.path(), FIRST, "v", Some(&evil)).await;
+        assert!(r.is_err(), "a hostile archive fails the fill");
+        assert!(!outside.path().join("planted").exists());
+        assert!(!Path::new("/tmp/vmon-escape-test").exists());
+    }
+
+    #[tokio::test]
+    async fn a_volume_goes_from_one_node_to_another_through_a_real_store() {
+        let root = tempfile::tempdir().expect("tempdir");
+        let garage = vmon_objstore::dev::DevGarage::start(&root.path().join("garage"))
+            .unwrap_or_else(|e| panic!("{e:#}"));
+        let objects = vmon_objstore::ObjectStore::new(garage.config.clone()).expect("store");
+        objects.ensure_bucket().await.expect("bucket");
+        let (da, db) = (root.path().join("a"), root.path().join("b"));
+        std::fs::create_dir_all(&da).expect("a");
+        std::fs::create_dir_all(&db).expect("b");
+        let a = Syncer {
+            objects: &objects,
+            volumes_dir: &da,
+            first: FIRST,
+        };
+        let b = Syncer {
+            objects: &objects,
+            volumes_dir: &db,
+            first: FIRST,
+        };
+        let v = "0b8f3c1e-2a4d-4c6e-9f10-1234567890ab";
+
+        // A new volume: an empty copy, nothing in the store, nothing to send.
+        assert!(!a.fill(v, false).await.expect("fill a"));
+        assert_eq!(std::fs::read_dir(da.join(v)).expect("dir").count(), 0);
+        std::fs::write(da.join(v).join("one"), "from a").expect("write");
+        let WriteBack::Stored(h1, _) = a.write_back(v, 0).await.expect("back") else {
+            panic!("a changed volume is stored");
+        };
+        assert_eq!(
+            a.write_back(v, 0).await.expect("again"),
+            WriteBack::Unchanged
+        );
+
+        // The other node fills from the store; its unchanged copy sends nothing.
+        assert!(b.fill(v, false).await.expect("fill b"));
+        assert_eq!(
+            std::fs::read_to_string(db.join(v).join("one")).expect("one"),
+            "from a"
+        );
+        assert!(
+            !b.fill(v, false).await.expect("current"),
+            "a current copy is not fetched again"
+        );
+        assert_eq!(b.write_back(v, 0).await.expect("b"), WriteBack::Unchanged);
+        std::fs::write(db.join(v).join("two"), "from b").expect("write");
+        std::fs::remove_file(db.join(v).join("one")).expect("rm");
+
+        // Over the limit: refused, the store keeps the last tree.
+        std::fs::write(db.join(v).join("big"), vec![1u8; 200_000]).expect("big");
+        let e = b.write_back(v, 100_000).await.expect_err("over quota");
+        assert!(e.downcast_ref::<OverQuota>().is_some(), "{e:#}");
+        assert_eq!(a.head(v).await.expect("head"), Some(h1.clone()));
+        std::fs::remove_file(db.join(v).join("big")).expect("rm big");
+        let WriteBack::Stored(h2, _) = b.write_back(v, 100_000).await.expect("b back") else {
+            panic!("stored");
+        };
+        assert_ne!(h1, h2);
+
+        // A live copy is kept; a copy not mounted is replaced by the store's tree.
+        std::fs::write(da.join(v).join("local"), "unsent").expect("write");
+        assert!(!a.fill(v, true).await.expect("live"));
+        assert!(da.join(v).join("local").exists());
+        assert!(a.fill(v, false).await.expect("refill"));
+        let mut names: Vec<String> = std::fs::read_dir(da.join(v))
+            .expect("dir")
+            .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        assert_eq!(names, ["two"]);
+        // Only the current and the previous trees are kept.
+        let trees = objects
+            .list(&format!("volumes/{v}/tree-"))
+            .await
+            .expect("list");
+        assert!(trees.len() <= 2, "{trees:?}");
+        assert!(trees.iter().any(|o| o.key == tree_key(v, &h2)));
+    }
+}
