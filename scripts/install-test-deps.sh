@@ -16,6 +16,8 @@ BINS=(
   npm:npm
   chromium:chromium
   chromedriver:chromium-driver
+  # The desktop tests' Chromium trusts vmon's local CA through an NSS database they make.
+  certutil:libnss3-tools
   # The OCI template tests: a registry of their own, its htpasswd, and the static programs the
   # tests' tiny image is made of.
   docker-registry:docker-registry

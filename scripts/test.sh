@@ -12,12 +12,15 @@ export VMON_TEST_DATA_DIR="${VMON_TEST_DATA_DIR:-/var/tmp/vmon-ci}"
 mkdir -p "$VMON_TEST_DATA_DIR"
 # Every envd or recipe change makes a new image (0.4-1.6 GiB): keep the two newest images and
 # debootstrap trees, drop older ones.
+# The desktop layers (images/desktop-*, about 3 GB each) are kept apart: the two newest of them.
 keep_newest() {
   [ -d "$1" ] || return 0
-  find "$1" -mindepth 1 -maxdepth 1 -type d ! -name trees ! -name '*.tmp' -printf '%T@ %p\n' 2>/dev/null |
+  find "$1" -mindepth 1 -maxdepth 1 -type d ! -name trees ! -name '*.tmp' -name "${2:-*}" ! -name "${3:-/}" \
+    -printf '%T@ %p\n' 2>/dev/null |
     sort -rn | tail -n +3 | cut -d' ' -f2- | xargs -r rm -rf
 }
-keep_newest "$VMON_TEST_DATA_DIR/images"
+keep_newest "$VMON_TEST_DATA_DIR/images" '*' 'desktop-*'
+keep_newest "$VMON_TEST_DATA_DIR/images" 'desktop-*'
 keep_newest "$VMON_TEST_DATA_DIR/images/trees"
 # What earlier runs' node tests left (paused sandboxes of tests that end paused, their builds and
 # layers) goes: each run starts from the images alone, as on a fresh machine.

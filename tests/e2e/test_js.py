@@ -18,7 +18,7 @@ JS = Path(__file__).parent / "js"
 def _node_env(vmon) -> dict[str, str]:
     if shutil.which("node") is None or shutil.which("npm") is None:
         pytest.fail("node and npm are needed (scripts/install-test-deps.sh installs them)")
-    if not (JS / "node_modules" / "e2b").exists() or not (JS / "node_modules" / "@e2b" / "cli").exists():
+    if not all((JS / "node_modules" / m).exists() for m in ("e2b", "@e2b/cli", "@e2b/desktop")):
         subprocess.run(["npm", "ci", "--no-audit", "--no-fund"], cwd=JS, check=True, timeout=600)
     env = {k: v for k, v in os.environ.items() if not k.startswith("E2B_")}
     env.update(E2B_API_URL=vmon.api_url, E2B_SANDBOX_URL=vmon.sandbox_url, E2B_API_KEY=vmon.api_key)

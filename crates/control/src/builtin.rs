@@ -1,7 +1,8 @@
 //! Shared templates the api makes by itself: `base` (built in the background from the first
 //! start on; until it is built every create answers 503 saying how far the build is) and
 //! `code-interpreter-v1` (built in the background after it, or on the first create that names
-//! it; a create that arrives during the build waits for it).
+//! it; a create that arrives during the build waits for it), and `desktop` (built on the first
+//! create that names it; `crate::desktop` says why).
 
 use vmon_proto::node::BuildInfo;
 use vmon_proto::progress::Phase;
@@ -29,6 +30,11 @@ pub struct Builtin {
     pub ready_cmd: Option<&'static str>,
     /// The pool's warm request (`port/path`, [`vmon_proto::node::TemplateSpec::warm_request`]).
     pub warm_request: Option<&'static str>,
+    /// The node's layer the template boots instead of the base image
+    /// ([`vmon_proto::node::TemplateSpec::layer`]).
+    pub layer: Option<&'static str>,
+    /// At least this much memory, whatever the base template's.
+    pub min_memory_mb: u32,
 }
 
 const CODE_INTERPRETER_BUILTIN: Builtin = Builtin {
@@ -44,11 +50,13 @@ const CODE_INTERPRETER_BUILTIN: Builtin = Builtin {
     // An uncounted cell through the default kernel in every warmed pool process, so a new
     // sandbox's first `run_code` finds IPython's paths translated.
     warm_request: Some("49999/warm"),
+    layer: None,
+    min_memory_mb: 0,
 };
 
 /// The builtin template named `alias` (built on demand), if there is one.
 pub fn builtin(alias: &str) -> Option<Builtin> {
-    [CODE_INTERPRETER_BUILTIN]
+    [CODE_INTERPRETER_BUILTIN, crate::desktop::DESKTOP_BUILTIN]
         .into_iter()
         .find(|b| b.alias == alias)
 }
@@ -93,11 +101,15 @@ impl Control {
     /// a caller that arrives during a build waits for it and then finds it built.
     pub async fn ensure_builtin(&self, alias: &str) -> anyhow::Result<BuildInfo> {
         let b = builtin(alias).ok_or_else(|| anyhow::anyhow!("no builtin template {alias:?}"))?;
-        debug_assert!(b.start_cmd.is_none_or(|c| c.contains(CODE_INTERPRETER_PY)));
+        debug_assert!(b.start_cmd.is_none_or(
+            |c| c.contains(CODE_INTERPRETER_PY) || c.contains(crate::desktop::DESKTOP_START)
+        ));
         let _one_at_a_time = self.builtin_builds.lock().await;
+        let mut spec = self.config.base_template.clone();
+        spec.memory_mb = spec.memory_mb.max(b.min_memory_mb);
         self.ensure_template_with(
             b.alias,
-            &self.config.base_template,
+            &spec,
             b.start_cmd.map(str::to_string),
             b.ready_cmd.map(str::to_string),
             b.warm_request.map(str::to_string),

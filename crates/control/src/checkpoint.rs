@@ -186,6 +186,9 @@ impl Control {
                 warm_request,
                 env_vars: BTreeMap::new(),
                 image: None,
+                layer: super::builtin::builtin(alias)
+                    .and_then(|b| b.layer)
+                    .map(str::to_string),
             })
             .await?;
         let id = match self.records.template_by_alias("", alias).await? {

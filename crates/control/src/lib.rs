@@ -23,11 +23,12 @@ pub mod telemetry;
 pub mod templates;
 
 mod builtin;
-pub use builtin::CODE_INTERPRETER;
+pub use builtin::{builtin, Builtin, CODE_INTERPRETER};
 mod checkpoint;
 mod cluster;
 mod collect;
 mod delivery;
+pub mod desktop;
 mod egress;
 mod error;
 pub use error::{ControlError, ControlResult};
@@ -80,7 +81,7 @@ fn route_of(rec: &SandboxRecord) -> SandboxRoute {
     }
 }
 
-/// Whether `name` is a built-in template's (`code-interpreter-v1`).
+/// Whether `name` is a built-in template's (`code-interpreter-v1`, `desktop`).
 pub fn builtin_name(name: &str) -> bool {
     builtin::builtin(name).is_some()
 }

@@ -69,7 +69,7 @@ pub const CODE_INTERPRETER_FILES: &[(&str, &str)] = &[
 /// and read no `/proc/cpuinfo` (`docs/architecture.md`, "The guest's login shell"). Each is
 /// (guest path, contents); base-files installs Debian's only where none is, so upgrades keep
 /// these.
-const LOGIN_FILES: &[(&str, &str)] = &[
+pub(crate) const LOGIN_FILES: &[(&str, &str)] = &[
     ("/etc/profile", include_str!("../assets/profile")),
     // Decides OpenBLAS's kernels from what envd's init wrote at boot (`vmon_envd::init`).
     (
@@ -81,7 +81,7 @@ const LOGIN_FILES: &[(&str, &str)] = &[
 
 /// What the guest's package installs do differently, each (guest path, contents): a sandbox
 /// or template build that installs packages does not rebuild an initramfs no boot reads.
-const APT_FILES: &[(&str, &str)] = &[(
+pub(crate) const APT_FILES: &[(&str, &str)] = &[(
     "/etc/initramfs-tools/update-initramfs.conf",
     include_str!("../assets/update-initramfs.conf"),
 )];
@@ -354,7 +354,7 @@ pub async fn build_with(
 
 /// Blocks until this process holds an exclusive `flock` on `path`; released when the file is
 /// dropped (or the process dies).
-fn lock_exclusive(path: &Path) -> anyhow::Result<std::fs::File> {
+pub(crate) fn lock_exclusive(path: &Path) -> anyhow::Result<std::fs::File> {
     let f = std::fs::OpenOptions::new()
         .create(true)
         .truncate(false)
@@ -368,7 +368,7 @@ fn lock_exclusive(path: &Path) -> anyhow::Result<std::fs::File> {
 
 /// Where the steps go: a shared handle, or (without one) a spinner of our own.
 #[derive(Clone, Copy)]
-struct Report<'a>(Option<&'a Progress>);
+pub(crate) struct Report<'a>(pub(crate) Option<&'a Progress>);
 
 impl Report<'_> {
     fn step(self) {
@@ -408,7 +408,7 @@ fn spinner(msg: String) -> ProgressBar {
     bar
 }
 
-async fn run(cmd: &mut tokio::process::Command, what: &str) -> anyhow::Result<()> {
+pub(crate) async fn run(cmd: &mut tokio::process::Command, what: &str) -> anyhow::Result<()> {
     let out = cmd
         .stdin(Stdio::null())
         .output()
@@ -425,7 +425,7 @@ async fn run(cmd: &mut tokio::process::Command, what: &str) -> anyhow::Result<()
 }
 
 /// The debootstrap tree, configured, cached by the package part of the recipe.
-async fn ensure_tree(
+pub(crate) async fn ensure_tree(
     images: &Path,
     recipe: &Recipe,
     report: Report<'_>,
@@ -613,7 +613,7 @@ impl DebootstrapProgress {
 /// Users, sudo, hosts; drops the package cache.
 /// `apt-get install` in the tree (with `/proc` mounted and no service started), then the
 /// package cache emptied.
-async fn apt_install(tree: &Path, packages: &[&String]) -> anyhow::Result<()> {
+pub(crate) async fn apt_install(tree: &Path, packages: &[&String]) -> anyhow::Result<()> {
     let policy = tree.join("usr/sbin/policy-rc.d");
     std::fs::write(&policy, "#!/bin/sh\nexit 101\n")?;
     std::fs::set_permissions(&policy, std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
@@ -708,7 +708,7 @@ async fn configure_tree(tree: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn install_envd(tree: &Path, envd: &Path) -> anyhow::Result<()> {
+pub(crate) fn install_envd(tree: &Path, envd: &Path) -> anyhow::Result<()> {
     let dst = tree.join("usr/local/bin/envd");
     std::fs::create_dir_all(tree.join("usr/local/bin"))?;
     let _ = std::fs::remove_file(&dst);
@@ -718,7 +718,12 @@ fn install_envd(tree: &Path, envd: &Path) -> anyhow::Result<()> {
 }
 
 /// Writes `contents` at the absolute guest path `path` in the tree.
-fn install_file(tree: &Path, path: &str, contents: &[u8], mode: u32) -> anyhow::Result<()> {
+pub(crate) fn install_file(
+    tree: &Path,
+    path: &str,
+    contents: &[u8],
+    mode: u32,
+) -> anyhow::Result<()> {
     let dst = tree.join(path.trim_start_matches('/'));
     if let Some(dir) = dst.parent() {
         std::fs::create_dir_all(dir)?;

@@ -10,12 +10,16 @@
 //! pulled, flattened, given envd (with its own libraries), the kernel's modules and the `user`
 //! account, and made into the same kind of disk.
 //!
+//! The `desktop` builtin template boots a layer of its own ([`desktop`]): the base tree plus an
+//! X desktop from Debian's packages, made on the host into another raw disk.
+//!
 //! This crate only makes files; it never starts a VM. It runs as root and a registry image's
 //! tree is a tenant's: it never reads or writes in one but through [`tree::Tree`], so no link
 //! in it ever leads vmon to a host file.
 
 mod apt;
 mod build;
+pub mod desktop;
 pub mod oci;
 pub mod registry_net;
 mod rootfs;

@@ -255,7 +255,14 @@ pub struct TemplateSpec {
     /// node's base image (`from_image(...)`), pinned by its digest.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub image: Option<OciImage>,
+    /// A layer of the node's own the template boots instead of the base image: `desktop`
+    /// ([`LAYER_DESKTOP`]: the base tree plus an X desktop, the `desktop` builtin template).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layer: Option<String>,
 }
+
+/// The layer of the `desktop` builtin template ([`TemplateSpec::layer`]).
+pub const LAYER_DESKTOP: &str = "desktop";
 
 /// An image in an OCI registry (a template's `fromImage`).
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]

@@ -494,6 +494,7 @@ pub async fn harness_starting_with(
             warm_request: None,
             env_vars: BTreeMap::new(),
             image: None,
+            layer: None,
         },
     )
     .await

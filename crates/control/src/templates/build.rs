@@ -345,6 +345,7 @@ impl Control {
                 warm_request: None,
                 env_vars: BTreeMap::new(),
                 image: Some(oci),
+                layer: None,
             })
             .await
             .map_err(|e| fail("base", e.to_string()))?;
@@ -440,6 +441,7 @@ impl Control {
                                 warm_request: None,
                                 env_vars: BTreeMap::new(),
                                 image: None,
+                                layer: None,
                             })
                             .await
                             .map_err(|e| fail("base", format!("booting the base image: {e}")))?;

@@ -15,6 +15,7 @@ mod capture;
 mod confine;
 mod control;
 mod egress;
+mod layer;
 mod migrate;
 mod migrate_check;
 mod parking;

@@ -102,6 +102,21 @@ impl Node {
         dir: &Path,
     ) -> Result<(Option<PathBuf>, u32), NodeError> {
         let disk_mb = image.manifest.disk_mb.max(spec.disk_mb);
+        if spec.image.is_some() && spec.layer.is_some() {
+            return Err(NodeError::InvalidArgument(
+                "a template boots an OCI image or a layer, not both".into(),
+            ));
+        }
+        if let Some(layer) = spec.layer.as_deref() {
+            std::fs::create_dir_all(dir).map_err(|e| err(e.into()))?;
+            return match self.layer_disk(layer, image, dir).await {
+                Ok((path, mb)) => Ok((Some(path), mb.max(spec.disk_mb))),
+                Err(e) => {
+                    let _ = std::fs::remove_dir_all(dir);
+                    Err(e)
+                }
+            };
+        }
         let Some(oci) = &spec.image else {
             return Ok((None, disk_mb));
         };

@@ -141,6 +141,7 @@ pub async fn build_plain(node: &Node, build_id: &str, memory_mb: u32) {
         warm_request: None,
         env_vars: Default::default(),
         image: None,
+        layer: None,
     })
     .await
     .unwrap_or_else(|e| panic!("template build {build_id}: {e}"));

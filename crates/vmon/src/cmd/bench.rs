@@ -31,6 +31,10 @@ enum What {
     /// last-step rebuild, and creates from the result against creates from `base` (runs
     /// `tests/bench/template_bench.py` like `api`).
     Template,
+    /// Desktop sandboxes through the official `e2b-desktop` SDK: create to first screenshot,
+    /// screenshot latency, input to a visible change, pause/resume with Firefox open
+    /// (`tests/bench/desktop_bench.py`, like `api`).
+    Desktop,
     /// A local cluster (`scripts/cluster.sh`): create, pause, resume on the same node and on
     /// another node from the object store for 16/64/256 MiB dirtied, upload times
     /// (`tests/bench/cluster_bench.py`).
@@ -292,6 +296,7 @@ pub async fn run(data_dir: &Path, args: Args) -> anyhow::Result<()> {
         What::ProxyHop => python_bench("proxy_hop_bench.py", &[]).await,
         What::Template => python_bench("template_bench.py", &[]).await,
         What::Cluster => python_bench("cluster_bench.py", &[]).await,
+        What::Desktop => python_bench("desktop_bench.py", &[]).await,
         What::Migrate => python_bench("migrate_bench.py", &[]).await,
         What::S3(a) => s3(data_dir, a).await,
         What::Soak(a) => {
@@ -523,6 +528,7 @@ async fn bench_template(node: &Node, memory_mb: u32) -> anyhow::Result<String> {
         warm_request: None,
         env_vars: Default::default(),
         image: None,
+        layer: None,
     })
     .await?;
     Ok(tpl)
