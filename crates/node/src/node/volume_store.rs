@@ -653,7 +653,10 @@ mod tests {
 
         // The other node fills from the store; its unchanged copy sends nothing.
         assert!(b.fill(v, false).await.expect("fill b"));
-        let mode = std::fs::metadata(&db).expect("b's volumes dir").permissions().mode();
+        let mode = std::fs::metadata(&db)
+            .expect("b's volumes dir")
+            .permissions()
+            .mode();
         assert_eq!(mode & 0o777, 0o700, "made root's own");
         assert_eq!(
             std::fs::read_to_string(db.join(v).join("one")).expect("one"),
