@@ -31,6 +31,11 @@ def _admin_call(cluster, method: str, path: str):
         return e.code, json.loads(e.read() or b"{}")
 
 
+# A volume's sandbox always cold-boots (and boots again when a loaded machine stalls it):
+# longer than the SDK's 60 s default request timeout.
+BOOT = 600
+
+
 def _run(sbx, cmd: str, user: str = "user") -> str:
     return sbx.commands.run(cmd, timeout=120, user=user).stdout
 
@@ -38,7 +43,7 @@ def _run(sbx, cmd: str, user: str = "user") -> str:
 def test_a_volume_travels_between_nodes_through_the_store(cluster):
     assert (DIR / "s3.env").exists(), "the cluster runs no garage (scripts/install-garage.sh)"
     vol = Volume.create(f"s3vol-{uuid.uuid4().hex[:10]}")
-    a = Sandbox.create("base", volume_mounts={"/mnt/v": vol}, timeout=900)
+    a = Sandbox.create("base", volume_mounts={"/mnt/v": vol}, timeout=900, request_timeout=BOOT)
     sid, b = a.sandbox_id, None
     try:
         home = cluster.node_of(sid)
@@ -56,7 +61,7 @@ def test_a_volume_travels_between_nodes_through_the_store(cluster):
         # sandbox runs on, and a pause after the file is gone succeeds (the drain below).
         _run(a, f"head -c {VOLUME_QUOTA + (4 << 20)} /dev/urandom > /mnt/v/huge")
         with pytest.raises(Exception) as refused:
-            a.pause()
+            a.pause(request_timeout=BOOT)
         assert "max_volume_bytes" in str(refused.value), refused.value
         assert cluster.admin_sandbox(sid)["state"] == "running"
         _run(a, "rm /mnt/v/huge")
@@ -73,7 +78,7 @@ def test_a_volume_travels_between_nodes_through_the_store(cluster):
         assert cluster.admin_sandbox(sid)["state"] == "paused"
 
         # The other node fills its cache from the store.
-        b = Sandbox.create("base", volume_mounts={"/data": vol.name}, timeout=300)
+        b = Sandbox.create("base", volume_mounts={"/data": vol.name}, timeout=300, request_timeout=BOOT)
         assert cluster.node_of(b.sandbox_id) == 3 - home
         assert _run(b, "cat /data/a.txt") == "from-a\n"
         assert _run(b, "sha256sum /data/d/blob").split()[0] == blob_sum
@@ -83,7 +88,7 @@ def test_a_volume_travels_between_nodes_through_the_store(cluster):
         b.kill()  # written back before the kill returns
         b = None
 
-        again = Sandbox.connect(sid, timeout=900)
+        again = Sandbox.connect(sid, timeout=900, request_timeout=BOOT)
         assert cluster.node_of(sid) == 3 - home
         assert _run(again, "cat /mnt/v/b.txt; ls /mnt/v") == "from-b\nb.txt\nd\n"
         assert _run(again, "sha256sum /mnt/v/d/blob").split()[0] == blob_sum

@@ -98,7 +98,18 @@ pub(super) struct Syncer<'a> {
 }
 
 impl Syncer<'_> {
+    /// Makes the volumes directory when this node has none yet (with the store no shared
+    /// one is laid out for it): root's, 0700, as the api makes a local one.
+    fn ensure_volumes_dir(&self) -> std::io::Result<()> {
+        if !self.volumes_dir.is_dir() {
+            std::fs::create_dir_all(self.volumes_dir)?;
+            std::fs::set_permissions(self.volumes_dir, std::fs::Permissions::from_mode(0o700))?;
+        }
+        Ok(())
+    }
+
     fn synced_dir(&self) -> std::io::Result<PathBuf> {
+        self.ensure_volumes_dir()?;
         let dir = self.volumes_dir.join(SYNCED_DIR);
         std::fs::create_dir_all(&dir)?;
         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))?;
@@ -145,6 +156,8 @@ impl Syncer<'_> {
     /// Brings the copy of `volume` up to the store's tree, unless it is `live` (mounted on
     /// this node: kept). Returns whether it unpacked anything.
     pub(super) async fn fill(&self, volume: &str, live: bool) -> anyhow::Result<bool> {
+        self.ensure_volumes_dir()
+            .with_context(|| format!("creating {}", self.volumes_dir.display()))?;
         let dir = self.volumes_dir.join(volume);
         if !dir.exists() {
             // As the api makes a volume's root: anyone in the guest may write it (the volumes
@@ -613,7 +626,7 @@ mod tests {
         objects.ensure_bucket().await.expect("bucket");
         let (da, db) = (root.path().join("a"), root.path().join("b"));
         std::fs::create_dir_all(&da).expect("a");
-        std::fs::create_dir_all(&db).expect("b");
+        // b's volumes directory is not there yet: a node with the store has none laid out.
         let a = Syncer {
             objects: &objects,
             volumes_dir: &da,
@@ -640,6 +653,11 @@ mod tests {
 
         // The other node fills from the store; its unchanged copy sends nothing.
         assert!(b.fill(v, false).await.expect("fill b"));
+        let mode = std::fs::metadata(&db)
+            .expect("b's volumes dir")
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o700, "made root's own");
         assert_eq!(
             std::fs::read_to_string(db.join(v).join("one")).expect("one"),
             "from a"
