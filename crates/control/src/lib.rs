@@ -572,6 +572,23 @@ pub fn check_maps(metadata: &model::StringMap, env: &model::StringMap) -> Contro
 }
 
 /// The 429 of a team at its concurrent-sandbox limit.
+impl Control {
+    /// Takes one of the team's concurrent-sandbox slots (429 when none is free); the caller
+    /// releases the returned counter if its transition fails.
+    pub(crate) async fn admit(&self, team: &Team) -> ControlResult<String> {
+        let counter = admission_key(&team.id);
+        if !self
+            .kv
+            .acquire(&counter, u64::from(team.limits.max_concurrent))
+            .await
+            .map_err(kv_error)?
+        {
+            return Err(concurrency_error(team));
+        }
+        Ok(counter)
+    }
+}
+
 pub(crate) fn concurrency_error(team: &Team) -> ControlError {
     ControlError::too_many(format!(
         "you have reached the maximum number of concurrent sandboxes ({}); kill or pause one first",

@@ -8,10 +8,7 @@ use vmon_kv::IdempotencyOutcome;
 use vmon_proto::node::{BuildInfo, StartSpec};
 
 use super::model::{self, NewSandbox};
-use super::{
-    admission_key, concurrency_error, event, kv_error, network_policy, record_error, timeout_secs,
-    Control,
-};
+use super::{admission_key, event, kv_error, network_policy, record_error, timeout_secs, Control};
 use super::{ControlError, ControlResult};
 use crate::ids;
 use crate::records::{Change, EventKind, SandboxRecord, SandboxState, Team};
@@ -305,15 +302,7 @@ impl Control {
         let egress = self
             .egress_spec(&team.id, &launch.base.network, true)
             .await?;
-        let counter = admission_key(&team.id);
-        if !self
-            .kv
-            .acquire(&counter, u64::from(team.limits.max_concurrent))
-            .await
-            .map_err(kv_error)?
-        {
-            return Err(concurrency_error(team));
-        }
+        let counter = self.admit(team).await?;
         let execution_id = ids::execution_id();
         let envd_access_token = ids::token();
         let base = &launch.base;

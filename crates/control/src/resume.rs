@@ -7,7 +7,7 @@ use time::OffsetDateTime;
 use vmon_proto::node::{StartKind, StartSpec};
 
 use super::why::{PauseWhy, ResumeTrigger};
-use super::{admission_key, concurrency_error, event, kv_error, network_policy, Control};
+use super::{admission_key, event, network_policy, Control};
 use super::{ControlError, ControlResult};
 use crate::ids;
 use crate::records::{Change, EventKind, LastResume, SandboxRecord, SandboxState, Team};
@@ -199,15 +199,7 @@ impl Control {
         fence: i64,
         trigger: ResumeTrigger,
     ) -> ControlResult<SandboxRecord> {
-        let counter = admission_key(&team.id);
-        if !self
-            .kv
-            .acquire(&counter, u64::from(team.limits.max_concurrent))
-            .await
-            .map_err(kv_error)?
-        {
-            return Err(concurrency_error(team));
-        }
+        let counter = self.admit(team).await?;
         let execution_id = ids::execution_id();
         let volumes = match self.volume_shares(&team.id, &rec.volume_mounts).await {
             Ok(v) => v,
