@@ -11,7 +11,7 @@ use time::OffsetDateTime;
 
 use crate::control::{CreateParams, KillReason};
 use crate::error::{ApiError, ApiResult};
-use crate::records::{SandboxRecord, SandboxState, Team};
+use crate::records::{SandboxListing, SandboxRecord, SandboxState, Team};
 use crate::state::{body, query_pairs, AppState, Auth};
 use crate::{views, wire};
 
@@ -658,64 +658,51 @@ async fn list_v2(
         ),
     };
     let template = query_value(&q, "template")?.filter(|v| !v.is_empty());
-    let limit = page_limit(&q)?;
-    let cursor = match query_value(&q, "nextToken")?.filter(|t| !t.is_empty()) {
-        None => None,
-        Some(t) => Some(parse_cursor(t).ok_or_else(|| ApiError::bad_request("invalid nextToken"))?),
+    let listing = SandboxListing {
+        states,
+        metadata: filter,
+        template: template.map(str::to_string),
+        started_after,
+        descending,
+        cursor: query_value(&q, "nextToken")?
+            .filter(|t| !t.is_empty())
+            .map(|t| check_cursor(t).map(str::to_string))
+            .transpose()?,
+        limit: page_limit(&q)?,
+        ..Default::default()
     };
-
-    let all = s.control.sandboxes(Some(&team.id)).await?;
-    let total_running = all
-        .iter()
-        .filter(|r| r.state == SandboxState::Running)
-        .count();
-    let mut recs: Vec<_> = all
-        .into_iter()
-        .filter(|r| states.contains(&r.state))
-        .filter(|r| matches_metadata(r, &filter))
-        // Inclusive, at the precision the API reports: the sandbox that started at exactly
-        // `startedAfter` (a client passing back a `startedAt` it was given) is listed.
-        .filter(|r| started_after.is_none_or(|t| crate::control::to_micros(r.started_at) >= t))
-        .filter(|r| template.is_none_or(|t| r.template_id == t || r.alias.as_deref() == Some(t)))
-        .collect();
-    recs.sort_by(|a, b| {
-        let o = (a.started_at, &a.id).cmp(&(b.started_at, &b.id));
-        if descending {
-            o.reverse()
-        } else {
-            o
-        }
-    });
-    if let Some((t, id)) = &cursor {
-        recs.retain(|r| {
-            let o = (r.started_at.unix_timestamp_nanos(), &r.id).cmp(&(*t, id));
-            if descending {
-                o == std::cmp::Ordering::Less
-            } else {
-                o == std::cmp::Ordering::Greater
-            }
-        });
-    }
-    let more = recs.len() > limit;
-    recs.truncate(limit);
-    let page: Vec<_> = recs
+    let page = s.control.sandbox_page(&team, listing).await?;
+    let items: Vec<_> = page
+        .items
         .iter()
         .map(|r| views::listed(s.control.config(), r))
         .collect();
-    let mut resp = Json(page).into_response();
-    set_header(&mut resp, "x-total-running", &total_running.to_string());
-    if more {
-        if let Some(last) = recs.last() {
-            let token = format!("{}_{}", last.started_at.unix_timestamp_nanos(), last.id);
-            set_header(&mut resp, "x-next-token", &token);
-        }
+    let mut resp = Json(items).into_response();
+    set_header(
+        &mut resp,
+        "x-total-running",
+        &page.total_running.to_string(),
+    );
+    if let Some(next) = &page.next_cursor {
+        set_header(&mut resp, "x-next-token", next);
     }
     Ok(resp)
 }
 
-fn parse_cursor(t: &str) -> Option<(i128, String)> {
-    let (nanos, id) = t.split_once('_')?;
-    Some((nanos.parse().ok()?, id.to_string()))
+/// A `nextToken` as `x-next-token` gave it: a start time in milliseconds, a dot, a sandbox id.
+fn check_cursor(t: &str) -> ApiResult<&str> {
+    let valid = t.split_once('.').is_some_and(|(ms, id)| {
+        ms.parse::<i64>().is_ok()
+            && !id.is_empty()
+            && id
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+    });
+    if valid {
+        Ok(t)
+    } else {
+        Err(ApiError::bad_request("invalid nextToken"))
+    }
 }
 
 /// Whether the platform takes creates: 200 `{"status": "ready"}` once `base` is built; until

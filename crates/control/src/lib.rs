@@ -422,6 +422,20 @@ impl Control {
         self.records.sandboxes(team_id).await.map_err(record_error)
     }
 
+    /// One page of the team's sandboxes (`GET /v2/sandboxes`): the store filters, orders and
+    /// pages, so a page costs the same at 10 or 10,000 sandboxes.
+    pub async fn sandbox_page(
+        &self,
+        team: &Team,
+        mut listing: records::SandboxListing,
+    ) -> ControlResult<records::SandboxPage> {
+        listing.team_id = team.id.clone();
+        self.records
+            .sandbox_page(&listing)
+            .await
+            .map_err(record_error)
+    }
+
     /// The team's sandbox and where its state is (see [`Control::state_location`]).
     pub async fn detail(
         &self,

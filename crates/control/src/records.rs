@@ -31,6 +31,36 @@ pub use vmon_store::{
 
 pub type RecordResult<T> = anyhow::Result<T>;
 
+/// `GET /v2/sandboxes`: which of a team's sandboxes, in which order, from where.
+#[derive(Clone, Debug, Default)]
+pub struct SandboxListing {
+    pub team_id: String,
+    /// Empty: every state.
+    pub states: Vec<SandboxState>,
+    /// Every pair must match.
+    pub metadata: Vec<(String, String)>,
+    /// The template's id or its alias.
+    pub template: Option<String>,
+    /// Inclusive: a sandbox that started at exactly this instant is listed.
+    pub started_after: Option<OffsetDateTime>,
+    /// Newest first (the API's default) or oldest first.
+    pub descending: bool,
+    /// The `next_cursor` of the previous page (opaque to clients).
+    pub cursor: Option<String>,
+    /// Page size, 1-1000.
+    pub limit: usize,
+}
+
+/// One page of [`SandboxListing`].
+#[derive(Clone, Debug, Default)]
+pub struct SandboxPage {
+    pub items: Vec<SandboxRecord>,
+    /// Present when there is a next page.
+    pub next_cursor: Option<String>,
+    /// The team's running sandboxes, whatever the filters (`X-Total-Running`).
+    pub total_running: u64,
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(default)]
@@ -295,6 +325,8 @@ pub trait Records: BuildRecords + Send + Sync + 'static {
     async fn sandbox(&self, id: &str) -> RecordResult<Option<SandboxRecord>>;
     /// Every team's sandboxes when `team_id` is `None`.
     async fn sandboxes(&self, team_id: Option<&str>) -> RecordResult<Vec<SandboxRecord>>;
+    /// One page of a team's sandboxes, filtered, ordered and paged by the store itself.
+    async fn sandbox_page(&self, q: &SandboxListing) -> RecordResult<SandboxPage>;
     /// Running sandboxes whose end time is not after `now` (the reaper's work).
     async fn expired_sandboxes(&self, now: OffsetDateTime) -> RecordResult<Vec<SandboxRecord>>;
     /// Applies a change and records its event (and the event's webhook deliveries),

@@ -245,6 +245,7 @@ pub struct SandboxQuery {
     pub states: Vec<SandboxState>,
     /// Every pair must match.
     pub metadata: Vec<(String, String)>,
+    /// The template's id or the alias the sandbox was created with.
     pub template_id: Option<String>,
     pub started_after: Option<OffsetDateTime>,
     /// By start time (then id).

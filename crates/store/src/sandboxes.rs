@@ -240,7 +240,11 @@ impl Store {
             sql.text(key).push(" AND m.value = ").text(value).push(")");
         }
         if let Some(template) = &q.template_id {
-            sql.push(" AND template_id = ").text(template);
+            sql.push(" AND (template_id = ")
+                .text(template)
+                .push(" OR alias = ")
+                .text(template)
+                .push(")");
         }
         if let Some(after) = q.started_after {
             sql.push(" AND started_at > ").int(ms(after));

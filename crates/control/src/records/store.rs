@@ -343,6 +343,47 @@ impl Records for StoreRecords {
         }
     }
 
+    async fn sandbox_page(&self, q: &SandboxListing) -> RecordResult<SandboxPage> {
+        let state_of = |s: &SandboxState| match s {
+            SandboxState::Paused => vmon_store::SandboxState::Paused,
+            SandboxState::Running => vmon_store::SandboxState::Running,
+        };
+        // The store compares start times in whole milliseconds, exclusively; the listing's bound
+        // is inclusive at any precision: after the millisecond before the first one it admits.
+        let started_after = q.started_after.map(|t| {
+            let ms = t.unix_timestamp_nanos().div_euclid(1_000_000)
+                + i128::from(t.unix_timestamp_nanos().rem_euclid(1_000_000) != 0);
+            OffsetDateTime::from_unix_timestamp_nanos((ms - 1) * 1_000_000)
+                .unwrap_or(OffsetDateTime::UNIX_EPOCH)
+        });
+        let page = self
+            .store
+            .sandboxes(&SandboxQuery {
+                team_id: q.team_id.clone(),
+                states: q.states.iter().map(state_of).collect(),
+                metadata: q.metadata.clone(),
+                template_id: q.template.clone(),
+                started_after,
+                order: if q.descending {
+                    vmon_store::Order::Desc
+                } else {
+                    vmon_store::Order::Asc
+                },
+                cursor: q.cursor.clone(),
+                limit: i64::try_from(q.limit).unwrap_or(1000),
+            })
+            .await?;
+        let total_running = self
+            .store
+            .count_sandboxes(&q.team_id, vmon_store::SandboxState::Running)
+            .await?;
+        Ok(SandboxPage {
+            items: page.items.into_iter().map(from_store).collect(),
+            next_cursor: page.next_cursor,
+            total_running: u64::try_from(total_running).unwrap_or(0),
+        })
+    }
+
     async fn expired_sandboxes(&self, now: OffsetDateTime) -> RecordResult<Vec<SandboxRecord>> {
         Ok(self
             .store
