@@ -22,9 +22,9 @@ use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
+use vmon_faults::Faults;
 
 pub mod activity;
-pub mod faults;
 mod headers;
 pub mod limits;
 pub mod listen;
@@ -36,7 +36,6 @@ mod watched;
 
 pub use activity::Activity;
 use activity::{InFlight, Stamp, Stamped, StampedIo};
-pub use faults::Faults;
 use headers::{envd_keepalive_within, is_upgrade, keep_host, strip_hop_by_hop, upstream_uri};
 pub use limits::GuestLimits;
 use limits::{Beat, Slot};
@@ -156,7 +155,7 @@ impl Proxy {
         }
     }
 
-    /// Fault points for tests ([`faults`]): `proxy:await-pause`, where a request that met a
+    /// Fault points for tests ([`vmon_faults`]): `proxy:await-pause`, where a request that met a
     /// pause waits for it.
     pub fn with_faults(mut self, faults: Faults) -> Self {
         self.faults = faults;

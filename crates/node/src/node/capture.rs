@@ -6,7 +6,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use anyhow::{bail, Context};
+use anyhow::Context;
 use vmon_proto::node::{BuildInfo, NodeError};
 use vmon_vm::memory;
 
@@ -15,26 +15,6 @@ use super::{err, Node};
 use crate::builds::{new_id, now_unix, BuildRecord, PausedFrom, MAX_LAYERS};
 use crate::envd_client::{self, InitRequest, ENVD_PORT};
 use crate::sandbox::{Live, RamSource, SandboxState};
-
-/// Crash-test hook: `VMON_FAULT=<point>` aborts the process at that point, as a node crash
-/// would. Points: `pause:switched` (QEMU writes to a fresh overlay the sandbox's state file does
-/// not name yet), `pause:captured` (artifacts written, no record), `pause:committed` (record
-/// written, QEMU not yet gone), `checkpoint:committed` (a fork's or snapshot's build record
-/// written, before the api's record names it; the source is still stopped).
-fn fault(point: &str) {
-    if std::env::var("VMON_FAULT").as_deref() == Ok(point) {
-        tracing::error!(point, "VMON_FAULT: aborting");
-        std::process::abort();
-    }
-}
-
-/// Crash-test hook: `VMON_FAULT=<point>` makes that step fail with an error.
-fn fault_err(point: &str) -> anyhow::Result<()> {
-    if std::env::var("VMON_FAULT").as_deref() == Ok(point) {
-        bail!("injected failure at {point}");
-    }
-    Ok(())
-}
 
 impl Node {
     /// Switches a stopped sandbox's disk to a fresh overlay; the old one freezes. Returns the
@@ -203,6 +183,11 @@ impl Node {
     }
 
     /// Pauses a sandbox into a new build (with its memory when `memory`), parking its QEMU when it may.
+    ///
+    /// Fault points (`vmon_faults`, crash tests): `pause:switched` (QEMU writes to a fresh
+    /// overlay the sandbox's state file does not name yet), `pause:captured` (artifacts
+    /// written, no record), `pause:error` (there, the pause fails), `pause:committed` (record
+    /// written, QEMU not yet gone).
     pub(super) async fn pause_sandbox(
         &self,
         sandbox_id: &str,
@@ -237,7 +222,7 @@ impl Node {
         let captured = async {
             let (disk, chain) = if park {
                 let switched = self.switch_disk(&mut l).await?;
-                fault("pause:switched");
+                self.cfg.faults.point("pause:switched", sandbox_id).await;
                 switched
             } else {
                 (l.state.overlay.clone(), l.state.disk_chain.clone())
@@ -246,8 +231,8 @@ impl Node {
             let rec = self
                 .capture(&l, &build_id, memory, true, disk, chain)
                 .await?;
-            fault("pause:captured");
-            fault_err("pause:error")?;
+            self.cfg.faults.point("pause:captured", sandbox_id).await;
+            self.cfg.faults.fallible("pause:error", sandbox_id).await?;
             // The commit point: from here the pause has happened. QEMU is stopped, so its RAM
             // and the build's overlay no longer change; a crash before it quits is finished by
             // the next start (see `adopt`).
@@ -267,7 +252,7 @@ impl Node {
                 return Err(err(e));
             }
         };
-        fault("pause:committed");
+        self.cfg.faults.point("pause:committed", sandbox_id).await;
         self.remove(sandbox_id);
         if park {
             if let RamSource::Private { mem_base, .. } = &l.state.ram {
@@ -325,6 +310,9 @@ impl Node {
     }
 
     /// Captures a running sandbox into a new build (with its memory when `memory`); it keeps running.
+    ///
+    /// Fault point: `checkpoint:committed` (a fork's or snapshot's build record written, before
+    /// the api's record names it; the source is still stopped).
     pub(super) async fn checkpoint_sandbox(
         &self,
         sandbox_id: &str,
@@ -355,7 +343,7 @@ impl Node {
                 .capture(&l, &build_id, memory, false, frozen, chain)
                 .await?;
             self.builds.put(&rec)?;
-            fault("checkpoint:committed");
+            self.cfg.faults.point("checkpoint:committed", sandbox_id).await;
             self.upload_later(&rec);
             if let RamSource::Private { mem_base, .. } = &l.state.ram {
                 // Later captures of this sandbox compare with the checkpoint.

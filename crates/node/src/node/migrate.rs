@@ -64,16 +64,6 @@ pub(super) struct Incoming {
 /// Sandboxes whose QEMU has handed over and waits for finish or abort, with the time.
 pub(super) type HandedOver = HashMap<String, Instant>;
 
-/// Crash-test hook: `VMON_FAULT=<point>` aborts the node there. Points: `migrate:incoming`
-/// (target, the memory stream has started), `migrate:finish` (source, right after the
-/// control plane switched the placement to the target).
-fn fault(point: &str) {
-    if std::env::var("VMON_FAULT").as_deref() == Ok(point) {
-        tracing::error!(point, "VMON_FAULT: aborting");
-        std::process::abort();
-    }
-}
-
 /// A unix socket path for QEMU under the node's run dir, short enough for `sun_path`.
 fn socket_path(run: &std::path::Path, name: &str) -> PathBuf {
     let p = run.join(name);
@@ -287,7 +277,8 @@ impl Node {
         Ok(())
     }
 
-    /// Target: one channel of a migration.
+    /// Target: one channel of a migration. Fault point (`vmon_faults`): `migrate:incoming`,
+    /// the memory stream has started.
     async fn serve_channel(&self, id: &str, channel: &str, io: ChannelIo) -> anyhow::Result<()> {
         let inc = self.get_incoming(id).context("no such migration")?;
         match channel {
@@ -310,7 +301,7 @@ impl Node {
                         )
                         .await?;
                 }
-                fault("migrate:incoming");
+                self.cfg.faults.point("migrate:incoming", id).await;
                 node_end.set_nonblocking(true)?;
                 let local = tokio::net::UnixStream::from_std(node_end)?;
                 if let Err(e) = relay(io, local).await {
@@ -625,13 +616,14 @@ impl Node {
         }
     }
 
-    /// Source, the target committed: the handed-over QEMU ends.
+    /// Source, the target committed: the handed-over QEMU ends. Fault point (`vmon_faults`):
+    /// `migrate:finish`, right after the control plane switched the placement to the target.
     pub(super) async fn finish_outgoing(
         &self,
         sandbox_id: &str,
         execution_id: &str,
     ) -> Result<(), NodeError> {
-        fault("migrate:finish");
+        self.cfg.faults.point("migrate:finish", sandbox_id).await;
         if let Ok(mut m) = self.handed_over.lock() {
             m.remove(sandbox_id);
         }
