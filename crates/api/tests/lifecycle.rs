@@ -10,24 +10,15 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
 use axum::http::StatusCode;
-use common::harness;
+use common::{harness, limits};
 use vmon_api::records::Records;
-use vmon_api::records::{EventKind, TeamLimits};
-
-fn limits(max_concurrent: u32) -> TeamLimits {
-    TeamLimits {
-        max_concurrent,
-        ..TeamLimits::default()
-    }
-}
+use vmon_api::records::EventKind;
 
 #[tokio::test]
 async fn a_paused_sandbox_forks_from_its_paused_state_and_stays_paused() {
     let h = harness(limits(5)).await;
     let id = h.create(r#"{"templateID":"base"}"#).await;
-    let r = h
-        .req("POST", &format!("/sandboxes/{id}/pause"), Some("{}"))
-        .await;
+    let r = h.pause(&id).await;
     assert_eq!(r.status, StatusCode::NO_CONTENT);
     let paused_build = h
         .records
@@ -76,13 +67,7 @@ async fn a_paused_sandbox_forks_from_its_paused_state_and_stays_paused() {
     }
     assert!(h.node.builds.lock().unwrap().contains_key(&paused_build));
     // And the source still resumes.
-    let r = h
-        .req(
-            "POST",
-            &format!("/v2/sandboxes/{id}/connect"),
-            Some(r#"{"timeout":60}"#),
-        )
-        .await;
+    let r = h.connect(&id, 60).await;
     assert!(r.status.is_success(), "{:?}", r.json);
 }
 
@@ -91,13 +76,9 @@ async fn pause_connect_kill() {
     let h = harness(limits(5)).await;
     let id = h.create(r#"{"templateID":"base","timeout":600}"#).await;
 
-    let p = h
-        .req("POST", &format!("/sandboxes/{id}/pause"), Some("{}"))
-        .await;
+    let p = h.pause(&id).await;
     assert_eq!(p.status, StatusCode::NO_CONTENT);
-    let p = h
-        .req("POST", &format!("/sandboxes/{id}/pause"), Some("{}"))
-        .await;
+    let p = h.pause(&id).await;
     assert_eq!(p.status, StatusCode::CONFLICT);
     let d = h.req("GET", &format!("/sandboxes/{id}"), None).await;
     assert_eq!(d.json["state"], "paused");
@@ -121,16 +102,10 @@ async fn pause_connect_kill() {
         "legacy list is running only"
     );
 
-    let c = h
-        .req(
-            "POST",
-            &format!("/v2/sandboxes/{id}/connect"),
-            Some(r#"{"timeout":60}"#),
-        )
-        .await;
+    let c = h.connect(&id, 60).await;
     assert_eq!(c.status, StatusCode::CREATED, "{:?}", c.json);
     assert_eq!(c.json["sandboxID"], id.as_str());
-    let last = h.node.starts.lock().unwrap().last().cloned().unwrap();
+    let last = h.last_start();
     assert!(!last.cold_boot, "memory pause restores memory");
     let end1 = h
         .control
@@ -142,13 +117,7 @@ async fn pause_connect_kill() {
         .end_at;
 
     // Connect to a running sandbox: 200, extends, never shortens.
-    let c = h
-        .req(
-            "POST",
-            &format!("/v2/sandboxes/{id}/connect"),
-            Some(r#"{"timeout":10}"#),
-        )
-        .await;
+    let c = h.connect(&id, 10).await;
     assert_eq!(c.status, StatusCode::OK);
     let end2 = h
         .control
@@ -213,9 +182,7 @@ async fn pause_connect_kill() {
     assert_eq!(c.status, StatusCode::CREATED);
     assert!(h.node.starts.lock().unwrap().last().unwrap().cold_boot);
 
-    let p = h
-        .req("POST", &format!("/sandboxes/{id}/pause"), Some("{}"))
-        .await;
+    let p = h.pause(&id).await;
     assert_eq!(p.status, StatusCode::NO_CONTENT);
     let c = h
         .req(
@@ -231,9 +198,7 @@ async fn pause_connect_kill() {
     );
 
     // Kill a paused sandbox too.
-    let p = h
-        .req("POST", &format!("/sandboxes/{id}/pause"), Some("{}"))
-        .await;
+    let p = h.pause(&id).await;
     assert_eq!(p.status, StatusCode::NO_CONTENT);
     let k = h.req("DELETE", &format!("/sandboxes/{id}"), None).await;
     assert_eq!(k.status, StatusCode::NO_CONTENT);
@@ -272,8 +237,7 @@ async fn execution_ids_change_on_resume() {
         .unwrap()
         .unwrap()
         .execution_id;
-    h.req("POST", &format!("/sandboxes/{id}/pause"), Some("{}"))
-        .await;
+    h.pause(&id).await;
     h.req("POST", &format!("/v2/sandboxes/{id}/connect"), Some("{}"))
         .await;
     let e2 = h
