@@ -11,7 +11,6 @@ use std::sync::{Arc, Mutex};
 
 use axum::http::StatusCode;
 use common::{harness, limits};
-use vmon_api::records::Records;
 use vmon_api::records::EventKind;
 
 #[tokio::test]
@@ -20,12 +19,7 @@ async fn a_paused_sandbox_forks_from_its_paused_state_and_stays_paused() {
     let id = h.create(r#"{"templateID":"base"}"#).await;
     let r = h.pause(&id).await;
     assert_eq!(r.status, StatusCode::NO_CONTENT);
-    let paused_build = h
-        .records
-        .sandbox(&id)
-        .await
-        .unwrap()
-        .unwrap()
+    let paused_build = h.record(&id).await
         .build
         .build_id;
     let r = h
@@ -57,7 +51,7 @@ async fn a_paused_sandbox_forks_from_its_paused_state_and_stays_paused() {
         let d = h.req("GET", &format!("/sandboxes/{c}"), None).await;
         assert_eq!(d.json["state"], "running");
     }
-    let src = h.records.sandbox(&id).await.unwrap().unwrap();
+    let src = h.record(&id).await;
     assert_eq!(src.state, vmon_api::records::SandboxState::Paused);
     assert_eq!(src.build.build_id, paused_build);
     // Killing the children never deletes the paused source's state.
@@ -83,13 +77,7 @@ async fn pause_connect_kill() {
     let d = h.req("GET", &format!("/sandboxes/{id}"), None).await;
     assert_eq!(d.json["state"], "paused");
     assert_eq!(d.json["pauseMode"], "full");
-    assert!(h
-        .control
-        .records()
-        .sandbox(&id)
-        .await
-        .unwrap()
-        .unwrap()
+    assert!(h.record(&id).await
         .guest_ip
         .is_none());
 
@@ -107,25 +95,13 @@ async fn pause_connect_kill() {
     assert_eq!(c.json["sandboxID"], id.as_str());
     let last = h.last_start();
     assert!(!last.cold_boot, "memory pause restores memory");
-    let end1 = h
-        .control
-        .records()
-        .sandbox(&id)
-        .await
-        .unwrap()
-        .unwrap()
+    let end1 = h.record(&id).await
         .end_at;
 
     // Connect to a running sandbox: 200, extends, never shortens.
     let c = h.connect(&id, 10).await;
     assert_eq!(c.status, StatusCode::OK);
-    let end2 = h
-        .control
-        .records()
-        .sandbox(&id)
-        .await
-        .unwrap()
-        .unwrap()
+    let end2 = h.record(&id).await
         .end_at;
     assert_eq!(end1, end2);
     let c = h
@@ -136,13 +112,7 @@ async fn pause_connect_kill() {
         )
         .await;
     assert_eq!(c.status, StatusCode::OK);
-    let end3 = h
-        .control
-        .records()
-        .sandbox(&id)
-        .await
-        .unwrap()
-        .unwrap()
+    let end3 = h.record(&id).await
         .end_at;
     assert!(end3 > end2);
 
@@ -155,13 +125,7 @@ async fn pause_connect_kill() {
         )
         .await;
     assert_eq!(t.status, StatusCode::NO_CONTENT);
-    let end4 = h
-        .control
-        .records()
-        .sandbox(&id)
-        .await
-        .unwrap()
-        .unwrap()
+    let end4 = h.record(&id).await
         .end_at;
     assert!(end4 < end3);
 
@@ -229,24 +193,12 @@ async fn pause_connect_kill() {
 async fn execution_ids_change_on_resume() {
     let h = harness(limits(5)).await;
     let id = h.create(r#"{"templateID":"base"}"#).await;
-    let e1 = h
-        .control
-        .records()
-        .sandbox(&id)
-        .await
-        .unwrap()
-        .unwrap()
+    let e1 = h.record(&id).await
         .execution_id;
     h.pause(&id).await;
     h.req("POST", &format!("/v2/sandboxes/{id}/connect"), Some("{}"))
         .await;
-    let e2 = h
-        .control
-        .records()
-        .sandbox(&id)
-        .await
-        .unwrap()
-        .unwrap()
+    let e2 = h.record(&id).await
         .execution_id;
     assert_ne!(e1, e2);
 }

@@ -13,7 +13,7 @@ use axum::http::{Request, StatusCode};
 use http_body_util::BodyExt;
 use tower::ServiceExt;
 use vmon_api::records::{
-    Event, EventKind, EventQuery, Records, StoreRecords, TeamLimits, TemplateKind, TemplateRecord,
+    Event, EventKind, EventQuery, Records, SandboxRecord, StoreRecords, TeamLimits, TemplateKind, TemplateRecord,
 };
 use vmon_api::{admin, Config, Control};
 use vmon_proto::node::{
@@ -618,6 +618,15 @@ impl Harness {
         let body = format!(r#"{{"timeout":{timeout}}}"#);
         self.req("POST", &format!("/v2/sandboxes/{id}/connect"), Some(&body))
             .await
+    }
+
+    /// The sandbox's record as the store holds it.
+    pub async fn record(&self, id: &str) -> SandboxRecord {
+        self.records
+            .sandbox(id)
+            .await
+            .unwrap()
+            .unwrap_or_else(|| panic!("no record of {id}"))
     }
 
     /// The last start the node was asked for.
