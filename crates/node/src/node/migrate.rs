@@ -154,19 +154,11 @@ impl Node {
 
     /// Target: a QEMU for `spec`'s sandbox, waiting for its memory and disk.
     pub(super) async fn prepare_incoming(&self, spec: MigrateIn) -> Result<String, NodeError> {
-        if !valid_id(&spec.sandbox_id) || !valid_id(&spec.execution_id) || !valid_id(&spec.basis) {
+        if !valid_id(&spec.basis) {
             return Err(NodeError::InvalidArgument("bad migration ids".into()));
         }
-        self.slots
-            .vet(&spec.network)
-            .await
-            .map_err(NodeError::InvalidArgument)?;
-        if self.live(&spec.sandbox_id).is_ok() {
-            return Err(NodeError::InvalidArgument(format!(
-                "sandbox {} already runs on this node",
-                spec.sandbox_id
-            )));
-        }
+        self.vet_arrival(&spec.sandbox_id, &spec.execution_id, &spec.network)
+            .await?;
         crate::config::check_free(&self.cfg.data_dir, self.cfg.min_free_mb)?;
         self.ensure_local(&spec.basis).await?;
         let rec = self.record(&spec.basis)?;
