@@ -116,6 +116,44 @@ pub struct Proxy {
     faults: Faults,
 }
 
+/// A sandbox that does not allow public traffic takes requests to its own ports (not envd's)
+/// only with its traffic access token.
+fn check_traffic_token(
+    req: &Request<Incoming>,
+    route: &SandboxRoute,
+    target: &Target,
+) -> Result<(), Response<ProxyBody>> {
+    let Some(token) = route.traffic_access_token.as_ref() else {
+        return Ok(());
+    };
+    if target.port == ENVD_PORT {
+        return Ok(());
+    }
+    let sent = req
+        .headers()
+        .get(TRAFFIC_TOKEN_HEADER)
+        .and_then(|v| v.to_str().ok());
+    if sent.is_some_and(|s| constant_time_eq(s.as_bytes(), token.as_bytes())) {
+        return Ok(());
+    }
+    Err(error(
+        StatusCode::FORBIDDEN,
+        "the sandbox does not allow public traffic: send its traffic access token in e2b-traffic-access-token",
+        Some(target),
+    ))
+}
+
+/// A request forwarded to the proxy of the sandbox's node: that host routes it by these
+/// headers whatever the Host says, and forwards it no further.
+fn mark_forwarded<B>(req: &mut Request<B>, target: &Target) {
+    let h = req.headers_mut();
+    h.insert(FORWARDED_HEADER, HeaderValue::from_static("1"));
+    if let Ok(v) = HeaderValue::from_str(&target.sandbox_id) {
+        h.insert(target::SANDBOX_ID_HEADER, v);
+    }
+    h.insert(target::SANDBOX_PORT_HEADER, HeaderValue::from(target.port));
+}
+
 impl Proxy {
     pub fn new(routes: Arc<dyn Routes>) -> Self {
         let mut connector = HttpConnector::new();
@@ -217,60 +255,22 @@ impl Proxy {
     /// Answer one request: route it, resume if needed, forward it.
     pub async fn handle(&self, req: Request<Incoming>) -> Response<ProxyBody> {
         let started = std::time::Instant::now();
-        let host = req
-            .headers()
-            .get(header::HOST)
-            .and_then(|h| h.to_str().ok())
-            .map(str::to_string)
-            .or_else(|| req.uri().authority().map(|a| a.to_string()));
         let client = req
             .extensions()
             .get::<listen::ClientAddr>()
             .map(|c| c.0.ip());
-        let target = match target::resolve(host.as_deref(), req.headers()) {
+        let target = match self.target_of(&req, client).await {
             Ok(t) => t,
-            Err(target::TargetError::Missing) => {
-                match self.signed_files_target(&req, client).await {
-                    Ok(Some(t)) => t,
-                    Ok(None) => {
-                        return error(
-                            StatusCode::BAD_REQUEST,
-                            &target::TargetError::Missing.to_string(),
-                            None,
-                        )
-                    }
-                    Err(resp) => return resp,
-                }
-            }
-            Err(e) => return error(StatusCode::BAD_REQUEST, &e.to_string(), None),
+            Err(resp) => return resp,
         };
-        if target.port == ENVD_PORT && is_init_path(req.uri().path()) {
-            return error(
-                StatusCode::FORBIDDEN,
-                "envd's /init is not reachable through the proxy",
-                Some(&target),
-            );
-        }
         let id = target.sandbox_id.as_str();
         // Read before the lookup: a pause that starts after it makes the route stale.
         let generation = self.activity.generation(id);
         let Some(route) = self.routes.lookup(id).await else {
             return not_found(&target);
         };
-        if target.port != ENVD_PORT {
-            if let Some(token) = &route.traffic_access_token {
-                let sent = req
-                    .headers()
-                    .get(TRAFFIC_TOKEN_HEADER)
-                    .and_then(|v| v.to_str().ok());
-                if !sent.is_some_and(|s| constant_time_eq(s.as_bytes(), token.as_bytes())) {
-                    return error(
-                        StatusCode::FORBIDDEN,
-                        "the sandbox does not allow public traffic: send its traffic access token in e2b-traffic-access-token",
-                        Some(&target),
-                    );
-                }
-            }
+        if let Err(resp) = check_traffic_token(&req, &route, &target) {
+            return resp;
         }
         // Counted from here until the response ends: resumes and waits for the guest included.
         let slot = match self.slots.take(&self.limits, id, client) {
@@ -294,14 +294,8 @@ impl Proxy {
                     Some(&target),
                 )
             }
-            // The node's host routes it by these headers whatever the Host says.
             Some(ingress) => {
-                let h = req.headers_mut();
-                h.insert(FORWARDED_HEADER, HeaderValue::from_static("1"));
-                if let Ok(v) = HeaderValue::from_str(id) {
-                    h.insert(target::SANDBOX_ID_HEADER, v);
-                }
-                h.insert(target::SANDBOX_PORT_HEADER, HeaderValue::from(target.port));
+                mark_forwarded(&mut req, &target);
                 ingress
             }
             None => SocketAddr::new(guest_ip, target.port),
@@ -328,6 +322,45 @@ impl Proxy {
             };
             self.forward(req, upstream, guest_ip, &target, held).await
         }
+    }
+
+    /// Where a request goes: its Host (or the sandbox headers), else a signed files URL's
+    /// sandbox; never envd's `/init`.
+    async fn target_of(
+        &self,
+        req: &Request<Incoming>,
+        client: Option<std::net::IpAddr>,
+    ) -> Result<Target, Response<ProxyBody>> {
+        let host = req
+            .headers()
+            .get(header::HOST)
+            .and_then(|h| h.to_str().ok())
+            .map(str::to_string)
+            .or_else(|| req.uri().authority().map(|a| a.to_string()));
+        let target = match target::resolve(host.as_deref(), req.headers()) {
+            Ok(t) => t,
+            Err(target::TargetError::Missing) => {
+                match self.signed_files_target(req, client).await? {
+                    Some(t) => t,
+                    None => {
+                        return Err(error(
+                            StatusCode::BAD_REQUEST,
+                            &target::TargetError::Missing.to_string(),
+                            None,
+                        ))
+                    }
+                }
+            }
+            Err(e) => return Err(error(StatusCode::BAD_REQUEST, &e.to_string(), None)),
+        };
+        if target.port == ENVD_PORT && is_init_path(req.uri().path()) {
+            return Err(error(
+                StatusCode::FORBIDDEN,
+                "envd's /init is not reachable through the proxy",
+                Some(&target),
+            ));
+        }
+        Ok(target)
     }
 
     /// The guest's address and route once the sandbox runs (resumed for this request when it
