@@ -4,6 +4,7 @@
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
+use std::time::Duration;
 
 use http::{header, Request, Response, StatusCode};
 use hyper::body::Incoming;

@@ -318,29 +318,7 @@ impl Node {
         let _guard = self.artifacts_guard.read().await;
         let spec = &inc.spec;
         let run_dir = self.sandbox_root(&spec.sandbox_id).join(&spec.execution_id);
-        let r = async {
-            super::migrate_check::incoming_completed(&p.vm).await?;
-            for (cmd, args) in [
-                ("block-export-del", json!({"id": "mig", "mode": "hard"})),
-                ("nbd-server-stop", Value::Null),
-            ] {
-                if let Err(e) =
-                    p.vm.qmp
-                        .execute_raw(cmd, args, Duration::from_secs(10))
-                        .await
-                {
-                    tracing::warn!(migration = %id, "{cmd}: {e}");
-                }
-            }
-            p.vm.qmp.cont().await?;
-            let st = p.vm.qmp.query_status().await?;
-            if !st.running {
-                bail!("the received guest is {} after cont", st.status);
-            }
-            anyhow::Ok(())
-        }
-        .await;
-        if let Err(e) = r {
+        if let Err(e) = run_received(id, &p.vm).await {
             self.discard_prepared(p).await;
             let _ = std::fs::remove_file(&inc.nbd_socket);
             return Err(err(e));
@@ -665,6 +643,26 @@ impl Channels for Node {
             tracing::warn!(migration = %migration_id, channel = %channel, "migration channel: {e:#}");
         }
     }
+}
+
+/// Target: the received guest, its memory and disk complete, runs: the disk's export to the
+/// source ends and the guest continues.
+async fn run_received(id: &str, vm: &vmon_vm::Vm) -> anyhow::Result<()> {
+    super::migrate_check::incoming_completed(vm).await?;
+    for (cmd, args) in [
+        ("block-export-del", json!({"id": "mig", "mode": "hard"})),
+        ("nbd-server-stop", Value::Null),
+    ] {
+        if let Err(e) = vm.qmp.execute_raw(cmd, args, Duration::from_secs(10)).await {
+            tracing::warn!(migration = %id, "{cmd}: {e}");
+        }
+    }
+    vm.qmp.cont().await?;
+    let st = vm.qmp.query_status().await?;
+    if !st.running {
+        bail!("the received guest is {} after cont", st.status);
+    }
+    Ok(())
 }
 
 #[cfg(test)]
