@@ -189,12 +189,25 @@ impl Node {
         Ok(kept)
     }
 
-    /// Stops the guest for a capture (its page cache synced first when its memory is not
-    /// kept), then writes its object-store volumes back whole; when that fails the guest
-    /// runs on and the capture fails.
-    async fn stop_for_capture(&self, l: &Live, memory: bool, why: &str) -> Result<(), NodeError> {
+    /// The start of a capture (`why`: a pause or a snapshot): room on the data dir's disk,
+    /// the execution taken and the artifacts guard held, whether its memory can be kept (a
+    /// guest with volumes keeps part of its state in virtiofsd, one with GPUs in its devices:
+    /// disk only), the guest stopped (its page cache synced first when only its disk is kept),
+    /// then its object-store volumes written back whole; when that fails the guest runs on and
+    /// the capture fails.
+    async fn stop_for_capture(
+        &self,
+        sandbox_id: &str,
+        execution_id: &str,
+        memory: bool,
+        why: &str,
+    ) -> Result<Stopped<'_>, NodeError> {
+        crate::config::check_free(&self.cfg.data_dir, self.cfg.min_free_mb)?;
+        let l = self.live_execution(sandbox_id, execution_id).await?;
+        let guard = self.artifacts_guard.read().await;
+        let memory = memory && l.state.volumes.is_empty() && l.state.gpu_groups.is_empty();
         if !memory {
-            Self::sync_guest(l, why).await;
+            Self::sync_guest(&l, why).await;
         }
         let vm =
             l.vm.as_ref()
@@ -204,7 +217,11 @@ impl Node {
             let _ = vm.qmp.cont().await;
             return Err(e);
         }
-        Ok(())
+        Ok(Stopped {
+            live: l,
+            _guard: guard,
+            memory,
+        })
     }
 
     /// Pauses a sandbox into a new build (with its memory when `memory`), parking its QEMU when it may.
@@ -219,14 +236,14 @@ impl Node {
         execution_id: &str,
         memory: bool,
     ) -> Result<BuildInfo, NodeError> {
-        crate::config::check_free(&self.cfg.data_dir, self.cfg.min_free_mb)?;
-        let mut l = self.live_execution(sandbox_id, execution_id).await?;
-        let _guard = self.artifacts_guard.read().await;
+        let Stopped {
+            live: mut l,
+            _guard,
+            memory,
+        } = self
+            .stop_for_capture(sandbox_id, execution_id, memory, "pause")
+            .await?;
         let build_id = new_id("p");
-        // A guest with volumes mounted keeps part of its state in virtiofsd, one with GPUs in
-        // its devices: disk only.
-        let memory = memory && l.state.volumes.is_empty() && l.state.gpu_groups.is_empty();
-        self.stop_for_capture(&l, memory, "pause").await?;
         // Park: keep the stopped QEMU for a fast resume. Its disk moves to a fresh overlay first
         // so the build's stays frozen whatever happens to the kept process.
         let park =
@@ -349,13 +366,15 @@ impl Node {
         execution_id: &str,
         memory: bool,
     ) -> Result<BuildInfo, NodeError> {
-        crate::config::check_free(&self.cfg.data_dir, self.cfg.min_free_mb)?;
-        let mut l = self.live_execution(sandbox_id, execution_id).await?;
-        let _guard = self.artifacts_guard.read().await;
-        let build_id = new_id("c");
-        let memory = memory && l.state.volumes.is_empty() && l.state.gpu_groups.is_empty();
         // A snapshot's or fork's object-store volumes go back as they are now.
-        self.stop_for_capture(&l, memory, "snapshot").await?;
+        let Stopped {
+            live: mut l,
+            _guard,
+            memory,
+        } = self
+            .stop_for_capture(sandbox_id, execution_id, memory, "snapshot")
+            .await?;
+        let build_id = new_id("c");
         let result = async {
             let (frozen, chain) = self.switch_disk(&mut l).await?;
             l.state.save(&l.dir)?;
@@ -392,6 +411,14 @@ impl Node {
         }
         Ok(Self::info(&rec))
     }
+}
+
+/// A sandbox stopped for a capture: its execution, the artifacts guard, whether its memory
+/// is kept.
+struct Stopped<'a> {
+    live: tokio::sync::OwnedMutexGuard<Live>,
+    _guard: tokio::sync::RwLockReadGuard<'a, ()>,
+    memory: bool,
 }
 
 /// Later memory captures of the sandbox are layers over `rec` (its layers, it as their basis),
