@@ -229,11 +229,7 @@ fn node_killed_mid_pause_leaves_a_running_or_a_paused_sandbox() {
     runtime().block_on(async {
         let node = open(&dir, false).await;
         assert!(
-            node.list_running()
-                .await
-                .expect("list_running")
-                .iter()
-                .all(|s| s.sandbox_id != id),
+            !common::runs(&node, &id).await,
             "a committed pause is finished, not re-adopted"
         );
         let builds = vmon_node::builds::Builds::open(&dir).expect("builds");
