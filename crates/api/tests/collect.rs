@@ -88,9 +88,7 @@ async fn a_restart_collects_unnamed_builds_and_keeps_named_ones() {
         .req("POST", &format!("/sandboxes/{paused}/pause"), Some("{}"))
         .await;
     assert_eq!(r.status, StatusCode::NO_CONTENT, "{:?}", r.json);
-    let pause_build = h.record(&paused).await
-        .build
-        .build_id;
+    let pause_build = h.record(&paused).await.build.build_id;
     let f = h
         .req(
             "POST",

@@ -19,9 +19,7 @@ async fn a_paused_sandbox_forks_from_its_paused_state_and_stays_paused() {
     let id = h.create(r#"{"templateID":"base"}"#).await;
     let r = h.pause(&id).await;
     assert_eq!(r.status, StatusCode::NO_CONTENT);
-    let paused_build = h.record(&id).await
-        .build
-        .build_id;
+    let paused_build = h.record(&id).await.build.build_id;
     let r = h
         .req(
             "POST",
@@ -77,9 +75,7 @@ async fn pause_connect_kill() {
     let d = h.req("GET", &format!("/sandboxes/{id}"), None).await;
     assert_eq!(d.json["state"], "paused");
     assert_eq!(d.json["pauseMode"], "full");
-    assert!(h.record(&id).await
-        .guest_ip
-        .is_none());
+    assert!(h.record(&id).await.guest_ip.is_none());
 
     let l = h.req("GET", "/v2/sandboxes?state=paused", None).await;
     assert_eq!(l.json.as_array().unwrap().len(), 1);
@@ -95,14 +91,12 @@ async fn pause_connect_kill() {
     assert_eq!(c.json["sandboxID"], id.as_str());
     let last = h.last_start();
     assert!(!last.cold_boot, "memory pause restores memory");
-    let end1 = h.record(&id).await
-        .end_at;
+    let end1 = h.record(&id).await.end_at;
 
     // Connect to a running sandbox: 200, extends, never shortens.
     let c = h.connect(&id, 10).await;
     assert_eq!(c.status, StatusCode::OK);
-    let end2 = h.record(&id).await
-        .end_at;
+    let end2 = h.record(&id).await.end_at;
     assert_eq!(end1, end2);
     let c = h
         .req(
@@ -112,8 +106,7 @@ async fn pause_connect_kill() {
         )
         .await;
     assert_eq!(c.status, StatusCode::OK);
-    let end3 = h.record(&id).await
-        .end_at;
+    let end3 = h.record(&id).await.end_at;
     assert!(end3 > end2);
 
     // set_timeout may shorten.
@@ -125,8 +118,7 @@ async fn pause_connect_kill() {
         )
         .await;
     assert_eq!(t.status, StatusCode::NO_CONTENT);
-    let end4 = h.record(&id).await
-        .end_at;
+    let end4 = h.record(&id).await.end_at;
     assert!(end4 < end3);
 
     // Filesystem pause, then reboot resume.
@@ -193,13 +185,11 @@ async fn pause_connect_kill() {
 async fn execution_ids_change_on_resume() {
     let h = harness(limits(5)).await;
     let id = h.create(r#"{"templateID":"base"}"#).await;
-    let e1 = h.record(&id).await
-        .execution_id;
+    let e1 = h.record(&id).await.execution_id;
     h.pause(&id).await;
     h.req("POST", &format!("/v2/sandboxes/{id}/connect"), Some("{}"))
         .await;
-    let e2 = h.record(&id).await
-        .execution_id;
+    let e2 = h.record(&id).await.execution_id;
     assert_ne!(e1, e2);
 }
 

@@ -517,7 +517,6 @@ fn available_mb() -> Option<u64> {
         .map(|kb| kb / 1024)
 }
 
-
 /// One process for pool `key`, made in its turn after the claims' settling time and the
 /// restores in flight, and put in the pool; false when the refill should stop.
 async fn refill_one<F: Filler>(node: &F, key: &str) -> bool {

@@ -6,7 +6,8 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
-use http::{header, Request, Response, StatusCode};
+use http::{Request, Response, StatusCode};
+use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 
@@ -14,9 +15,7 @@ use crate::activity::{InFlight, Stamp, Stamped, StampedIo};
 use crate::headers::{envd_keepalive_within, keep_host, strip_hop_by_hop, upstream_uri};
 use crate::limits::{Beat, Slot};
 use crate::watched::Watched;
-use crate::{
-    error, pool, port_not_open, BoxError, Proxy, ProxyBody, Target, ENVD_PORT, WATCH_EVERY,
-};
+use crate::{error, port_not_open, BoxError, Proxy, ProxyBody, Target, ENVD_PORT, WATCH_EVERY};
 
 /// What a request holds while it is forwarded: its count in flight (until the guest's
 /// headers), its sandbox's activity stamp, its slot (until its response ends) and the beat of
@@ -31,7 +30,7 @@ pub(crate) struct Held {
 }
 
 /// Where a request goes: over a kept connection of a sandbox run (its pooled authority,
-/// [`pool::authority`]), or over a connection of its own to an address.
+/// [`crate::pool::authority`]), or over a connection of its own to an address.
 pub(crate) enum Upstream {
     Kept(String),
     Fresh(SocketAddr),

@@ -19,7 +19,7 @@ use http::{header, HeaderValue, Request, Response, StatusCode};
 use http_body_util::{combinators::BoxBody, BodyExt, Full};
 use hyper::body::Incoming;
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::TokioExecutor;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use vmon_faults::Faults;
@@ -36,13 +36,12 @@ pub mod tls;
 mod watched;
 
 pub use activity::Activity;
-use activity::{InFlight, Stamp, Stamped, StampedIo};
-use headers::{envd_keepalive_within, is_upgrade, keep_host, strip_hop_by_hop, upstream_uri};
-pub use limits::GuestLimits;
-use limits::{Beat, Slot};
-pub use target::Target;
+use activity::{InFlight, Stamp, Stamped};
 use forward::{Held, Upstream};
-use watched::Watched;
+use headers::is_upgrade;
+use limits::Beat;
+pub use limits::GuestLimits;
+pub use target::Target;
 
 /// The port envd listens on inside every guest.
 pub const ENVD_PORT: u16 = 49983;
@@ -119,26 +118,24 @@ pub struct Proxy {
 }
 
 /// A sandbox that does not allow public traffic takes requests to its own ports (not envd's)
-/// only with its traffic access token.
-fn check_traffic_token(
+/// only with its traffic access token: the refusal of one without it.
+fn traffic_token_refusal(
     req: &Request<Incoming>,
     route: &SandboxRoute,
     target: &Target,
-) -> Result<(), Response<ProxyBody>> {
-    let Some(token) = route.traffic_access_token.as_ref() else {
-        return Ok(());
-    };
+) -> Option<Response<ProxyBody>> {
+    let token = route.traffic_access_token.as_ref()?;
     if target.port == ENVD_PORT {
-        return Ok(());
+        return None;
     }
     let sent = req
         .headers()
         .get(TRAFFIC_TOKEN_HEADER)
         .and_then(|v| v.to_str().ok());
     if sent.is_some_and(|s| constant_time_eq(s.as_bytes(), token.as_bytes())) {
-        return Ok(());
+        return None;
     }
-    Err(error(
+    Some(error(
         StatusCode::FORBIDDEN,
         "the sandbox does not allow public traffic: send its traffic access token in e2b-traffic-access-token",
         Some(target),
@@ -271,8 +268,8 @@ impl Proxy {
         let Some(route) = self.routes.lookup(id).await else {
             return not_found(&target);
         };
-        if let Err(resp) = check_traffic_token(&req, &route, &target) {
-            return resp;
+        if let Some(refused) = traffic_token_refusal(&req, &route, &target) {
+            return refused;
         }
         // Counted from here until the response ends: resumes and waits for the guest included.
         let slot = match self.slots.take(&self.limits, id, client) {

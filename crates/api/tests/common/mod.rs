@@ -13,7 +13,8 @@ use axum::http::{Request, StatusCode};
 use http_body_util::BodyExt;
 use tower::ServiceExt;
 use vmon_api::records::{
-    Event, EventKind, EventQuery, Records, SandboxRecord, StoreRecords, TeamLimits, TemplateKind, TemplateRecord,
+    Event, EventKind, EventQuery, Records, SandboxRecord, StoreRecords, TeamLimits, TemplateKind,
+    TemplateRecord,
 };
 use vmon_api::{admin, Config, Control};
 use vmon_proto::node::{

@@ -9,8 +9,8 @@ use vmon_proto::cluster::{BuildOrigin, Migrated, NodeInfo, DRAIN_PREFIX};
 use vmon_proto::node::{MigrateOut, NodeCalls, NodeError};
 
 use super::ClusterNodes;
-use vmon_nodeclient::RemoteNode;
 use crate::placement::HEADROOM_MB;
+use vmon_nodeclient::RemoteNode;
 
 /// The whole copy of one migration ends in failure after this long.
 const COPY_TIMEOUT_SECS: u64 = 600;

@@ -194,9 +194,7 @@ fn copy_action(n: usize, step: &Step, state: &StepState) -> ControlResult<Action
         None => format!("{0}:{0}", state.user),
     };
     let mode = match step.args.get(3).filter(|m| !m.is_empty()) {
-        Some(m) if m.len() <= 4 && m.bytes().all(|b| (b'0'..=b'7').contains(&b)) => {
-            Some(m.clone())
-        }
+        Some(m) if m.len() <= 4 && m.bytes().all(|b| (b'0'..=b'7').contains(&b)) => Some(m.clone()),
         Some(m) => return Err(bad(n, format!("{m:?} is not an octal mode"))),
         None => None,
     };
@@ -211,7 +209,7 @@ fn copy_action(n: usize, step: &Step, state: &StepState) -> ControlResult<Action
 
 /// ENV name value [name value …]: variables of later steps and of the template's sandboxes.
 fn env_action(n: usize, step: &Step, state: &mut StepState) -> ControlResult<Action> {
-    if step.args.len() % 2 != 0 {
+    if !step.args.len().is_multiple_of(2) {
         return Err(bad(n, "ENV takes name, value pairs"));
     }
     for kv in step.args.chunks(2) {

@@ -130,7 +130,11 @@ impl Process {
             tag = process.tag.as_deref().unwrap_or(""),
             "process started"
         );
-        tokio::spawn(process.clone().supervise(child, out_rx, readers, spec.timeout, table));
+        tokio::spawn(
+            process
+                .clone()
+                .supervise(child, out_rx, readers, spec.timeout, table),
+        );
         Ok(process)
     }
 

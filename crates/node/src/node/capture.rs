@@ -261,10 +261,7 @@ impl Node {
                 return Err(err(e));
             }
         };
-        self.cfg
-            .faults
-            .point("pause:committed", sandbox_id)
-            .await;
+        self.cfg.faults.point("pause:committed", sandbox_id).await;
         self.remove(sandbox_id);
         if park && self.park(&mut l, &rec) {
             drop(l);
@@ -382,7 +379,10 @@ impl Node {
                 .capture(&l, &build_id, memory, false, frozen, chain)
                 .await?;
             self.builds.put(&rec)?;
-            self.cfg.faults.point("checkpoint:committed", sandbox_id).await;
+            self.cfg
+                .faults
+                .point("checkpoint:committed", sandbox_id)
+                .await;
             self.upload_later(&rec);
             if layer_later_captures_over(&mut l.state, &rec) {
                 l.state.save(&l.dir)?;

@@ -225,12 +225,3 @@ pub async fn runs(node: &Node, id: &str) -> bool {
         .iter()
         .any(|s| s.sandbox_id == id)
 }
-
-/// Whether sandbox `id` is in the node's list of running sandboxes.
-pub async fn runs(node: &Node, id: &str) -> bool {
-    node.list_running()
-        .await
-        .expect("list_running")
-        .iter()
-        .any(|s| s.sandbox_id == id)
-}

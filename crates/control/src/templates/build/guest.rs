@@ -249,9 +249,7 @@ impl Finalizing<'_> {
             "{{ setsid -f bash -l -c {q} || bash -l -c {q} & }} >/tmp/vmon-start.log 2>&1 </dev/null",
             q = steps::quote(cmd)
         );
-        let out = self
-            .exec(detached, "starting the start command")
-            .await?;
+        let out = self.exec(detached, "starting the start command").await?;
         if out.exit_code != 0 {
             return Err(fail(
                 "finalize",
