@@ -377,8 +377,8 @@ class Chaos:
     # --- the run -------------------------------------------------------------------------
 
     def fault_round(self, point: str, want: str, op: str = "pause") -> None:
-        """A crash at a named point (`VMON_FAULT`) of a pause, fork or snapshot, then a
-        restart: the sandbox must be `want` and hold its token, and (as after every restart)
+        """A crash at a named fault point (`crates/faults`, armed `abort`) of a pause, fork or
+        snapshot, then a restart: the sandbox must be `want` and hold its token, and (as after every restart)
         no build may be left that no record names: a fork's or snapshot's checkpoint build
         made before the crash is collected by the restart."""
         from e2b import Sandbox
@@ -388,7 +388,11 @@ class Chaos:
         sbx.files.write("/home/user/mark", token)
         self.known[sbx.sandbox_id] = Known({RUNNING, PAUSED} if op == "pause" else {RUNNING}, token)
         self.server.stop()
-        self.server.env["VMON_FAULT"] = point
+        faults = self.server.data / "faults"
+        shutil.rmtree(faults, ignore_errors=True)
+        faults.mkdir()
+        (faults / point).write_text("abort\n")
+        self.server.env["VMON_FAULT_DIR"] = str(faults)
         self.start()
         try:
             if op == "pause":
@@ -404,7 +408,8 @@ class Chaos:
         assert self.server.proc is not None
         self.server.proc.wait(timeout=120)
         self.server.proc = None
-        del self.server.env["VMON_FAULT"]
+        del self.server.env["VMON_FAULT_DIR"]
+        shutil.rmtree(faults, ignore_errors=True)
         self.start()
         now = self.listed().get(sbx.sandbox_id, GONE)
         if now != want:

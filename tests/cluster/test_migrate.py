@@ -7,6 +7,7 @@ after the switch leaves the sandbox running on the target."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import urllib.error
 import urllib.request
@@ -236,12 +237,17 @@ def test_drain_moves_running_and_paused_sandboxes_and_kills_none(cluster):
 
 
 def _restart_node(cluster, i: int, fault: str | None) -> None:
-    """kill -9 of node i (its VMs live on) and a start, with `VMON_FAULT=fault` when given."""
+    """kill -9 of node i (its VMs live on) and a start; with `fault`, the node aborts at that
+    fault point (`crates/faults`: armed `abort` in a `VMON_FAULT_DIR` of its own)."""
     if cluster.node_alive(i):
         cluster.kill_process(f"node{i}")
     env = dict(cluster.env)
     if fault:
-        env["VMON_FAULT"] = fault
+        faults = DIR / f"faults-node{i}"
+        shutil.rmtree(faults, ignore_errors=True)
+        faults.mkdir(parents=True)
+        (faults / fault).write_text("abort\n")
+        env["VMON_FAULT_DIR"] = str(faults)
     subprocess.run([str(SCRIPT), "start", f"node{i}"], env=env, check=True, timeout=600)
     wait_for(lambda: cluster.node_alive(i), 120, 1, f"node{i} to come back")
     wait_for(

@@ -1,7 +1,7 @@
 """Races a single node has: an HTTP request or an SDK call that arrives while the timeout's
 auto-pause is in flight. E2B's own `test_auto_resume_wakes_on_http_request` got a 502 on a
 loaded machine: its request met the auto-pause. Ordered by the api's fault points
-(`VMON_FAULT_DIR`, `crates/proxy/src/faults.rs`), not by timing: the auto-pause is held after
+(`VMON_FAULT_DIR`, `crates/faults`), not by timing: the auto-pause is held after
 the node paused the guest and before the record says so (`pause:commit`); the racing request
 or call goes out and the test waits until the proxy (`proxy:await-pause`) or the sandbox's lock
 (`lock:busy`) shows it waiting on the pause; then the pause is let go. The same races with

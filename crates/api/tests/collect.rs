@@ -88,14 +88,7 @@ async fn a_restart_collects_unnamed_builds_and_keeps_named_ones() {
         .req("POST", &format!("/sandboxes/{paused}/pause"), Some("{}"))
         .await;
     assert_eq!(r.status, StatusCode::NO_CONTENT, "{:?}", r.json);
-    let pause_build = h
-        .records
-        .sandbox(&paused)
-        .await
-        .unwrap()
-        .unwrap()
-        .build
-        .build_id;
+    let pause_build = h.record(&paused).await.build.build_id;
     let f = h
         .req(
             "POST",
@@ -122,7 +115,7 @@ async fn a_restart_collects_unnamed_builds_and_keeps_named_ones() {
         .await;
     assert_eq!(s.status, StatusCode::CREATED, "{:?}", s.json);
     let (_, kept_snapshot) = snapshot_builds(&h, "kept").await;
-    let rec = h.records.sandbox(&running).await.unwrap().unwrap();
+    let rec = h.record(&running).await;
     let layer = h
         .node
         .checkpoint(&running, &rec.execution_id, true)
@@ -189,7 +182,7 @@ async fn a_restart_collects_unnamed_builds_and_keeps_named_ones() {
         assert!(has(&h, b), "{what} ({b}) was collected");
     }
     // The paused sandbox is still paused on its build, and everything still runs.
-    let rec = h.records.sandbox(&paused).await.unwrap().unwrap();
+    let rec = h.record(&paused).await;
     assert_eq!(rec.build.build_id, pause_build);
     assert_eq!(h.node.running_count(), 2, "the source and the fork child");
     drop(control);
@@ -199,7 +192,7 @@ async fn a_restart_collects_unnamed_builds_and_keeps_named_ones() {
 async fn the_leaders_pass_collects_only_builds_older_than_its_grace() {
     let h = harness(limits()).await;
     let running = h.create(r#"{"templateID":"base"}"#).await;
-    let rec = h.records.sandbox(&running).await.unwrap().unwrap();
+    let rec = h.record(&running).await;
     let old = h
         .node
         .checkpoint(&running, &rec.execution_id, true)

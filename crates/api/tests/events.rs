@@ -425,8 +425,7 @@ async fn events_page_and_filter() {
     let h = harness(limits()).await;
     let a = h.create(r#"{"templateID":"base"}"#).await;
     let b = h.create(r#"{"templateID":"base"}"#).await;
-    h.req("POST", &format!("/sandboxes/{a}/pause"), Some("{}"))
-        .await;
+    h.pause(&a).await;
     h.req("DELETE", &format!("/sandboxes/{b}"), None).await;
     // Team-wide: created a, created b, paused a, killed b.
 
@@ -780,8 +779,7 @@ async fn network_updates_reach_the_node_and_emit_updated() {
     assert_eq!(r.status, StatusCode::NO_CONTENT);
     let (_, policy) = h.node.networks.lock().unwrap().last().cloned().unwrap();
     assert!(policy.allow_out.is_empty() && policy.allow_internet_access);
-    h.req("POST", &format!("/sandboxes/{id}/pause"), Some("{}"))
-        .await;
+    h.pause(&id).await;
     let r = h
         .req("PUT", &format!("/sandboxes/{id}/network"), Some("{}"))
         .await;

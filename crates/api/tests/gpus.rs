@@ -11,14 +11,8 @@
 mod common;
 
 use axum::http::StatusCode;
-use vmon_api::records::{EventKind, TeamLimits};
-
-fn limits(max_concurrent: u32) -> TeamLimits {
-    TeamLimits {
-        max_concurrent,
-        ..TeamLimits::default()
-    }
-}
+use common::limits;
+use vmon_api::records::EventKind;
 
 fn create_body(gpus: &str) -> String {
     format!(r#"{{"templateID":"base","timeout":600,"metadata":{{"vmon.gpus":"{gpus}"}}}}"#)
@@ -44,23 +38,16 @@ async fn a_gpu_sandbox_cold_boots_and_pauses_its_filesystem_only() {
     let h = common::harness(limits(5)).await;
     *h.node.gpus.lock().unwrap() = (2, 2);
     let id = h.create(&create_body("1")).await;
-    let start = h.node.starts.lock().unwrap().last().cloned().unwrap();
+    let start = h.last_start();
     assert_eq!(start.gpus, 1);
     assert!(start.cold_boot, "a GPU sandbox never restores a snapshot");
 
     // A memory pause (the default) keeps only the filesystem, and its event says why.
-    let p = h
-        .req("POST", &format!("/sandboxes/{id}/pause"), Some("{}"))
-        .await;
+    let p = h.pause(&id).await;
     assert_eq!(p.status, StatusCode::NO_CONTENT, "{:?}", p.json);
     let d = h.req("GET", &format!("/sandboxes/{id}"), None).await;
     assert_eq!(d.json["pauseMode"], "filesystem");
-    let paused = h
-        .events(&id)
-        .await
-        .into_iter()
-        .rfind(|e| e.event_type == EventKind::Paused.as_str())
-        .unwrap();
+    let paused = h.last_event(&id, EventKind::Paused).await;
     let data = paused.event_data.unwrap();
     assert_eq!(data["memory"], false);
     assert!(
@@ -72,15 +59,9 @@ async fn a_gpu_sandbox_cold_boots_and_pauses_its_filesystem_only() {
     );
 
     // The resume asks for the same GPUs and cold-boots.
-    let c = h
-        .req(
-            "POST",
-            &format!("/v2/sandboxes/{id}/connect"),
-            Some(r#"{"timeout":60}"#),
-        )
-        .await;
+    let c = h.connect(&id, 60).await;
     assert_eq!(c.status, StatusCode::CREATED, "{:?}", c.json);
-    let resumed = h.node.starts.lock().unwrap().last().cloned().unwrap();
+    let resumed = h.last_start();
     assert_eq!((resumed.gpus, resumed.cold_boot), (1, true));
 
     // A snapshot keeps the filesystem only, and says so.
@@ -88,12 +69,7 @@ async fn a_gpu_sandbox_cold_boots_and_pauses_its_filesystem_only() {
         .req("POST", &format!("/sandboxes/{id}/snapshots"), Some("{}"))
         .await;
     assert!(s.status.is_success(), "{:?}", s.json);
-    let snap = h
-        .events(&id)
-        .await
-        .into_iter()
-        .rfind(|e| e.event_type == EventKind::Checkpointed.as_str())
-        .unwrap();
+    let snap = h.last_event(&id, EventKind::Checkpointed).await;
     assert!(
         snap.event_data.unwrap()["memory_skipped"].is_string(),
         "the snapshot's event names why memory was not kept"
@@ -101,7 +77,7 @@ async fn a_gpu_sandbox_cold_boots_and_pauses_its_filesystem_only() {
 
     // A plain sandbox beside it still restores memory and asks for no GPU.
     let plain = h.create(r#"{"templateID":"base","timeout":600}"#).await;
-    let last = h.node.starts.lock().unwrap().last().cloned().unwrap();
+    let last = h.last_start();
     assert_eq!((last.sandbox_id.as_str(), last.gpus), (plain.as_str(), 0));
     assert!(!last.cold_boot);
 }

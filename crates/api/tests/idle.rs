@@ -111,9 +111,7 @@ async fn health_follows_memory_and_cold_boot_resumes() {
     assert_eq!(r.json["stateLocation"], "running");
     assert!(r.json["lastResume"].is_null());
 
-    let p = h
-        .req("POST", &format!("/sandboxes/{id}/pause"), Some("{}"))
-        .await;
+    let p = h.pause(&id).await;
     assert_eq!(p.status, StatusCode::NO_CONTENT);
     let r = h.req("GET", &path, None).await;
     assert_eq!(r.json["state"], "paused");

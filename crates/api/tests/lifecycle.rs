@@ -10,33 +10,16 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
 use axum::http::StatusCode;
-use common::harness;
-use vmon_api::records::Records;
-use vmon_api::records::{EventKind, TeamLimits};
-
-fn limits(max_concurrent: u32) -> TeamLimits {
-    TeamLimits {
-        max_concurrent,
-        ..TeamLimits::default()
-    }
-}
+use common::{harness, limits};
+use vmon_api::records::EventKind;
 
 #[tokio::test]
 async fn a_paused_sandbox_forks_from_its_paused_state_and_stays_paused() {
     let h = harness(limits(5)).await;
     let id = h.create(r#"{"templateID":"base"}"#).await;
-    let r = h
-        .req("POST", &format!("/sandboxes/{id}/pause"), Some("{}"))
-        .await;
+    let r = h.pause(&id).await;
     assert_eq!(r.status, StatusCode::NO_CONTENT);
-    let paused_build = h
-        .records
-        .sandbox(&id)
-        .await
-        .unwrap()
-        .unwrap()
-        .build
-        .build_id;
+    let paused_build = h.record(&id).await.build.build_id;
     let r = h
         .req(
             "POST",
@@ -66,7 +49,7 @@ async fn a_paused_sandbox_forks_from_its_paused_state_and_stays_paused() {
         let d = h.req("GET", &format!("/sandboxes/{c}"), None).await;
         assert_eq!(d.json["state"], "running");
     }
-    let src = h.records.sandbox(&id).await.unwrap().unwrap();
+    let src = h.record(&id).await;
     assert_eq!(src.state, vmon_api::records::SandboxState::Paused);
     assert_eq!(src.build.build_id, paused_build);
     // Killing the children never deletes the paused source's state.
@@ -76,13 +59,7 @@ async fn a_paused_sandbox_forks_from_its_paused_state_and_stays_paused() {
     }
     assert!(h.node.builds.lock().unwrap().contains_key(&paused_build));
     // And the source still resumes.
-    let r = h
-        .req(
-            "POST",
-            &format!("/v2/sandboxes/{id}/connect"),
-            Some(r#"{"timeout":60}"#),
-        )
-        .await;
+    let r = h.connect(&id, 60).await;
     assert!(r.status.is_success(), "{:?}", r.json);
 }
 
@@ -91,26 +68,14 @@ async fn pause_connect_kill() {
     let h = harness(limits(5)).await;
     let id = h.create(r#"{"templateID":"base","timeout":600}"#).await;
 
-    let p = h
-        .req("POST", &format!("/sandboxes/{id}/pause"), Some("{}"))
-        .await;
+    let p = h.pause(&id).await;
     assert_eq!(p.status, StatusCode::NO_CONTENT);
-    let p = h
-        .req("POST", &format!("/sandboxes/{id}/pause"), Some("{}"))
-        .await;
+    let p = h.pause(&id).await;
     assert_eq!(p.status, StatusCode::CONFLICT);
     let d = h.req("GET", &format!("/sandboxes/{id}"), None).await;
     assert_eq!(d.json["state"], "paused");
     assert_eq!(d.json["pauseMode"], "full");
-    assert!(h
-        .control
-        .records()
-        .sandbox(&id)
-        .await
-        .unwrap()
-        .unwrap()
-        .guest_ip
-        .is_none());
+    assert!(h.record(&id).await.guest_ip.is_none());
 
     let l = h.req("GET", "/v2/sandboxes?state=paused", None).await;
     assert_eq!(l.json.as_array().unwrap().len(), 1);
@@ -121,43 +86,17 @@ async fn pause_connect_kill() {
         "legacy list is running only"
     );
 
-    let c = h
-        .req(
-            "POST",
-            &format!("/v2/sandboxes/{id}/connect"),
-            Some(r#"{"timeout":60}"#),
-        )
-        .await;
+    let c = h.connect(&id, 60).await;
     assert_eq!(c.status, StatusCode::CREATED, "{:?}", c.json);
     assert_eq!(c.json["sandboxID"], id.as_str());
-    let last = h.node.starts.lock().unwrap().last().cloned().unwrap();
+    let last = h.last_start();
     assert!(!last.cold_boot, "memory pause restores memory");
-    let end1 = h
-        .control
-        .records()
-        .sandbox(&id)
-        .await
-        .unwrap()
-        .unwrap()
-        .end_at;
+    let end1 = h.record(&id).await.end_at;
 
     // Connect to a running sandbox: 200, extends, never shortens.
-    let c = h
-        .req(
-            "POST",
-            &format!("/v2/sandboxes/{id}/connect"),
-            Some(r#"{"timeout":10}"#),
-        )
-        .await;
+    let c = h.connect(&id, 10).await;
     assert_eq!(c.status, StatusCode::OK);
-    let end2 = h
-        .control
-        .records()
-        .sandbox(&id)
-        .await
-        .unwrap()
-        .unwrap()
-        .end_at;
+    let end2 = h.record(&id).await.end_at;
     assert_eq!(end1, end2);
     let c = h
         .req(
@@ -167,14 +106,7 @@ async fn pause_connect_kill() {
         )
         .await;
     assert_eq!(c.status, StatusCode::OK);
-    let end3 = h
-        .control
-        .records()
-        .sandbox(&id)
-        .await
-        .unwrap()
-        .unwrap()
-        .end_at;
+    let end3 = h.record(&id).await.end_at;
     assert!(end3 > end2);
 
     // set_timeout may shorten.
@@ -186,14 +118,7 @@ async fn pause_connect_kill() {
         )
         .await;
     assert_eq!(t.status, StatusCode::NO_CONTENT);
-    let end4 = h
-        .control
-        .records()
-        .sandbox(&id)
-        .await
-        .unwrap()
-        .unwrap()
-        .end_at;
+    let end4 = h.record(&id).await.end_at;
     assert!(end4 < end3);
 
     // Filesystem pause, then reboot resume.
@@ -213,9 +138,7 @@ async fn pause_connect_kill() {
     assert_eq!(c.status, StatusCode::CREATED);
     assert!(h.node.starts.lock().unwrap().last().unwrap().cold_boot);
 
-    let p = h
-        .req("POST", &format!("/sandboxes/{id}/pause"), Some("{}"))
-        .await;
+    let p = h.pause(&id).await;
     assert_eq!(p.status, StatusCode::NO_CONTENT);
     let c = h
         .req(
@@ -231,9 +154,7 @@ async fn pause_connect_kill() {
     );
 
     // Kill a paused sandbox too.
-    let p = h
-        .req("POST", &format!("/sandboxes/{id}/pause"), Some("{}"))
-        .await;
+    let p = h.pause(&id).await;
     assert_eq!(p.status, StatusCode::NO_CONTENT);
     let k = h.req("DELETE", &format!("/sandboxes/{id}"), None).await;
     assert_eq!(k.status, StatusCode::NO_CONTENT);
@@ -264,26 +185,11 @@ async fn pause_connect_kill() {
 async fn execution_ids_change_on_resume() {
     let h = harness(limits(5)).await;
     let id = h.create(r#"{"templateID":"base"}"#).await;
-    let e1 = h
-        .control
-        .records()
-        .sandbox(&id)
-        .await
-        .unwrap()
-        .unwrap()
-        .execution_id;
-    h.req("POST", &format!("/sandboxes/{id}/pause"), Some("{}"))
-        .await;
+    let e1 = h.record(&id).await.execution_id;
+    h.pause(&id).await;
     h.req("POST", &format!("/v2/sandboxes/{id}/connect"), Some("{}"))
         .await;
-    let e2 = h
-        .control
-        .records()
-        .sandbox(&id)
-        .await
-        .unwrap()
-        .unwrap()
-        .execution_id;
+    let e2 = h.record(&id).await.execution_id;
     assert_ne!(e1, e2);
 }
 

@@ -1,5 +1,5 @@
 //! Calls and requests that meet a pause in flight, ordered by fault points
-//! (`vmon_proxy::faults`) instead of timing: the timeout's auto-pause is held after the node
+//! (`vmon_faults`) instead of timing: the timeout's auto-pause is held after the node
 //! stopped the guest and before the record says so (`pause:commit`), the racing call is let
 //! in until it queues behind the sandbox's lock (`lock:busy`) or, for proxied traffic, until
 //! the proxy saw the pause (`proxy:await-pause`), and only then is the pause released. Each

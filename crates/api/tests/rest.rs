@@ -10,15 +10,8 @@ use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 
 use axum::http::StatusCode;
-use common::harness;
-use vmon_api::records::{EventKind, TeamLimits};
-
-fn limits(max_concurrent: u32) -> TeamLimits {
-    TeamLimits {
-        max_concurrent,
-        ..TeamLimits::default()
-    }
-}
+use common::{harness, limits};
+use vmon_api::records::EventKind;
 
 #[tokio::test]
 async fn health_and_auth() {
@@ -72,7 +65,7 @@ async fn create_answers_the_sdk_shape() {
     assert!(r.json["envdAccessToken"].as_str().unwrap().len() >= 32);
     assert!(r.json["trafficAccessToken"].is_null());
 
-    let start = h.node.starts.lock().unwrap().last().cloned().unwrap();
+    let start = h.last_start();
     assert_eq!(start.env_vars.get("FOO").map(String::as_str), Some("bar"));
     assert_eq!(
         start.envd_access_token.as_deref(),
@@ -217,13 +210,9 @@ async fn team_quotas_are_429_with_the_limit_named() {
     let h = common::harness_with("127.0.0.1".parse().unwrap(), limits(5), quotas).await;
     let a = h.create(r#"{"templateID":"base"}"#).await;
     let b = h.create(r#"{"templateID":"base"}"#).await;
-    let r = h
-        .req("POST", &format!("/sandboxes/{a}/pause"), Some("{}"))
-        .await;
+    let r = h.pause(&a).await;
     assert_eq!(r.status, StatusCode::NO_CONTENT, "{:?}", r.json);
-    let r = h
-        .req("POST", &format!("/sandboxes/{b}/pause"), Some("{}"))
-        .await;
+    let r = h.pause(&b).await;
     assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS, "{:?}", r.json);
     assert!(r.json["message"].as_str().unwrap().contains("max_paused"));
     let d = h.req("GET", &format!("/sandboxes/{b}"), None).await;
@@ -425,9 +414,7 @@ async fn admission_is_atomic_and_paused_sandboxes_do_not_count() {
 
     let list = h.req("GET", "/v2/sandboxes", None).await;
     let id = list.json[0]["sandboxID"].as_str().unwrap().to_string();
-    let p = h
-        .req("POST", &format!("/sandboxes/{id}/pause"), Some("{}"))
-        .await;
+    let p = h.pause(&id).await;
     assert_eq!(p.status, StatusCode::NO_CONTENT);
     h.create(r#"{"templateID":"base"}"#).await;
     // A resume counts too.

@@ -6,19 +6,16 @@
 //! fails there with "node <id> refuses connections", which shows where it was placed without
 //! a VM (these machines have no GPU to boot one with).
 
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+mod common;
 
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use common::{closed_port, cluster, node_entry, start_spec};
 use tokio_util::sync::CancellationToken;
 use vmon_proto::cluster::NodeInfo;
 use vmon_proto::gpu::GpuInventory;
-use vmon_proto::node::{NodeControl, NodeError, StartSpec};
-
-/// A loopback port nothing listens on (bound, then closed).
-fn free_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-    l.local_addr().expect("addr").port()
-}
+use vmon_proto::node::{NodeError, StartSpec};
 
 /// One etcd member on loopback, killed on drop.
 struct Etcd {
@@ -37,7 +34,7 @@ impl Drop for Etcd {
 async fn etcd() -> (Etcd, vmon_kv::Kv) {
     for _ in 0..3 {
         let dir = tempfile::tempdir().expect("tempdir");
-        let (client, peer) = (free_port(), free_port());
+        let (client, peer) = (closed_port(), closed_port());
         let endpoint = format!("http://127.0.0.1:{client}");
         let peer_url = format!("http://127.0.0.1:{peer}");
         let log = std::fs::File::create(dir.path().join("etcd.log")).expect("log");
@@ -84,54 +81,20 @@ async fn etcd() -> (Etcd, vmon_kv::Kv) {
     panic!("etcd did not start");
 }
 
+/// A node with `total` GPUs, `free` of them free (one model).
 fn info(id: &str, total: u32, free: u32) -> NodeInfo {
-    NodeInfo {
-        id: id.into(),
-        rpc_url: format!("https://127.0.0.1:{}", free_port()),
-        ingress_url: None,
-        host: "host".into(),
-        accel: "tcg".into(),
-        qemu_version: "7.2".into(),
-        cpu_baseline: "cpu".into(),
-        vcpus: 2,
-        memory_mb: 8192,
-        free_memory_mb: 8192,
-        free_disk_mb: 100_000,
-        free_slots: 10,
-        running: 0,
-        updated_unix: SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| d.as_secs())
-            .unwrap_or(0),
-        gpus: GpuInventory {
+    node_entry(
+        id,
+        GpuInventory {
             total,
             free,
             models: [("10de:2330".to_string(), free)].into(),
         },
-    }
+    )
 }
 
 fn spec(gpus: u32) -> StartSpec {
-    StartSpec {
-        sandbox_id: format!("isbx{gpus}"),
-        execution_id: "e1".into(),
-        build_id: "b1".into(),
-        cold_boot: true,
-        env_vars: Default::default(),
-        envd_access_token: None,
-        network: Default::default(),
-        volumes: Vec::new(),
-        egress: Default::default(),
-        gpus,
-    }
-}
-
-fn cluster(kv: vmon_kv::Kv, dir: &std::path::Path) -> std::sync::Arc<dyn NodeControl> {
-    let ca = rcgen::generate_simple_self_signed(vec!["vmon test ca".into()]).expect("ca");
-    let ca_file = dir.join("ca.pem");
-    std::fs::write(&ca_file, ca.cert.pem()).expect("write ca");
-    let tls = vmon_nodeclient::tls::ClientTls::from_ca_file(&ca_file).expect("tls");
-    vmon_cluster::ClusterNodes::new(kv, "token".into(), tls)
+    start_spec(&format!("isbx{gpus}"), gpus, true)
 }
 
 #[tokio::test]

@@ -30,6 +30,26 @@ fn valid_name(s: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
 }
 
+/// A snapshot's name as asked (`[namespace/]alias[:tag]`, the namespace the team's); none
+/// when blank.
+fn snapshot_name(team: &Team, name: Option<&str>) -> ControlResult<Option<TemplateRef>> {
+    let Some(n) = name.map(str::trim).filter(|n| !n.is_empty()) else {
+        return Ok(None);
+    };
+    let r = parse_template_ref(n).ok_or_else(|| {
+        ControlError::bad_request(format!(
+            "invalid snapshot name {n:?}: use [namespace/]alias[:tag]"
+        ))
+    })?;
+    if r.namespace.as_ref().is_some_and(|ns| *ns != team.slug) {
+        return Err(ControlError::bad_request(format!(
+            "the namespace of a snapshot name must be the team's ({})",
+            team.slug
+        )));
+    }
+    Ok(Some(r))
+}
+
 pub fn parse_template_ref(s: &str) -> Option<TemplateRef> {
     let (namespace, rest) = match s.split_once('/') {
         Some((ns, rest)) => (Some(ns), rest),
@@ -300,31 +320,76 @@ impl Control {
         name: Option<&str>,
         memory: bool,
     ) -> ControlResult<SnapshotNames> {
-        let named = match name.map(str::trim).filter(|n| !n.is_empty()) {
-            None => None,
-            Some(n) => {
-                let r = parse_template_ref(n).ok_or_else(|| {
-                    ControlError::bad_request(format!(
-                        "invalid snapshot name {n:?}: use [namespace/]alias[:tag]"
-                    ))
-                })?;
-                if r.namespace.as_ref().is_some_and(|ns| *ns != team.slug) {
-                    return Err(ControlError::bad_request(format!(
-                        "the namespace of a snapshot name must be the team's ({})",
-                        team.slug
-                    )));
-                }
-                Some(r)
+        let named = snapshot_name(team, name)?;
+        let existing = self.snapshot_room(team, named.as_ref()).await?;
+        self.owned(team, id).await?;
+        let guard = self.lock(id).await?;
+        let result = async {
+            let rec = self.owned(team, id).await?;
+            if rec.state != SandboxState::Running {
+                return Err(ControlError::conflict(format!(
+                    "sandbox {id} is paused; only a running sandbox can be snapshotted"
+                )));
             }
-        };
-        let max = self.config.quotas.max_snapshots;
-        let kept = self
-            .records
-            .snapshots(&team.id)
-            .await
-            .map_err(record_error)?
-            .len();
-        let existing = match &named {
+            // A mount's state is outside the guest's memory, a GPU's in no snapshot: the disk
+            // only.
+            let (memory, skipped) = super::gpus::memory_capture(&rec, memory);
+            let build = self.node.checkpoint(&rec.id, &rec.execution_id, memory).await?;
+            let tag = named
+                .as_ref()
+                .and_then(|r| r.tag.clone())
+                .unwrap_or_else(|| DEFAULT_TAG.to_string());
+            let mut template = existing.unwrap_or_else(|| TemplateRecord {
+                id: ids::template_id(),
+                team_id: Some(team.id.clone()),
+                alias: named.as_ref().map(|r| r.name.clone()),
+                kind: TemplateKind::Snapshot {
+                    source_sandbox_id: rec.id.clone(),
+                },
+                tags: BTreeMap::new(),
+                created_at: OffsetDateTime::now_utc(),
+            });
+            template.kind = TemplateKind::Snapshot {
+                source_sandbox_id: rec.id.clone(),
+            };
+            template.created_at = OffsetDateTime::now_utc();
+            let replaced = template.tags.insert(tag.clone(), build.clone());
+            let info = snapshot_info(team, &template, &tag);
+            let mut data = serde_json::json!({ "reason": "snapshot", "snapshot_id": info.snapshot_id, "build_id": build.build_id });
+            if let Some(why) = skipped {
+                data["memory_skipped"] = why.into();
+            }
+            let ev = event(&rec, EventKind::Checkpointed, data);
+            // The snapshot's template and its event commit together.
+            self.commit(
+                Change::Checkpoint {
+                    sandbox_id: rec.id.clone(),
+                    execution_id: rec.execution_id.clone(),
+                    template: Some(Box::new(template)),
+                },
+                ev,
+                guard.fence().token(),
+            )
+            .await?;
+            if let Some(old) = replaced {
+                self.drop_build(&old.build_id).await;
+            }
+            Ok(info)
+        }
+        .await;
+        let _ = guard.unlock().await;
+        result
+    }
+
+    /// Whether the team may keep one more snapshot under `named`: the snapshot template that
+    /// name already has (a new tag of it adds no snapshot), else room under
+    /// `quotas.max_snapshots`; a name a template holds is a conflict.
+    async fn snapshot_room(
+        &self,
+        team: &Team,
+        named: Option<&TemplateRef>,
+    ) -> ControlResult<Option<TemplateRecord>> {
+        let existing = match named {
             Some(r) => {
                 let t = self
                     .records
@@ -349,75 +414,22 @@ impl Control {
             }
             None => None,
         };
-        // A new tag of an existing snapshot adds no snapshot.
-        if existing.is_none() && kept >= max {
+        if existing.is_some() {
+            return Ok(existing);
+        }
+        let max = self.config.quotas.max_snapshots;
+        let kept = self
+            .records
+            .snapshots(&team.id)
+            .await
+            .map_err(record_error)?
+            .len();
+        if kept >= max {
             return Err(ControlError::too_many(format!(
                 "the team already keeps {kept} snapshots, its most (quotas.max_snapshots); delete one first"
             )));
         }
-        self.owned(team, id).await?;
-        let guard = self.lock(id).await?;
-        let result = async {
-            let rec = self.owned(team, id).await?;
-            if rec.state != SandboxState::Running {
-                return Err(ControlError::conflict(format!(
-                    "sandbox {id} is paused; only a running sandbox can be snapshotted"
-                )));
-            }
-            // A mount's state is outside the guest's memory, a GPU's in no snapshot: the disk
-            // only.
-            let (memory, skipped) = super::gpus::memory_capture(&rec, memory);
-            let build = self.node.checkpoint(&rec.id, &rec.execution_id, memory).await?;
-            let tag = named
-                .as_ref()
-                .and_then(|r| r.tag.clone())
-                .unwrap_or_else(|| DEFAULT_TAG.to_string());
-            let mut template = existing.clone().unwrap_or_else(|| TemplateRecord {
-                id: ids::template_id(),
-                team_id: Some(team.id.clone()),
-                alias: named.as_ref().map(|r| r.name.clone()),
-                kind: TemplateKind::Snapshot {
-                    source_sandbox_id: rec.id.clone(),
-                },
-                tags: BTreeMap::new(),
-                created_at: OffsetDateTime::now_utc(),
-            });
-            template.kind = TemplateKind::Snapshot {
-                source_sandbox_id: rec.id.clone(),
-            };
-            template.created_at = OffsetDateTime::now_utc();
-            let replaced = template.tags.insert(tag.clone(), build.clone());
-            let info = snapshot_info(team, &template, &tag);
-            let ev = event(
-                &rec,
-                EventKind::Checkpointed,
-                {
-                    let mut data = serde_json::json!({ "reason": "snapshot", "snapshot_id": info.snapshot_id, "build_id": build.build_id });
-                    if let Some(why) = skipped {
-                        data["memory_skipped"] = why.into();
-                    }
-                    data
-                },
-            );
-            // The snapshot's template and its event commit together.
-            self.commit(
-                Change::Checkpoint {
-                    sandbox_id: rec.id.clone(),
-                    execution_id: rec.execution_id.clone(),
-                    template: Some(Box::new(template)),
-                },
-                ev,
-                guard.fence().token(),
-            )
-            .await?;
-            if let Some(old) = replaced {
-                self.drop_build(&old.build_id).await;
-            }
-            Ok(info)
-        }
-        .await;
-        let _ = guard.unlock().await;
-        result
+        Ok(None)
     }
 
     /// `GET /snapshots`: newest first, one entry per tag.

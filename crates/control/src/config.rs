@@ -147,7 +147,7 @@ pub struct Config {
     pub idle: IdleConfig,
     /// The proxy's caps and timeouts towards guests (`[proxy_limits]`).
     pub proxy_limits: ProxyLimits,
-    /// Test-only: where fault points are armed (`vmon_proxy::faults`). Set only from the
+    /// Test-only: where fault points are armed (`vmon_faults`). Set only from the
     /// `VMON_FAULT_DIR` environment variable, never from the file.
     #[serde(skip)]
     pub fault_dir: Option<std::path::PathBuf>,

@@ -126,8 +126,8 @@ pub struct Control {
     volumes: Option<Arc<volumes::Volumes>>,
     /// When each sandbox last had traffic (`idle.rs`); the in-process proxy's own table.
     activity: Arc<vmon_proxy::Activity>,
-    /// Test-only holds in transitions (`vmon_proxy::faults`); off unless `VMON_FAULT_DIR`.
-    faults: vmon_proxy::Faults,
+    /// Test-only holds in transitions (`vmon_faults`); off unless `VMON_FAULT_DIR`.
+    faults: vmon_faults::Faults,
 }
 
 impl Control {
@@ -217,8 +217,8 @@ impl Control {
             uploads: uploads::Uploads::new(template_files),
             activity: vmon_proxy::Activity::new(),
             faults: match &config_fault_dir {
-                Some(d) => vmon_proxy::Faults::in_dir(d),
-                None => vmon_proxy::Faults::off(),
+                Some(d) => vmon_faults::Faults::in_dir(d),
+                None => vmon_faults::Faults::off(),
             },
         });
         control.reconcile().await?;
@@ -233,9 +233,9 @@ impl Control {
         &self.config
     }
 
-    /// The fault points of this process (tests; see `vmon_proxy::faults`), for the
+    /// The fault points of this process (tests; see `vmon_faults`), for the
     /// in-process proxy to share.
-    pub fn faults(&self) -> &vmon_proxy::Faults {
+    pub fn faults(&self) -> &vmon_faults::Faults {
         &self.faults
     }
 

@@ -96,97 +96,40 @@ pub fn mark_init(agent: &Agent) {
 }
 
 pub async fn init(agent: Arc<Agent>, req: Request<Incoming>) -> Response<Body> {
-    let header_token = auth::header_token(req.headers()).map(str::to_string);
-    let body = match Limited::new(req.into_body(), MAX_INIT_BODY).collect().await {
-        Ok(b) => b.to_bytes(),
-        Err(_) => return error(StatusCode::BAD_REQUEST, "init body unreadable or too large"),
-    };
-    let msg: InitRequest = if body.iter().all(u8::is_ascii_whitespace) {
-        InitRequest::default()
-    } else {
-        match serde_json::from_slice(&body) {
-            Ok(m) => m,
-            Err(e) => return error(StatusCode::BAD_REQUEST, &format!("invalid init body: {e}")),
+    match apply_init(&agent, req).await {
+        Ok(()) => {
+            let mut resp = Response::new(connect::empty());
+            *resp.status_mut() = StatusCode::NO_CONTENT;
+            resp.headers_mut()
+                .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+            resp
         }
-    };
-
-    // Once a token is set, only its holder may change it: the same token in the body (a retry, or
-    // a restore that keeps it) or in X-Access-Token (rotation by the node).
-    if let Some(current) = agent.token() {
-        // Both compared in constant time: the time taken says nothing about the token.
-        let held =
-            |t: Option<&str>| t.is_some_and(|t| auth::same(t.as_bytes(), current.as_bytes()));
-        let in_body = held(msg.access_token.as_deref());
-        let in_header = held(header_token.as_deref());
-        if !in_body && !in_header {
-            return error(StatusCode::UNAUTHORIZED, "access token validation failed");
-        }
+        Err(refused) => refused,
     }
+}
 
-    let timestamp = match msg.timestamp.as_deref().filter(|t| !t.is_empty()) {
-        None => None,
-        Some(t) => {
-            match time::OffsetDateTime::parse(t, &time::format_description::well_known::Rfc3339) {
-                Ok(ts) => Some(ts.unix_timestamp_nanos()),
-                Err(e) => {
-                    return error(StatusCode::BAD_REQUEST, &format!("invalid timestamp: {e}"))
-                }
-            }
-        }
-    };
-    let entropy = match msg.entropy.as_deref().filter(|e| !e.is_empty()) {
-        None => None,
-        Some(e) => match decode_base64(e) {
-            Ok(b) if b.len() <= MAX_ENTROPY_BYTES => Some(b),
-            Ok(_) => return error(StatusCode::BAD_REQUEST, "entropy is larger than 4096 bytes"),
-            Err(e) => return error(StatusCode::BAD_REQUEST, &format!("invalid entropy: {e}")),
-        },
-    };
-
+/// `/init`'s steps: the request read, its caller checked, the clock set and entropy added,
+/// the volumes mounted, then the token and defaults taken.
+async fn apply_init(agent: &Agent, req: Request<Incoming>) -> Result<(), Response<Body>> {
+    let header_token = auth::header_token(req.headers()).map(str::to_string);
+    let mut msg = read_init(req).await?;
+    if !may_init(agent, &msg, header_token.as_deref()) {
+        return Err(error(
+            StatusCode::UNAUTHORIZED,
+            "access token validation failed",
+        ));
+    }
+    let timestamp = init_timestamp(&msg)?;
+    let entropy = init_entropy(&msg)?;
     if let Some(ts) = timestamp {
-        // Only a newer request may move the clock: a delayed retry must not set it back.
-        let newer = {
-            let mut last = agent
-                .last_init_nanos
-                .lock()
-                .unwrap_or_else(|p| p.into_inner());
-            let newer = last.is_none_or(|l| ts > l);
-            if newer {
-                *last = Some(ts);
-            }
-            newer
-        };
-        let now = now_nanos();
-        if newer && (now < ts - MAX_TIME_IN_PAST_NANOS || now > ts + MAX_TIME_IN_FUTURE_NANOS) {
-            set_clock(ts);
-        }
+        follow_clock(agent, ts);
     }
     if let Some(bytes) = entropy {
         // Two short ioctls: run inline rather than wake a blocking thread for them.
         add_entropy(&bytes);
     }
-
-    if let Some(mounts) = msg.volume_mounts.filter(|m| !m.is_empty()) {
-        if mounts
-            .iter()
-            .any(|m| !m.path.starts_with('/') || m.tag.is_empty() || m.tag.len() > 36)
-        {
-            return error(
-                StatusCode::BAD_REQUEST,
-                "volume mounts need a tag and an absolute path",
-            );
-        }
-        let mounted = tokio::task::spawn_blocking(move || {
-            mounts
-                .iter()
-                .try_for_each(|m| crate::init::mount_volume(&m.tag, &m.path))
-        })
-        .await;
-        match mounted {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => return error(StatusCode::INTERNAL_SERVER_ERROR, &e),
-            Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string()),
-        }
+    if let Some(mounts) = msg.volume_mounts.take().filter(|m| !m.is_empty()) {
+        mount_volumes(mounts).await?;
     }
     agent.set_token(msg.access_token.filter(|t| !t.is_empty()));
     agent.update_defaults(|d| {
@@ -203,16 +146,112 @@ pub async fn init(agent: Arc<Agent>, req: Request<Incoming>) -> Response<Body> {
     // A new start (create, resume, fork child): the api set its timeout; an ask from before
     // the snapshot is not this execution's.
     agent.keepalive.clear();
-    mark_init(&agent);
+    mark_init(agent);
     // Not on the console: every create and resume passes here, and under emulation each console
     // line costs the guest's serial path on the way to its first answer.
     tracing::debug!(logger = "init", "init applied");
+    Ok(())
+}
 
-    let mut resp = Response::new(connect::empty());
-    *resp.status_mut() = StatusCode::NO_CONTENT;
-    resp.headers_mut()
-        .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
-    resp
+/// The init request (an empty body is one with nothing in it), at most [`MAX_INIT_BODY`].
+async fn read_init(req: Request<Incoming>) -> Result<InitRequest, Response<Body>> {
+    let body = match Limited::new(req.into_body(), MAX_INIT_BODY).collect().await {
+        Ok(b) => b.to_bytes(),
+        Err(_) => {
+            return Err(error(
+                StatusCode::BAD_REQUEST,
+                "init body unreadable or too large",
+            ))
+        }
+    };
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Ok(InitRequest::default());
+    }
+    serde_json::from_slice(&body)
+        .map_err(|e| error(StatusCode::BAD_REQUEST, &format!("invalid init body: {e}")))
+}
+
+/// Once a token is set, only its holder may change it: the same token in the body (a retry,
+/// or a restore that keeps it) or in X-Access-Token (rotation by the node).
+fn may_init(agent: &Agent, msg: &InitRequest, header_token: Option<&str>) -> bool {
+    let Some(current) = agent.token() else {
+        return true;
+    };
+    // Both compared in constant time: the time taken says nothing about the token.
+    let held = |t: Option<&str>| t.is_some_and(|t| auth::same(t.as_bytes(), current.as_bytes()));
+    held(msg.access_token.as_deref()) || held(header_token)
+}
+
+/// The host's time (RFC 3339) as nanoseconds since the epoch, when it is sent.
+fn init_timestamp(msg: &InitRequest) -> Result<Option<i128>, Response<Body>> {
+    let Some(t) = msg.timestamp.as_deref().filter(|t| !t.is_empty()) else {
+        return Ok(None);
+    };
+    time::OffsetDateTime::parse(t, &time::format_description::well_known::Rfc3339)
+        .map(|ts| Some(ts.unix_timestamp_nanos()))
+        .map_err(|e| error(StatusCode::BAD_REQUEST, &format!("invalid timestamp: {e}")))
+}
+
+/// The host's entropy for the guest's pool (base64, at most [`MAX_ENTROPY_BYTES`]).
+fn init_entropy(msg: &InitRequest) -> Result<Option<Vec<u8>>, Response<Body>> {
+    let Some(e) = msg.entropy.as_deref().filter(|e| !e.is_empty()) else {
+        return Ok(None);
+    };
+    match decode_base64(e) {
+        Ok(b) if b.len() <= MAX_ENTROPY_BYTES => Ok(Some(b)),
+        Ok(_) => Err(error(
+            StatusCode::BAD_REQUEST,
+            "entropy is larger than 4096 bytes",
+        )),
+        Err(e) => Err(error(
+            StatusCode::BAD_REQUEST,
+            &format!("invalid entropy: {e}"),
+        )),
+    }
+}
+
+/// Sets the guest's clock to the host's time `ts` when it is off by more than the bounds;
+/// only a newer request may move it: a delayed retry must not set it back.
+fn follow_clock(agent: &Agent, ts: i128) {
+    let newer = {
+        let mut last = agent
+            .last_init_nanos
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let newer = last.is_none_or(|l| ts > l);
+        if newer {
+            *last = Some(ts);
+        }
+        newer
+    };
+    let now = now_nanos();
+    if newer && (now < ts - MAX_TIME_IN_PAST_NANOS || now > ts + MAX_TIME_IN_FUTURE_NANOS) {
+        set_clock(ts);
+    }
+}
+
+/// Mounts each volume's virtio-fs tag at its absolute path.
+async fn mount_volumes(mounts: Vec<VolumeMount>) -> Result<(), Response<Body>> {
+    if mounts
+        .iter()
+        .any(|m| !m.path.starts_with('/') || m.tag.is_empty() || m.tag.len() > 36)
+    {
+        return Err(error(
+            StatusCode::BAD_REQUEST,
+            "volume mounts need a tag and an absolute path",
+        ));
+    }
+    let mounted = tokio::task::spawn_blocking(move || {
+        mounts
+            .iter()
+            .try_for_each(|m| crate::init::mount_volume(&m.tag, &m.path))
+    })
+    .await;
+    match mounted {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => Err(error(StatusCode::INTERNAL_SERVER_ERROR, &e)),
+        Err(e) => Err(error(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string())),
+    }
 }
 
 fn set_clock(nanos: i128) {

@@ -97,6 +97,9 @@ pub struct NodeConfig {
     pub sysfs_root: PathBuf,
     /// Where the IOMMU groups' device nodes are (`VMON_VFIO_DEV_DIR`, default `/dev/vfio`).
     pub vfio_dev_dir: PathBuf,
+    /// Test-only fault points of pauses, checkpoints and migrations (`vmon_faults`): armed in
+    /// `VMON_FAULT_DIR`, off when it is unset.
+    pub faults: vmon_faults::Faults,
 }
 
 impl NodeConfig {
@@ -153,6 +156,7 @@ impl NodeConfig {
             vfio_dev_dir: std::env::var_os("VMON_VFIO_DEV_DIR")
                 .filter(|v| !v.is_empty())
                 .map_or_else(|| PathBuf::from("/dev/vfio"), PathBuf::from),
+            faults: vmon_faults::Faults::from_env(),
         }
     }
 }

@@ -450,92 +450,8 @@ impl Pool {
         }
         tokio::spawn(async move {
             while node.pool().depth(&key) < node.pool().target(&key) && node.pool().may_grow(&key) {
-                let asked = Instant::now();
-                loop {
-                    let wait = node.pool().settle_wait(&key);
-                    if wait.is_zero() {
-                        break;
-                    }
-                    tokio::time::sleep(wait).await;
-                }
-                while node.restores_in_flight() > 0 {
-                    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-                }
-                let Ok(_turn) = node.restore_gate().acquire().await else {
+                if !refill_one(&*node, &key).await {
                     break;
-                };
-                let started = Instant::now();
-                let wanted = refill_weight(node.pool().depth(&key), node.pool().base(&key));
-                let yield_for = node.pool().yield_for;
-                // The next create's process yields first to the sandbox that just claimed.
-                let until =
-                    (wanted == Weight::Normal && !yield_for.is_zero()).then(|| started + yield_for);
-                if let (Some(u), Ok(mut m)) = (until, node.pool().yielding.lock()) {
-                    m.insert(key.clone(), u);
-                }
-                let weight = if until.is_some() {
-                    Weight::Background
-                } else {
-                    wanted
-                };
-                tracing::debug!(pool = %key, ?weight, yield_ms = until.map(|_| yield_for.as_millis() as u64), "pool refill making a process");
-                // The new process's overlay is held from the sweep (`Prepared::held`) until
-                // the pool's list names it.
-                let made = {
-                    let making = node.prepare_for_pool(&key, weight);
-                    tokio::pin!(making);
-                    match until {
-                        Some(u) => tokio::select! {
-                            m = &mut making => m,
-                            _ = tokio::time::sleep_until(u.into()) => {
-                                node.pool().end_yield(&key);
-                                making.await
-                            }
-                        },
-                        None => making.await,
-                    }
-                };
-                if let Ok(mut m) = node.pool().yielding.lock() {
-                    m.remove(&key);
-                }
-                let weight = node.pool().made(&key).unwrap_or(weight);
-                match made {
-                    Ok(Some(p)) if !node.wanted(&key) => {
-                        node.discard(p).await;
-                        break;
-                    }
-                    Ok(Some(mut p)) => {
-                        // A claim may have raised its weight while it was made.
-                        p.weight = weight;
-                        if wanted == Weight::Normal && p.weight != Weight::Normal {
-                            // Made within its yield: the next create's, at the normal weight.
-                            if let Err(e) = vmon_vm::cgroup::set_weight(&p.tag, Weight::Normal) {
-                                tracing::debug!(tag = %p.tag, "raising a pool process's CPU weight: {e:#}");
-                            }
-                            p.weight = Weight::Normal;
-                        }
-                        let depth = match node.pool().ready.lock() {
-                            Ok(mut m) => {
-                                let ready = m.entry(key.clone()).or_default();
-                                ready.push(p);
-                                ready.len()
-                            }
-                            Err(_) => 0,
-                        };
-                        tracing::debug!(
-                            pool = %key,
-                            waited_ms = (started - asked).as_millis() as u64,
-                            made_ms = started.elapsed().as_millis() as u64,
-                            ?weight,
-                            depth,
-                            "pool refill made a process"
-                        );
-                    }
-                    Ok(None) => break,
-                    Err(e) => {
-                        tracing::warn!(pool = %key, "pool refill failed: {e:#}");
-                        break;
-                    }
                 }
             }
             if let Ok(mut f) = node.pool().filling.lock() {
@@ -599,6 +515,111 @@ fn available_mb() -> Option<u64> {
         .find_map(|l| l.strip_prefix("MemAvailable:"))
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
         .map(|kb| kb / 1024)
+}
+
+/// One process for pool `key`, made in its turn after the claims' settling time and the
+/// restores in flight, and put in the pool; false when the refill should stop.
+async fn refill_one<F: Filler>(node: &F, key: &str) -> bool {
+    let asked = Instant::now();
+    loop {
+        let wait = node.pool().settle_wait(key);
+        if wait.is_zero() {
+            break;
+        }
+        tokio::time::sleep(wait).await;
+    }
+    while node.restores_in_flight() > 0 {
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let Ok(_turn) = node.restore_gate().acquire().await else {
+        return false;
+    };
+    let started = Instant::now();
+    let wanted = refill_weight(node.pool().depth(key), node.pool().base(key));
+    let yield_for = node.pool().yield_for;
+    // The next create's process yields first to the sandbox that just claimed.
+    let until = (wanted == Weight::Normal && !yield_for.is_zero()).then(|| started + yield_for);
+    if let (Some(u), Ok(mut m)) = (until, node.pool().yielding.lock()) {
+        m.insert(key.to_string(), u);
+    }
+    let weight = if until.is_some() {
+        Weight::Background
+    } else {
+        wanted
+    };
+    tracing::debug!(pool = %key, ?weight, yield_ms = until.map(|_| yield_for.as_millis() as u64), "pool refill making a process");
+    let made = make_yielding(node, key, weight, until).await;
+    if let Ok(mut m) = node.pool().yielding.lock() {
+        m.remove(key);
+    }
+    let weight = node.pool().made(key).unwrap_or(weight);
+    match made {
+        Ok(Some(p)) if !node.wanted(key) => {
+            node.discard(p).await;
+            false
+        }
+        Ok(Some(p)) => {
+            let depth = shelve(node.pool(), key, p, wanted, weight);
+            tracing::debug!(
+                pool = %key,
+                waited_ms = (started - asked).as_millis() as u64,
+                made_ms = started.elapsed().as_millis() as u64,
+                ?weight,
+                depth,
+                "pool refill made a process"
+            );
+            true
+        }
+        Ok(None) => false,
+        Err(e) => {
+            tracing::warn!(pool = %key, "pool refill failed: {e:#}");
+            false
+        }
+    }
+}
+
+/// Makes a process for `key` at `weight`; a yield that ends (`until`) before it is made ends
+/// the process's yield, and it goes on as the pool says. The new process's overlay is held
+/// from the sweep (`Prepared::held`) until the pool's list names it.
+async fn make_yielding<F: Filler>(
+    node: &F,
+    key: &str,
+    weight: Weight,
+    until: Option<Instant>,
+) -> anyhow::Result<Option<Prepared>> {
+    let making = node.prepare_for_pool(key, weight);
+    tokio::pin!(making);
+    match until {
+        Some(u) => tokio::select! {
+            m = &mut making => m,
+            _ = tokio::time::sleep_until(u.into()) => {
+                node.pool().end_yield(key);
+                making.await
+            }
+        },
+        None => making.await,
+    }
+}
+
+/// Puts a made process into pool `key` at the weight a claim may have raised it to while it
+/// was made (the normal one when the refill `wanted` it); returns the pool's depth.
+fn shelve(pool: &Pool, key: &str, mut p: Prepared, wanted: Weight, weight: Weight) -> usize {
+    p.weight = weight;
+    if wanted == Weight::Normal && p.weight != Weight::Normal {
+        // Made within its yield: the next create's, at the normal weight.
+        if let Err(e) = vmon_vm::cgroup::set_weight(&p.tag, Weight::Normal) {
+            tracing::debug!(tag = %p.tag, "raising a pool process's CPU weight: {e:#}");
+        }
+        p.weight = Weight::Normal;
+    }
+    match pool.ready.lock() {
+        Ok(mut m) => {
+            let ready = m.entry(key.to_string()).or_default();
+            ready.push(p);
+            ready.len()
+        }
+        Err(_) => 0,
+    }
 }
 
 #[cfg(test)]

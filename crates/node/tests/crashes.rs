@@ -1,9 +1,10 @@
 //! A node process killed in the middle of a pause, then restarted: the sandbox is either still
 //! running (the pause had not committed) or paused and restorable (it had), never broken.
 //!
-//! The crashing node is this test binary re-run as a child with `VMON_CRASH_CHILD` set and
-//! `VMON_FAULT` naming the point where it aborts. It uses its own data dir (sharing the image
-//! cache) and its own slot block, so it never touches the other test binaries' node.
+//! The crashing node is this test binary re-run as a child with `VMON_CRASH_CHILD` naming the
+//! fault point (`vmon_faults`) where it aborts (armed `abort` in the `VMON_FAULT_DIR` it is
+//! given) or fails (armed `fail`). It uses its own data dir (sharing the image cache) and its
+//! own slot block, so it never touches the other test binaries' node.
 
 mod common;
 
@@ -30,8 +31,20 @@ fn crash_dir() -> PathBuf {
     d
 }
 
-async fn open(dir: &Path) -> Arc<Node> {
+/// The fault points' directory of the children.
+fn fault_dir() -> PathBuf {
+    let d = crash_dir().join("faults");
+    std::fs::create_dir_all(&d).expect("fault dir");
+    d
+}
+
+/// The node in the crash dir; with `faults`, its points armed in the `VMON_FAULT_DIR` it was
+/// given (the child), else none (the restarted node).
+async fn open(dir: &Path, faults: bool) -> Arc<Node> {
     let mut cfg = NodeConfig::new(dir.to_path_buf());
+    if !faults {
+        cfg.faults = Default::default();
+    }
     cfg.envd_binary = Some(envd_binary());
     cfg.pool_size = 0;
     cfg.spare_slots = 0;
@@ -48,7 +61,7 @@ fn crash_child() {
         return;
     }
     runtime().block_on(async {
-        let node = open(&crash_dir()).await;
+        let node = open(&crash_dir(), true).await;
         let tpl = format!(
             "crash-tpl-{}",
             node.image().await.expect("guest image").manifest.hash
@@ -61,7 +74,7 @@ fn crash_child() {
         println!("CRASH-READY {id} {} {token}", r.execution_id);
         // Aborts inside (or, for `pause:error`, fails and must leave the sandbox running).
         let res = node.pause(&id, &r.execution_id, true).await;
-        if std::env::var("VMON_FAULT").as_deref() == Ok("pause:error") {
+        if std::env::var("VMON_CRASH_CHILD").as_deref() == Ok("pause:error") {
             assert!(res.is_err(), "the injected failure surfaces");
             let running = node.list_running().await.expect("list_running");
             assert!(running
@@ -104,8 +117,14 @@ fn wait_released(dir: &Path) {
     }
 }
 
-fn run_child(point: &str) -> (String, String, String) {
+/// Runs the child with `point` armed to `action` (`abort` or `fail`); the child must have
+/// reached it.
+fn child_at(point: &str, action: &str) -> std::process::Output {
     wait_released(&crash_dir());
+    let faults = fault_dir();
+    let (arm, reached) = (faults.join(point), faults.join(format!("{point}.reached")));
+    let _ = std::fs::remove_file(&reached);
+    std::fs::write(&arm, action).expect("arm the fault point");
     let out = Command::new(std::env::current_exe().expect("exe"))
         .args([
             "--exact",
@@ -114,10 +133,23 @@ fn run_child(point: &str) -> (String, String, String) {
             "--test-threads",
             "1",
         ])
-        .env("VMON_CRASH_CHILD", "1")
-        .env("VMON_FAULT", point)
+        .env("VMON_CRASH_CHILD", point)
+        .env("VMON_FAULT_DIR", &faults)
         .output()
         .expect("run child");
+    std::fs::remove_file(&arm).expect("disarm");
+    let visits = std::fs::read_to_string(&reached).unwrap_or_default();
+    assert_eq!(
+        visits.lines().count(),
+        1,
+        "fault point {point} reached once: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    out
+}
+
+fn run_child(point: &str) -> (String, String, String) {
+    let out = child_at(point, "abort");
     let stdout = String::from_utf8_lossy(&out.stdout).to_string();
     assert!(
         !out.status.success(),
@@ -167,19 +199,7 @@ fn a_failed_pause_leaves_the_sandbox_running() {
         return;
     }
     let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    wait_released(&crash_dir());
-    let out = Command::new(std::env::current_exe().expect("exe"))
-        .args([
-            "--exact",
-            "crash_child",
-            "--nocapture",
-            "--test-threads",
-            "1",
-        ])
-        .env("VMON_CRASH_CHILD", "1")
-        .env("VMON_FAULT", "pause:error")
-        .output()
-        .expect("run child");
+    let out = child_at("pause:error", "fail");
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         stdout.contains("CRASH-ERROR-OK"),
@@ -198,7 +218,7 @@ fn node_killed_mid_pause_leaves_a_running_or_a_paused_sandbox() {
     let (id, exec, token) = run_child("pause:captured");
     let dir = crash_dir();
     runtime().block_on(async {
-        let node = open(&dir).await;
+        let node = open(&dir, false).await;
         assert_running_as_before(&node, &id, &exec, &token).await;
         node.kill(&id, &exec).await.expect("kill");
         node.drain_pool().await;
@@ -207,13 +227,9 @@ fn node_killed_mid_pause_leaves_a_running_or_a_paused_sandbox() {
     // Killed after the commit, before QEMU quit: the sandbox must be paused and restorable.
     let (id, _exec, token) = run_child("pause:committed");
     runtime().block_on(async {
-        let node = open(&dir).await;
+        let node = open(&dir, false).await;
         assert!(
-            node.list_running()
-                .await
-                .expect("list_running")
-                .iter()
-                .all(|s| s.sandbox_id != id),
+            !common::runs(&node, &id).await,
             "a committed pause is finished, not re-adopted"
         );
         let builds = vmon_node::builds::Builds::open(&dir).expect("builds");
@@ -245,7 +261,7 @@ fn node_killed_between_a_disk_switch_and_its_record_keeps_the_guests_writes() {
     let (id, exec, token) = run_child("pause:switched");
     let dir = crash_dir();
     runtime().block_on(async {
-        let node = open(&dir).await;
+        let node = open(&dir, false).await;
         assert_running_as_before(&node, &id, &exec, &token).await;
         // Written after the restart: it lands in the overlay the crash left unrecorded, which
         // the restart's sweep must not have taken.

@@ -263,11 +263,7 @@ fn a_kept_qemu_goes_with_its_paused_build() {
         assert!(node.is_parked(&b.build_id), "the stopped QEMU is kept");
         assert!(std::path::Path::new(&format!("/proc/{pid}")).exists());
         assert!(
-            node.list_running()
-                .await
-                .expect("list_running")
-                .iter()
-                .all(|s| s.sandbox_id != id),
+            !common::runs(&node, &id).await,
             "a parked sandbox is not running"
         );
         // A fork of the paused sandbox restores from the build and leaves the kept QEMU alone.

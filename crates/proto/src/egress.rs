@@ -166,61 +166,7 @@ pub fn parse_rules(rules: &serde_json::Value) -> Result<Vec<HostRule>, String> {
         };
         let mut headers: BTreeMap<String, String> = BTreeMap::new();
         for rule in list {
-            let Value::Object(rule) = rule else {
-                return Err(format!(
-                    "network.rules[{host:?}] holds a rule that is not an object"
-                ));
-            };
-            for (key, body) in rule {
-                if key != "transform" {
-                    return Err(format!(
-                        "network.rules[{host:?}]: {key:?} is not supported (only transform.headers)"
-                    ));
-                }
-                let Value::Object(transform) = body else {
-                    return Err(format!(
-                        "network.rules[{host:?}].transform must be an object"
-                    ));
-                };
-                for (tkey, hs) in transform {
-                    if tkey != "headers" {
-                        return Err(format!(
-                            "network.rules[{host:?}].transform.{tkey} is not supported (only headers)"
-                        ));
-                    }
-                    let Value::Object(hs) = hs else {
-                        return Err(format!(
-                            "network.rules[{host:?}].transform.headers must be an object"
-                        ));
-                    };
-                    for (name, value) in hs {
-                        let name = name.to_ascii_lowercase();
-                        if !valid_header_name(&name) || reserved_header(&name) {
-                            return Err(format!(
-                                "network.rules[{host:?}]: {name:?} is not a header a rule may set"
-                            ));
-                        }
-                        let Value::String(template) = value else {
-                            return Err(format!(
-                                "network.rules[{host:?}]: the value of {name:?} must be a string"
-                            ));
-                        };
-                        if template.len() > MAX_TEMPLATE_LEN
-                            || template
-                                .bytes()
-                                .any(|b| !(b == b'\t' || (0x20..0x7f).contains(&b)))
-                        {
-                            return Err(format!(
-                                "network.rules[{host:?}]: the value of {name:?} must be at most \
-                                 {MAX_TEMPLATE_LEN} bytes of visible ASCII"
-                            ));
-                        }
-                        markers(template)
-                            .map_err(|e| format!("network.rules[{host:?}][{name:?}]: {e}"))?;
-                        headers.insert(name, template.clone());
-                    }
-                }
-            }
+            rule_headers(host, rule, &mut headers)?;
         }
         if headers.len() > MAX_HEADERS_PER_HOST {
             return Err(format!(
@@ -248,6 +194,82 @@ pub fn parse_rules(rules: &serde_json::Value) -> Result<Vec<HostRule>, String> {
         out.push(rule);
     }
     Ok(out)
+}
+
+/// The headers one rule of `host` sets (`{"transform": {"headers": {name: template}}}`),
+/// checked, into `headers`.
+fn rule_headers(
+    host: &str,
+    rule: &serde_json::Value,
+    headers: &mut BTreeMap<String, String>,
+) -> Result<(), String> {
+    use serde_json::Value;
+    let Value::Object(rule) = rule else {
+        return Err(format!(
+            "network.rules[{host:?}] holds a rule that is not an object"
+        ));
+    };
+    for (key, body) in rule {
+        if key != "transform" {
+            return Err(format!(
+                "network.rules[{host:?}]: {key:?} is not supported (only transform.headers)"
+            ));
+        }
+        let Value::Object(transform) = body else {
+            return Err(format!(
+                "network.rules[{host:?}].transform must be an object"
+            ));
+        };
+        for (tkey, hs) in transform {
+            if tkey != "headers" {
+                return Err(format!(
+                    "network.rules[{host:?}].transform.{tkey} is not supported (only headers)"
+                ));
+            }
+            let Value::Object(hs) = hs else {
+                return Err(format!(
+                    "network.rules[{host:?}].transform.headers must be an object"
+                ));
+            };
+            for (name, value) in hs {
+                let (name, template) = header_rule(host, name, value)?;
+                headers.insert(name, template);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// One header a rule sets: a name it may set (lower-cased) and its template, visible ASCII
+/// with well-formed secret markers.
+fn header_rule(
+    host: &str,
+    name: &str,
+    value: &serde_json::Value,
+) -> Result<(String, String), String> {
+    let name = name.to_ascii_lowercase();
+    if !valid_header_name(&name) || reserved_header(&name) {
+        return Err(format!(
+            "network.rules[{host:?}]: {name:?} is not a header a rule may set"
+        ));
+    }
+    let serde_json::Value::String(template) = value else {
+        return Err(format!(
+            "network.rules[{host:?}]: the value of {name:?} must be a string"
+        ));
+    };
+    if template.len() > MAX_TEMPLATE_LEN
+        || template
+            .bytes()
+            .any(|b| !(b == b'\t' || (0x20..0x7f).contains(&b)))
+    {
+        return Err(format!(
+            "network.rules[{host:?}]: the value of {name:?} must be at most \
+             {MAX_TEMPLATE_LEN} bytes of visible ASCII"
+        ));
+    }
+    markers(template).map_err(|e| format!("network.rules[{host:?}][{name:?}]: {e}"))?;
+    Ok((name, template.clone()))
 }
 
 /// Every secret the rules name, lower-cased.

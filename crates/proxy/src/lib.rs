@@ -19,12 +19,13 @@ use http::{header, HeaderValue, Request, Response, StatusCode};
 use http_body_util::{combinators::BoxBody, BodyExt, Full};
 use hyper::body::Incoming;
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::TokioExecutor;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
+use vmon_faults::Faults;
 
 pub mod activity;
-pub mod faults;
+mod forward;
 mod headers;
 pub mod limits;
 pub mod listen;
@@ -35,13 +36,12 @@ pub mod tls;
 mod watched;
 
 pub use activity::Activity;
-use activity::{InFlight, Stamp, Stamped, StampedIo};
-pub use faults::Faults;
-use headers::{envd_keepalive_within, is_upgrade, keep_host, strip_hop_by_hop, upstream_uri};
+use activity::{InFlight, Stamp, Stamped};
+use forward::{Held, Upstream};
+use headers::is_upgrade;
+use limits::Beat;
 pub use limits::GuestLimits;
-use limits::{Beat, Slot};
 pub use target::Target;
-use watched::Watched;
 
 /// The port envd listens on inside every guest.
 pub const ENVD_PORT: u16 = 49983;
@@ -117,6 +117,42 @@ pub struct Proxy {
     faults: Faults,
 }
 
+/// A sandbox that does not allow public traffic takes requests to its own ports (not envd's)
+/// only with its traffic access token: the refusal of one without it.
+fn traffic_token_refusal(
+    req: &Request<Incoming>,
+    route: &SandboxRoute,
+    target: &Target,
+) -> Option<Response<ProxyBody>> {
+    let token = route.traffic_access_token.as_ref()?;
+    if target.port == ENVD_PORT {
+        return None;
+    }
+    let sent = req
+        .headers()
+        .get(TRAFFIC_TOKEN_HEADER)
+        .and_then(|v| v.to_str().ok());
+    if sent.is_some_and(|s| constant_time_eq(s.as_bytes(), token.as_bytes())) {
+        return None;
+    }
+    Some(error(
+        StatusCode::FORBIDDEN,
+        "the sandbox does not allow public traffic: send its traffic access token in e2b-traffic-access-token",
+        Some(target),
+    ))
+}
+
+/// A request forwarded to the proxy of the sandbox's node: that host routes it by these
+/// headers whatever the Host says, and forwards it no further.
+fn mark_forwarded<B>(req: &mut Request<B>, target: &Target) {
+    let h = req.headers_mut();
+    h.insert(FORWARDED_HEADER, HeaderValue::from_static("1"));
+    if let Ok(v) = HeaderValue::from_str(&target.sandbox_id) {
+        h.insert(target::SANDBOX_ID_HEADER, v);
+    }
+    h.insert(target::SANDBOX_PORT_HEADER, HeaderValue::from(target.port));
+}
+
 impl Proxy {
     pub fn new(routes: Arc<dyn Routes>) -> Self {
         let mut connector = HttpConnector::new();
@@ -156,7 +192,7 @@ impl Proxy {
         }
     }
 
-    /// Fault points for tests ([`faults`]): `proxy:await-pause`, where a request that met a
+    /// Fault points for tests ([`vmon_faults`]): `proxy:await-pause`, where a request that met a
     /// pause waits for it.
     pub fn with_faults(mut self, faults: Faults) -> Self {
         self.faults = faults;
@@ -218,60 +254,22 @@ impl Proxy {
     /// Answer one request: route it, resume if needed, forward it.
     pub async fn handle(&self, req: Request<Incoming>) -> Response<ProxyBody> {
         let started = std::time::Instant::now();
-        let host = req
-            .headers()
-            .get(header::HOST)
-            .and_then(|h| h.to_str().ok())
-            .map(str::to_string)
-            .or_else(|| req.uri().authority().map(|a| a.to_string()));
         let client = req
             .extensions()
             .get::<listen::ClientAddr>()
             .map(|c| c.0.ip());
-        let target = match target::resolve(host.as_deref(), req.headers()) {
+        let target = match self.target_of(&req, client).await {
             Ok(t) => t,
-            Err(target::TargetError::Missing) => {
-                match self.signed_files_target(&req, client).await {
-                    Ok(Some(t)) => t,
-                    Ok(None) => {
-                        return error(
-                            StatusCode::BAD_REQUEST,
-                            &target::TargetError::Missing.to_string(),
-                            None,
-                        )
-                    }
-                    Err(resp) => return resp,
-                }
-            }
-            Err(e) => return error(StatusCode::BAD_REQUEST, &e.to_string(), None),
+            Err(resp) => return resp,
         };
-        if target.port == ENVD_PORT && is_init_path(req.uri().path()) {
-            return error(
-                StatusCode::FORBIDDEN,
-                "envd's /init is not reachable through the proxy",
-                Some(&target),
-            );
-        }
         let id = target.sandbox_id.as_str();
         // Read before the lookup: a pause that starts after it makes the route stale.
         let generation = self.activity.generation(id);
         let Some(route) = self.routes.lookup(id).await else {
             return not_found(&target);
         };
-        if target.port != ENVD_PORT {
-            if let Some(token) = &route.traffic_access_token {
-                let sent = req
-                    .headers()
-                    .get(TRAFFIC_TOKEN_HEADER)
-                    .and_then(|v| v.to_str().ok());
-                if !sent.is_some_and(|s| constant_time_eq(s.as_bytes(), token.as_bytes())) {
-                    return error(
-                        StatusCode::FORBIDDEN,
-                        "the sandbox does not allow public traffic: send its traffic access token in e2b-traffic-access-token",
-                        Some(&target),
-                    );
-                }
-            }
+        if let Some(refused) = traffic_token_refusal(&req, &route, &target) {
+            return refused;
         }
         // Counted from here until the response ends: resumes and waits for the guest included.
         let slot = match self.slots.take(&self.limits, id, client) {
@@ -295,14 +293,8 @@ impl Proxy {
                     Some(&target),
                 )
             }
-            // The node's host routes it by these headers whatever the Host says.
             Some(ingress) => {
-                let h = req.headers_mut();
-                h.insert(FORWARDED_HEADER, HeaderValue::from_static("1"));
-                if let Ok(v) = HeaderValue::from_str(id) {
-                    h.insert(target::SANDBOX_ID_HEADER, v);
-                }
-                h.insert(target::SANDBOX_PORT_HEADER, HeaderValue::from(target.port));
+                mark_forwarded(&mut req, &target);
                 ingress
             }
             None => SocketAddr::new(guest_ip, target.port),
@@ -329,6 +321,45 @@ impl Proxy {
             };
             self.forward(req, upstream, guest_ip, &target, held).await
         }
+    }
+
+    /// Where a request goes: its Host (or the sandbox headers), else a signed files URL's
+    /// sandbox; never envd's `/init`.
+    async fn target_of(
+        &self,
+        req: &Request<Incoming>,
+        client: Option<std::net::IpAddr>,
+    ) -> Result<Target, Response<ProxyBody>> {
+        let host = req
+            .headers()
+            .get(header::HOST)
+            .and_then(|h| h.to_str().ok())
+            .map(str::to_string)
+            .or_else(|| req.uri().authority().map(|a| a.to_string()));
+        let target = match target::resolve(host.as_deref(), req.headers()) {
+            Ok(t) => t,
+            Err(target::TargetError::Missing) => {
+                match self.signed_files_target(req, client).await? {
+                    Some(t) => t,
+                    None => {
+                        return Err(error(
+                            StatusCode::BAD_REQUEST,
+                            &target::TargetError::Missing.to_string(),
+                            None,
+                        ))
+                    }
+                }
+            }
+            Err(e) => return Err(error(StatusCode::BAD_REQUEST, &e.to_string(), None)),
+        };
+        if target.port == ENVD_PORT && is_init_path(req.uri().path()) {
+            return Err(error(
+                StatusCode::FORBIDDEN,
+                "envd's /init is not reachable through the proxy",
+                Some(&target),
+            ));
+        }
+        Ok(target)
     }
 
     /// The guest's address and route once the sandbox runs (resumed for this request when it
@@ -450,259 +481,12 @@ impl Proxy {
             .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
         resp
     }
-
-    /// 504: the guest sent no response headers within the timeout.
-    fn header_timeout(&self, target: &Target) -> Response<ProxyBody> {
-        error(
-            StatusCode::GATEWAY_TIMEOUT,
-            &format!(
-                "The sandbox {} did not answer on port {} within {} s",
-                target.sandbox_id,
-                target.port,
-                self.limits.response_header_timeout.as_secs()
-            ),
-            Some(target),
-        )
-    }
-
-    async fn forward(
-        &self,
-        req: Request<Stamped<Incoming>>,
-        upstream: Upstream,
-        guest_ip: IpAddr,
-        target: &Target,
-        held: Held,
-    ) -> Response<ProxyBody> {
-        let Held {
-            in_flight,
-            stamp,
-            slot,
-            beat,
-            started,
-        } = held;
-        let routed = started.elapsed();
-        let (mut parts, body) = req.into_parts();
-        let path = parts.uri.path().to_string();
-        let authority = match &upstream {
-            Upstream::Kept(run) => run.clone(),
-            Upstream::Fresh(addr) => addr.to_string(),
-        };
-        let Ok(uri) = upstream_uri(&authority, &parts.uri) else {
-            return error(
-                StatusCode::BAD_REQUEST,
-                "invalid request path",
-                Some(target),
-            );
-        };
-        parts.uri = uri;
-        // The pooled client speaks HTTP/1.1 to the guest whatever the client spoke to us.
-        parts.version = http::Version::HTTP_11;
-        keep_host(&mut parts.headers, target);
-        strip_hop_by_hop(&mut parts.headers);
-        if target.port == ENVD_PORT {
-            envd_keepalive_within(&mut parts.headers, self.limits.idle_body_timeout);
-        }
-        // Watched from the start: a guest paused or killed while this request waits for its
-        // answer (a stopped VM answers nothing) gets an answer within a second, not a timeout.
-        let mut gone = self.watch(&target.sandbox_id, guest_ip);
-        let req = Request::from_parts(parts, body);
-        let request = match upstream {
-            Upstream::Kept(_) => self.pooled.request(req),
-            Upstream::Fresh(_) => self.client.request(req),
-        };
-        let upstream = tokio::select! {
-            r = request => r,
-            why = &mut gone => {
-                let why = why.unwrap_or_else(|_| "the sandbox went away".to_string());
-                return error(StatusCode::BAD_GATEWAY, &why, Some(target));
-            }
-            _ = beat.quiet_for(self.limits.response_header_timeout) => {
-                return self.header_timeout(target);
-            }
-        };
-        drop(in_flight);
-        match upstream {
-            Ok(resp) => {
-                let (mut parts, body) = resp.into_parts();
-                strip_hop_by_hop(&mut parts.headers);
-                // Where a request's time went (`VMON_LOG=vmon_proxy=debug`; the api bench reads
-                // these): routing here, the guest's headers, and the body's end (below).
-                tracing::debug!(
-                    sandbox = %target.sandbox_id,
-                    path = %path,
-                    route_ms = routed.as_secs_f64() * 1e3,
-                    headers_ms = started.elapsed().as_secs_f64() * 1e3,
-                    "proxied: headers"
-                );
-                let body = Watched::new(
-                    body.map_err(BoxError::from).boxed(),
-                    Some(gone),
-                    stamp,
-                    self.limits.idle_body_timeout,
-                    Some(slot),
-                )
-                .traced(&target.sandbox_id, path, started);
-                Response::from_parts(parts, body.boxed())
-            }
-            Err(e) if e.is_connect() => port_not_open(target),
-            Err(e) => {
-                tracing::debug!(sandbox_id = %target.sandbox_id, error = %e, "upstream request failed");
-                error(
-                    StatusCode::BAD_GATEWAY,
-                    &format!("The sandbox {} did not answer: {e}", target.sandbox_id),
-                    Some(target),
-                )
-            }
-        }
-    }
-
-    /// WebSocket and other `Connection: upgrade` requests: one fresh HTTP/1.1 connection to
-    /// the guest, then bytes copied both ways once both sides have switched protocols.
-    async fn forward_upgrade(
-        &self,
-        mut req: Request<Stamped<Incoming>>,
-        addr: SocketAddr,
-        target: &Target,
-        held: Held,
-    ) -> Response<ProxyBody> {
-        let Held {
-            in_flight,
-            stamp,
-            slot,
-            beat,
-            ..
-        } = held;
-        let stream = match tokio::time::timeout(
-            Duration::from_secs(10),
-            tokio::net::TcpStream::connect(addr),
-        )
-        .await
-        {
-            Ok(Ok(s)) => s,
-            _ => return port_not_open(target),
-        };
-        let (mut sender, conn) =
-            match hyper::client::conn::http1::handshake(TokioIo::new(stream)).await {
-                Ok(x) => x,
-                Err(_) => return port_not_open(target),
-            };
-        tokio::spawn(async move {
-            let _ = conn.with_upgrades().await;
-        });
-        let client_upgrade = hyper::upgrade::on(&mut req);
-        let (mut parts, body) = req.into_parts();
-        parts.uri = match parts.uri.path_and_query() {
-            Some(pq) => match pq.as_str().parse() {
-                Ok(u) => u,
-                Err(_) => {
-                    return error(
-                        StatusCode::BAD_REQUEST,
-                        "invalid request path",
-                        Some(target),
-                    )
-                }
-            },
-            None => http::Uri::from_static("/"),
-        };
-        parts.version = http::Version::HTTP_11;
-        keep_host(&mut parts.headers, target);
-        let sent = tokio::select! {
-            r = sender.send_request(Request::from_parts(parts, body)) => r,
-            _ = beat.quiet_for(self.limits.response_header_timeout) => {
-                return self.header_timeout(target);
-            }
-        };
-        let mut resp = match sent {
-            Ok(r) => r,
-            Err(e) => {
-                return error(
-                    StatusCode::BAD_GATEWAY,
-                    &format!("The sandbox {} did not answer: {e}", target.sandbox_id),
-                    Some(target),
-                )
-            }
-        };
-        drop(in_flight);
-        // An upgraded connection has no idle bound (a WebSocket may be quiet for as long as
-        // its peers like); it holds its slot until either side closes.
-        let slot = if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
-            let upstream_upgrade = hyper::upgrade::on(&mut resp);
-            let stamp = stamp.clone();
-            tokio::spawn(async move {
-                let _slot = slot;
-                let (Ok(client), Ok(upstream)) = (client_upgrade.await, upstream_upgrade.await)
-                else {
-                    return;
-                };
-                let mut client = StampedIo::new(TokioIo::new(client), stamp);
-                let mut upstream = TokioIo::new(upstream);
-                let _ = tokio::io::copy_bidirectional(&mut client, &mut upstream).await;
-            });
-            None
-        } else {
-            Some(slot)
-        };
-        let (parts, body) = resp.into_parts();
-        let body = Watched::new(
-            body.map_err(BoxError::from).boxed(),
-            None,
-            stamp,
-            self.limits.idle_body_timeout,
-            slot,
-        );
-        Response::from_parts(parts, body.boxed())
-    }
-
-    /// Fires (with the reason) once `sandbox_id` no longer runs at `ip`; ends by itself when
-    /// the receiver is dropped (the response finished or its client left).
-    fn watch(&self, sandbox_id: &str, ip: IpAddr) -> tokio::sync::oneshot::Receiver<String> {
-        let (mut tx, rx) = tokio::sync::oneshot::channel();
-        let routes = self.routes.clone();
-        let id = sandbox_id.to_string();
-        tokio::spawn(async move {
-            loop {
-                tokio::select! {
-                    _ = tx.closed() => return,
-                    _ = tokio::time::sleep(WATCH_EVERY) => {}
-                }
-                let why = match routes.lookup(&id).await {
-                    None => format!("the sandbox {id} was killed or reached its end of life"),
-                    Some(r) if r.guest_ip != Some(ip) => {
-                        format!("the sandbox {id} was paused or moved")
-                    }
-                    Some(_) => continue,
-                };
-                let _ = tx.send(why);
-                return;
-            }
-        });
-        rx
-    }
 }
 
 /// A route as looked up, with the pause generation read before the lookup.
 struct Seen {
     route: SandboxRoute,
     generation: u64,
-}
-
-/// What a request holds while it is forwarded: its count in flight (until the guest's
-/// headers), its sandbox's activity stamp, its slot (until its response ends) and the beat of
-/// its request body (the header timeout counts from its last byte).
-struct Held {
-    in_flight: InFlight,
-    stamp: Arc<Stamp>,
-    slot: Slot,
-    beat: Arc<Beat>,
-    /// When the proxy got the request.
-    started: std::time::Instant,
-}
-
-/// Where a request goes: over a kept connection of a sandbox run (its pooled authority,
-/// [`pool::authority`]), or over a connection of its own to an address.
-enum Upstream {
-    Kept(String),
-    Fresh(SocketAddr),
 }
 
 /// `/init`, `//init/`, `/%69nit`: however it is spelled, it must not reach envd.

@@ -129,11 +129,50 @@ pub struct Placement<'a> {
 
 impl MachineDesc {
     pub fn args(&self, p: &Placement<'_>) -> Vec<String> {
+        let mut a = self.base_args(p);
+        if let Some(disk) = p.disk {
+            a.extend(disk_args(disk));
+        }
+        if !p.incoming {
+            // A restored guest booted long ago: QEMU need not read (and keep a heap copy of)
+            // the kernel and initrd for it. Only fw_cfg blobs differ, which no device state
+            // carries.
+            a.extend([
+                "-kernel".into(),
+                self.kernel.display().to_string(),
+                "-initrd".into(),
+                self.initrd.display().to_string(),
+                "-append".into(),
+                self.cmdline.clone(),
+            ]);
+        }
+        if p.net.is_some() {
+            // The tap is opened for QEMU before exec ([`crate::process`]): by descriptor.
+            a.push("-netdev".into());
+            a.push(format!("tap,id=n0,fd={}", crate::process::TAP_FD));
+            a.push("-device".into());
+            a.push(format!(
+                "virtio-net-pci,netdev=n0,id=net0,mac={GUEST_MAC},romfile=,addr={NET_ADDR}"
+            ));
+        }
+        a.extend(fs_share_args(p.fs_shares));
+        if p.incoming {
+            a.extend(["-incoming", "defer", "-S"].map(String::from));
+        }
+        // On boots too, so a later device-state save omits the configuration section that
+        // restores do not expect.
+        a.extend(["-global", "migration.send-configuration=off"].map(String::from));
+        a
+    }
+
+    /// The machine itself: its name, accelerator, CPUs and RAM file, no default devices,
+    /// QEMU's seccomp filter, the console, QMP and the pidfile.
+    fn base_args(&self, p: &Placement<'_>) -> Vec<String> {
         let share = match p.ram {
             RamSharing::Shared => "on",
             RamSharing::Private => "off",
         };
-        let mut a: Vec<String> = vec![
+        vec![
             "-name".into(),
             format!("vmon-{}", p.tag),
             "-machine".into(),
@@ -176,72 +215,41 @@ impl MachineDesc {
             format!("unix:{},server=on,wait=off", p.qmp_socket.display()),
             "-pidfile".into(),
             p.pidfile.display().to_string(),
-        ];
-        if let Some(disk) = p.disk {
-            a.extend([
-                "-blockdev".into(),
-                format!(
-                    "driver=file,filename={},node-name=f0,cache.direct=off",
-                    disk.display()
-                ),
-                "-blockdev".into(),
-                "driver=qcow2,file=f0,node-name=d0".into(),
-                "-device".into(),
-                format!("virtio-blk-pci,drive=d0,id={DISK_DEVICE},addr={BLK_ADDR}"),
-            ]);
-        }
-        if !p.incoming {
-            // A restored guest booted long ago: QEMU need not read (and keep a heap copy of)
-            // the kernel and initrd for it. Only fw_cfg blobs differ, which no device state
-            // carries.
-            a.extend([
-                "-kernel".into(),
-                self.kernel.display().to_string(),
-                "-initrd".into(),
-                self.initrd.display().to_string(),
-                "-append".into(),
-                self.cmdline.clone(),
-            ]);
-        }
-        if p.net.is_some() {
-            // The tap is opened for QEMU before exec ([`crate::process`]): by descriptor.
-            a.push("-netdev".into());
-            a.push(format!("tap,id=n0,fd={}", crate::process::TAP_FD));
-            a.push("-device".into());
-            a.push(format!(
-                "virtio-net-pci,netdev=n0,id=net0,mac={GUEST_MAC},romfile=,addr={NET_ADDR}"
-            ));
-        }
-        for (i, share) in p.fs_shares.iter().enumerate() {
-            a.extend([
-                "-chardev".into(),
-                format!("socket,id=vfs{i},path={}", share.socket.display()),
-                "-device".into(),
-                format!(
-                    "vhost-user-fs-pci,chardev=vfs{i},tag={},queue-size=1024,addr={:#x}",
-                    share.tag,
-                    FS_ADDR + i as u32
-                ),
-            ]);
-        }
-        if p.incoming {
-            a.extend(
-                [
-                    "-incoming",
-                    "defer",
-                    "-S",
-                    "-global",
-                    "migration.send-configuration=off",
-                ]
-                .map(String::from),
-            );
-        } else {
-            // Same global on boots so a later device-state save omits the configuration section
-            // that restores do not expect.
-            a.extend(["-global", "migration.send-configuration=off"].map(String::from));
-        }
-        a
+        ]
     }
+}
+
+/// The disk: a qcow2 over `disk` at its fixed PCI slot ([`disk_attach`] gives the same later).
+fn disk_args(disk: &Path) -> [String; 6] {
+    [
+        "-blockdev".into(),
+        format!(
+            "driver=file,filename={},node-name=f0,cache.direct=off",
+            disk.display()
+        ),
+        "-blockdev".into(),
+        "driver=qcow2,file=f0,node-name=d0".into(),
+        "-device".into(),
+        format!("virtio-blk-pci,drive=d0,id={DISK_DEVICE},addr={BLK_ADDR}"),
+    ]
+}
+
+/// One vhost-user-fs device per share, each at its own PCI slot from [`FS_ADDR`].
+fn fs_share_args(shares: &[FsShare]) -> Vec<String> {
+    let mut a = Vec::new();
+    for (i, share) in shares.iter().enumerate() {
+        a.extend([
+            "-chardev".into(),
+            format!("socket,id=vfs{i},path={}", share.socket.display()),
+            "-device".into(),
+            format!(
+                "vhost-user-fs-pci,chardev=vfs{i},tag={},queue-size=1024,addr={:#x}",
+                share.tag,
+                FS_ADDR + i as u32
+            ),
+        ]);
+    }
+    a
 }
 
 /// The QMP commands that give a process started without a disk the one [`MachineDesc::args`]

@@ -14,10 +14,10 @@ use serde_json::{json, Value};
 use time::OffsetDateTime;
 
 use super::{forbidden, own_build, own_template, steps, valid_tag, DEFAULT_TAG};
-use crate::control::{parse_template_ref, record_error, Control};
+use crate::control::{parse_template_ref, record_error, Control, TemplateRef};
 use crate::error::{ApiError, ApiResult};
 use crate::ids;
-use crate::records::{BuildState, TemplateBuild, TemplateKind, TemplateRecord};
+use crate::records::{BuildState, Team, TemplateBuild, TemplateKind, TemplateRecord};
 use crate::state::{body, AppState, Auth};
 
 #[utoipa::path(post, path = "/templates", tag = "templates",
@@ -65,9 +65,55 @@ pub(crate) async fn request_build(
     bytes: Bytes,
 ) -> ApiResult<Response> {
     let req: BuildRequest = body(&bytes)?;
+    let (r, tags) = requested_name(&req, &team)?;
+    let c = &s.control;
+    let machine = requested_machine(&req, &team, c)?;
+    if r.name == "base" || crate::control::builtin_name(&r.name) {
+        return Err(ApiError::conflict(format!(
+            "{:?} is a built-in template's name",
+            r.name
+        )));
+    }
+    let template = template_to_build(c, &team, &r.name).await?;
+    let build = TemplateBuild {
+        build_id: ids::build_id(),
+        template_id: template.id.clone(),
+        team_id: team.id.clone(),
+        state: BuildState::Waiting,
+        tags: tags.clone(),
+        vcpus: machine.vcpus,
+        memory_mb: machine.memory_mb,
+        disk_mb: machine.disk_mb,
+        start: None,
+        failure: None,
+        result: None,
+        created_at: OffsetDateTime::now_utc(),
+        finished_at: None,
+    };
+    c.records()
+        .put_template_build(&build)
+        .await
+        .map_err(record_error)?;
+    Ok((
+        StatusCode::ACCEPTED,
+        Json(json!({
+            "templateID": template.id,
+            "buildID": build.build_id,
+            "public": false,
+            "names": [format!("{}/{}", team.slug, r.name)],
+            "tags": tags,
+            "aliases": [r.name],
+        })),
+    )
+        .into_response())
+}
+
+/// The requested name (`[team/]name[:tag]`, in the team's namespace) and its tags: the name's own first, `default` when none is given.
+fn requested_name(req: &BuildRequest, team: &Team) -> ApiResult<(TemplateRef, Vec<String>)> {
     let name = req
         .name
-        .or(req.alias)
+        .as_ref()
+        .or(req.alias.as_ref())
         .ok_or_else(|| ApiError::bad_request("name is required"))?;
     let r = parse_template_ref(name.trim()).ok_or_else(|| {
         ApiError::bad_request(format!(
@@ -92,7 +138,18 @@ pub(crate) async fn request_build(
     if let Some(t) = tags.iter().find(|t| !valid_tag(t)) {
         return Err(ApiError::bad_request(format!("{t:?} is not a tag")));
     }
-    let c = &s.control;
+    Ok((r, tags))
+}
+
+/// The machine a build asks for, within the team's limits; the base template's where it
+/// names none.
+struct Machine {
+    vcpus: u32,
+    memory_mb: u32,
+    disk_mb: u32,
+}
+
+fn requested_machine(req: &BuildRequest, team: &Team, c: &Control) -> ApiResult<Machine> {
     let base = &c.config().base_template;
     let vcpus = req.cpu_count.unwrap_or(i64::from(base.vcpus));
     let memory_mb = req.memory_mb.unwrap_or(i64::from(base.memory_mb));
@@ -115,31 +172,31 @@ pub(crate) async fn request_build(
             team.limits.max_disk_mb
         )));
     }
-    if r.name == "base" || crate::control::builtin_name(&r.name) {
-        return Err(ApiError::conflict(format!(
-            "{:?} is a built-in template's name",
-            r.name
-        )));
-    }
+    Ok(Machine {
+        vcpus: vcpus as u32,
+        memory_mb: memory_mb as u32,
+        disk_mb: (min_disk as u32).max(base.disk_mb),
+    })
+}
+
+/// The team's template named `name`, made when it has none; a snapshot's name is a conflict.
+async fn template_to_build(c: &Control, team: &Team, name: &str) -> ApiResult<TemplateRecord> {
     let records = c.records();
     let existing = records
-        .template_by_alias(&team.id, &r.name)
+        .template_by_alias(&team.id, name)
         .await
         .map_err(record_error)?
         .filter(|t| t.team_id.as_deref() == Some(team.id.as_str()));
-    let template = match existing {
-        Some(t) if matches!(t.kind, TemplateKind::Snapshot { .. }) => {
-            return Err(ApiError::conflict(format!(
-                "{:?} is the name of a snapshot",
-                r.name
-            )))
-        }
-        Some(t) => t,
+    match existing {
+        Some(t) if matches!(t.kind, TemplateKind::Snapshot { .. }) => Err(ApiError::conflict(
+            format!("{name:?} is the name of a snapshot"),
+        )),
+        Some(t) => Ok(t),
         None => {
             let t = TemplateRecord {
                 id: ids::template_id(),
                 team_id: Some(team.id.clone()),
-                alias: Some(r.name.clone()),
+                alias: Some(name.to_string()),
                 kind: TemplateKind::Template,
                 tags: BTreeMap::new(),
                 created_at: OffsetDateTime::now_utc(),
@@ -148,40 +205,9 @@ pub(crate) async fn request_build(
                 .put_template(t.clone())
                 .await
                 .map_err(record_error)?;
-            t
+            Ok(t)
         }
-    };
-    let build = TemplateBuild {
-        build_id: ids::build_id(),
-        template_id: template.id.clone(),
-        team_id: team.id.clone(),
-        state: BuildState::Waiting,
-        tags: tags.clone(),
-        vcpus: vcpus as u32,
-        memory_mb: memory_mb as u32,
-        disk_mb: (min_disk as u32).max(base.disk_mb),
-        start: None,
-        failure: None,
-        result: None,
-        created_at: OffsetDateTime::now_utc(),
-        finished_at: None,
-    };
-    records
-        .put_template_build(&build)
-        .await
-        .map_err(record_error)?;
-    Ok((
-        StatusCode::ACCEPTED,
-        Json(json!({
-            "templateID": template.id,
-            "buildID": build.build_id,
-            "public": false,
-            "names": [format!("{}/{}", team.slug, r.name)],
-            "tags": tags,
-            "aliases": [r.name],
-        })),
-    )
-        .into_response())
+    }
 }
 
 #[utoipa::path(post, path = "/v2/templates/{templateID}/builds/{buildID}", tag = "templates",

@@ -13,7 +13,8 @@ use axum::http::{Request, StatusCode};
 use http_body_util::BodyExt;
 use tower::ServiceExt;
 use vmon_api::records::{
-    Event, EventQuery, Records, StoreRecords, TeamLimits, TemplateKind, TemplateRecord,
+    Event, EventKind, EventQuery, Records, SandboxRecord, StoreRecords, TeamLimits, TemplateKind,
+    TemplateRecord,
 };
 use vmon_api::{admin, Config, Control};
 use vmon_proto::node::{
@@ -397,6 +398,14 @@ impl NodeHandler for FakeNode {
     }
 }
 
+/// A team's limits: `max_concurrent` sandboxes, the rest the defaults.
+pub fn limits(max_concurrent: u32) -> TeamLimits {
+    TeamLimits {
+        max_concurrent,
+        ..TeamLimits::default()
+    }
+}
+
 pub struct Harness {
     pub control: Arc<Control>,
     pub node: Arc<FakeNode>,
@@ -597,6 +606,48 @@ impl Harness {
             })
             .await
             .unwrap()
+    }
+
+    /// `POST /sandboxes/{id}/pause` (a memory pause, the default).
+    pub async fn pause(&self, id: &str) -> Reply {
+        self.req("POST", &format!("/sandboxes/{id}/pause"), Some("{}"))
+            .await
+    }
+
+    /// `POST /v2/sandboxes/{id}/connect` with `timeout` seconds.
+    pub async fn connect(&self, id: &str, timeout: u32) -> Reply {
+        let body = format!(r#"{{"timeout":{timeout}}}"#);
+        self.req("POST", &format!("/v2/sandboxes/{id}/connect"), Some(&body))
+            .await
+    }
+
+    /// The sandbox's record as the store holds it.
+    pub async fn record(&self, id: &str) -> SandboxRecord {
+        self.records
+            .sandbox(id)
+            .await
+            .unwrap()
+            .unwrap_or_else(|| panic!("no record of {id}"))
+    }
+
+    /// The last start the node was asked for.
+    pub fn last_start(&self) -> StartSpec {
+        self.node
+            .starts
+            .lock()
+            .unwrap()
+            .last()
+            .cloned()
+            .expect("a start")
+    }
+
+    /// The sandbox's newest event of `kind`.
+    pub async fn last_event(&self, sandbox_id: &str, kind: EventKind) -> Event {
+        self.events(sandbox_id)
+            .await
+            .into_iter()
+            .rfind(|e| e.event_type == kind.as_str())
+            .unwrap_or_else(|| panic!("no {} event of {sandbox_id}", kind.as_str()))
     }
 
     /// Creates a sandbox from `base` and returns its id.

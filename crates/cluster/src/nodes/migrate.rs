@@ -10,6 +10,7 @@ use vmon_proto::node::{MigrateOut, NodeCalls, NodeError};
 
 use super::ClusterNodes;
 use crate::placement::HEADROOM_MB;
+use vmon_nodeclient::RemoteNode;
 
 /// The whole copy of one migration ends in failure after this long.
 const COPY_TIMEOUT_SECS: u64 = 600;
@@ -84,56 +85,13 @@ impl ClusterNodes {
         let t0 = Instant::now();
         let (from, source) = self.node_of(sandbox_id).await?;
         let spec = source.migrate_describe(sandbox_id, execution_id).await?;
-        let to = match target {
-            Some(id) if id == from.id => {
-                return Err(NodeError::InvalidArgument(format!(
-                    "sandbox {sandbox_id} already runs on {id}"
-                )))
-            }
-            Some(id) => {
-                let n = self.member(id).await.ok_or_else(|| {
-                    NodeError::InvalidArgument(format!("node {id} is not in the cluster"))
-                })?;
-                if !n.restores_from(&BuildOrigin::of(&from)) {
-                    return Err(NodeError::InvalidArgument(format!(
-                        "node {id} cannot load memory from {} (another accelerator, QEMU or CPU)",
-                        from.id
-                    )));
-                }
-                n
-            }
-            None => self
-                .targets(&from, spec.memory_mb)
-                .await
-                .into_iter()
-                .next()
-                .ok_or_else(|| {
-                    NodeError::Exhausted(format!(
-                        "no other node can take sandbox {sandbox_id} (compatible, with room, not draining)"
-                    ))
-                })?,
-        };
+        let to = self
+            .migration_target(sandbox_id, &from, target, spec.memory_mb)
+            .await?;
         let target = self.client(&to)?;
         let basis = spec.basis.clone();
-        // The target fetches the build under the sandbox from the object store: a build made
-        // moments ago (a template, a checkpoint) may still be uploading.
         if !self.holders(&basis).await.contains(&to.id) {
-            let t = Instant::now();
-            loop {
-                match source.build_info(&basis).await {
-                    Ok(info) if info.stored => break,
-                    Ok(_) if t.elapsed() < STORED_WAIT => {
-                        tokio::time::sleep(std::time::Duration::from_secs(1)).await
-                    }
-                    Ok(_) => {
-                        return Err(NodeError::Exhausted(format!(
-                            "build {basis} under sandbox {sandbox_id} is not in the object store yet, so {} cannot load it; try again later",
-                            to.id
-                        )))
-                    }
-                    Err(e) => return Err(e),
-                }
-            }
+            wait_stored(&source, &basis, sandbox_id, &to).await?;
         }
         let migration_id = target.migrate_in(spec).await?;
         let sent = source
@@ -189,6 +147,44 @@ impl ClusterNodes {
         })
     }
 
+    /// Where sandbox `sandbox_id` (of `memory_mb`, on `from`) moves: the node asked for,
+    /// when it can load `from`'s memory, else the least loaded that can and has room.
+    async fn migration_target(
+        &self,
+        sandbox_id: &str,
+        from: &NodeInfo,
+        target: Option<&str>,
+        memory_mb: u32,
+    ) -> Result<NodeInfo, NodeError> {
+        match target {
+            Some(id) if id == from.id => Err(NodeError::InvalidArgument(format!(
+                "sandbox {sandbox_id} already runs on {id}"
+            ))),
+            Some(id) => {
+                let n = self.member(id).await.ok_or_else(|| {
+                    NodeError::InvalidArgument(format!("node {id} is not in the cluster"))
+                })?;
+                if !n.restores_from(&BuildOrigin::of(from)) {
+                    return Err(NodeError::InvalidArgument(format!(
+                        "node {id} cannot load memory from {} (another accelerator, QEMU or CPU)",
+                        from.id
+                    )));
+                }
+                Ok(n)
+            }
+            None => self
+                .targets(from, memory_mb)
+                .await
+                .into_iter()
+                .next()
+                .ok_or_else(|| {
+                    NodeError::Exhausted(format!(
+                        "no other node can take sandbox {sandbox_id} (compatible, with room, not draining)"
+                    ))
+                }),
+        }
+    }
+
     pub(super) async fn rehome_build(
         &self,
         build_id: &str,
@@ -219,5 +215,32 @@ impl ClusterNodes {
             }
         }
         Err(last)
+    }
+}
+
+/// Waits (up to [`STORED_WAIT`]) until build `basis` under the sandbox is in the object
+/// store, where the target `to` fetches it from: a build made moments ago (a template, a
+/// checkpoint) may still be uploading.
+async fn wait_stored(
+    source: &RemoteNode,
+    basis: &str,
+    sandbox_id: &str,
+    to: &NodeInfo,
+) -> Result<(), NodeError> {
+    let t = Instant::now();
+    loop {
+        match source.build_info(basis).await {
+            Ok(info) if info.stored => return Ok(()),
+            Ok(_) if t.elapsed() < STORED_WAIT => {
+                tokio::time::sleep(std::time::Duration::from_secs(1)).await
+            }
+            Ok(_) => {
+                return Err(NodeError::Exhausted(format!(
+                    "build {basis} under sandbox {sandbox_id} is not in the object store yet, so {} cannot load it; try again later",
+                    to.id
+                )))
+            }
+            Err(e) => return Err(e),
+        }
     }
 }

@@ -119,146 +119,156 @@ pub fn plan(start: &BuildStart) -> ControlResult<Vec<(Action, StepState)>> {
     let mut state = StepState::default();
     let mut out = Vec::with_capacity(start.steps.len());
     for (i, step) in start.steps.iter().enumerate() {
-        let n = i + 1;
-        if step
-            .args
-            .iter()
-            .any(|a| a.len() > MAX_ARG || a.contains('\0'))
-        {
-            return Err(bad(n, "an argument is too long or holds a NUL byte"));
-        }
-        let action = match step.kind.as_str() {
-            "RUN" => {
-                let cmd = step
-                    .args
-                    .first()
-                    .filter(|c| !c.trim().is_empty())
-                    .ok_or_else(|| bad(n, "RUN needs a command"))?
-                    .clone();
-                let user = match step.args.get(1).filter(|u| !u.is_empty()) {
-                    Some(u) if valid_user(u) => u.clone(),
-                    Some(u) => return Err(bad(n, format!("{u:?} is not a user name"))),
-                    None => state.user.clone(),
-                };
-                Action::Run { cmd, user }
-            }
-            "COPY" => {
-                let files_hash = step
-                    .files_hash
-                    .clone()
-                    .filter(|h| is_hash(h))
-                    .ok_or_else(|| bad(n, "COPY needs the filesHash of its uploaded files"))?
-                    .to_ascii_lowercase();
-                let src = step.args.first().cloned().unwrap_or_default();
-                let dest = step.args.get(1).cloned().unwrap_or_default();
-                if src.is_empty() || src.starts_with('/') || src.split('/').any(|p| p == "..") {
-                    return Err(bad(
-                        n,
-                        format!("COPY source {src:?} must be relative, inside the context"),
-                    ));
-                }
-                if dest.is_empty() {
-                    return Err(bad(n, "COPY needs a destination"));
-                }
-                let dest = if dest.starts_with('/') {
-                    dest
-                } else {
-                    let base = state
-                        .workdir
-                        .clone()
-                        .unwrap_or_else(|| home_of(&state.user));
-                    format!("{}/{dest}", base.trim_end_matches('/'))
-                };
-                let owner = match step.args.get(2).filter(|u| !u.is_empty()) {
-                    Some(u) => {
-                        let (usr, grp) = u.split_once(':').unwrap_or((u, u));
-                        if !valid_user(usr) || !valid_user(grp) {
-                            return Err(bad(n, format!("{u:?} is not an owner")));
-                        }
-                        format!("{usr}:{grp}")
-                    }
-                    None => format!("{0}:{0}", state.user),
-                };
-                let mode = match step.args.get(3).filter(|m| !m.is_empty()) {
-                    Some(m) if m.len() <= 4 && m.bytes().all(|b| (b'0'..=b'7').contains(&b)) => {
-                        Some(m.clone())
-                    }
-                    Some(m) => return Err(bad(n, format!("{m:?} is not an octal mode"))),
-                    None => None,
-                };
-                Action::Copy {
-                    files_hash,
-                    src,
-                    dest,
-                    owner,
-                    mode,
-                }
-            }
-            "ENV" => {
-                if step.args.len() % 2 != 0 {
-                    return Err(bad(n, "ENV takes name, value pairs"));
-                }
-                for kv in step.args.chunks(2) {
-                    let k = &kv[0];
-                    let ok = !k.is_empty()
-                        && !k.as_bytes()[0].is_ascii_digit()
-                        && k.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
-                    if !ok {
-                        return Err(bad(n, format!("{k:?} is not a variable name")));
-                    }
-                    state.env.insert(k.clone(), kv[1].clone());
-                }
-                Action::State { cmd: None }
-            }
-            "WORKDIR" => {
-                let dir = step
-                    .args
-                    .first()
-                    .filter(|d| !d.is_empty())
-                    .ok_or_else(|| bad(n, "WORKDIR needs a directory"))?;
-                let dir = if dir.starts_with('/') {
-                    dir.clone()
-                } else {
-                    let base = state
-                        .workdir
-                        .clone()
-                        .unwrap_or_else(|| home_of(&state.user));
-                    format!("{}/{dir}", base.trim_end_matches('/'))
-                };
-                state.workdir = Some(dir.clone());
-                Action::State {
-                    cmd: Some(format!(
-                        "mkdir -p {d} && chown {u}:{u} {d} 2>/dev/null || true",
-                        d = quote(&dir),
-                        u = state.user
-                    )),
-                }
-            }
-            "USER" => {
-                let u = step
-                    .args
-                    .first()
-                    .filter(|u| valid_user(u))
-                    .ok_or_else(|| bad(n, "USER needs a user name"))?;
-                state.user = u.clone();
-                Action::State {
-                    cmd: Some(format!(
-                        "id -u {u} >/dev/null 2>&1 || useradd -m -s /bin/bash {u}"
-                    )),
-                }
-            }
-            other => {
-                return Err(bad(
-                    n,
-                    format!(
-                        "unknown step type {other:?} (RUN, COPY, ENV, WORKDIR and USER are known)"
-                    ),
-                ))
-            }
-        };
+        let action = action(i + 1, step, &mut state)?;
         out.push((action, state.clone()));
     }
     Ok(out)
+}
+
+/// Step `n`'s action; `state` becomes the state after it.
+fn action(n: usize, step: &Step, state: &mut StepState) -> ControlResult<Action> {
+    if step
+        .args
+        .iter()
+        .any(|a| a.len() > MAX_ARG || a.contains('\0'))
+    {
+        return Err(bad(n, "an argument is too long or holds a NUL byte"));
+    }
+    match step.kind.as_str() {
+        "RUN" => run_action(n, step, state),
+        "COPY" => copy_action(n, step, state),
+        "ENV" => env_action(n, step, state),
+        "WORKDIR" => workdir_action(n, step, state),
+        "USER" => user_action(n, step, state),
+        other => Err(bad(
+            n,
+            format!("unknown step type {other:?} (RUN, COPY, ENV, WORKDIR and USER are known)"),
+        )),
+    }
+}
+
+/// RUN command [user]: the command as the step's user, else the current one.
+fn run_action(n: usize, step: &Step, state: &StepState) -> ControlResult<Action> {
+    let cmd = step
+        .args
+        .first()
+        .filter(|c| !c.trim().is_empty())
+        .ok_or_else(|| bad(n, "RUN needs a command"))?
+        .clone();
+    let user = match step.args.get(1).filter(|u| !u.is_empty()) {
+        Some(u) if valid_user(u) => u.clone(),
+        Some(u) => return Err(bad(n, format!("{u:?} is not a user name"))),
+        None => state.user.clone(),
+    };
+    Ok(Action::Run { cmd, user })
+}
+
+/// COPY src dest [owner] [mode]: `src` relative inside the uploaded context, `dest` in the
+/// working directory unless absolute, owned by the current user unless an owner is given.
+fn copy_action(n: usize, step: &Step, state: &StepState) -> ControlResult<Action> {
+    let files_hash = step
+        .files_hash
+        .clone()
+        .filter(|h| is_hash(h))
+        .ok_or_else(|| bad(n, "COPY needs the filesHash of its uploaded files"))?
+        .to_ascii_lowercase();
+    let src = step.args.first().cloned().unwrap_or_default();
+    let dest = step.args.get(1).cloned().unwrap_or_default();
+    if src.is_empty() || src.starts_with('/') || src.split('/').any(|p| p == "..") {
+        return Err(bad(
+            n,
+            format!("COPY source {src:?} must be relative, inside the context"),
+        ));
+    }
+    if dest.is_empty() {
+        return Err(bad(n, "COPY needs a destination"));
+    }
+    let owner = match step.args.get(2).filter(|u| !u.is_empty()) {
+        Some(u) => {
+            let (usr, grp) = u.split_once(':').unwrap_or((u, u));
+            if !valid_user(usr) || !valid_user(grp) {
+                return Err(bad(n, format!("{u:?} is not an owner")));
+            }
+            format!("{usr}:{grp}")
+        }
+        None => format!("{0}:{0}", state.user),
+    };
+    let mode = match step.args.get(3).filter(|m| !m.is_empty()) {
+        Some(m) if m.len() <= 4 && m.bytes().all(|b| (b'0'..=b'7').contains(&b)) => Some(m.clone()),
+        Some(m) => return Err(bad(n, format!("{m:?} is not an octal mode"))),
+        None => None,
+    };
+    Ok(Action::Copy {
+        files_hash,
+        src,
+        dest: in_workdir(state, &dest),
+        owner,
+        mode,
+    })
+}
+
+/// ENV name value [name value …]: variables of later steps and of the template's sandboxes.
+fn env_action(n: usize, step: &Step, state: &mut StepState) -> ControlResult<Action> {
+    if !step.args.len().is_multiple_of(2) {
+        return Err(bad(n, "ENV takes name, value pairs"));
+    }
+    for kv in step.args.chunks(2) {
+        let k = &kv[0];
+        let ok = !k.is_empty()
+            && !k.as_bytes()[0].is_ascii_digit()
+            && k.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
+        if !ok {
+            return Err(bad(n, format!("{k:?} is not a variable name")));
+        }
+        state.env.insert(k.clone(), kv[1].clone());
+    }
+    Ok(Action::State { cmd: None })
+}
+
+/// WORKDIR dir: the working directory of later steps, made (owned by the current user).
+fn workdir_action(n: usize, step: &Step, state: &mut StepState) -> ControlResult<Action> {
+    let dir = step
+        .args
+        .first()
+        .filter(|d| !d.is_empty())
+        .ok_or_else(|| bad(n, "WORKDIR needs a directory"))?;
+    let dir = in_workdir(state, dir);
+    state.workdir = Some(dir.clone());
+    Ok(Action::State {
+        cmd: Some(format!(
+            "mkdir -p {d} && chown {u}:{u} {d} 2>/dev/null || true",
+            d = quote(&dir),
+            u = state.user
+        )),
+    })
+}
+
+/// USER name: the user of later steps, made when the guest lacks it.
+fn user_action(n: usize, step: &Step, state: &mut StepState) -> ControlResult<Action> {
+    let u = step
+        .args
+        .first()
+        .filter(|u| valid_user(u))
+        .ok_or_else(|| bad(n, "USER needs a user name"))?;
+    state.user = u.clone();
+    Ok(Action::State {
+        cmd: Some(format!(
+            "id -u {u} >/dev/null 2>&1 || useradd -m -s /bin/bash {u}"
+        )),
+    })
+}
+
+/// `path` as is when absolute, else under the working directory (the user's home when none
+/// was set).
+fn in_workdir(state: &StepState, path: &str) -> String {
+    if path.starts_with('/') {
+        return path.to_string();
+    }
+    let base = state
+        .workdir
+        .clone()
+        .unwrap_or_else(|| home_of(&state.user));
+    format!("{}/{path}", base.trim_end_matches('/'))
 }
 
 pub fn home_of(user: &str) -> String {

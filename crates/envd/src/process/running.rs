@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::ffi::CString;
 use std::io;
 use std::os::unix::process::ExitStatusExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -82,97 +82,30 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 impl Process {
     /// Starts the child and its output pump, and registers it in `table`.
     pub fn start(spec: Spec, table: Table) -> io::Result<Arc<Process>> {
-        let mut cmd = tokio::process::Command::new(&spec.config.cmd);
-        cmd.args(&spec.config.args)
-            .env_clear()
-            .envs(&spec.env)
-            .kill_on_drop(false);
-
         let pty_pair = match spec.pty {
             Some((cols, rows)) => Some(pty::open(cols, rows, spec.user.uid, spec.user.gid)?),
             None => None,
         };
-        match &pty_pair {
-            Some(pair) => {
-                cmd.stdin(Stdio::from(pair.slave.try_clone()?));
-                cmd.stdout(Stdio::from(pair.slave.try_clone()?));
-                cmd.stderr(Stdio::from(pair.slave.try_clone()?));
-            }
-            None => {
-                cmd.stdin(if spec.stdin {
-                    Stdio::piped()
-                } else {
-                    Stdio::null()
-                });
-                cmd.stdout(Stdio::piped());
-                cmd.stderr(Stdio::piped());
-            }
-        }
-
-        let cwd = CString::new(spec.cwd.as_os_str().as_encoded_bytes())
-            .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
-        let (uid, gid, groups) = (spec.user.uid, spec.user.gid, spec.user.groups.clone());
-        let with_tty = pty_pair.is_some();
-        // SAFETY: the closure runs in the forked child before exec and only makes
-        // async-signal-safe system calls on data prepared before the fork.
-        unsafe {
-            cmd.pre_exec(move || {
-                let check = |rc: libc::c_int| {
-                    if rc < 0 {
-                        Err(io::Error::last_os_error())
-                    } else {
-                        Ok(())
-                    }
-                };
-                // Own session (and process group), so signals reach the whole job.
-                check(libc::setsid())?;
-                if with_tty {
-                    check(libc::ioctl(0, libc::TIOCSCTTY, 0))?;
-                }
-                check(libc::setgroups(groups.len(), groups.as_ptr()))?;
-                check(libc::setgid(gid))?;
-                check(libc::setuid(uid))?;
-                // After dropping privileges, so the user's own permissions decide.
-                check(libc::chdir(cwd.as_ptr()))?;
-                Ok(())
-            });
-        }
-
+        let mut cmd = command(&spec, pty_pair.as_ref())?;
+        become_user_at_exec(&mut cmd, &spec.user, &spec.cwd, pty_pair.is_some())?;
         let mut child = cmd.spawn()?;
         drop(cmd);
-        let pid = child.id().unwrap_or(0);
-        let stdin = child.stdin.take();
-        let (out_tx, out_rx) = mpsc::channel::<DataEvent>(64);
-        let mut readers = Vec::new();
-        let master = match pty_pair {
-            Some(pair) => {
-                drop(pair.slave);
-                Some(pair.master)
-            }
-            None => {
-                if let Some(out) = child.stdout.take() {
-                    readers.push(tokio::spawn(pump_pipe(
-                        out,
-                        DataEvent::Stdout,
-                        out_tx.clone(),
-                    )));
-                }
-                if let Some(err) = child.stderr.take() {
-                    readers.push(tokio::spawn(pump_pipe(
-                        err,
-                        DataEvent::Stderr,
-                        out_tx.clone(),
-                    )));
-                }
-                None
-            }
-        };
 
+        let pid = child.id().unwrap_or(0);
+        let (out_tx, out_rx) = mpsc::channel::<DataEvent>(64);
+        let (master, mut readers) = match pty_pair {
+            Some(pair) => {
+                // The child holds its own copies; ours would keep the terminal open after it ends.
+                drop(pair.slave);
+                (Some(pair.master), Vec::new())
+            }
+            None => (None, pump_pipes(&mut child, &out_tx)),
+        };
         let process = Arc::new(Process {
             pid,
             config: spec.config,
             tag: spec.tag,
-            stdin: tokio::sync::Mutex::new(stdin),
+            stdin: tokio::sync::Mutex::new(child.stdin.take()),
             pty: master,
             hub: Mutex::new(Hub {
                 history: VecDeque::new(),
@@ -182,24 +115,7 @@ impl Process {
             }),
         });
         if process.pty.is_some() {
-            let p = process.clone();
-            readers.push(tokio::spawn(async move {
-                let mut buf = vec![0u8; CHUNK];
-                while let Some(master) = p.pty.as_ref() {
-                    match master.read(&mut buf).await {
-                        Ok(0) | Err(_) => break,
-                        Ok(n) => {
-                            if out_tx
-                                .send(DataEvent::Pty(buf[..n].to_vec()))
-                                .await
-                                .is_err()
-                            {
-                                break;
-                            }
-                        }
-                    }
-                }
-            }));
+            readers.push(tokio::spawn(process.clone().pump_pty(out_tx)));
         } else {
             drop(out_tx);
         }
@@ -214,32 +130,64 @@ impl Process {
             tag = process.tag.as_deref().unwrap_or(""),
             "process started"
         );
+        tokio::spawn(
+            process
+                .clone()
+                .supervise(child, out_rx, readers, spec.timeout, table),
+        );
+        Ok(process)
+    }
 
-        let killer = spec.timeout.map(|t| {
+    /// Reads the terminal's output until it closes or nobody takes it.
+    async fn pump_pty(self: Arc<Self>, out_tx: mpsc::Sender<DataEvent>) {
+        let mut buf = vec![0u8; CHUNK];
+        while let Some(master) = self.pty.as_ref() {
+            match master.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    if out_tx
+                        .send(DataEvent::Pty(buf[..n].to_vec()))
+                        .await
+                        .is_err()
+                    {
+                        break;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Waits for the child's end (killing it at `timeout`), publishes it and unregisters it.
+    async fn supervise(
+        self: Arc<Self>,
+        child: tokio::process::Child,
+        out_rx: mpsc::Receiver<DataEvent>,
+        readers: Vec<tokio::task::JoinHandle<()>>,
+        timeout: Option<Duration>,
+        table: Table,
+    ) {
+        let pid = self.pid;
+        let killer = timeout.map(|t| {
             tokio::spawn(async move {
                 tokio::time::sleep(t).await;
                 signal(pid, libc::SIGKILL);
             })
         });
-        let p = process.clone();
-        tokio::spawn(async move {
-            let end = p.pump(child, out_rx, readers).await;
-            if let Some(k) = killer {
-                k.abort();
-            }
-            lock(&table).remove(&pid);
-            tracing::info!(
-                logger = "process",
-                event_type = "process_end",
-                pid,
-                cmd = %command_line(&p.config),
-                exit_code = end.exit_code,
-                exited = end.exited,
-                status = %end.status,
-                "process ended"
-            );
-        });
-        Ok(process)
+        let end = self.pump(child, out_rx, readers).await;
+        if let Some(k) = killer {
+            k.abort();
+        }
+        lock(&table).remove(&pid);
+        tracing::info!(
+            logger = "process",
+            event_type = "process_end",
+            pid,
+            cmd = %command_line(&self.config),
+            exit_code = end.exit_code,
+            exited = end.exited,
+            status = %end.status,
+            "process ended"
+        );
     }
 
     async fn pump(
@@ -369,6 +317,94 @@ impl Process {
     pub fn signal(&self, sig: libc::c_int) {
         signal(self.pid, sig)
     }
+}
+
+/// The child's command: its program, arguments and environment, and its standard streams on
+/// the terminal's slave or on pipes.
+fn command(spec: &Spec, pty: Option<&pty::PtyPair>) -> io::Result<tokio::process::Command> {
+    let mut cmd = tokio::process::Command::new(&spec.config.cmd);
+    cmd.args(&spec.config.args)
+        .env_clear()
+        .envs(&spec.env)
+        .kill_on_drop(false);
+    match pty {
+        Some(pair) => {
+            cmd.stdin(Stdio::from(pair.slave.try_clone()?));
+            cmd.stdout(Stdio::from(pair.slave.try_clone()?));
+            cmd.stderr(Stdio::from(pair.slave.try_clone()?));
+        }
+        None => {
+            cmd.stdin(if spec.stdin {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            });
+            cmd.stdout(Stdio::piped());
+            cmd.stderr(Stdio::piped());
+        }
+    }
+    Ok(cmd)
+}
+
+/// Makes the child, between fork and exec, the leader of its own session (with the terminal as
+/// its controlling one), then `user`, then moves it into `cwd`.
+fn become_user_at_exec(
+    cmd: &mut tokio::process::Command,
+    user: &User,
+    cwd: &Path,
+    with_tty: bool,
+) -> io::Result<()> {
+    let cwd = CString::new(cwd.as_os_str().as_encoded_bytes())
+        .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+    let (uid, gid, groups) = (user.uid, user.gid, user.groups.clone());
+    // SAFETY: the closure runs in the forked child before exec and only makes
+    // async-signal-safe system calls on data prepared before the fork.
+    unsafe {
+        cmd.pre_exec(move || {
+            let check = |rc: libc::c_int| {
+                if rc < 0 {
+                    Err(io::Error::last_os_error())
+                } else {
+                    Ok(())
+                }
+            };
+            // Own session (and process group), so signals reach the whole job.
+            check(libc::setsid())?;
+            if with_tty {
+                check(libc::ioctl(0, libc::TIOCSCTTY, 0))?;
+            }
+            check(libc::setgroups(groups.len(), groups.as_ptr()))?;
+            check(libc::setgid(gid))?;
+            check(libc::setuid(uid))?;
+            // After dropping privileges, so the user's own permissions decide.
+            check(libc::chdir(cwd.as_ptr()))?;
+            Ok(())
+        });
+    }
+    Ok(())
+}
+
+/// One reader task per output pipe of the child, each sending what it reads to `out_tx`.
+fn pump_pipes(
+    child: &mut tokio::process::Child,
+    out_tx: &mpsc::Sender<DataEvent>,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    let mut readers = Vec::new();
+    if let Some(out) = child.stdout.take() {
+        readers.push(tokio::spawn(pump_pipe(
+            out,
+            DataEvent::Stdout,
+            out_tx.clone(),
+        )));
+    }
+    if let Some(err) = child.stderr.take() {
+        readers.push(tokio::spawn(pump_pipe(
+            err,
+            DataEvent::Stderr,
+            out_tx.clone(),
+        )));
+    }
+    readers
 }
 
 /// Signals the process's group (its whole job), or the process alone if that fails.

@@ -242,28 +242,15 @@ impl Node {
             .launch_watched(b, &mut spec, daemons, &ram_path, addr, limits, &qemu_user)
             .await?;
         let mut live = Live {
-            state: SandboxState {
-                id: b.id.to_string(),
-                execution_id: b.execution_id.to_string(),
-                slot: slot.index,
-                machine: b.machine.clone(),
-                ram: RamSource::Shared { file: ram },
+            state: cold_boot_state(
+                b,
+                slot,
+                ram,
                 overlay,
-                disk_chain: chain,
-                disk_node: "d0".into(),
-                disk_seq: 0,
-                envd_token: init.access_token.clone(),
-                envd_version: ENVD_VERSION.into(),
-                disk_mb: b.disk_mb,
-                // A cold boot starts the memory's generations over.
-                resume_generation: 0,
-                qemu_tag: spec.tag.clone(),
-                pausing_build: None,
-                network: Some(b.policy.clone()),
-                volumes: b.volumes.to_vec(),
-                start_kind: Some(vmon_proto::node::StartKind::ColdBoot),
-                gpu_groups: b.gpus.iter().map(|g| g.id).collect(),
-            },
+                chain,
+                init.access_token.clone(),
+                spec.tag.clone(),
+            ),
             vm: Some(vm),
             slot: slot.clone(),
             dir: run_dir.to_path_buf(),
@@ -408,5 +395,40 @@ impl Node {
             .await
             .map_err(err)?;
         self.insert(live)
+    }
+}
+
+/// The state of a sandbox cold-booted by `b` in `slot` over `overlay` (on `chain`), with its
+/// own shared RAM file `ram`, envd's token and its QEMU's tag.
+fn cold_boot_state(
+    b: &Boot<'_>,
+    slot: &Slot,
+    ram: String,
+    overlay: String,
+    chain: Vec<String>,
+    envd_token: Option<String>,
+    qemu_tag: String,
+) -> SandboxState {
+    SandboxState {
+        id: b.id.to_string(),
+        execution_id: b.execution_id.to_string(),
+        slot: slot.index,
+        machine: b.machine.clone(),
+        ram: RamSource::Shared { file: ram },
+        overlay,
+        disk_chain: chain,
+        disk_node: "d0".into(),
+        disk_seq: 0,
+        envd_token,
+        envd_version: ENVD_VERSION.into(),
+        disk_mb: b.disk_mb,
+        // A cold boot starts the memory's generations over.
+        resume_generation: 0,
+        qemu_tag,
+        pausing_build: None,
+        network: Some(b.policy.clone()),
+        volumes: b.volumes.to_vec(),
+        start_kind: Some(vmon_proto::node::StartKind::ColdBoot),
+        gpu_groups: b.gpus.iter().map(|g| g.id).collect(),
     }
 }

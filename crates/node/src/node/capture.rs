@@ -6,7 +6,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use anyhow::{bail, Context};
+use anyhow::Context;
 use vmon_proto::node::{BuildInfo, NodeError};
 use vmon_vm::memory;
 
@@ -15,26 +15,6 @@ use super::{err, Node};
 use crate::builds::{new_id, now_unix, BuildRecord, PausedFrom, MAX_LAYERS};
 use crate::envd_client::{self, InitRequest, ENVD_PORT};
 use crate::sandbox::{Live, RamSource, SandboxState};
-
-/// Crash-test hook: `VMON_FAULT=<point>` aborts the process at that point, as a node crash
-/// would. Points: `pause:switched` (QEMU writes to a fresh overlay the sandbox's state file does
-/// not name yet), `pause:captured` (artifacts written, no record), `pause:committed` (record
-/// written, QEMU not yet gone), `checkpoint:committed` (a fork's or snapshot's build record
-/// written, before the api's record names it; the source is still stopped).
-fn fault(point: &str) {
-    if std::env::var("VMON_FAULT").as_deref() == Ok(point) {
-        tracing::error!(point, "VMON_FAULT: aborting");
-        std::process::abort();
-    }
-}
-
-/// Crash-test hook: `VMON_FAULT=<point>` makes that step fail with an error.
-fn fault_err(point: &str) -> anyhow::Result<()> {
-    if std::env::var("VMON_FAULT").as_deref() == Ok(point) {
-        bail!("injected failure at {point}");
-    }
-    Ok(())
-}
 
 impl Node {
     /// Switches a stopped sandbox's disk to a fresh overlay; the old one freezes. Returns the
@@ -146,42 +126,8 @@ impl Node {
                 basis,
             } => {
                 rec.parent = Some(basis.clone());
-                let flatten = layers.len() >= MAX_LAYERS;
-                let previous = if flatten || layers.is_empty() {
-                    None
-                } else {
-                    Some(layers.clone())
-                };
-                let (layer, layer_path) = self.builds.new_artifact("layer", "mem");
-                made.push(layer.clone());
-                let pid = vm.pid;
-                let ram_file = self.builds.artifact(mem_base);
-                let layer_files: Option<Vec<PathBuf>> = previous
-                    .as_ref()
-                    .map(|ls| ls.iter().map(|l| self.builds.artifact(l)).collect());
-                let stats = tokio::task::spawn_blocking(move || {
-                    let hashes = match layer_files {
-                        Some(files) => {
-                            let mut h = memory::PageHashes::new();
-                            for f in files {
-                                h.extend(memory::read_layer_index(&f)?.page_hashes());
-                            }
-                            Some(h)
-                        }
-                        None => None,
-                    };
-                    memory::capture(pid, &ram_file, &layer_path, hashes.as_ref())
-                })
-                .await
-                .map_err(|e| anyhow::anyhow!("capture task: {e}"))??;
-                tracing::debug!(pages = stats.pages, skipped = stats.skipped, "memory layer");
                 rec.mem_base = Some(mem_base.clone());
-                rec.layers = if flatten { Vec::new() } else { layers.clone() };
-                if stats.pages > 0 || rec.layers.is_empty() {
-                    rec.layers.push(layer);
-                } else {
-                    let _ = std::fs::remove_file(self.builds.artifact(&layer));
-                }
+                rec.layers = self.capture_layer(vm.pid, mem_base, layers, made).await?;
             }
             RamSource::Shared { file } if for_pause => {
                 // The VM stops for good: its own RAM file becomes the base, no copy.
@@ -202,60 +148,108 @@ impl Node {
         Ok(rec)
     }
 
+    /// The memory layer of QEMU `pid` over its RAM base `mem_base`: the pages that differ
+    /// from the base and from `layers` (a new stack once it holds [`MAX_LAYERS`]). Returns the
+    /// build's layers; a layer that found no page changed is left out (unless it is the first).
+    async fn capture_layer(
+        &self,
+        pid: u32,
+        mem_base: &str,
+        layers: &[String],
+        made: &mut Vec<String>,
+    ) -> anyhow::Result<Vec<String>> {
+        let flatten = layers.len() >= MAX_LAYERS;
+        let (layer, layer_path) = self.builds.new_artifact("layer", "mem");
+        made.push(layer.clone());
+        let ram_file = self.builds.artifact(mem_base);
+        let layer_files: Option<Vec<PathBuf>> = (!flatten && !layers.is_empty())
+            .then(|| layers.iter().map(|l| self.builds.artifact(l)).collect());
+        let stats = tokio::task::spawn_blocking(move || {
+            let hashes = match layer_files {
+                Some(files) => {
+                    let mut h = memory::PageHashes::new();
+                    for f in files {
+                        h.extend(memory::read_layer_index(&f)?.page_hashes());
+                    }
+                    Some(h)
+                }
+                None => None,
+            };
+            memory::capture(pid, &ram_file, &layer_path, hashes.as_ref())
+        })
+        .await
+        .map_err(|e| anyhow::anyhow!("capture task: {e}"))??;
+        tracing::debug!(pages = stats.pages, skipped = stats.skipped, "memory layer");
+        let mut kept = if flatten { Vec::new() } else { layers.to_vec() };
+        if stats.pages > 0 || kept.is_empty() {
+            kept.push(layer);
+        } else {
+            let _ = std::fs::remove_file(self.builds.artifact(&layer));
+        }
+        Ok(kept)
+    }
+
+    /// The start of a capture (`why`: a pause or a snapshot): room on the data dir's disk,
+    /// the execution taken and the artifacts guard held, whether its memory can be kept (a
+    /// guest with volumes keeps part of its state in virtiofsd, one with GPUs in its devices:
+    /// disk only), the guest stopped (its page cache synced first when only its disk is kept),
+    /// then its object-store volumes written back whole; when that fails the guest runs on and
+    /// the capture fails.
+    async fn stop_for_capture(
+        &self,
+        sandbox_id: &str,
+        execution_id: &str,
+        memory: bool,
+        why: &str,
+    ) -> Result<Stopped<'_>, NodeError> {
+        crate::config::check_free(&self.cfg.data_dir, self.cfg.min_free_mb)?;
+        let l = self.live_execution(sandbox_id, execution_id).await?;
+        let guard = self.artifacts_guard.read().await;
+        let memory = memory && l.state.volumes.is_empty() && l.state.gpu_groups.is_empty();
+        if !memory {
+            Self::sync_guest(&l, why).await;
+        }
+        let vm =
+            l.vm.as_ref()
+                .ok_or_else(|| NodeError::Failed("sandbox has no VM".into()))?;
+        vm.qmp.stop().await.map_err(|e| err(e.into()))?;
+        if let Err(e) = self.write_back_all(&l.state.volumes).await {
+            let _ = vm.qmp.cont().await;
+            return Err(e);
+        }
+        Ok(Stopped {
+            live: l,
+            _guard: guard,
+            memory,
+        })
+    }
+
     /// Pauses a sandbox into a new build (with its memory when `memory`), parking its QEMU when it may.
+    ///
+    /// Fault points (`vmon_faults`, crash tests): `pause:switched` (QEMU writes to a fresh
+    /// overlay the sandbox's state file does not name yet), `pause:captured` (artifacts
+    /// written, no record), `pause:error` (there, the pause fails), `pause:committed` (record
+    /// written, QEMU not yet gone).
     pub(super) async fn pause_sandbox(
         &self,
         sandbox_id: &str,
         execution_id: &str,
         memory: bool,
     ) -> Result<BuildInfo, NodeError> {
-        crate::config::check_free(&self.cfg.data_dir, self.cfg.min_free_mb)?;
-        let mut l = self.live_execution(sandbox_id, execution_id).await?;
-        let _guard = self.artifacts_guard.read().await;
+        let Stopped {
+            live: mut l,
+            _guard,
+            memory,
+        } = self
+            .stop_for_capture(sandbox_id, execution_id, memory, "pause")
+            .await?;
         let build_id = new_id("p");
-        // A guest with volumes mounted keeps part of its state in virtiofsd, one with GPUs in
-        // its devices: disk only.
-        let memory = memory && l.state.volumes.is_empty() && l.state.gpu_groups.is_empty();
-        if !memory {
-            Self::sync_guest(&l, "pause").await;
-        }
-        let vm =
-            l.vm.as_ref()
-                .ok_or_else(|| NodeError::Failed("sandbox has no VM".into()))?;
-        vm.qmp.stop().await.map_err(|e| err(e.into()))?;
-        // The guest is stopped: its object-store volumes go back whole, or the pause fails
-        // and the sandbox runs on.
-        if let Err(e) = self.write_back_all(&l.state.volumes).await {
-            let _ = vm.qmp.cont().await;
-            return Err(e);
-        }
         // Park: keep the stopped QEMU for a fast resume. Its disk moves to a fresh overlay first
         // so the build's stays frozen whatever happens to the kept process.
         let park =
             memory && self.cfg.park_max > 0 && matches!(l.state.ram, RamSource::Private { .. });
         l.state.pausing_build = Some(build_id.clone());
-        let captured = async {
-            let (disk, chain) = if park {
-                let switched = self.switch_disk(&mut l).await?;
-                fault("pause:switched");
-                switched
-            } else {
-                (l.state.overlay.clone(), l.state.disk_chain.clone())
-            };
-            l.state.save(&l.dir)?;
-            let rec = self
-                .capture(&l, &build_id, memory, true, disk, chain)
-                .await?;
-            fault("pause:captured");
-            fault_err("pause:error")?;
-            // The commit point: from here the pause has happened. QEMU is stopped, so its RAM
-            // and the build's overlay no longer change; a crash before it quits is finished by
-            // the next start (see `adopt`).
-            self.builds.put(&rec)?;
-            anyhow::Ok(rec)
-        }
-        .await;
-        let rec = match captured {
+        let rec = match self.capture_pause(&mut l, &build_id, memory, park).await {
             Ok(r) => r,
             Err(e) => {
                 // A failed pause leaves the sandbox running.
@@ -267,47 +261,83 @@ impl Node {
                 return Err(err(e));
             }
         };
-        fault("pause:committed");
+        self.cfg.faults.point("pause:committed", sandbox_id).await;
         self.remove(sandbox_id);
-        if park {
-            if let RamSource::Private { mem_base, .. } = &l.state.ram {
-                l.state.ram = RamSource::Private {
-                    mem_base: mem_base.clone(),
-                    layers: rec.layers.clone(),
-                    basis: rec.id.clone(),
-                };
-            }
-            if l.state.save(&l.dir).is_ok() {
-                let live = Live {
-                    state: l.state.clone(),
-                    vm: l.vm.take(),
-                    slot: l.slot.clone(),
-                    dir: l.dir.clone(),
-                };
-                if let Ok(mut m) = self.parked.lock() {
-                    m.insert(
-                        rec.id.clone(),
-                        Parked {
-                            live,
-                            since: std::time::Instant::now(),
-                        },
-                    );
-                }
-                drop(l);
-                // The kept QEMU writes to a fresh overlay: the build's files are frozen.
-                self.upload_later(&rec);
-                self.evict_parked(false).await;
-                return Ok(Self::info(&rec));
-            }
+        if park && self.park(&mut l, &rec) {
+            drop(l);
+            // The kept QEMU writes to a fresh overlay: the build's files are frozen.
+            self.upload_later(&rec);
+            self.evict_parked(false).await;
+            return Ok(Self::info(&rec));
         }
+        self.end_paused(&mut l, sandbox_id, memory, park).await;
+        // Uploaded once QEMU has closed the build's overlay and RAM file for good.
+        self.upload_later(&rec);
+        Ok(Self::info(&rec))
+    }
+
+    /// A pause's capture of the stopped sandbox, up to its commit point (the record written);
+    /// with `park` its disk first switches to a fresh overlay the kept QEMU goes on with.
+    async fn capture_pause(
+        &self,
+        l: &mut Live,
+        build_id: &str,
+        memory: bool,
+        park: bool,
+    ) -> anyhow::Result<BuildRecord> {
+        let faults = &self.cfg.faults;
+        let id = l.state.id.clone();
+        let (disk, chain) = if park {
+            let switched = self.switch_disk(l).await?;
+            faults.point("pause:switched", &id).await;
+            switched
+        } else {
+            (l.state.overlay.clone(), l.state.disk_chain.clone())
+        };
+        l.state.save(&l.dir)?;
+        let rec = self.capture(l, build_id, memory, true, disk, chain).await?;
+        faults.point("pause:captured", &id).await;
+        faults.fallible("pause:error", &id).await?;
+        // The commit point: from here the pause has happened. QEMU is stopped, so its RAM and
+        // the build's overlay no longer change; a crash before it quits is finished by the
+        // next start (see `adopt`).
+        self.builds.put(&rec)?;
+        Ok(rec)
+    }
+
+    /// Keeps a paused sandbox's stopped QEMU for a fast resume of `rec`; false when its state
+    /// could not be saved (then it ends as any pause does).
+    fn park(&self, l: &mut Live, rec: &BuildRecord) -> bool {
+        layer_later_captures_over(&mut l.state, rec);
+        if l.state.save(&l.dir).is_err() {
+            return false;
+        }
+        let live = Live {
+            state: l.state.clone(),
+            vm: l.vm.take(),
+            slot: l.slot.clone(),
+            dir: l.dir.clone(),
+        };
+        if let Ok(mut m) = self.parked.lock() {
+            m.insert(
+                rec.id.clone(),
+                Parked {
+                    live,
+                    since: std::time::Instant::now(),
+                },
+            );
+        }
+        true
+    }
+
+    /// A paused sandbox that is not parked ends: its QEMU quits and gives its GPUs, slot and
+    /// files back; the artifacts it used now belong to the build.
+    async fn end_paused(&self, l: &mut Live, sandbox_id: &str, memory: bool, park: bool) {
         if let Some(vm) = l.vm.take() {
             vm.quit().await;
         }
         // Its QEMU is gone: its GPUs are free.
         self.gpus.release(sandbox_id);
-        // Uploaded once QEMU has closed the build's overlay and RAM file for good.
-        self.upload_later(&rec);
-        // Artifacts now belong to the build.
         self.egress.stop(&l.state.id, None).await;
         let _ = self.slots.release(&l.slot).await;
         let _ = std::fs::remove_file(SandboxState::path(&l.dir));
@@ -321,33 +351,27 @@ impl Node {
                 let _ = std::fs::remove_file(self.builds.artifact(file));
             }
         }
-        Ok(Self::info(&rec))
     }
 
     /// Captures a running sandbox into a new build (with its memory when `memory`); it keeps running.
+    ///
+    /// Fault point: `checkpoint:committed` (a fork's or snapshot's build record written, before
+    /// the api's record names it; the source is still stopped).
     pub(super) async fn checkpoint_sandbox(
         &self,
         sandbox_id: &str,
         execution_id: &str,
         memory: bool,
     ) -> Result<BuildInfo, NodeError> {
-        crate::config::check_free(&self.cfg.data_dir, self.cfg.min_free_mb)?;
-        let mut l = self.live_execution(sandbox_id, execution_id).await?;
-        let _guard = self.artifacts_guard.read().await;
-        let build_id = new_id("c");
-        let memory = memory && l.state.volumes.is_empty() && l.state.gpu_groups.is_empty();
-        let vm =
-            l.vm.as_ref()
-                .ok_or_else(|| NodeError::Failed("sandbox has no VM".into()))?;
-        if !memory {
-            Self::sync_guest(&l, "snapshot").await;
-        }
-        vm.qmp.stop().await.map_err(|e| err(e.into()))?;
         // A snapshot's or fork's object-store volumes go back as they are now.
-        if let Err(e) = self.write_back_all(&l.state.volumes).await {
-            let _ = vm.qmp.cont().await;
-            return Err(e);
-        }
+        let Stopped {
+            live: mut l,
+            _guard,
+            memory,
+        } = self
+            .stop_for_capture(sandbox_id, execution_id, memory, "snapshot")
+            .await?;
+        let build_id = new_id("c");
         let result = async {
             let (frozen, chain) = self.switch_disk(&mut l).await?;
             l.state.save(&l.dir)?;
@@ -355,15 +379,12 @@ impl Node {
                 .capture(&l, &build_id, memory, false, frozen, chain)
                 .await?;
             self.builds.put(&rec)?;
-            fault("checkpoint:committed");
+            self.cfg
+                .faults
+                .point("checkpoint:committed", sandbox_id)
+                .await;
             self.upload_later(&rec);
-            if let RamSource::Private { mem_base, .. } = &l.state.ram {
-                // Later captures of this sandbox compare with the checkpoint.
-                l.state.ram = RamSource::Private {
-                    mem_base: mem_base.clone(),
-                    layers: rec.layers.clone(),
-                    basis: rec.id.clone(),
-                };
+            if layer_later_captures_over(&mut l.state, &rec) {
                 l.state.save(&l.dir)?;
             }
             anyhow::Ok(rec)
@@ -390,6 +411,28 @@ impl Node {
         }
         Ok(Self::info(&rec))
     }
+}
+
+/// A sandbox stopped for a capture: its execution, the artifacts guard, whether its memory
+/// is kept.
+struct Stopped<'a> {
+    live: tokio::sync::OwnedMutexGuard<Live>,
+    _guard: tokio::sync::RwLockReadGuard<'a, ()>,
+    memory: bool,
+}
+
+/// Later memory captures of the sandbox are layers over `rec` (its layers, it as their basis),
+/// when its RAM is its own; whether it is.
+fn layer_later_captures_over(state: &mut SandboxState, rec: &BuildRecord) -> bool {
+    let RamSource::Private { mem_base, .. } = &state.ram else {
+        return false;
+    };
+    state.ram = RamSource::Private {
+        mem_base: mem_base.clone(),
+        layers: rec.layers.clone(),
+        basis: rec.id.clone(),
+    };
+    true
 }
 
 /// Copies a sparse file keeping its holes.

@@ -64,16 +64,6 @@ pub(super) struct Incoming {
 /// Sandboxes whose QEMU has handed over and waits for finish or abort, with the time.
 pub(super) type HandedOver = HashMap<String, Instant>;
 
-/// Crash-test hook: `VMON_FAULT=<point>` aborts the node there. Points: `migrate:incoming`
-/// (target, the memory stream has started), `migrate:finish` (source, right after the
-/// control plane switched the placement to the target).
-fn fault(point: &str) {
-    if std::env::var("VMON_FAULT").as_deref() == Ok(point) {
-        tracing::error!(point, "VMON_FAULT: aborting");
-        std::process::abort();
-    }
-}
-
 /// A unix socket path for QEMU under the node's run dir, short enough for `sun_path`.
 fn socket_path(run: &std::path::Path, name: &str) -> PathBuf {
     let p = run.join(name);
@@ -164,19 +154,11 @@ impl Node {
 
     /// Target: a QEMU for `spec`'s sandbox, waiting for its memory and disk.
     pub(super) async fn prepare_incoming(&self, spec: MigrateIn) -> Result<String, NodeError> {
-        if !valid_id(&spec.sandbox_id) || !valid_id(&spec.execution_id) || !valid_id(&spec.basis) {
+        if !valid_id(&spec.basis) {
             return Err(NodeError::InvalidArgument("bad migration ids".into()));
         }
-        self.slots
-            .vet(&spec.network)
-            .await
-            .map_err(NodeError::InvalidArgument)?;
-        if self.live(&spec.sandbox_id).is_ok() {
-            return Err(NodeError::InvalidArgument(format!(
-                "sandbox {} already runs on this node",
-                spec.sandbox_id
-            )));
-        }
+        self.vet_arrival(&spec.sandbox_id, &spec.execution_id, &spec.network)
+            .await?;
         crate::config::check_free(&self.cfg.data_dir, self.cfg.min_free_mb)?;
         self.ensure_local(&spec.basis).await?;
         let rec = self.record(&spec.basis)?;
@@ -287,7 +269,8 @@ impl Node {
         Ok(())
     }
 
-    /// Target: one channel of a migration.
+    /// Target: one channel of a migration. Fault point (`vmon_faults`): `migrate:incoming`,
+    /// the memory stream has started.
     async fn serve_channel(&self, id: &str, channel: &str, io: ChannelIo) -> anyhow::Result<()> {
         let inc = self.get_incoming(id).context("no such migration")?;
         match channel {
@@ -310,7 +293,7 @@ impl Node {
                         )
                         .await?;
                 }
-                fault("migrate:incoming");
+                self.cfg.faults.point("migrate:incoming", id).await;
                 node_end.set_nonblocking(true)?;
                 let local = tokio::net::UnixStream::from_std(node_end)?;
                 if let Err(e) = relay(io, local).await {
@@ -335,29 +318,7 @@ impl Node {
         let _guard = self.artifacts_guard.read().await;
         let spec = &inc.spec;
         let run_dir = self.sandbox_root(&spec.sandbox_id).join(&spec.execution_id);
-        let r = async {
-            super::migrate_check::incoming_completed(&p.vm).await?;
-            for (cmd, args) in [
-                ("block-export-del", json!({"id": "mig", "mode": "hard"})),
-                ("nbd-server-stop", Value::Null),
-            ] {
-                if let Err(e) =
-                    p.vm.qmp
-                        .execute_raw(cmd, args, Duration::from_secs(10))
-                        .await
-                {
-                    tracing::warn!(migration = %id, "{cmd}: {e}");
-                }
-            }
-            p.vm.qmp.cont().await?;
-            let st = p.vm.qmp.query_status().await?;
-            if !st.running {
-                bail!("the received guest is {} after cont", st.status);
-            }
-            anyhow::Ok(())
-        }
-        .await;
-        if let Err(e) = r {
+        if let Err(e) = run_received(id, &p.vm).await {
             self.discard_prepared(p).await;
             let _ = std::fs::remove_file(&inc.nbd_socket);
             return Err(err(e));
@@ -625,13 +586,14 @@ impl Node {
         }
     }
 
-    /// Source, the target committed: the handed-over QEMU ends.
+    /// Source, the target committed: the handed-over QEMU ends. Fault point (`vmon_faults`):
+    /// `migrate:finish`, right after the control plane switched the placement to the target.
     pub(super) async fn finish_outgoing(
         &self,
         sandbox_id: &str,
         execution_id: &str,
     ) -> Result<(), NodeError> {
-        fault("migrate:finish");
+        self.cfg.faults.point("migrate:finish", sandbox_id).await;
         if let Ok(mut m) = self.handed_over.lock() {
             m.remove(sandbox_id);
         }
@@ -681,6 +643,26 @@ impl Channels for Node {
             tracing::warn!(migration = %migration_id, channel = %channel, "migration channel: {e:#}");
         }
     }
+}
+
+/// Target: the received guest, its memory and disk complete, runs: the disk's export to the
+/// source ends and the guest continues.
+async fn run_received(id: &str, vm: &vmon_vm::Vm) -> anyhow::Result<()> {
+    super::migrate_check::incoming_completed(vm).await?;
+    for (cmd, args) in [
+        ("block-export-del", json!({"id": "mig", "mode": "hard"})),
+        ("nbd-server-stop", Value::Null),
+    ] {
+        if let Err(e) = vm.qmp.execute_raw(cmd, args, Duration::from_secs(10)).await {
+            tracing::warn!(migration = %id, "{cmd}: {e}");
+        }
+    }
+    vm.qmp.cont().await?;
+    let st = vm.qmp.query_status().await?;
+    if !st.running {
+        bail!("the received guest is {} after cont", st.status);
+    }
+    Ok(())
 }
 
 #[cfg(test)]

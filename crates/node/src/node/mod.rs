@@ -359,6 +359,34 @@ pub async fn probe_qmp(qemu: &Path, dir: &Path) -> anyhow::Result<()> {
     result
 }
 
+/// The guest image's recipe for this host, with the envd binary it bakes in (`envd` beside
+/// the running binary unless the config names one); fails here, not in the background, when
+/// envd is missing.
+fn guest_recipe(cfg: &NodeConfig) -> anyhow::Result<vmon_image::Recipe> {
+    let envd = match &cfg.envd_binary {
+        Some(p) => p.clone(),
+        None => std::env::current_exe()?.with_file_name("envd"),
+    };
+    let recipe = vmon_image::Recipe::for_host(envd)?;
+    recipe.hash()?;
+    Ok(recipe)
+}
+
+/// The object store builds travel through, when one is configured; a partial setting fails
+/// rather than run without the store.
+fn object_store(cfg: &NodeConfig) -> anyhow::Result<Option<Arc<crate::store::Store>>> {
+    match &cfg.object_store {
+        Some(c) => Ok(Some(Arc::new(crate::store::Store::open(
+            c.clone(),
+            &cfg.data_dir,
+        )?))),
+        None => {
+            vmon_objstore::ObjectStoreConfig::from_env()?;
+            Ok(None)
+        }
+    }
+}
+
 impl Node {
     /// Opens the node: probes the host, re-adopts sandboxes that survived a restart and cleans
     /// up what a crash left, and starts finding or building the guest image in the background
@@ -371,25 +399,9 @@ impl Node {
         tracing::info!(accel = accel.accel.as_str(), reason = %accel.reason, "accelerator");
         let qemu_version = qemu_version(&cfg.qemu_binary)?;
         probe_qmp_patiently(&cfg.qemu_binary, &cfg.data_dir.join("run")).await?;
-        let envd = match &cfg.envd_binary {
-            Some(p) => p.clone(),
-            None => std::env::current_exe()?.with_file_name("envd"),
-        };
-        let recipe = vmon_image::Recipe::for_host(envd)?;
-        // Fails here, not in the background, when envd is missing.
-        recipe.hash()?;
+        let recipe = guest_recipe(&cfg)?;
         let builds = Builds::open(&cfg.data_dir)?.sealing_for(cfg.qemu_uid_base);
-        if cfg.object_store.is_none() {
-            // Set but incomplete: say so rather than run without the store.
-            vmon_objstore::ObjectStoreConfig::from_env()?;
-        }
-        let store = match &cfg.object_store {
-            Some(c) => Some(Arc::new(crate::store::Store::open(
-                c.clone(),
-                &cfg.data_dir,
-            )?)),
-            None => None,
-        };
+        let store = object_store(&cfg)?;
         let egress_room = egress::EgressRoom::open(&cfg)?;
         let perimeter = perimeter(&cfg).await?;
         tracing::info!(private_allow = ?perimeter.private_allow, protected = ?perimeter.protected, "guest network perimeter");
@@ -444,20 +456,28 @@ impl Node {
         node.upload_unstored();
         node.slots.set_spares(node.cfg.spare_slots);
         node.slots.refill();
-        crate::telemetry::spawn(Arc::downgrade(&node));
-        if node.store.is_some() {
-            node.spawn_volume_sync(Duration::from_secs(
+        node.start_background_work();
+        Ok(node)
+    }
+
+    /// What the node does on its own once open: telemetry, volume syncs (with an object
+    /// store), the guest image found or built, and every 5 s parked QEMUs evicted and the
+    /// pools trimmed. Each task ends when the node is dropped.
+    fn start_background_work(self: &Arc<Self>) {
+        crate::telemetry::spawn(Arc::downgrade(self));
+        if self.store.is_some() {
+            self.spawn_volume_sync(Duration::from_secs(
                 env_or("VMON_VOLUME_SYNC_SECS", 60u64).max(1),
             ));
         }
-        let weak = Arc::downgrade(&node);
+        let weak = Arc::downgrade(self);
         tokio::spawn(async move {
             let Some(node) = weak.upgrade() else { return };
             if let Err(e) = node.image().await {
                 tracing::warn!(error = %e, "building the guest image failed; the next boot retries");
             }
         });
-        let weak = Arc::downgrade(&node);
+        let weak = Arc::downgrade(self);
         tokio::spawn(async move {
             loop {
                 tokio::time::sleep(Duration::from_secs(5)).await;
@@ -466,7 +486,6 @@ impl Node {
                 node.trim_pool().await;
             }
         });
-        Ok(node)
     }
 
     /// The GPUs this node passes through, and how many are free.

@@ -162,90 +162,28 @@ impl Node {
         let mut rec = m.record.clone();
         self.check_compatible(&rec)?;
         crate::config::check_free(&self.cfg.data_dir, self.cfg.min_free_mb)?;
-        // The host's own paths for what the machine names outside the build.
-        rec.machine.qemu_binary = self.cfg.qemu_binary.clone();
-        let local_image = vmon_image::find(&self.cfg.data_dir, &rec.image_hash).ok();
-        if let Some(img) = &local_image {
-            rec.machine.kernel = img.vmlinuz.clone();
-            rec.machine.initrd = img.initrd.clone();
-        }
+        let local_image = self.localize_machine(&mut rec);
         let artifacts_dir =
             std::fs::canonicalize(&self.builds.artifacts).map_err(|e| err(e.into()))?;
-        let incoming = store.incoming();
-        let mut staged: Vec<(String, PathBuf)> = Vec::new();
-        let mut bytes = 0u64;
+        let mut staged = Staged {
+            incoming: store.incoming(),
+            files: Vec::new(),
+            bytes: 0,
+        };
         let fetched = async {
-            for name in rec.artifacts().cloned().collect::<HashSet<_>>() {
-                // Artifacts are immutable and uniquely named: one here is the one named.
-                if self.builds.artifact(&name).exists() {
-                    continue;
-                }
-                let sum = m
-                    .artifacts
-                    .get(&name)
-                    .with_context(|| format!("the manifest has no sum for {name}"))?;
-                let tmp = incoming.join(&name);
-                store.download_artifact(&name, sum, &tmp).await?;
-                store.save_sum(&name, sum)?;
-                staged.push((name, tmp));
-                bytes += sum.size;
-            }
-            // The raw disk under the chain: this node's image rootfs when it is the same bytes,
-            // else the store's copy, kept as an artifact at the bottom of the chain.
-            let bottom: Option<PathBuf> = if on_image_rootfs(&m.record) {
-                let sum = m
-                    .rootfs
-                    .as_ref()
-                    .context("the manifest names no rootfs under the disk chain")?;
-                let same = match &local_image {
-                    Some(img) => store.rootfs_sum(&img.rootfs).await? == *sum,
-                    None => false,
-                };
-                match &local_image {
-                    Some(img) if same => Some(img.rootfs.clone()),
-                    _ => {
-                        let name =
-                            format!("rootfs-{}.img", &sum.sha256[..32.min(sum.sha256.len())]);
-                        if !self.builds.artifact(&name).exists() {
-                            let tmp = incoming.join(&name);
-                            store.download_rootfs(sum, &tmp).await?;
-                            staged.push((name.clone(), tmp));
-                            bytes += sum.size;
-                        }
-                        rec.disk_chain.push(name.clone());
-                        Some(artifacts_dir.join(&name))
-                    }
-                }
-            } else {
-                None
-            };
-            // Overlays name their backing files by path: this node's paths, bottom up.
-            let chain = disk_chain(&m.record);
-            let fresh: HashSet<&str> = staged.iter().map(|(n, _)| n.as_str()).collect();
-            for (i, name) in chain.iter().enumerate().rev() {
-                if !name.ends_with(".qcow2") || !fresh.contains(name.as_str()) {
-                    continue;
-                }
-                let (backing, fmt) = match chain.get(i + 1) {
-                    Some(below) if below.ends_with(".qcow2") => {
-                        (artifacts_dir.join(below), "qcow2")
-                    }
-                    Some(below) => (artifacts_dir.join(below), "raw"),
-                    None => (
-                        bottom.clone().context("no rootfs under the disk chain")?,
-                        "raw",
-                    ),
-                };
-                rebase(&incoming.join(name), &backing, fmt).await?;
-            }
-            anyhow::Ok(())
+            self.download_missing(store, &m, &rec, &mut staged).await?;
+            let local = local_image.as_ref();
+            let bottom = self
+                .fetch_bottom(store, &m, local, &artifacts_dir, &mut rec, &mut staged)
+                .await?;
+            rebase_fetched(&m.record, &artifacts_dir, bottom, &staged).await
         }
         .await;
         let committed = match fetched {
             Ok(()) => {
                 let _guard = self.artifacts_guard.read().await;
                 let moved = || -> anyhow::Result<()> {
-                    for (name, tmp) in &staged {
+                    for (name, tmp) in &staged.files {
                         std::fs::rename(tmp, self.builds.artifact(name))?;
                     }
                     fsync_dir(&self.builds.artifacts)?;
@@ -256,7 +194,7 @@ impl Node {
             Err(e) => Err(e),
         };
         if let Err(e) = committed {
-            for (_, tmp) in &staged {
+            for (_, tmp) in &staged.files {
                 let _ = std::fs::remove_file(tmp);
             }
             return Err(NodeError::Failed(format!(
@@ -265,8 +203,79 @@ impl Node {
             )));
         }
         store.mark_stored(&rec.id).map_err(err)?;
-        store.mark_fetched(&rec.id, bytes).map_err(err)?;
-        Ok(bytes)
+        store.mark_fetched(&rec.id, staged.bytes).map_err(err)?;
+        Ok(staged.bytes)
+    }
+
+    /// Points `rec`'s machine at this host's QEMU and, when this node has the build's image,
+    /// its kernel and initramfs; returns that image.
+    fn localize_machine(&self, rec: &mut BuildRecord) -> Option<vmon_image::Image> {
+        rec.machine.qemu_binary = self.cfg.qemu_binary.clone();
+        let local_image = vmon_image::find(&self.cfg.data_dir, &rec.image_hash).ok();
+        if let Some(img) = &local_image {
+            rec.machine.kernel = img.vmlinuz.clone();
+            rec.machine.initrd = img.initrd.clone();
+        }
+        local_image
+    }
+
+    /// Downloads each artifact of `rec` this node lacks (checked against `m`'s sums).
+    async fn download_missing(
+        &self,
+        store: &Store,
+        m: &Manifest,
+        rec: &BuildRecord,
+        staged: &mut Staged,
+    ) -> anyhow::Result<()> {
+        for name in rec.artifacts().cloned().collect::<HashSet<_>>() {
+            // Artifacts are immutable and uniquely named: one here is the one named.
+            if self.builds.artifact(&name).exists() {
+                continue;
+            }
+            let sum = m
+                .artifacts
+                .get(&name)
+                .with_context(|| format!("the manifest has no sum for {name}"))?;
+            let tmp = staged.incoming.join(&name);
+            store.download_artifact(&name, sum, &tmp).await?;
+            store.save_sum(&name, sum)?;
+            staged.add(name, tmp, sum.size);
+        }
+        Ok(())
+    }
+
+    /// The raw disk under the build's chain, when it stands on an image rootfs: this node's
+    /// image rootfs when it is the same bytes, else the store's copy, kept as an artifact at
+    /// the bottom of `rec`'s chain.
+    async fn fetch_bottom(
+        &self,
+        store: &Store,
+        m: &Manifest,
+        local_image: Option<&vmon_image::Image>,
+        artifacts_dir: &Path,
+        rec: &mut BuildRecord,
+        staged: &mut Staged,
+    ) -> anyhow::Result<Option<PathBuf>> {
+        if !on_image_rootfs(&m.record) {
+            return Ok(None);
+        }
+        let sum = m
+            .rootfs
+            .as_ref()
+            .context("the manifest names no rootfs under the disk chain")?;
+        if let Some(img) = local_image {
+            if store.rootfs_sum(&img.rootfs).await? == *sum {
+                return Ok(Some(img.rootfs.clone()));
+            }
+        }
+        let name = format!("rootfs-{}.img", &sum.sha256[..32.min(sum.sha256.len())]);
+        if !self.builds.artifact(&name).exists() {
+            let tmp = staged.incoming.join(&name);
+            store.download_rootfs(sum, &tmp).await?;
+            staged.add(name.clone(), tmp, sum.size);
+        }
+        rec.disk_chain.push(name.clone());
+        Ok(Some(artifacts_dir.join(&name)))
     }
 
     /// Drops fetched builds, least recently used first, while they take more than the cache
@@ -328,4 +337,46 @@ impl Node {
             store.set_write_gate(gate);
         }
     }
+}
+
+/// What a fetch downloaded into `store/incoming/`, moved into the artifacts at its commit.
+struct Staged {
+    incoming: PathBuf,
+    /// Each artifact's name and where it waits.
+    files: Vec<(String, PathBuf)>,
+    bytes: u64,
+}
+
+impl Staged {
+    fn add(&mut self, name: String, tmp: PathBuf, size: u64) {
+        self.files.push((name, tmp));
+        self.bytes += size;
+    }
+}
+
+/// Points each overlay of `record`'s chain that was downloaded at this node's paths, bottom
+/// up: the one below it, or `bottom` (the raw disk) under the lowest.
+async fn rebase_fetched(
+    record: &BuildRecord,
+    artifacts_dir: &Path,
+    bottom: Option<PathBuf>,
+    staged: &Staged,
+) -> anyhow::Result<()> {
+    let chain = disk_chain(record);
+    let fresh: HashSet<&str> = staged.files.iter().map(|(n, _)| n.as_str()).collect();
+    for (i, name) in chain.iter().enumerate().rev() {
+        if !name.ends_with(".qcow2") || !fresh.contains(name.as_str()) {
+            continue;
+        }
+        let (backing, fmt) = match chain.get(i + 1) {
+            Some(below) if below.ends_with(".qcow2") => (artifacts_dir.join(below), "qcow2"),
+            Some(below) => (artifacts_dir.join(below), "raw"),
+            None => (
+                bottom.clone().context("no rootfs under the disk chain")?,
+                "raw",
+            ),
+        };
+        rebase(&staged.incoming.join(name), &backing, fmt).await?;
+    }
+    Ok(())
 }

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use vmon_proto::node::{NodeError, Running, StartSpec};
+use vmon_proto::node::{NetworkPolicy, NodeError, Running, StartSpec};
 use vmon_vm::cgroup::{self, Weight};
 use vmon_vm::disk::{create_overlay, BackingFormat};
 use vmon_vm::machine::RamSharing;
@@ -20,7 +20,7 @@ use vmon_vm::{memory, LaunchSpec, MachineDesc, NetDevice, Vm};
 use super::{err, restore_init, valid_id, Node};
 use crate::builds::{new_id, BuildRecord};
 use crate::envd_client::{self, InitRequest, ENVD_PORT};
-use crate::pool::{blank_key, Prepared};
+use crate::pool::{blank_key, Held, Prepared};
 use crate::sandbox::{Live, SandboxState};
 use crate::slots::TAP;
 
@@ -458,21 +458,8 @@ impl Node {
     /// Starts a sandbox from a build: a memory restore, or a cold boot when asked or when the
     /// build has no memory.
     pub async fn start_sandbox(self: &Arc<Self>, spec: StartSpec) -> Result<Running, NodeError> {
-        if !valid_id(&spec.sandbox_id) || !valid_id(&spec.execution_id) {
-            return Err(NodeError::InvalidArgument(
-                "sandbox and execution ids must be [A-Za-z0-9_-]".into(),
-            ));
-        }
-        self.slots
-            .vet(&spec.network)
-            .await
-            .map_err(NodeError::InvalidArgument)?;
-        if self.live(&spec.sandbox_id).is_ok() {
-            return Err(NodeError::InvalidArgument(format!(
-                "sandbox {} is already running",
-                spec.sandbox_id
-            )));
-        }
+        self.vet_arrival(&spec.sandbox_id, &spec.execution_id, &spec.network)
+            .await?;
         self.fill_store_volumes(&spec.volumes).await?;
         super::volumes::validate(&self.cfg.volumes_dir, &spec.volumes)?;
         let rec = self.record(&spec.build_id)?;
@@ -483,15 +470,7 @@ impl Node {
         // Taken before the boot, given back if it fails.
         let gpus = self.gpus.take(&spec.sandbox_id, spec.gpus)?;
         if cold_boot {
-            let kept = self
-                .parked
-                .lock()
-                .ok()
-                .and_then(|m| m.get(&rec.id).map(|p| p.live.state.id == spec.sandbox_id))
-                .unwrap_or(false);
-            if kept {
-                self.discard_parked(&rec.id).await;
-            }
+            self.discard_own_parked(&rec.id, &spec.sandbox_id).await;
         }
         let t0 = std::time::Instant::now();
         // Held until the sandbox is in the table: a sweep must not take its new overlay.
@@ -501,38 +480,10 @@ impl Node {
             let (live, origin) = self.restore(&spec, &rec).await.map_err(err)?;
             (live, Vec::new(), origin)
         } else {
-            let dir = self.sandbox_root(&spec.sandbox_id).join(&spec.execution_id);
-            let disk = match rec.disk.as_deref() {
-                Some(top) => super::boot::BootDisk::Build {
-                    top,
-                    below: rec.disk_chain.as_slice(),
-                },
-                None => super::boot::BootDisk::Image,
-            };
-            let (live, held) = self
-                .boot(super::boot::Boot {
-                    run_dir: &dir,
-                    id: &spec.sandbox_id,
-                    execution_id: &spec.execution_id,
-                    machine: rec.machine.clone(),
-                    disk,
-                    disk_mb: rec.disk_mb,
-                    policy: &spec.network,
-                    init: &InitRequest {
-                        env_vars: spec.env_vars.clone(),
-                        access_token: spec.envd_access_token.clone(),
-                        current_token: None,
-                        default_user: None,
-                        volume_mounts: Vec::new(),
-                    },
-                    volumes: &spec.volumes,
-                    gpus: &gpus,
-                })
-                .await
-                .map_err(|e| {
-                    self.gpus.release(&spec.sandbox_id);
-                    err(e)
-                })?;
+            let (live, held) = self.cold_start(&spec, &rec, &gpus).await.map_err(|e| {
+                self.gpus.release(&spec.sandbox_id);
+                err(e)
+            })?;
             (live, held, Origin::ColdBoot)
         };
         if let Ok(mut n) = self.starts.lock() {
@@ -562,6 +513,82 @@ impl Node {
             return Err(e);
         }
         Ok(running)
+    }
+
+    /// Checks a sandbox about to arrive on this node (a start, or a migration's target): its
+    /// ids, its network policy against this node's rules, and that it does not run here.
+    pub(super) async fn vet_arrival(
+        &self,
+        sandbox_id: &str,
+        execution_id: &str,
+        network: &NetworkPolicy,
+    ) -> Result<(), NodeError> {
+        if !valid_id(sandbox_id) || !valid_id(execution_id) {
+            return Err(NodeError::InvalidArgument(
+                "sandbox and execution ids must be [A-Za-z0-9_-]".into(),
+            ));
+        }
+        self.slots
+            .vet(network)
+            .await
+            .map_err(NodeError::InvalidArgument)?;
+        if self.live(sandbox_id).is_ok() {
+            return Err(NodeError::InvalidArgument(format!(
+                "sandbox {sandbox_id} already runs on this node"
+            )));
+        }
+        Ok(())
+    }
+
+    /// A cold boot of `spec` from `rec` makes its QEMU anew: a stopped one kept (parked) for
+    /// the same sandbox from that build goes.
+    async fn discard_own_parked(&self, build_id: &str, sandbox_id: &str) {
+        let kept = self
+            .parked
+            .lock()
+            .ok()
+            .and_then(|m| m.get(build_id).map(|p| p.live.state.id == sandbox_id))
+            .unwrap_or(false);
+        if kept {
+            self.discard_parked(build_id).await;
+        }
+    }
+
+    /// A cold boot of `spec` over `rec`'s disk (or the image's, for a build without one),
+    /// with `gpus` passed through.
+    async fn cold_start(
+        &self,
+        spec: &StartSpec,
+        rec: &BuildRecord,
+        gpus: &[vmon_vm::vfio::IommuGroup],
+    ) -> anyhow::Result<(Live, Vec<Held>)> {
+        let dir = self.sandbox_root(&spec.sandbox_id).join(&spec.execution_id);
+        let disk = match rec.disk.as_deref() {
+            Some(top) => super::boot::BootDisk::Build {
+                top,
+                below: rec.disk_chain.as_slice(),
+            },
+            None => super::boot::BootDisk::Image,
+        };
+        self.boot(super::boot::Boot {
+            run_dir: &dir,
+            id: &spec.sandbox_id,
+            execution_id: &spec.execution_id,
+            machine: rec.machine.clone(),
+            disk,
+            disk_mb: rec.disk_mb,
+            policy: &spec.network,
+            init: &InitRequest {
+                env_vars: spec.env_vars.clone(),
+                access_token: spec.envd_access_token.clone(),
+                current_token: None,
+                default_user: None,
+                volume_mounts: Vec::new(),
+            },
+            volumes: &spec.volumes,
+            gpus,
+        })
+        .await
     }
 }
 

@@ -209,6 +209,9 @@ impl Node {
         Ok(daemons)
     }
 
+    /// One volume's virtiofsd: in the volume's user namespace, its cgroups and a mount
+    /// namespace where the volume is bound at [`MOUNT_POINT`], listening on a socket the node
+    /// bound and handed to QEMU.
     async fn start_share_daemon(
         &self,
         run_dir: &Path,
@@ -217,44 +220,65 @@ impl Node {
         ctx: &ShareContext<'_>,
         procs: &[std::ffi::CString],
     ) -> anyhow::Result<(tokio::process::Child, FsShare)> {
-        let (volumes_dir, volume, first) = (
-            self.cfg.volumes_dir.clone(),
-            s.volume_id.clone(),
-            self.cfg.volume_uid_base,
-        );
-        let ns = tokio::task::spawn_blocking(move || {
-            let base = super::volume_owner::ensure_range(&volumes_dir, &volume, first)?;
-            vmon_vm::userns::UserNs::new(base).context("making the volume daemon's user namespace")
-        })
-        .await??;
-        // A socket path must fit sun_path (108 bytes): run dirs can be longer. The node binds
-        // it (the daemon writes nothing on the host) and hands it to QEMU; the daemon gets the
-        // listening descriptor and takes one connection (its QEMU's, at launch); the path is
-        // removed after it.
-        let sockets = Path::new(SOCKET_DIR);
-        std::fs::create_dir_all(sockets)?;
-        match ctx.user {
-            Some(u) => vmon_vm::user::traverse_only(sockets, u.gid)?,
-            None => std::fs::set_permissions(sockets, std::fs::Permissions::from_mode(0o700))?,
-        }
-        let socket = sockets.join(format!("{}-{i}.sock", crate::builds::new_id("")));
-        let _ = std::fs::remove_file(&socket);
-        let listener = std::os::unix::net::UnixListener::bind(&socket)
-            .with_context(|| format!("binding {}", socket.display()))?;
-        let handed = match ctx.user {
-            Some(u) => u.hand(&socket),
-            None => std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o600)),
-        };
-        if let Err(e) = handed {
-            let _ = std::fs::remove_file(&socket);
-            return Err(e).with_context(|| format!("handing {} to QEMU", socket.display()));
-        }
+        let ns = self.volume_userns(&s.volume_id).await?;
+        let (socket, listener) = bind_share_socket(i, ctx)?;
         let source: PathBuf = self.cfg.volumes_dir.join(&s.volume_id);
         let source_c = std::ffi::CString::new(source.as_os_str().as_encoded_bytes())
             .context("a volume path holds a NUL byte")?;
         mount_point()?;
         let log_path = run_dir.join(format!("virtiofsd{i}.log"));
-        let log = std::fs::File::create(&log_path)?;
+        let mut cmd = self.virtiofsd_command(&log_path)?;
+        let confined = Confined {
+            procs: procs.to_vec(),
+            ns_fd: ns.raw_fd(),
+            listen_fd: listener.as_raw_fd(),
+            nofile: nofile_limit()?,
+            source: source_c,
+        };
+        confined.enter_at_exec(&mut cmd);
+        let spawned = cmd
+            .spawn()
+            .with_context(|| format!("starting {}", self.cfg.virtiofsd.display()));
+        drop((ns, listener));
+        let mut child = match spawned {
+            Ok(c) => c,
+            Err(e) => {
+                let _ = std::fs::remove_file(&socket);
+                return Err(e);
+            }
+        };
+        if let Err(e) = accepting(&mut child, &log_path, &s.volume_id).await {
+            let _ = child.kill().await;
+            let _ = std::fs::remove_file(&socket);
+            return Err(e);
+        }
+        Ok((
+            child,
+            FsShare {
+                socket,
+                tag: tag(i),
+            },
+        ))
+    }
+
+    /// The user namespace of `volume`'s own id range (made on its first use).
+    async fn volume_userns(&self, volume: &str) -> anyhow::Result<vmon_vm::userns::UserNs> {
+        let (volumes_dir, volume, first) = (
+            self.cfg.volumes_dir.clone(),
+            volume.to_string(),
+            self.cfg.volume_uid_base,
+        );
+        tokio::task::spawn_blocking(move || {
+            let base = super::volume_owner::ensure_range(&volumes_dir, &volume, first)?;
+            vmon_vm::userns::UserNs::new(base).context("making the volume daemon's user namespace")
+        })
+        .await?
+    }
+
+    /// virtiofsd's command line: the volume at [`MOUNT_POINT`], no caching, no locks, no
+    /// device nodes, its output into `log_path`.
+    fn virtiofsd_command(&self, log_path: &Path) -> anyhow::Result<tokio::process::Command> {
+        let log = std::fs::File::create(log_path)?;
         let mut cmd = tokio::process::Command::new(&self.cfg.virtiofsd);
         cmd.arg(format!("--fd={LISTEN_FD}"))
             .arg("-o")
@@ -279,25 +303,80 @@ impl Node {
             // Like QEMU, it outlives a restarting node (the sandbox is re-adopted).
             .process_group(0)
             .kill_on_drop(false);
-        // Lowered to [`NOFILE`] where the node may go higher; never raised (that takes a
-        // capability the node may not have).
-        let nofile = {
-            let mut cur = libc::rlimit {
-                rlim_cur: 0,
-                rlim_max: 0,
-            };
-            // SAFETY: getrlimit fills the struct it is given.
-            if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut cur) } != 0 {
-                return Err(std::io::Error::last_os_error()).context("reading RLIMIT_NOFILE");
-            }
-            let n = cur.rlim_max.min(NOFILE);
-            libc::rlimit {
-                rlim_cur: n,
-                rlim_max: n,
-            }
-        };
-        let (procs, ns_fd) = (procs.to_vec(), ns.raw_fd());
-        let listen_fd = listener.as_raw_fd();
+        Ok(cmd)
+    }
+}
+
+/// A share's socket under [`SOCKET_DIR`], bound by the node and handed to QEMU's user.
+///
+/// A socket path must fit sun_path (108 bytes): run dirs can be longer. The node binds it (the
+/// daemon writes nothing on the host) and hands it to QEMU; the daemon gets the listening
+/// descriptor and takes one connection (its QEMU's, at launch); the path is removed after it.
+fn bind_share_socket(
+    i: usize,
+    ctx: &ShareContext<'_>,
+) -> anyhow::Result<(PathBuf, std::os::unix::net::UnixListener)> {
+    let sockets = Path::new(SOCKET_DIR);
+    std::fs::create_dir_all(sockets)?;
+    match ctx.user {
+        Some(u) => vmon_vm::user::traverse_only(sockets, u.gid)?,
+        None => std::fs::set_permissions(sockets, std::fs::Permissions::from_mode(0o700))?,
+    }
+    let socket = sockets.join(format!("{}-{i}.sock", crate::builds::new_id("")));
+    let _ = std::fs::remove_file(&socket);
+    let listener = std::os::unix::net::UnixListener::bind(&socket)
+        .with_context(|| format!("binding {}", socket.display()))?;
+    let handed = match ctx.user {
+        Some(u) => u.hand(&socket),
+        None => std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o600)),
+    };
+    if let Err(e) = handed {
+        let _ = std::fs::remove_file(&socket);
+        return Err(e).with_context(|| format!("handing {} to QEMU", socket.display()));
+    }
+    Ok((socket, listener))
+}
+
+/// The open-file limit for the daemon: lowered to [`NOFILE`] where the node may go higher;
+/// never raised (that takes a capability the node may not have).
+fn nofile_limit() -> anyhow::Result<libc::rlimit> {
+    let mut cur = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit fills the struct it is given.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut cur) } != 0 {
+        return Err(std::io::Error::last_os_error()).context("reading RLIMIT_NOFILE");
+    }
+    let n = cur.rlim_max.min(NOFILE);
+    Ok(libc::rlimit {
+        rlim_cur: n,
+        rlim_max: n,
+    })
+}
+
+/// What the daemon enters between fork and exec, prepared before the fork.
+struct Confined {
+    /// Its QEMU's cgroups' `cgroup.procs` files.
+    procs: Vec<std::ffi::CString>,
+    /// The volume's user namespace.
+    ns_fd: std::os::fd::RawFd,
+    /// The bound socket, to become [`LISTEN_FD`].
+    listen_fd: std::os::fd::RawFd,
+    nofile: libc::rlimit,
+    /// The volume's directory, bound at [`MOUNT_POINT`].
+    source: std::ffi::CString,
+}
+
+impl Confined {
+    fn enter_at_exec(self, cmd: &mut tokio::process::Command) {
+        let Confined {
+            procs,
+            ns_fd,
+            listen_fd,
+            nofile,
+            source,
+        } = self;
         // SAFETY: the closure runs in the forked child before exec and only makes
         // async-signal-safe system calls on values prepared before the fork.
         unsafe {
@@ -320,32 +399,9 @@ impl Node {
                 if libc::setrlimit(libc::RLIMIT_NOFILE, &nofile) != 0 {
                     return Err(std::io::Error::last_os_error());
                 }
-                vmon_vm::process::bind_in_own_mount_namespace(&source_c, MOUNT_POINT_C)?;
+                vmon_vm::process::bind_in_own_mount_namespace(&source, MOUNT_POINT_C)?;
                 vmon_vm::userns::enter(ns_fd)
             });
         }
-        let spawned = cmd
-            .spawn()
-            .with_context(|| format!("starting {}", self.cfg.virtiofsd.display()));
-        drop((ns, listener));
-        let mut child = match spawned {
-            Ok(c) => c,
-            Err(e) => {
-                let _ = std::fs::remove_file(&socket);
-                return Err(e);
-            }
-        };
-        if let Err(e) = accepting(&mut child, &log_path, &s.volume_id).await {
-            let _ = child.kill().await;
-            let _ = std::fs::remove_file(&socket);
-            return Err(e);
-        }
-        Ok((
-            child,
-            FsShare {
-                socket,
-                tag: tag(i),
-            },
-        ))
     }
 }

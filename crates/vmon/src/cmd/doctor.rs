@@ -133,9 +133,26 @@ fn free_bytes(path: &Path) -> Option<u64> {
 /// each failure names its fix.
 fn host_checks(data_dir: &Path) -> bool {
     let mut all = true;
+    all &= root_check();
+    all &= disk_check(data_dir);
+    all &= port_checks();
+    all &= nsswitch_check();
+    all &= cgroups_check();
+    let qemu_user = match vmon_node::NodeConfig::new(std::path::PathBuf::new()).qemu_uid_base {
+        Some(base) => format!(
+            "unprivileged: one uid per slot from {} up, group {base} (VMON_QEMU_UID_BASE)",
+            base + 1
+        ),
+        None => "root (VMON_QEMU_UID_BASE=0: for debugging only)".to_string(),
+    };
+    line(true, "QEMU user", &qemu_user);
+    all
+}
+
+fn root_check() -> bool {
     // SAFETY: geteuid has no preconditions.
     let root = unsafe { libc::geteuid() } == 0;
-    all &= line(
+    line(
         root,
         "root",
         if root {
@@ -143,34 +160,39 @@ fn host_checks(data_dir: &Path) -> bool {
         } else {
             "vmon needs root (network namespaces, taps, cgroups): run it with sudo"
         },
-    );
+    )
+}
+
+/// 10 GiB free for the data dir.
+fn disk_check(data_dir: &Path) -> bool {
     const MIN_FREE: u64 = 10 << 30;
-    match free_bytes(data_dir) {
-        Some(b) => {
-            let ok = b >= MIN_FREE;
-            all &= line(
-                ok,
-                "disk",
-                &format!(
-                    "{:.1} GiB free for {}{}",
-                    b as f64 / f64::from(1u32 << 30),
-                    data_dir.display(),
-                    if ok {
-                        ""
-                    } else {
-                        " (needs 10 GiB: free space there or pass --data-dir on a larger disk)"
-                    }
-                ),
-            );
-        }
-        None => {
-            all &= line(
-                false,
-                "disk",
-                &format!("cannot stat {}", data_dir.display()),
-            )
-        }
-    }
+    let Some(b) = free_bytes(data_dir) else {
+        return line(
+            false,
+            "disk",
+            &format!("cannot stat {}", data_dir.display()),
+        );
+    };
+    let ok = b >= MIN_FREE;
+    line(
+        ok,
+        "disk",
+        &format!(
+            "{:.1} GiB free for {}{}",
+            b as f64 / f64::from(1u32 << 30),
+            data_dir.display(),
+            if ok {
+                ""
+            } else {
+                " (needs 10 GiB: free space there or pass --data-dir on a larger disk)"
+            }
+        ),
+    )
+}
+
+/// The api's and the proxy's ports are free.
+fn port_checks() -> bool {
+    let mut all = true;
     let defaults = vmon_api::Config::default();
     let ports = [
         ("VMON_API_LISTEN", defaults.api_listen),
@@ -181,26 +203,27 @@ fn host_checks(data_dir: &Path) -> bool {
             .ok()
             .and_then(|v| v.parse::<std::net::SocketAddr>().ok())
             .unwrap_or(default);
-        match std::net::TcpListener::bind(addr) {
-            Ok(_) => {
-                line(true, "port", &format!("{addr} is free"));
-            }
-            Err(e) => {
-                all &= line(
-                    false,
-                    "port",
-                    &format!(
-                        "{addr}: {e} (is vmon already running? stop it, or set {var} to another address)"
-                    ),
-                );
-            }
-        }
+        all &= match std::net::TcpListener::bind(addr) {
+            Ok(_) => line(true, "port", &format!("{addr} is free")),
+            Err(e) => line(
+                false,
+                "port",
+                &format!(
+                    "{addr}: {e} (is vmon already running? stop it, or set {var} to another address)"
+                ),
+            ),
+        };
     }
+    all
+}
+
+/// `*.localhost` names resolve (nss-myhostname).
+fn nsswitch_check() -> bool {
     let nss = std::fs::read_to_string("/etc/nsswitch.conf").unwrap_or_default();
     let myhost = nss.lines().any(|l| {
         l.trim_start().starts_with("hosts:") && l.split_whitespace().any(|w| w == "myhostname")
     });
-    all &= line(
+    line(
         myhost,
         "nsswitch",
         if myhost {
@@ -208,38 +231,29 @@ fn host_checks(data_dir: &Path) -> bool {
         } else {
             "add 'myhostname' after 'files' on the hosts line of /etc/nsswitch.conf (apt-get install libnss-myhostname), so get_host() names resolve"
         },
-    );
+    )
+}
+
+/// The cgroup controllers each QEMU's limits need.
+fn cgroups_check() -> bool {
     match vmon_vm::cgroup::detect() {
-        Ok(l) => {
-            line(
-                true,
-                "cgroups",
-                &format!(
-                    "{} ({}): each QEMU gets memory, CPU and pids limits",
-                    l.version,
-                    l.parents
-                        .iter()
-                        .map(|(_, p)| p.display().to_string())
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                ),
-            );
-        }
-        Err(e) => {
-            all &= line(
-                false,
-                "cgroups",
-                &format!("{e:#} (mount cgroup2 at /sys/fs/cgroup, or the v1 memory, cpu and pids controllers)"),
-            );
-        }
-    }
-    let qemu_user = match vmon_node::NodeConfig::new(std::path::PathBuf::new()).qemu_uid_base {
-        Some(base) => format!(
-            "unprivileged: one uid per slot from {} up, group {base} (VMON_QEMU_UID_BASE)",
-            base + 1
+        Ok(l) => line(
+            true,
+            "cgroups",
+            &format!(
+                "{} ({}): each QEMU gets memory, CPU and pids limits",
+                l.version,
+                l.parents
+                    .iter()
+                    .map(|(_, p)| p.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
         ),
-        None => "root (VMON_QEMU_UID_BASE=0: for debugging only)".to_string(),
-    };
-    line(true, "QEMU user", &qemu_user);
-    all
+        Err(e) => line(
+            false,
+            "cgroups",
+            &format!("{e:#} (mount cgroup2 at /sys/fs/cgroup, or the v1 memory, cpu and pids controllers)"),
+        ),
+    }
 }

@@ -27,38 +27,8 @@ pub fn checks(sysfs: &Path, dev_vfio: &Path, memlock: Option<u64>) -> Vec<Check>
     let found = vmon_vm::vfio::discover(sysfs);
     let wanted = !found.groups.is_empty() || !found.ungrouped.is_empty();
     let mut out = Vec::new();
-    let modules: Vec<&str> = ["vfio", "vfio_pci", "vfio_iommu_type1"]
-        .into_iter()
-        .filter(|m| !sysfs.join("module").join(m).exists())
-        .collect();
-    out.push(if modules.is_empty() {
-        check(
-            true,
-            "vfio modules",
-            "vfio, vfio_pci, vfio_iommu_type1 loaded",
-        )
-    } else {
-        check(
-            !wanted,
-            "vfio modules",
-            format!(
-                "{} not loaded (modprobe vfio-pci; GPU sandboxes need them)",
-                modules.join(", ")
-            ),
-        )
-    });
-    let groups = std::fs::read_dir(sysfs.join("kernel/iommu_groups"))
-        .map(|rd| rd.count())
-        .unwrap_or(0);
-    out.push(check(
-        groups > 0 || !wanted,
-        "iommu",
-        if groups > 0 {
-            format!("{groups} IOMMU groups")
-        } else {
-            "no IOMMU groups: the IOMMU is off (intel_iommu=on or amd_iommu=on on the kernel command line, and VT-d/AMD-Vi in the firmware)".into()
-        },
-    ));
+    out.push(modules_check(sysfs, wanted));
+    out.push(iommu_check(sysfs, wanted));
     if !wanted {
         out.push(check(
             true,
@@ -68,40 +38,7 @@ pub fn checks(sysfs: &Path, dev_vfio: &Path, memlock: Option<u64>) -> Vec<Check>
         return out;
     }
     for g in &found.groups {
-        let devices: Vec<String> = g
-            .devices
-            .iter()
-            .map(|d| {
-                format!(
-                    "{} {} class {:06x} ({})",
-                    d.addr,
-                    d.model,
-                    d.class,
-                    d.driver.as_deref().unwrap_or("no driver")
-                )
-            })
-            .collect();
-        let gpus = g.gpus().count();
-        match &g.problem {
-            None => out.push(check(
-                true,
-                "gpus",
-                format!(
-                    "IOMMU group {}: {gpus} GPU(s), passed whole: {}",
-                    g.id,
-                    devices.join("; ")
-                ),
-            )),
-            Some(p) => out.push(check(false, "gpus", p.clone())),
-        }
-        let node = g.dev_node(dev_vfio);
-        if !node.exists() {
-            out.push(check(
-                false,
-                "gpus",
-                format!("{} is missing (vfio-pci did not make it)", node.display()),
-            ));
-        }
+        out.extend(group_checks(g, dev_vfio));
     }
     for addr in &found.ungrouped {
         out.push(check(
@@ -131,6 +68,85 @@ pub fn checks(sysfs: &Path, dev_vfio: &Path, memlock: Option<u64>) -> Vec<Check>
             ),
         },
     ));
+    out
+}
+
+/// The VFIO modules (a failure only when devices are bound to `vfio-pci`: `wanted`).
+fn modules_check(sysfs: &Path, wanted: bool) -> Check {
+    let modules: Vec<&str> = ["vfio", "vfio_pci", "vfio_iommu_type1"]
+        .into_iter()
+        .filter(|m| !sysfs.join("module").join(m).exists())
+        .collect();
+    if modules.is_empty() {
+        check(
+            true,
+            "vfio modules",
+            "vfio, vfio_pci, vfio_iommu_type1 loaded",
+        )
+    } else {
+        check(
+            !wanted,
+            "vfio modules",
+            format!(
+                "{} not loaded (modprobe vfio-pci; GPU sandboxes need them)",
+                modules.join(", ")
+            ),
+        )
+    }
+}
+
+/// The IOMMU is on: it has groups.
+fn iommu_check(sysfs: &Path, wanted: bool) -> Check {
+    let groups = std::fs::read_dir(sysfs.join("kernel/iommu_groups"))
+        .map(|rd| rd.count())
+        .unwrap_or(0);
+    check(
+        groups > 0 || !wanted,
+        "iommu",
+        if groups > 0 {
+            format!("{groups} IOMMU groups")
+        } else {
+            "no IOMMU groups: the IOMMU is off (intel_iommu=on or amd_iommu=on on the kernel command line, and VT-d/AMD-Vi in the firmware)".into()
+        },
+    )
+}
+
+/// One IOMMU group with GPUs: passed whole (or why not), and its device node.
+fn group_checks(g: &vmon_vm::vfio::IommuGroup, dev_vfio: &Path) -> Vec<Check> {
+    let devices: Vec<String> = g
+        .devices
+        .iter()
+        .map(|d| {
+            format!(
+                "{} {} class {:06x} ({})",
+                d.addr,
+                d.model,
+                d.class,
+                d.driver.as_deref().unwrap_or("no driver")
+            )
+        })
+        .collect();
+    let gpus = g.gpus().count();
+    let mut out = vec![match &g.problem {
+        None => check(
+            true,
+            "gpus",
+            format!(
+                "IOMMU group {}: {gpus} GPU(s), passed whole: {}",
+                g.id,
+                devices.join("; ")
+            ),
+        ),
+        Some(p) => check(false, "gpus", p.clone()),
+    }];
+    let node = g.dev_node(dev_vfio);
+    if !node.exists() {
+        out.push(check(
+            false,
+            "gpus",
+            format!("{} is missing (vfio-pci did not make it)", node.display()),
+        ));
+    }
     out
 }
 

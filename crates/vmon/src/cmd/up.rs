@@ -93,18 +93,7 @@ pub async fn serve(data_dir: &Path, config: Config, parts: Parts) -> anyhow::Res
             None,
         ),
     };
-    let records: Arc<dyn Records> = Arc::new(
-        StoreRecords::open(&config, data_dir)
-            .await
-            .context("opening the records store")?,
-    );
-    if data_dir.join("records.json").exists() {
-        tracing::warn!(
-            "{} is from an older vmon and is no longer read; records now live in {}",
-            data_dir.join("records.json").display(),
-            data_dir.join(vmon_api::records::SQLITE_FILE).display()
-        );
-    }
+    let records = open_records(&config, data_dir).await?;
     let api_key = bootstrap_team(records.as_ref(), data_dir, &config).await?;
     let admin_token = secret_file(&data_dir.join(ADMIN_TOKEN_FILE))?;
 
@@ -115,24 +104,7 @@ pub async fn serve(data_dir: &Path, config: Config, parts: Parts) -> anyhow::Res
     let node: Arc<dyn vmon_proto::node::NodeControl> = match parts.remote_node {
         Some(n) => n,
         None => {
-            tracing::info!(data_dir = %data_dir.display(), "starting the node");
-            let mut node_config = vmon_node::NodeConfig::new(data_dir.to_path_buf());
-            node_config.progress = Some(startup.clone());
-            // The same private_allow at the api and the node; no guest reaches the parts.
-            node_config.private_allow = config.private_allow.clone();
-            node_config.cluster_endpoints.extend([
-                config.api_listen.to_string(),
-                config.proxy_listen.to_string(),
-                config.api_url(),
-                config.sandbox_url(),
-            ]);
-            node_config
-                .cluster_endpoints
-                .extend(config.store_url.iter().cloned());
-            // Opening is quick: the guest image builds in the background.
-            let n = vmon_node::Node::open(node_config)
-                .await
-                .context("starting the node")?;
+            let n = open_local_node(data_dir, &config, &startup).await?;
             local_node = Some(n.clone());
             n
         }
@@ -150,25 +122,9 @@ pub async fn serve(data_dir: &Path, config: Config, parts: Parts) -> anyhow::Res
         .with_context(|| format!("binding the api to {}", config.api_listen))?;
     let mut tasks = tokio::task::JoinSet::new();
     if parts.proxy {
-        let proxy_listener = tokio::net::TcpListener::bind(config.proxy_listen)
-            .await
-            .with_context(|| format!("binding the proxy to {}", config.proxy_listen))?;
-        // One traffic table for the proxy and the idle scan: no reports needed.
-        let mut proxy = vmon_proxy::Proxy::new(Arc::new(ProxyRoutes(control.clone())))
-            .with_activity(control.activity().clone())
-            .with_faults(control.faults().clone())
-            .with_limits(config.proxy_limits.guest_limits());
-        if let Some(tls) = super::proxy_tls::load(&config, data_dir, true)? {
-            if let Some(files) = &tls.local_ca {
-                eprintln!("{}", files.hint());
-            }
-            proxy = proxy.with_tls(tls.config);
-        }
+        let proxy = in_process_proxy(&config, data_dir, &control).await?;
         let c = cancel.clone();
-        tasks.spawn(async move {
-            proxy.serve(proxy_listener, c).await;
-            Ok(())
-        });
+        tasks.spawn(proxy.serve(c));
         tracing::info!(listen = %config.proxy_listen, "proxy ready");
     }
     tasks.spawn(control.clone().run_reaper(cancel.clone()).then_ok());
@@ -209,6 +165,86 @@ pub async fn serve(data_dir: &Path, config: Config, parts: Parts) -> anyhow::Res
         Some(Ok(Err(e))) => Err(e),
         Some(Err(e)) => Err(anyhow::anyhow!("a part of vmon up failed: {e}")),
         _ => Ok(()),
+    }
+}
+
+/// The records store (SQLite in the data dir, or PostgreSQL at `store_url`).
+async fn open_records(config: &Config, data_dir: &Path) -> anyhow::Result<Arc<dyn Records>> {
+    let records: Arc<dyn Records> = Arc::new(
+        StoreRecords::open(config, data_dir)
+            .await
+            .context("opening the records store")?,
+    );
+    if data_dir.join("records.json").exists() {
+        tracing::warn!(
+            "{} is from an older vmon and is no longer read; records now live in {}",
+            data_dir.join("records.json").display(),
+            data_dir.join(vmon_api::records::SQLITE_FILE).display()
+        );
+    }
+    Ok(records)
+}
+
+/// The node in this process, reporting its first build to `startup`; no guest reaches the
+/// api, the proxy or the store.
+async fn open_local_node(
+    data_dir: &Path,
+    config: &Config,
+    startup: &vmon_proto::progress::Progress,
+) -> anyhow::Result<Arc<vmon_node::Node>> {
+    tracing::info!(data_dir = %data_dir.display(), "starting the node");
+    let mut node_config = vmon_node::NodeConfig::new(data_dir.to_path_buf());
+    node_config.progress = Some(startup.clone());
+    // The same private_allow at the api and the node.
+    node_config.private_allow = config.private_allow.clone();
+    node_config.cluster_endpoints.extend([
+        config.api_listen.to_string(),
+        config.proxy_listen.to_string(),
+        config.api_url(),
+        config.sandbox_url(),
+    ]);
+    node_config
+        .cluster_endpoints
+        .extend(config.store_url.iter().cloned());
+    // Opening is quick: the guest image builds in the background.
+    vmon_node::Node::open(node_config)
+        .await
+        .context("starting the node")
+}
+
+/// The proxy of `vmon up`, bound to `proxy_listen`: it shares the control plane's traffic
+/// table (no reports needed) and fault points.
+async fn in_process_proxy(
+    config: &Config,
+    data_dir: &Path,
+    control: &Arc<Control>,
+) -> anyhow::Result<ListeningProxy> {
+    let listener = tokio::net::TcpListener::bind(config.proxy_listen)
+        .await
+        .with_context(|| format!("binding the proxy to {}", config.proxy_listen))?;
+    let mut proxy = vmon_proxy::Proxy::new(Arc::new(ProxyRoutes(control.clone())))
+        .with_activity(control.activity().clone())
+        .with_faults(control.faults().clone())
+        .with_limits(config.proxy_limits.guest_limits());
+    if let Some(tls) = super::proxy_tls::load(config, data_dir, true)? {
+        if let Some(files) = &tls.local_ca {
+            eprintln!("{}", files.hint());
+        }
+        proxy = proxy.with_tls(tls.config);
+    }
+    Ok(ListeningProxy { proxy, listener })
+}
+
+/// A proxy with its listener, served until cancelled.
+struct ListeningProxy {
+    proxy: vmon_proxy::Proxy,
+    listener: tokio::net::TcpListener,
+}
+
+impl ListeningProxy {
+    async fn serve(self, cancel: CancellationToken) -> anyhow::Result<()> {
+        self.proxy.serve(self.listener, cancel).await;
+        Ok(())
     }
 }
 

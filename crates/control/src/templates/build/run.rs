@@ -5,7 +5,9 @@
 
 use std::time::Duration;
 
-use super::{cut, BuildVm, Log, MAX_STEP_LINES, STEP_TIMEOUT};
+use super::guest::BuildVm;
+use super::log::{cut, Log};
+use super::{MAX_STEP_LINES, STEP_TIMEOUT};
 use crate::ids;
 use crate::templates::steps::{self, StepState};
 
