@@ -146,44 +146,75 @@ impl RemoteNode {
     }
 
     /// One request on a fresh connection: `path` with `body`, the answer's status and body.
+    /// The connection (and its TLS handshake) must be made within [`HANDSHAKE`]: a node that
+    /// does not finish it (stalled, its host frozen) has not seen the call, which fails at
+    /// once instead of after `timeout` (the whole call's deadline).
     async fn post(
         &self,
         path: &str,
         body: Vec<u8>,
         timeout: Duration,
     ) -> Result<(hyper::StatusCode, Bytes), NodeError> {
-        let fut = async {
-            let stream = tokio::net::TcpStream::connect(&self.addr).await?;
-            stream.set_nodelay(true)?;
-            let req = hyper::Request::builder()
-                .method("POST")
-                .uri(path)
-                .header("host", &self.addr)
-                .header("content-type", "application/json")
-                .header("authorization", format!("Bearer {}", self.token))
-                .body(Full::new(Bytes::from(body)))?;
-            match &self.tls {
-                None => exchange(stream, req).await,
-                Some((connector, server_name)) => {
-                    let tls = connector
-                        .connect(server_name.clone(), stream)
-                        .await
-                        .map_err(|e| anyhow::anyhow!("TLS with the node: {e}"))?;
-                    exchange(tls, req).await
-                }
+        let unreached = |e: anyhow::Error| {
+            NodeError::Failed(format!("node {} unreachable: {e:#}", self.addr))
+        };
+        let deadline = tokio::time::Instant::now() + timeout;
+        let handshake = tokio::time::Instant::now() + HANDSHAKE.min(timeout);
+        let stream = tokio::time::timeout_at(handshake, tokio::net::TcpStream::connect(&self.addr))
+            .await
+            .map_err(|_| unreached(anyhow::anyhow!("no connection within {HANDSHAKE:?}")))?
+            .map_err(|e| unreached(e.into()))?;
+        stream.set_nodelay(true).map_err(|e| unreached(e.into()))?;
+        let req = hyper::Request::builder()
+            .method("POST")
+            .uri(path)
+            .header("host", &self.addr)
+            .header("content-type", "application/json")
+            .header("authorization", format!("Bearer {}", self.token))
+            .body(Full::new(Bytes::from(body)))
+            .map_err(|e| NodeError::Failed(format!("node call {path}: {e}")))?;
+        let answer = match &self.tls {
+            None => tokio::time::timeout_at(deadline, exchange(stream, req)).await,
+            Some((connector, server_name)) => {
+                let tls = tokio::time::timeout_at(
+                    handshake,
+                    connector.connect(server_name.clone(), stream),
+                )
+                .await
+                .map_err(|_| {
+                    unreached(anyhow::anyhow!(
+                        "no TLS handshake within {HANDSHAKE:?} (the node is stalled?)"
+                    ))
+                })?
+                .map_err(|e| unreached(anyhow::anyhow!("TLS with the node: {e}")))?;
+                tokio::time::timeout_at(deadline, exchange(tls, req)).await
             }
         };
-        tokio::time::timeout(timeout, fut)
-            .await
-            .map_err(|_| NodeError::Failed(format!("node call {path} timed out")))?
-            .map_err(|e| NodeError::Failed(format!("node {} unreachable: {e:#}", self.addr)))
+        answer
+            .map_err(|_| {
+                NodeError::Failed(format!(
+                    "node call {path} timed out after {} s",
+                    timeout.as_secs()
+                ))
+            })?
+            .map_err(unreached)
     }
 }
 
-/// How long a call may take. Template builds and their steps boot and run a VM under TCG.
-fn timeout_of(name: &str) -> Duration {
+/// How long a call waits for its connection and TLS handshake with the node. A node serving
+/// calls finishes a handshake in milliseconds even when busy (the handshake is the accept
+/// loop's, not a call's).
+pub const HANDSHAKE: Duration = Duration::from_secs(5);
+
+/// How long a call may take. Template builds and their steps boot and run a VM under TCG;
+/// starts, pauses and captures restore or write guest memory (and may fetch a build from the
+/// object store first); the calls that only read the node's tables answer at once.
+pub fn timeout_of(name: &str) -> Duration {
     match name {
         "build_template" | "exec" => Duration::from_secs(1800),
+        "list_running" | "latest_metrics" | "pool_depths" | "paused_state" | "metrics"
+        | "logs" | "update_network" | "update_egress" => Duration::from_secs(30),
+        "kill" => Duration::from_secs(120),
         _ => Duration::from_secs(600),
     }
 }
