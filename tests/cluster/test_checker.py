@@ -1,0 +1,31 @@
+"""The checker (checker.py) for a short seeded run on the session's cluster: creates, writes
+of known bytes into files and memory, pauses, resumes, forks and kills through the SDK while
+parts are cut, killed with SIGKILL and restarted, or stopped with SIGSTOP, each for less
+than the grace, so that every sandbox must survive. The seed is printed; set
+VMON_CHECKER_SEED to replay one, VMON_CHECKER_SECS (default 150) for the time the client
+runs (the end's check comes after it). The long run, with faults past the grace, is
+`vmon bench cluster-checker`."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import checker
+from conftest import DIR, FAULTS
+
+pytestmark = pytest.mark.skipif(not FAULTS, reason="the fault ports are off (VMON_CLUSTER_TEST_FAULTS=0)")
+
+
+def test_a_seeded_run_of_calls_and_faults_breaks_no_promise(cluster):
+    seed = os.environ.get("VMON_CHECKER_SEED")
+    report = checker.run(
+        cluster,
+        DIR,
+        seed=int(seed) if seed else None,
+        secs=float(os.environ.get("VMON_CHECKER_SECS", "150")),
+        long_faults=False,
+    )
+    assert sum(report.ops.values()) > 0 and sum(report.faults.values()) > 0, report.summary()
+    assert not report.violations, f"{report.summary()}\n" + "\n".join(report.violations)
