@@ -52,14 +52,16 @@ impl ApiError {
     /// A failure of the records store, `what` failing: 503 when the database could not be
     /// reached (the call wrote nothing; retry later or through another replica), else 500.
     pub fn records(what: &str, e: &anyhow::Error) -> Self {
-        let unreachable = e.chain().any(|c| {
-            matches!(
-                c.downcast_ref::<vmon_store::StoreError>(),
-                Some(vmon_store::StoreError::Unavailable(_))
-            )
-        });
-        if unreachable {
+        let store_error = e
+            .chain()
+            .find_map(|c| c.downcast_ref::<vmon_store::StoreError>());
+        if let Some(vmon_store::StoreError::Unavailable(_)) = store_error {
             Self::unavailable(format!("{what}: the record store is unreachable; retry"))
+        } else if let Some(vmon_store::StoreError::TimedOut(d)) = store_error {
+            Self::unavailable(format!(
+                "{what}: the record store did not answer within {} s (the change may or may not have been made); retry",
+                d.as_secs()
+            ))
         } else {
             Self::internal(format!("{what}: {e:#}"))
         }

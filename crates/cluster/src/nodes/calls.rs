@@ -240,7 +240,14 @@ impl ClusterNodes {
         match self.node_of(sandbox_id).await {
             Ok((node, c)) => {
                 let r = c.kill(sandbox_id, execution_id).await;
-                self.said_unreached(&node, &c, r).await?;
+                match self.said_unreached(&node, &c, r).await {
+                    // Not reached (down or stalled): the kill is recorded now, as for a node
+                    // that left the registry; the VM, if it still runs, is one no record
+                    // names, which the leader kills once the node answers (or the node's
+                    // fence, past the grace).
+                    Ok(()) | Err(NodeError::Exhausted(_)) => {}
+                    Err(e) => return Err(e),
+                }
                 self.forget(sandbox_id).await;
                 Ok(())
             }
