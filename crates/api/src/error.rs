@@ -171,3 +171,25 @@ pub async fn json_errors(resp: Response) -> Response {
     parts.headers.extend(fresh_parts.headers);
     Response::from_parts(parts, fresh_body)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_record_store_that_did_not_answer_is_a_503_that_says_the_change_may_be_made() {
+        let e = anyhow::Error::new(vmon_store::StoreError::TimedOut(
+            std::time::Duration::from_secs(20),
+        ))
+        .context("committing a pause");
+        let a = ApiError::records("the record store failed", &e);
+        assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE);
+        assert!(a.message.contains("within 20 s"), "{}", a.message);
+        assert!(a.message.contains("may or may not"), "{}", a.message);
+        let other = anyhow::anyhow!("syntax error");
+        assert_eq!(
+            ApiError::records("x", &other).status,
+            StatusCode::INTERNAL_SERVER_ERROR
+        );
+    }
+}

@@ -71,13 +71,23 @@ impl StoreRecords {
         &self,
         call: impl std::future::Future<Output = RecordResult<T>>,
     ) -> RecordResult<T> {
-        if self.store.backend() != vmon_store::Backend::Postgres {
-            return call.await;
-        }
-        match tokio::time::timeout(RECORDS_DEADLINE, call).await {
-            Ok(r) => r,
-            Err(_) => Err(StoreError::TimedOut(RECORDS_DEADLINE).into()),
-        }
+        let deadline =
+            (self.store.backend() == vmon_store::Backend::Postgres).then_some(RECORDS_DEADLINE);
+        within_deadline(deadline, call).await
+    }
+}
+
+/// `call`, failed as [`StoreError::TimedOut`] when it takes longer than `deadline` (if any).
+async fn within_deadline<T>(
+    deadline: Option<Duration>,
+    call: impl std::future::Future<Output = RecordResult<T>>,
+) -> RecordResult<T> {
+    let Some(d) = deadline else {
+        return call.await;
+    };
+    match tokio::time::timeout(d, call).await {
+        Ok(r) => r,
+        Err(_) => Err(StoreError::TimedOut(d).into()),
     }
 }
 
@@ -710,5 +720,31 @@ impl Records for StoreRecords {
         Ok(self.store.delete_secret(team_id, id_or_name).await?)
             })
         .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_call_past_the_deadline_fails_as_timed_out_and_one_within_it_is_answered() {
+        let stalled = within_deadline::<()>(
+            Some(Duration::from_millis(50)),
+            std::future::pending::<RecordResult<()>>(),
+        )
+        .await
+        .expect_err("a stalled call must end");
+        assert!(
+            matches!(
+                stalled.downcast_ref::<StoreError>(),
+                Some(StoreError::TimedOut(_))
+            ),
+            "{stalled:#}"
+        );
+        let answered = within_deadline(Some(Duration::from_secs(5)), async { Ok(7) }).await;
+        assert_eq!(answered.expect("answered"), 7);
+        let unbounded = within_deadline(None, async { Ok(8) }).await;
+        assert_eq!(unbounded.expect("answered"), 8);
     }
 }
