@@ -239,3 +239,45 @@ def test_an_api_replica_cut_from_its_stores_answers_503_and_makes_nothing(cluste
     after = {s.sandbox_id for s in Sandbox.list(api_url=cluster.api_b).next_items()}
     assert after == before, f"the cut replica's create left {after - before}"
     assert not (_all_vms(cluster) - before), "no VM was started for it"
+
+
+def test_a_sandbox_paused_on_a_stalled_node_resumes_on_the_other_and_creates_go_there(cluster):
+    """SIGSTOP of the node holding a paused sandbox (its kernel still accepts connections, its
+    agent answers nothing): the resume is not left waiting on it (a node call must finish its
+    TLS handshake within 5 s) and runs on the other node from the object store, with its
+    file and its process; a create meanwhile starts on the other node too. Woken within the
+    grace, the stalled node keeps serving and holds no VM of the sandbox."""
+    wait_for(lambda: cluster.stored(_base_build(cluster)), 300, 1, "the base template to be in the store")
+    sbx = Sandbox.create("base", timeout=600)
+    sid = sbx.sandbox_id
+    try:
+        sbx.files.write("/home/user/note.txt", "written before the stall")
+        pid = sbx.commands.run("sleep 100000 >/dev/null 2>&1 & echo $!").stdout.strip()
+        assert sbx.pause()
+        paused = cluster.admin_sandbox(sid)
+        origin = int(paused["node"].removeprefix("node"))
+        other = 3 - origin
+        wait_for(lambda: cluster.stored(paused["buildID"]), 300, 0.5, "the pause to reach the object store")
+        node_pid = cluster.pid(f"node{origin}")
+        assert node_pid
+        os.kill(node_pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            again = Sandbox.connect(sid, timeout=600)
+            print(f"resumed past the stalled node in {time.monotonic() - t0:.1f}s")
+            assert sid in cluster.running_on(other), "the resume ran on the node that answers"
+            assert again.commands.run(f"kill -0 {pid} && echo alive").stdout.strip() == "alive"
+            assert again.files.read("/home/user/note.txt") == "written before the stall"
+            t0 = time.monotonic()
+            fresh = Sandbox.create("base", timeout=60)
+            print(f"created past the stalled node in {time.monotonic() - t0:.1f}s")
+            assert fresh.sandbox_id in cluster.running_on(other)
+            fresh.kill()
+        finally:
+            os.kill(node_pid, signal.SIGCONT)
+        _back(cluster, origin)
+        assert sid not in cluster.running_on(origin), "no second copy on the woken node"
+        assert sid in cluster.running_on(other)
+        assert _kinds(cluster, sid).count("sandbox.lifecycle.resumed") == 1
+    finally:
+        Sandbox.kill(sid)
