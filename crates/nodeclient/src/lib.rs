@@ -155,9 +155,8 @@ impl RemoteNode {
         body: Vec<u8>,
         timeout: Duration,
     ) -> Result<(hyper::StatusCode, Bytes), NodeError> {
-        let unreached = |e: anyhow::Error| {
-            NodeError::Failed(format!("node {} unreachable: {e:#}", self.addr))
-        };
+        let unreached =
+            |e: anyhow::Error| NodeError::Failed(format!("node {} unreachable: {e:#}", self.addr));
         let deadline = tokio::time::Instant::now() + timeout;
         let handshake = tokio::time::Instant::now() + HANDSHAKE.min(timeout);
         let stream = tokio::time::timeout_at(handshake, tokio::net::TcpStream::connect(&self.addr))
@@ -212,8 +211,8 @@ pub const HANDSHAKE: Duration = Duration::from_secs(5);
 pub fn timeout_of(name: &str) -> Duration {
     match name {
         "build_template" | "exec" => Duration::from_secs(1800),
-        "list_running" | "latest_metrics" | "pool_depths" | "paused_state" | "metrics"
-        | "logs" | "update_network" | "update_egress" => Duration::from_secs(30),
+        "list_running" | "latest_metrics" | "pool_depths" | "paused_state" | "metrics" | "logs"
+        | "update_network" | "update_egress" => Duration::from_secs(30),
         "kill" => Duration::from_secs(120),
         _ => Duration::from_secs(600),
     }

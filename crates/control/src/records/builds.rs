@@ -121,59 +121,57 @@ fn build_of(d: TemplateBuildDoc) -> RecordResult<TemplateBuild> {
 impl BuildRecords for StoreRecords {
     async fn put_template_build(&self, b: &TemplateBuild) -> RecordResult<()> {
         self.within(async {
-        let doc = TemplateBuildDoc {
-            id: b.build_id.clone(),
-            template_id: b.template_id.clone(),
-            team_id: b.team_id.clone(),
-            status: b.state.as_str().to_string(),
-            doc: serde_json::to_string(b)?,
-        };
-        Ok(self.store().put_template_build(&doc).await?)
-            })
+            let doc = TemplateBuildDoc {
+                id: b.build_id.clone(),
+                template_id: b.template_id.clone(),
+                team_id: b.team_id.clone(),
+                status: b.state.as_str().to_string(),
+                doc: serde_json::to_string(b)?,
+            };
+            Ok(self.store().put_template_build(&doc).await?)
+        })
         .await
     }
 
     async fn template_build(&self, build_id: &str) -> RecordResult<Option<TemplateBuild>> {
         self.within(async {
-        self.store()
-            .template_build(build_id)
-            .await?
-            .map(build_of)
-            .transpose()
-            })
+            self.store()
+                .template_build(build_id)
+                .await?
+                .map(build_of)
+                .transpose()
+        })
         .await
     }
 
     async fn template_builds_in(&self, states: &[BuildState]) -> RecordResult<Vec<TemplateBuild>> {
         self.within(async {
-        let names: Vec<&str> = states.iter().map(|s| s.as_str()).collect();
-        self.store()
-            .template_builds_in(&names)
-            .await?
-            .into_iter()
-            .map(build_of)
-            .collect()
-            })
+            let names: Vec<&str> = states.iter().map(|s| s.as_str()).collect();
+            self.store()
+                .template_builds_in(&names)
+                .await?
+                .into_iter()
+                .map(build_of)
+                .collect()
+        })
         .await
     }
 
     async fn template_builds_of(&self, template_id: &str) -> RecordResult<Vec<TemplateBuild>> {
         self.within(async {
-        self.store()
-            .template_builds_of(template_id)
-            .await?
-            .into_iter()
-            .map(build_of)
-            .collect()
-            })
+            self.store()
+                .template_builds_of(template_id)
+                .await?
+                .into_iter()
+                .map(build_of)
+                .collect()
+        })
         .await
     }
 
     async fn delete_template_builds(&self, template_id: &str) -> RecordResult<()> {
-        self.within(async {
-        Ok(self.store().delete_template_builds(template_id).await?)
-            })
-        .await
+        self.within(async { Ok(self.store().delete_template_builds(template_id).await?) })
+            .await
     }
 
     async fn append_build_logs(
@@ -182,15 +180,15 @@ impl BuildRecords for StoreRecords {
         entries: &[BuildLogEntry],
     ) -> RecordResult<()> {
         self.within(async {
-        let docs = entries
-            .iter()
-            .map(serde_json::to_string)
-            .collect::<Result<Vec<_>, _>>()?;
-        Ok(self
-            .store()
-            .append_template_build_logs(build_id, &docs)
-            .await?)
-            })
+            let docs = entries
+                .iter()
+                .map(serde_json::to_string)
+                .collect::<Result<Vec<_>, _>>()?;
+            Ok(self
+                .store()
+                .append_template_build_logs(build_id, &docs)
+                .await?)
+        })
         .await
     }
 
@@ -201,33 +199,33 @@ impl BuildRecords for StoreRecords {
         limit: i64,
     ) -> RecordResult<Vec<BuildLogEntry>> {
         self.within(async {
-        self.store()
-            .template_build_logs(build_id, offset, limit)
-            .await?
-            .iter()
-            .map(|d| Ok(serde_json::from_str(d)?))
-            .collect()
-            })
+            self.store()
+                .template_build_logs(build_id, offset, limit)
+                .await?
+                .iter()
+                .map(|d| Ok(serde_json::from_str::<BuildLogEntry>(d)?))
+                .collect()
+        })
         .await
     }
 
     async fn layer(&self, team_id: &str, key: &str) -> RecordResult<Option<BuildInfo>> {
         self.within(async {
-        match self.store().template_layer(team_id, key).await? {
-            Some(d) => Ok(Some(serde_json::from_str(&d)?)),
-            None => Ok(None),
-        }
-            })
+            match self.store().template_layer(team_id, key).await? {
+                Some(d) => Ok(Some(serde_json::from_str::<BuildInfo>(&d)?)),
+                None => Ok(None),
+            }
+        })
         .await
     }
 
     async fn put_layer(&self, team_id: &str, key: &str, build: &BuildInfo) -> RecordResult<()> {
         self.within(async {
-        Ok(self
-            .store()
-            .put_template_layer(team_id, key, &serde_json::to_string(build)?)
-            .await?)
-            })
+            Ok(self
+                .store()
+                .put_template_layer(team_id, key, &serde_json::to_string(build)?)
+                .await?)
+        })
         .await
     }
 
@@ -236,65 +234,61 @@ impl BuildRecords for StoreRecords {
         before: OffsetDateTime,
     ) -> RecordResult<Vec<(String, String, BuildInfo)>> {
         self.within(async {
-        let ms = (before.unix_timestamp_nanos() / 1_000_000) as i64;
-        self.store()
-            .stale_template_layers(ms)
-            .await?
-            .into_iter()
-            .map(|(t, k, d)| Ok((t, k, serde_json::from_str(&d)?)))
-            .collect()
-            })
+            let ms = (before.unix_timestamp_nanos() / 1_000_000) as i64;
+            self.store()
+                .stale_template_layers(ms)
+                .await?
+                .into_iter()
+                .map(|(t, k, d)| Ok((t, k, serde_json::from_str(&d)?)))
+                .collect()
+        })
         .await
     }
 
     async fn layers(&self) -> RecordResult<Vec<(String, String, BuildInfo)>> {
         self.within(async {
-        // Every layer was last used before the end of time.
-        self.store()
-            .stale_template_layers(i64::MAX)
-            .await?
-            .into_iter()
-            .map(|(t, k, d)| Ok((t, k, serde_json::from_str(&d)?)))
-            .collect()
-            })
+            // Every layer was last used before the end of time.
+            self.store()
+                .stale_template_layers(i64::MAX)
+                .await?
+                .into_iter()
+                .map(|(t, k, d)| Ok((t, k, serde_json::from_str(&d)?)))
+                .collect()
+        })
         .await
     }
 
     async fn delete_layer(&self, team_id: &str, key: &str) -> RecordResult<()> {
-        self.within(async {
-        Ok(self.store().delete_template_layer(team_id, key).await?)
-            })
-        .await
+        self.within(async { Ok(self.store().delete_template_layer(team_id, key).await?) })
+            .await
     }
 
     async fn templates_of(&self, team_id: &str) -> RecordResult<Vec<super::TemplateRecord>> {
         self.within(async {
-        let mut out = Vec::new();
-        for t in self.store().templates(team_id, true).await? {
-            if let Some(r) = self.load_template(t).await? {
-                out.push(r);
+            let mut out = Vec::new();
+            for t in self.store().templates(team_id, true).await? {
+                if let Some(r) = self.load_template(t).await? {
+                    out.push(r);
+                }
             }
-        }
-        Ok(out)
-            })
+            Ok(out)
+        })
         .await
     }
 
     async fn is_template_build(&self, build_id: &str) -> RecordResult<bool> {
-        self.within(async {
-        Ok(self.store().build(build_id).await?.is_some())
-            })
-        .await
+        self.within(async { Ok(self.store().build(build_id).await?.is_some()) })
+            .await
     }
 
     async fn alias_in_use(&self, stored_alias: &str) -> RecordResult<bool> {
         self.within(async {
-        Ok(self
-            .store()
-            .template_by_alias(stored_alias)
-            .await?
-            .is_some())
-            })
+            Ok(self
+                .store()
+                .template_by_alias(stored_alias)
+                .await?
+                .is_some())
+        })
         .await
     }
 }
