@@ -1,4 +1,4 @@
-Fencing and partitions on the local cluster (docs/architecture.md, "Fencing: never two
+"""Fencing and partitions on the local cluster (docs/architecture.md, "Fencing: never two
 copies"): a node's own fence, fed by its lease's acknowledged refreshes, against a cut from
 etcd (nft drops, scripts/cluster.sh `cut`) and a stall (SIGSTOP); an api replica cut from
 its stores. The lease is 10 s, the grace (VMON_NODE_GRACE_SECS) 20 s here, so a node fences
