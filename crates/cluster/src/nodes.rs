@@ -263,9 +263,11 @@ impl ClusterNodes {
         r: Result<T, NodeError>,
     ) -> Result<T, NodeError> {
         match r {
-            Err(NodeError::Failed(m)) if crate::reach::unreached(&node.rpc_url, c).await => {
+            Err(e @ NodeError::Failed(_))
+                if crate::reach::unreached(&node.rpc_url, c, &e).await =>
+            {
                 Err(NodeError::Exhausted(format!(
-                    "node {} is not reached (down or stalled): {m}",
+                    "node {} is not reached (down or stalled): {e}",
                     node.id
                 )))
             }
@@ -443,7 +445,10 @@ impl ClusterNodes {
                 Err(e @ NodeError::BuildNotFound(_)) if !holders.contains(&n.id) => last = e,
                 // Down (its lease not yet ended) or stalled (it accepts connections and never
                 // finishes a TLS handshake): the call never reached it, the next may.
-                Err(NodeError::Failed(m)) if crate::reach::unreached(&n.rpc_url, &c).await => {
+                Err(e @ NodeError::Failed(_))
+                    if crate::reach::unreached(&n.rpc_url, &c, &e).await =>
+                {
+                    let m = e.to_string();
                     tracing::warn!(node_id = %n.id, error = %m, "node is not reached; trying the next");
                     holder_down |= holders.contains(&n.id);
                     last = NodeError::Exhausted(format!("node {} is not reached: {m}", n.id));

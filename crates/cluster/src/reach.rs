@@ -39,11 +39,16 @@ pub(crate) async fn refuses(rpc_url: &str) -> bool {
     }
 }
 
-/// Whether the node at `rpc_url` (reached by `client`) is not reached now: it refuses
-/// connections, or it accepts them and does not finish a TLS handshake within the client's
-/// handshake deadline.
-pub(crate) async fn unreached(rpc_url: &str, client: &vmon_nodeclient::RemoteNode) -> bool {
-    refuses(rpc_url).await || client.verify().await.is_err()
+/// Whether a call to the node at `rpc_url` (reached by `client`) that failed with `failed`
+/// did not reach it: the call was never sent (no connection, no TLS handshake in time:
+/// [`vmon_nodeclient::never_sent`]), or the node refuses connections now, or accepts them and
+/// does not finish a TLS handshake now.
+pub(crate) async fn unreached(
+    rpc_url: &str,
+    client: &vmon_nodeclient::RemoteNode,
+    failed: &vmon_proto::node::NodeError,
+) -> bool {
+    vmon_nodeclient::never_sent(failed) || refuses(rpc_url).await || client.verify().await.is_err()
 }
 
 #[cfg(test)]

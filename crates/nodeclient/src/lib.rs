@@ -157,13 +157,19 @@ impl RemoteNode {
     ) -> Result<(hyper::StatusCode, Bytes), NodeError> {
         let unreached =
             |e: anyhow::Error| NodeError::Failed(format!("node {} unreachable: {e:#}", self.addr));
+        let not_sent = |e: anyhow::Error| {
+            NodeError::Failed(format!(
+                "node {} unreachable ({NOT_SENT}): {e:#}",
+                self.addr
+            ))
+        };
         let deadline = tokio::time::Instant::now() + timeout;
         let handshake = tokio::time::Instant::now() + HANDSHAKE.min(timeout);
         let stream = tokio::time::timeout_at(handshake, tokio::net::TcpStream::connect(&self.addr))
             .await
-            .map_err(|_| unreached(anyhow::anyhow!("no connection within {HANDSHAKE:?}")))?
-            .map_err(|e| unreached(e.into()))?;
-        stream.set_nodelay(true).map_err(|e| unreached(e.into()))?;
+            .map_err(|_| not_sent(anyhow::anyhow!("no connection within {HANDSHAKE:?}")))?
+            .map_err(|e| not_sent(e.into()))?;
+        stream.set_nodelay(true).map_err(|e| not_sent(e.into()))?;
         let req = hyper::Request::builder()
             .method("POST")
             .uri(path)
@@ -181,11 +187,11 @@ impl RemoteNode {
                 )
                 .await
                 .map_err(|_| {
-                    unreached(anyhow::anyhow!(
+                    not_sent(anyhow::anyhow!(
                         "no TLS handshake within {HANDSHAKE:?} (the node is stalled?)"
                     ))
                 })?
-                .map_err(|e| unreached(anyhow::anyhow!("TLS with the node: {e}")))?;
+                .map_err(|e| not_sent(anyhow::anyhow!("TLS with the node: {e}")))?;
                 tokio::time::timeout_at(deadline, exchange(tls, req)).await
             }
         };
@@ -198,6 +204,16 @@ impl RemoteNode {
             })?
             .map_err(unreached)
     }
+}
+
+/// Said by a call that failed before its request was sent (no connection, no TLS handshake).
+const NOT_SENT: &str = "the call was not sent";
+
+/// Whether `e` is a call that failed before its request was sent: no connection (refused,
+/// or none within [`HANDSHAKE`]) or no TLS handshake within it. The node never saw such a
+/// call, so another node may take its work.
+pub fn never_sent(e: &NodeError) -> bool {
+    matches!(e, NodeError::Failed(m) if m.contains(NOT_SENT))
 }
 
 /// How long a call waits for its connection and TLS handshake with the node. A node serving
@@ -270,4 +286,44 @@ where
         .map_err(|e| anyhow::anyhow!("reading the node's answer: {e}"))?
         .to_bytes();
     Ok((status, bytes))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use vmon_proto::node::NodeCalls;
+
+    #[tokio::test]
+    async fn a_node_that_accepts_and_never_handshakes_fails_the_call_at_the_handshake_deadline() {
+        // A stalled node: its kernel accepts the connection, nobody answers.
+        let stalled = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = stalled.local_addr().expect("addr");
+        let held = tokio::spawn(async move {
+            let mut conns = Vec::new();
+            while let Ok((c, _)) = stalled.accept().await {
+                conns.push(c);
+            }
+        });
+        let node = RemoteNode::new(&format!("https://{addr}"), "t".into()).expect("client");
+        let e = node.list_running().await.expect_err("no answer");
+        // Ended by the handshake's deadline, not the call's: the request was never sent.
+        assert!(
+            never_sent(&e) && e.to_string().contains("no TLS handshake"),
+            "{e}"
+        );
+        held.abort();
+        // Refused: never sent either.
+        let closed = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = closed.local_addr().expect("addr");
+        drop(closed);
+        let node = RemoteNode::new(&format!("http://{addr}"), "t".into()).expect("client");
+        let e = node.kill("i1", "e1").await.expect_err("refused");
+        assert!(never_sent(&e), "{e}");
+        // A call that reached a node and failed there is not "never sent".
+        assert!(!never_sent(&NodeError::Failed("node answered 500".into())));
+    }
 }
