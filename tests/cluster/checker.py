@@ -273,6 +273,7 @@ class Checker:
             name, sid = self.pick()
             try:
                 self.op(name, sid)
+                print(f"  {name} {sid or ''}: ok", flush=True)
             except Exception as e:  # a fault under the call: its outcome is uncertain
                 self.report.failed_ops[name] += 1
                 print(f"  {name} {sid or ''}: {type(e).__name__}: {str(e)[:160]}", flush=True)
@@ -381,10 +382,17 @@ class Checker:
         return {s["sandboxID"]: s["state"] for s in r.json()}
 
     def events(self, sid: str) -> list[dict]:
+        out: list[dict] = []
         with self.http(self.c.api_a) as h:
-            r = h.get(f"/events/sandboxes/{sid}", params={"limit": 1000, "orderAsc": "true"})
-        r.raise_for_status()
-        return r.json()
+            while True:
+                r = h.get(
+                    f"/events/sandboxes/{sid}", params={"limit": 100, "offset": len(out), "orderAsc": "true"}
+                )
+                r.raise_for_status()
+                page = r.json()
+                out.extend(page)
+                if len(page) < 100:
+                    return out
 
     def check_events(self, sid: str, k: Known, now: str) -> None:
         evs = self.events(sid)
