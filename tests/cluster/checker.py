@@ -463,8 +463,20 @@ class Checker:
             except Exception as e:
                 print(f"  cleanup kill {sid}: {e}", flush=True)
 
+    def base_stored(self) -> None:
+        """Waits (up to 10 min) for the base template to be in the object store: before, a
+        node that holds it alone being down makes every create a 503, which is right but
+        tests nothing else."""
+        with self.http(self.c.api_a) as h:
+            templates = h.get("/templates").json()
+        base = next(t for t in templates if "base" in (t.get("aliases") or []))["buildID"]
+        deadline = time.monotonic() + 600
+        while not self.c.stored(base) and time.monotonic() < deadline:
+            time.sleep(2)
+
     def run(self) -> Report:
         print(f"checker seed {self.report.seed} ({self.secs:.0f} s, long faults: {self.long_faults})", flush=True)
+        self.base_stored()
         t0 = time.monotonic()
         self.ran_on: dict[int, set[str]] = {}
         faults = threading.Thread(target=self.faults, daemon=True)
