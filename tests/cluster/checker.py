@@ -22,8 +22,8 @@ may not have happened). The checker fails on:
   calls that may have made it (created once, paused, resumed, checkpointed by forks, killed
   at most once).
 
-`run(cluster, seed, secs, long_faults)` returns a `Report`; test_checker.py runs it briefly
-in CI, `vmon bench cluster-checker` (tests/bench/cluster_checker.py) for long.
+`run(cluster, seed, secs, long_faults)` returns a `Report`; checker_cases.py runs it briefly
+(not yet collected: see its docstring), `vmon bench cluster-checker` (tests/bench/cluster_checker.py) for long.
 """
 
 from __future__ import annotations

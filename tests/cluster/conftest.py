@@ -205,7 +205,7 @@ def cluster():
         VMON_CLUSTER_TLS="1" if TLS else "0",
         # Each client part reaches etcd and PostgreSQL through ports of its own, which
         # `cluster.cut(...)` drops for a bounded time (scripts/cluster.sh, "faults";
-        # test_fence.py, test_checker.py). VMON_CLUSTER_TEST_FAULTS=0 turns them off.
+        # test_fence.py, checker_cases.py). VMON_CLUSTER_TEST_FAULTS=0 turns them off.
         VMON_CLUSTER_FAULTS="1" if FAULTS else "0",
         # A lapsed node is suspect for this long before its sandboxes are reported orphaned
         # (default 300 s): longer than a stall test's lapse, short enough for the orphan test.
