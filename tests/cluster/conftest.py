@@ -38,6 +38,8 @@ IMAGE_CACHE = Path(
 )
 SCRIPT = REPO / "scripts" / "cluster.sh"
 TLS = os.environ.get("VMON_CLUSTER_TEST_TLS", "1") != "0"
+# The fault ports (`Cluster.cut`): on unless VMON_CLUSTER_TEST_FAULTS=0.
+FAULTS = os.environ.get("VMON_CLUSTER_TEST_FAULTS", "1") != "0"
 # The team's volume byte quota in the cluster (small: test_volumes_s3 passes it).
 VOLUME_QUOTA = 32 << 20
 
@@ -203,8 +205,8 @@ def cluster():
         VMON_CLUSTER_TLS="1" if TLS else "0",
         # Each client part reaches etcd and PostgreSQL through ports of its own, which
         # `cluster.cut(...)` drops for a bounded time (scripts/cluster.sh, "faults";
-        # fence_cases.py). Off unless VMON_CLUSTER_TEST_FAULTS=1 until those cases are reliable.
-        VMON_CLUSTER_FAULTS=os.environ.get("VMON_CLUSTER_TEST_FAULTS", "0"),
+        # test_fence.py, checker_cases.py). VMON_CLUSTER_TEST_FAULTS=0 turns them off.
+        VMON_CLUSTER_FAULTS="1" if FAULTS else "0",
         # A lapsed node is suspect for this long before its sandboxes are reported orphaned
         # (default 300 s): longer than a stall test's lapse, short enough for the orphan test.
         VMON_NODE_GRACE_SECS="20",

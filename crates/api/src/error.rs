@@ -52,14 +52,16 @@ impl ApiError {
     /// A failure of the records store, `what` failing: 503 when the database could not be
     /// reached (the call wrote nothing; retry later or through another replica), else 500.
     pub fn records(what: &str, e: &anyhow::Error) -> Self {
-        let unreachable = e.chain().any(|c| {
-            matches!(
-                c.downcast_ref::<vmon_store::StoreError>(),
-                Some(vmon_store::StoreError::Unavailable(_))
-            )
-        });
-        if unreachable {
+        let store_error = e
+            .chain()
+            .find_map(|c| c.downcast_ref::<vmon_store::StoreError>());
+        if let Some(vmon_store::StoreError::Unavailable(_)) = store_error {
             Self::unavailable(format!("{what}: the record store is unreachable; retry"))
+        } else if let Some(vmon_store::StoreError::TimedOut(d)) = store_error {
+            Self::unavailable(format!(
+                "{what}: the record store did not answer within {} s (the change may or may not have been made); retry",
+                d.as_secs()
+            ))
         } else {
             Self::internal(format!("{what}: {e:#}"))
         }
@@ -168,4 +170,26 @@ pub async fn json_errors(resp: Response) -> Response {
     let (fresh_parts, fresh_body) = fresh.into_parts();
     parts.headers.extend(fresh_parts.headers);
     Response::from_parts(parts, fresh_body)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_record_store_that_did_not_answer_is_a_503_that_says_the_change_may_be_made() {
+        let e = anyhow::Error::new(vmon_store::StoreError::TimedOut(
+            std::time::Duration::from_secs(20),
+        ))
+        .context("committing a pause");
+        let a = ApiError::records("the record store failed", &e);
+        assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE);
+        assert!(a.message.contains("within 20 s"), "{}", a.message);
+        assert!(a.message.contains("may or may not"), "{}", a.message);
+        let other = anyhow::anyhow!("syntax error");
+        assert_eq!(
+            ApiError::records("x", &other).status,
+            StatusCode::INTERNAL_SERVER_ERROR
+        );
+    }
 }

@@ -161,6 +161,21 @@ impl Fence {
         }
     }
 
+    /// Every VM was stopped at `now` since the fence fell. When the lease is held again
+    /// already (a refresh acknowledged while the VMs were being stopped: the node
+    /// registered again meanwhile), the fence is lifted now, not at the next refresh: a node
+    /// that is back in the registry takes work as soon as it has nothing left to stop.
+    fn stopped_at(&self, now: Instant) {
+        let mut s = self.lock();
+        s.stopped = true;
+        if s.fenced && now.saturating_duration_since(s.last) < self.ttl {
+            tracing::warn!(node_id = %self.node_id, "fenced: every VM is stopped, and the lease is held again: the fence is lifted");
+            s.fenced = false;
+        } else {
+            tracing::warn!(node_id = %self.node_id, "fenced: every VM is stopped; serving again once the lease is held");
+        }
+    }
+
     /// The time the fence falls unless a refresh is acknowledged first.
     fn deadline(&self) -> Instant {
         self.lock().last + self.after
@@ -245,8 +260,7 @@ pub async fn watch(fence: Arc<Fence>, node: Arc<dyn NodeControl>, cancel: Cancel
     loop {
         if fence.due() {
             stop_all(&fence, node.as_ref()).await;
-            fence.lock().stopped = true;
-            tracing::warn!(node_id = %fence.node_id, "fenced: every VM is stopped; serving again once the lease is held");
+            fence.stopped_at(Instant::now());
             continue;
         }
         // Past the deadline with the VMs stopped, a refresh lifts the fence: look again

@@ -98,19 +98,25 @@ impl ClusterNodes {
         };
         tokio::spawn(async move {
             let deadline = Instant::now() + SPREAD_WAIT;
+            // The origin may be out of the registry for a while (a lapse, a restart) or fail
+            // a call: only a build it no longer has ends the wait early.
             loop {
-                let Some(n) = me.member(&origin).await else {
-                    return;
+                let asked = match me.member(&origin).await {
+                    Some(n) => match me.client(&n) {
+                        Ok(c) => tokio::time::timeout(ASK_TIMEOUT, c.build_info(&build_id))
+                            .await
+                            .ok(),
+                        Err(_) => None,
+                    },
+                    None => None,
                 };
-                let Ok(c) = me.client(&n) else {
-                    return;
-                };
-                match c.build_info(&build_id).await {
-                    Ok(info) if info.stored => break,
-                    Ok(_) => {}
-                    Err(_) => return,
+                match asked {
+                    Some(Ok(info)) if info.stored => break,
+                    Some(Err(NodeError::BuildNotFound(_))) => return,
+                    _ => {}
                 }
                 if Instant::now() > deadline {
+                    tracing::warn!(build_id = %build_id, origin = %origin, "a template build was not in the object store in time to be fetched ahead");
                     return;
                 }
                 tokio::time::sleep(Duration::from_secs(3)).await;
@@ -245,6 +251,28 @@ impl ClusterNodes {
         })?;
         let c = self.client(&node)?;
         Ok((node, c))
+    }
+
+    /// `r`, the outcome of a call to `node`, with a failure because the node was not reached
+    /// (down, or stalled: no TLS handshake) said as such, an unavailable node with the reason
+    /// (the api's 503), not a failed call (500).
+    async fn said_unreached<T>(
+        &self,
+        node: &NodeInfo,
+        c: &RemoteNode,
+        r: Result<T, NodeError>,
+    ) -> Result<T, NodeError> {
+        match r {
+            Err(e @ NodeError::Failed(_))
+                if crate::reach::unreached(&node.rpc_url, c, &e).await =>
+            {
+                Err(NodeError::Exhausted(format!(
+                    "node {} is not reached (down or stalled): {e}",
+                    node.id
+                )))
+            }
+            r => r,
+        }
     }
 
     /// Records where a sandbox runs: its node and its guest address there, in one value, so
@@ -398,21 +426,32 @@ impl ClusterNodes {
     {
         let mut last = NodeError::Exhausted("no node is registered".into());
         let mut holder_down = false;
+        // Why each holder of the build that was passed over could not take the start: a
+        // node without the build then says "not found", which is not the answer (the build
+        // exists, on a node that is busy, lapsed or fenced for now).
+        let mut holders_busy: Vec<String> = Vec::new();
         for n in ranked {
             let c = self.client(&n)?;
-            match f(c).await {
+            match f(c.clone()).await {
                 Ok(v) => return Ok((n, v)),
                 Err(NodeError::Exhausted(m)) => {
                     tracing::info!(node_id = %n.id, reason = %m, "node out of capacity; trying the next");
+                    if holders.contains(&n.id) {
+                        holders_busy.push(format!("{}: {m}", n.id));
+                    }
                     last = NodeError::Exhausted(format!("{}: {m}", n.id));
                 }
                 // It lacks the build and could not fetch it: a holder may have it.
                 Err(e @ NodeError::BuildNotFound(_)) if !holders.contains(&n.id) => last = e,
-                // Down (its lease not yet ended): the call never reached it, the next may.
-                Err(NodeError::Failed(m)) if crate::reach::refuses(&n.rpc_url).await => {
-                    tracing::warn!(node_id = %n.id, error = %m, "node refuses connections; trying the next");
+                // Down (its lease not yet ended) or stalled (it accepts connections and never
+                // finishes a TLS handshake): the call never reached it, the next may.
+                Err(e @ NodeError::Failed(_))
+                    if crate::reach::unreached(&n.rpc_url, &c, &e).await =>
+                {
+                    let m = e.to_string();
+                    tracing::warn!(node_id = %n.id, error = %m, "node is not reached; trying the next");
                     holder_down |= holders.contains(&n.id);
-                    last = NodeError::Exhausted(format!("node {} refuses connections: {m}", n.id));
+                    last = NodeError::Exhausted(format!("node {} is not reached: {m}", n.id));
                 }
                 Err(e) => return Err(e),
             }
@@ -421,6 +460,12 @@ impl ClusterNodes {
             NodeError::BuildNotFound(b) if holder_down => Err(NodeError::Exhausted(format!(
                 "build {b} is on a node that is down, and no other node could fetch it from the object store"
             ))),
+            NodeError::BuildNotFound(b) if !holders_busy.is_empty() => {
+                Err(NodeError::Exhausted(format!(
+                    "build {b} is not in the object store yet, and the nodes that hold it take no start now ({})",
+                    holders_busy.join("; ")
+                )))
+            }
             last => Err(last),
         }
     }

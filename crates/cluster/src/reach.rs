@@ -1,8 +1,10 @@
-//! Whether a node refuses connections: the one failure of a call that proves the call never
-//! reached the node (its process is gone: killed, crashed, restarting), so that another node
-//! may take the work at once instead of the caller waiting for the node's lease to end.
-//! A node that accepts and then says nothing (a stalled process, a partition) is not
-//! refused: its calls fail on their own timeouts.
+//! Whether a node is reached at all: the failures of a call that prove the call never reached
+//! the node, so that another node may take the work at once instead of the caller waiting for
+//! the node's lease to end. A node that refuses connections (its process is gone: killed,
+//! crashed, restarting), and one whose kernel accepts the connection but whose process never
+//! finishes a TLS handshake (stalled: SIGSTOP, a frozen host) are not reached. A node that
+//! completes the handshake and then answers nothing is reached: its calls end on their own
+//! deadlines (`vmon_nodeclient`).
 
 use std::time::Duration;
 
@@ -35,6 +37,18 @@ pub(crate) async fn refuses(rpc_url: &str) -> bool {
         ),
         _ => false,
     }
+}
+
+/// Whether a call to the node at `rpc_url` (reached by `client`) that failed with `failed`
+/// did not reach it: the call was never sent (no connection, no TLS handshake in time:
+/// [`vmon_nodeclient::never_sent`]), or the node refuses connections now, or accepts them and
+/// does not finish a TLS handshake now.
+pub(crate) async fn unreached(
+    rpc_url: &str,
+    client: &vmon_nodeclient::RemoteNode,
+    failed: &vmon_proto::node::NodeError,
+) -> bool {
+    vmon_nodeclient::never_sent(failed) || refuses(rpc_url).await || client.verify().await.is_err()
 }
 
 #[cfg(test)]

@@ -133,6 +133,24 @@ pub struct Store {
 /// Whether the store may be written now; `Err` says why not.
 pub type WriteGate = std::sync::Arc<dyn Fn() -> Result<(), String> + Send + Sync>;
 
+/// A write the gate refused (in a cluster: the node is fenced). Nothing was written; the
+/// same write may be made again once the gate opens ([`Store::writable`]).
+#[derive(Debug)]
+pub struct WriteRefused(pub String);
+
+impl std::fmt::Display for WriteRefused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for WriteRefused {}
+
+/// Whether `e` is (or wraps) a write the gate refused.
+pub fn refused_by_gate(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| c.is::<WriteRefused>())
+}
+
 impl std::fmt::Debug for Store {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Store").field("dir", &self.dir).finish()
@@ -162,12 +180,18 @@ impl Store {
         let _ = self.gate.set(gate);
     }
 
-    /// Whether the store may be written now (the gate, when there is one).
+    /// Whether the store may be written now (the gate, when there is one); a refusal is a
+    /// [`WriteRefused`].
     fn may_write(&self) -> anyhow::Result<()> {
         match self.gate.get() {
-            Some(g) => g().map_err(|m| anyhow::anyhow!(m)),
+            Some(g) => g().map_err(|m| anyhow::Error::new(WriteRefused(m))),
             None => Ok(()),
         }
+    }
+
+    /// Whether the gate lets writes through now.
+    pub fn writable(&self) -> bool {
+        self.may_write().is_ok()
     }
 
     pub fn objects(&self) -> &ObjectStore {

@@ -99,11 +99,28 @@ fn a_paused_sandbox_resumes_on_another_node_from_the_object_store() {
             "head -c 32M /dev/urandom > /home/user/f.bin && sync && sha256sum /home/user/f.bin | cut -d' ' -f1",
         )
         .await;
+        // A's writes to the store are refused (as a fenced node's are) when it pauses: the
+        // upload waits for the gate and is made once it opens, not dropped.
+        let open_gate = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let g = open_gate.clone();
+        a.set_store_gate(Arc::new(move || {
+            if g.load(std::sync::atomic::Ordering::SeqCst) {
+                Ok(())
+            } else {
+                Err("closed by the test (as a fenced node's)".into())
+            }
+        }));
         let t0 = Instant::now();
         let paused = a.pause(&id, &r.execution_id, true).await.expect("pause");
         eprintln!("pause returned in {:.2}s", t0.elapsed().as_secs_f64());
         assert!(paused.has_memory);
         assert!(!paused.stored, "the upload runs after the pause returned");
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        assert!(
+            !a.build_info(&paused.build_id).await.expect("info").stored,
+            "nothing is stored through a closed gate"
+        );
+        open_gate.store(true, std::sync::atomic::Ordering::SeqCst);
         let waited = wait_stored(&a, &paused.build_id).await;
         eprintln!(
             "paused build stored {:.1}s after the pause returned",

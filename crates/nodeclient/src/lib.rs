@@ -146,44 +146,90 @@ impl RemoteNode {
     }
 
     /// One request on a fresh connection: `path` with `body`, the answer's status and body.
+    /// The connection (and its TLS handshake) must be made within [`HANDSHAKE`]: a node that
+    /// does not finish it (stalled, its host frozen) has not seen the call, which fails at
+    /// once instead of after `timeout` (the whole call's deadline).
     async fn post(
         &self,
         path: &str,
         body: Vec<u8>,
         timeout: Duration,
     ) -> Result<(hyper::StatusCode, Bytes), NodeError> {
-        let fut = async {
-            let stream = tokio::net::TcpStream::connect(&self.addr).await?;
-            stream.set_nodelay(true)?;
-            let req = hyper::Request::builder()
-                .method("POST")
-                .uri(path)
-                .header("host", &self.addr)
-                .header("content-type", "application/json")
-                .header("authorization", format!("Bearer {}", self.token))
-                .body(Full::new(Bytes::from(body)))?;
-            match &self.tls {
-                None => exchange(stream, req).await,
-                Some((connector, server_name)) => {
-                    let tls = connector
-                        .connect(server_name.clone(), stream)
-                        .await
-                        .map_err(|e| anyhow::anyhow!("TLS with the node: {e}"))?;
-                    exchange(tls, req).await
-                }
+        let unreached =
+            |e: anyhow::Error| NodeError::Failed(format!("node {} unreachable: {e:#}", self.addr));
+        let not_sent = |e: anyhow::Error| {
+            NodeError::Failed(format!(
+                "node {} unreachable ({NOT_SENT}): {e:#}",
+                self.addr
+            ))
+        };
+        let deadline = tokio::time::Instant::now() + timeout;
+        let handshake = tokio::time::Instant::now() + HANDSHAKE.min(timeout);
+        let stream = tokio::time::timeout_at(handshake, tokio::net::TcpStream::connect(&self.addr))
+            .await
+            .map_err(|_| not_sent(anyhow::anyhow!("no connection within {HANDSHAKE:?}")))?
+            .map_err(|e| not_sent(e.into()))?;
+        stream.set_nodelay(true).map_err(|e| not_sent(e.into()))?;
+        let req = hyper::Request::builder()
+            .method("POST")
+            .uri(path)
+            .header("host", &self.addr)
+            .header("content-type", "application/json")
+            .header("authorization", format!("Bearer {}", self.token))
+            .body(Full::new(Bytes::from(body)))
+            .map_err(|e| NodeError::Failed(format!("node call {path}: {e}")))?;
+        let answer = match &self.tls {
+            None => tokio::time::timeout_at(deadline, exchange(stream, req)).await,
+            Some((connector, server_name)) => {
+                let tls = tokio::time::timeout_at(
+                    handshake,
+                    connector.connect(server_name.clone(), stream),
+                )
+                .await
+                .map_err(|_| {
+                    not_sent(anyhow::anyhow!(
+                        "no TLS handshake within {HANDSHAKE:?} (the node is stalled?)"
+                    ))
+                })?
+                .map_err(|e| not_sent(anyhow::anyhow!("TLS with the node: {e}")))?;
+                tokio::time::timeout_at(deadline, exchange(tls, req)).await
             }
         };
-        tokio::time::timeout(timeout, fut)
-            .await
-            .map_err(|_| NodeError::Failed(format!("node call {path} timed out")))?
-            .map_err(|e| NodeError::Failed(format!("node {} unreachable: {e:#}", self.addr)))
+        answer
+            .map_err(|_| {
+                NodeError::Failed(format!(
+                    "node call {path} timed out after {} s",
+                    timeout.as_secs()
+                ))
+            })?
+            .map_err(unreached)
     }
 }
 
-/// How long a call may take. Template builds and their steps boot and run a VM under TCG.
-fn timeout_of(name: &str) -> Duration {
+/// Said by a call that failed before its request was sent (no connection, no TLS handshake).
+const NOT_SENT: &str = "the call was not sent";
+
+/// Whether `e` is a call that failed before its request was sent: no connection (refused,
+/// or none within [`HANDSHAKE`]) or no TLS handshake within it. The node never saw such a
+/// call, so another node may take its work.
+pub fn never_sent(e: &NodeError) -> bool {
+    matches!(e, NodeError::Failed(m) if m.contains(NOT_SENT))
+}
+
+/// How long a call waits for its connection and TLS handshake with the node. A node serving
+/// calls finishes a handshake in milliseconds even when busy (the handshake is the accept
+/// loop's, not a call's).
+pub const HANDSHAKE: Duration = Duration::from_secs(5);
+
+/// How long a call may take. Template builds and their steps boot and run a VM under TCG;
+/// starts, pauses and captures restore or write guest memory (and may fetch a build from the
+/// object store first); the calls that only read the node's tables answer at once.
+pub fn timeout_of(name: &str) -> Duration {
     match name {
         "build_template" | "exec" => Duration::from_secs(1800),
+        "list_running" | "latest_metrics" | "pool_depths" | "paused_state" | "metrics" | "logs"
+        | "update_network" | "update_egress" => Duration::from_secs(30),
+        "kill" => Duration::from_secs(120),
         _ => Duration::from_secs(600),
     }
 }
@@ -240,4 +286,44 @@ where
         .map_err(|e| anyhow::anyhow!("reading the node's answer: {e}"))?
         .to_bytes();
     Ok((status, bytes))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use vmon_proto::node::NodeCalls;
+
+    #[tokio::test]
+    async fn a_node_that_accepts_and_never_handshakes_fails_the_call_at_the_handshake_deadline() {
+        // A stalled node: its kernel accepts the connection, nobody answers.
+        let stalled = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = stalled.local_addr().expect("addr");
+        let held = tokio::spawn(async move {
+            let mut conns = Vec::new();
+            while let Ok((c, _)) = stalled.accept().await {
+                conns.push(c);
+            }
+        });
+        let node = RemoteNode::new(&format!("https://{addr}"), "t".into()).expect("client");
+        let e = node.list_running().await.expect_err("no answer");
+        // Ended by the handshake's deadline, not the call's: the request was never sent.
+        assert!(
+            never_sent(&e) && e.to_string().contains("no TLS handshake"),
+            "{e}"
+        );
+        held.abort();
+        // Refused: never sent either.
+        let closed = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = closed.local_addr().expect("addr");
+        drop(closed);
+        let node = RemoteNode::new(&format!("http://{addr}"), "t".into()).expect("client");
+        let e = node.kill("i1", "e1").await.expect_err("refused");
+        assert!(never_sent(&e), "{e}");
+        // A call that reached a node and failed there is not "never sent".
+        assert!(!never_sent(&NodeError::Failed("node answered 500".into())));
+    }
 }

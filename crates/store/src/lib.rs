@@ -93,6 +93,10 @@ pub enum StoreError {
     /// connection broke): nothing was written by this call; it may be retried later.
     #[error("the database is unreachable")]
     Unavailable(#[source] sqlx::Error),
+    /// A call got no answer from the database within its deadline (the link drops packets,
+    /// the server stalls): what it wrote may or may not have been committed.
+    #[error("the database did not answer within {} s", .0.as_secs())]
+    TimedOut(Duration),
     /// A unique name or id is already taken.
     #[error("{0} already exists")]
     Conflict(String),

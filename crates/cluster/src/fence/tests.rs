@@ -146,3 +146,28 @@ async fn a_node_that_cannot_renew_stops_its_vms_on_its_own_and_serves_again_once
     cancel.cancel();
     task.await.expect("watch");
 }
+
+#[test]
+fn a_node_registered_again_while_it_stops_its_vms_serves_as_soon_as_they_are_stopped() {
+    let f = Fence::new("n1", TTL, GRACE);
+    let t0 = Instant::now();
+    f.renewed(t0);
+    // A stall past the span, then refreshes again while the stop is under way.
+    let back = t0 + AFTER + TTL;
+    f.renewed(back);
+    assert!(f.due());
+    f.renewed(back + TTL / 4);
+    assert_eq!(f.standing_at(back + TTL / 4), Standing::Fenced);
+    // The stop ends with the lease held: lifted at once, not at the next refresh.
+    f.stopped_at(back + TTL / 2);
+    assert_eq!(f.standing_at(back + TTL / 2), Standing::Held);
+    assert!(!f.due());
+
+    // A stop that ends with no refresh within the TTL leaves the node fenced.
+    let g = Fence::new("n2", TTL, GRACE);
+    g.lock().last = Instant::now() - AFTER;
+    assert!(g.due());
+    g.stopped_at(Instant::now());
+    assert_eq!(g.standing(), Standing::Fenced);
+    assert!(!g.due(), "stopped: nothing left to stop");
+}

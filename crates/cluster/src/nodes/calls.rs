@@ -67,8 +67,9 @@ impl ClusterNodes {
                 call.name()
             )));
         };
-        let (_, c) = self.node_of(&id).await?;
-        c.handle(call).await
+        let (node, c) = self.node_of(&id).await?;
+        let r = c.handle(call).await;
+        self.said_unreached(&node, &c, r).await
     }
 
     async fn build_template(&self, spec: TemplateSpec) -> Result<BuildInfo, NodeError> {
@@ -237,8 +238,16 @@ impl ClusterNodes {
 
     async fn kill(&self, sandbox_id: &str, execution_id: &str) -> Result<(), NodeError> {
         match self.node_of(sandbox_id).await {
-            Ok((_, c)) => {
-                c.kill(sandbox_id, execution_id).await?;
+            Ok((node, c)) => {
+                let r = c.kill(sandbox_id, execution_id).await;
+                match self.said_unreached(&node, &c, r).await {
+                    // Not reached (down or stalled): the kill is recorded now, as for a node
+                    // that left the registry; the VM, if it still runs, is one no record
+                    // names, which the leader kills once the node answers (or the node's
+                    // fence, past the grace).
+                    Ok(()) | Err(NodeError::Exhausted(_)) => {}
+                    Err(e) => return Err(e),
+                }
                 self.forget(sandbox_id).await;
                 Ok(())
             }
@@ -280,10 +289,11 @@ impl ClusterNodes {
     ) -> Result<BuildInfo, NodeError> {
         let (node, c) = self.node_of(sandbox_id).await?;
         let info = if checkpoint {
-            c.checkpoint(sandbox_id, execution_id, memory).await?
+            c.checkpoint(sandbox_id, execution_id, memory).await
         } else {
-            c.pause(sandbox_id, execution_id, memory).await?
+            c.pause(sandbox_id, execution_id, memory).await
         };
+        let info = self.said_unreached(&node, &c, info).await?;
         self.holds(&node, &info).await;
         Ok(info)
     }

@@ -120,45 +120,58 @@ fn build_of(d: TemplateBuildDoc) -> RecordResult<TemplateBuild> {
 #[async_trait::async_trait]
 impl BuildRecords for StoreRecords {
     async fn put_template_build(&self, b: &TemplateBuild) -> RecordResult<()> {
-        let doc = TemplateBuildDoc {
-            id: b.build_id.clone(),
-            template_id: b.template_id.clone(),
-            team_id: b.team_id.clone(),
-            status: b.state.as_str().to_string(),
-            doc: serde_json::to_string(b)?,
-        };
-        Ok(self.store().put_template_build(&doc).await?)
+        self.within(async {
+            let doc = TemplateBuildDoc {
+                id: b.build_id.clone(),
+                template_id: b.template_id.clone(),
+                team_id: b.team_id.clone(),
+                status: b.state.as_str().to_string(),
+                doc: serde_json::to_string(b)?,
+            };
+            Ok(self.store().put_template_build(&doc).await?)
+        })
+        .await
     }
 
     async fn template_build(&self, build_id: &str) -> RecordResult<Option<TemplateBuild>> {
-        self.store()
-            .template_build(build_id)
-            .await?
-            .map(build_of)
-            .transpose()
+        self.within(async {
+            self.store()
+                .template_build(build_id)
+                .await?
+                .map(build_of)
+                .transpose()
+        })
+        .await
     }
 
     async fn template_builds_in(&self, states: &[BuildState]) -> RecordResult<Vec<TemplateBuild>> {
-        let names: Vec<&str> = states.iter().map(|s| s.as_str()).collect();
-        self.store()
-            .template_builds_in(&names)
-            .await?
-            .into_iter()
-            .map(build_of)
-            .collect()
+        self.within(async {
+            let names: Vec<&str> = states.iter().map(|s| s.as_str()).collect();
+            self.store()
+                .template_builds_in(&names)
+                .await?
+                .into_iter()
+                .map(build_of)
+                .collect()
+        })
+        .await
     }
 
     async fn template_builds_of(&self, template_id: &str) -> RecordResult<Vec<TemplateBuild>> {
-        self.store()
-            .template_builds_of(template_id)
-            .await?
-            .into_iter()
-            .map(build_of)
-            .collect()
+        self.within(async {
+            self.store()
+                .template_builds_of(template_id)
+                .await?
+                .into_iter()
+                .map(build_of)
+                .collect()
+        })
+        .await
     }
 
     async fn delete_template_builds(&self, template_id: &str) -> RecordResult<()> {
-        Ok(self.store().delete_template_builds(template_id).await?)
+        self.within(async { Ok(self.store().delete_template_builds(template_id).await?) })
+            .await
     }
 
     async fn append_build_logs(
@@ -166,14 +179,17 @@ impl BuildRecords for StoreRecords {
         build_id: &str,
         entries: &[BuildLogEntry],
     ) -> RecordResult<()> {
-        let docs = entries
-            .iter()
-            .map(serde_json::to_string)
-            .collect::<Result<Vec<_>, _>>()?;
-        Ok(self
-            .store()
-            .append_template_build_logs(build_id, &docs)
-            .await?)
+        self.within(async {
+            let docs = entries
+                .iter()
+                .map(serde_json::to_string)
+                .collect::<Result<Vec<_>, _>>()?;
+            Ok(self
+                .store()
+                .append_template_build_logs(build_id, &docs)
+                .await?)
+        })
+        .await
     }
 
     async fn build_logs(
@@ -182,74 +198,97 @@ impl BuildRecords for StoreRecords {
         offset: i64,
         limit: i64,
     ) -> RecordResult<Vec<BuildLogEntry>> {
-        self.store()
-            .template_build_logs(build_id, offset, limit)
-            .await?
-            .iter()
-            .map(|d| Ok(serde_json::from_str(d)?))
-            .collect()
+        self.within(async {
+            self.store()
+                .template_build_logs(build_id, offset, limit)
+                .await?
+                .iter()
+                .map(|d| Ok(serde_json::from_str::<BuildLogEntry>(d)?))
+                .collect()
+        })
+        .await
     }
 
     async fn layer(&self, team_id: &str, key: &str) -> RecordResult<Option<BuildInfo>> {
-        match self.store().template_layer(team_id, key).await? {
-            Some(d) => Ok(Some(serde_json::from_str(&d)?)),
-            None => Ok(None),
-        }
+        self.within(async {
+            match self.store().template_layer(team_id, key).await? {
+                Some(d) => Ok(Some(serde_json::from_str::<BuildInfo>(&d)?)),
+                None => Ok(None),
+            }
+        })
+        .await
     }
 
     async fn put_layer(&self, team_id: &str, key: &str, build: &BuildInfo) -> RecordResult<()> {
-        Ok(self
-            .store()
-            .put_template_layer(team_id, key, &serde_json::to_string(build)?)
-            .await?)
+        self.within(async {
+            Ok(self
+                .store()
+                .put_template_layer(team_id, key, &serde_json::to_string(build)?)
+                .await?)
+        })
+        .await
     }
 
     async fn stale_layers(
         &self,
         before: OffsetDateTime,
     ) -> RecordResult<Vec<(String, String, BuildInfo)>> {
-        let ms = (before.unix_timestamp_nanos() / 1_000_000) as i64;
-        self.store()
-            .stale_template_layers(ms)
-            .await?
-            .into_iter()
-            .map(|(t, k, d)| Ok((t, k, serde_json::from_str(&d)?)))
-            .collect()
+        self.within(async {
+            let ms = (before.unix_timestamp_nanos() / 1_000_000) as i64;
+            self.store()
+                .stale_template_layers(ms)
+                .await?
+                .into_iter()
+                .map(|(t, k, d)| Ok((t, k, serde_json::from_str(&d)?)))
+                .collect()
+        })
+        .await
     }
 
     async fn layers(&self) -> RecordResult<Vec<(String, String, BuildInfo)>> {
-        // Every layer was last used before the end of time.
-        self.store()
-            .stale_template_layers(i64::MAX)
-            .await?
-            .into_iter()
-            .map(|(t, k, d)| Ok((t, k, serde_json::from_str(&d)?)))
-            .collect()
+        self.within(async {
+            // Every layer was last used before the end of time.
+            self.store()
+                .stale_template_layers(i64::MAX)
+                .await?
+                .into_iter()
+                .map(|(t, k, d)| Ok((t, k, serde_json::from_str(&d)?)))
+                .collect()
+        })
+        .await
     }
 
     async fn delete_layer(&self, team_id: &str, key: &str) -> RecordResult<()> {
-        Ok(self.store().delete_template_layer(team_id, key).await?)
+        self.within(async { Ok(self.store().delete_template_layer(team_id, key).await?) })
+            .await
     }
 
     async fn templates_of(&self, team_id: &str) -> RecordResult<Vec<super::TemplateRecord>> {
-        let mut out = Vec::new();
-        for t in self.store().templates(team_id, true).await? {
-            if let Some(r) = self.load_template(t).await? {
-                out.push(r);
+        self.within(async {
+            let mut out = Vec::new();
+            for t in self.store().templates(team_id, true).await? {
+                if let Some(r) = self.load_template(t).await? {
+                    out.push(r);
+                }
             }
-        }
-        Ok(out)
+            Ok(out)
+        })
+        .await
     }
 
     async fn is_template_build(&self, build_id: &str) -> RecordResult<bool> {
-        Ok(self.store().build(build_id).await?.is_some())
+        self.within(async { Ok(self.store().build(build_id).await?.is_some()) })
+            .await
     }
 
     async fn alias_in_use(&self, stored_alias: &str) -> RecordResult<bool> {
-        Ok(self
-            .store()
-            .template_by_alias(stored_alias)
-            .await?
-            .is_some())
+        self.within(async {
+            Ok(self
+                .store()
+                .template_by_alias(stored_alias)
+                .await?
+                .is_some())
+        })
+        .await
     }
 }

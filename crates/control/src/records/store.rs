@@ -61,7 +61,39 @@ impl StoreRecords {
     pub fn store(&self) -> &Store {
         &self.store
     }
+
+    /// `call` within [`RECORDS_DEADLINE`] when the records are in PostgreSQL: a query under
+    /// way when the link to the database starts dropping packets would otherwise wait for
+    /// TCP to give up (many minutes) and hold its caller, a lock and a transition with it.
+    /// Past the deadline the call fails as [`StoreError::TimedOut`] (the api's 503); a
+    /// commit under way then may or may not have been made, so a retry finds either state.
+    pub(super) async fn within<T>(
+        &self,
+        call: impl std::future::Future<Output = RecordResult<T>>,
+    ) -> RecordResult<T> {
+        let deadline =
+            (self.store.backend() == vmon_store::Backend::Postgres).then_some(RECORDS_DEADLINE);
+        within_deadline(deadline, call).await
+    }
 }
+
+/// `call`, failed as [`StoreError::TimedOut`] when it takes longer than `deadline` (if any).
+async fn within_deadline<T>(
+    deadline: Option<Duration>,
+    call: impl std::future::Future<Output = RecordResult<T>>,
+) -> RecordResult<T> {
+    let Some(d) = deadline else {
+        return call.await;
+    };
+    match tokio::time::timeout(d, call).await {
+        Ok(r) => r,
+        Err(_) => Err(StoreError::TimedOut(d).into()),
+    }
+}
+
+/// How long one call of the records may take on PostgreSQL (queries take milliseconds; the
+/// event retention's deletes, the longest, well under a second per batch).
+pub const RECORDS_DEADLINE: Duration = Duration::from_secs(20);
 
 /// Reads the 32-byte key (hex) from `path`, creating it with a fresh key, mode 0600, if absent.
 pub fn secret_key(path: &Path) -> anyhow::Result<[u8; 32]> {
@@ -177,90 +209,112 @@ impl StoreRecords {
 #[async_trait::async_trait]
 impl Records for StoreRecords {
     async fn team_by_key_hash(&self, key_hash: &str) -> RecordResult<Option<Team>> {
-        let Some(key) = self.store.api_key_by_hash(key_hash).await? else {
-            return Ok(None);
-        };
-        Ok(self.store.team(&key.team_id).await?.map(team_from_store))
+        self.within(async {
+            let Some(key) = self.store.api_key_by_hash(key_hash).await? else {
+                return Ok(None);
+            };
+            Ok(self.store.team(&key.team_id).await?.map(team_from_store))
+        })
+        .await
     }
 
     async fn team(&self, team_id: &str) -> RecordResult<Option<Team>> {
-        Ok(self.store.team(team_id).await?.map(team_from_store))
+        self.within(async { Ok(self.store.team(team_id).await?.map(team_from_store)) })
+            .await
     }
 
     async fn teams(&self) -> RecordResult<Vec<Team>> {
-        let mut t: Vec<Team> = self
-            .store
-            .teams()
-            .await?
-            .into_iter()
-            .map(team_from_store)
-            .collect();
-        t.sort_by(|a, b| a.name.cmp(&b.name));
-        Ok(t)
-    }
-
-    async fn put_team(&self, team: Team) -> RecordResult<()> {
-        let limits = limits_to_store(&team.limits);
-        if self.store.team(&team.id).await?.is_some() {
-            self.store.set_team_limits(&team.id, &limits).await?;
-            return Ok(());
-        }
-        self.store
-            .create_team(&NewTeam {
-                id: team.id,
-                name: team.name,
-                slug: team.slug,
-                limits,
-            })
-            .await?;
-        Ok(())
-    }
-
-    async fn add_key(&self, team_id: &str, raw_key: &str) -> RecordResult<ApiKeyInfo> {
-        let key = self
-            .store
-            .create_api_key(team_id, "default", raw_key)
-            .await?;
-        Ok(key_from_store(key))
-    }
-
-    async fn keys(&self, team_id: Option<&str>) -> RecordResult<Vec<ApiKeyInfo>> {
-        let teams = match team_id {
-            Some(t) => vec![t.to_string()],
-            None => self
+        self.within(async {
+            let mut t: Vec<Team> = self
                 .store
                 .teams()
                 .await?
                 .into_iter()
-                .map(|t| t.id)
-                .collect(),
-        };
-        let mut out = Vec::new();
-        for team in teams {
-            out.extend(
-                self.store
-                    .api_keys(&team)
+                .map(team_from_store)
+                .collect();
+            t.sort_by(|a, b| a.name.cmp(&b.name));
+            Ok(t)
+        })
+        .await
+    }
+
+    async fn put_team(&self, team: Team) -> RecordResult<()> {
+        self.within(async {
+            let limits = limits_to_store(&team.limits);
+            if self.store.team(&team.id).await?.is_some() {
+                self.store.set_team_limits(&team.id, &limits).await?;
+                return Ok(());
+            }
+            self.store
+                .create_team(&NewTeam {
+                    id: team.id,
+                    name: team.name,
+                    slug: team.slug,
+                    limits,
+                })
+                .await?;
+            Ok(())
+        })
+        .await
+    }
+
+    async fn add_key(&self, team_id: &str, raw_key: &str) -> RecordResult<ApiKeyInfo> {
+        self.within(async {
+            let key = self
+                .store
+                .create_api_key(team_id, "default", raw_key)
+                .await?;
+            Ok(key_from_store(key))
+        })
+        .await
+    }
+
+    async fn keys(&self, team_id: Option<&str>) -> RecordResult<Vec<ApiKeyInfo>> {
+        self.within(async {
+            let teams = match team_id {
+                Some(t) => vec![t.to_string()],
+                None => self
+                    .store
+                    .teams()
                     .await?
                     .into_iter()
-                    .map(key_from_store),
-            );
-        }
-        out.sort_by_key(|k| k.created_at);
-        Ok(out)
+                    .map(|t| t.id)
+                    .collect(),
+            };
+            let mut out = Vec::new();
+            for team in teams {
+                out.extend(
+                    self.store
+                        .api_keys(&team)
+                        .await?
+                        .into_iter()
+                        .map(key_from_store),
+                );
+            }
+            out.sort_by_key(|k| k.created_at);
+            Ok(out)
+        })
+        .await
     }
 
     async fn revoke_key(&self, key_id: &str) -> RecordResult<bool> {
-        match self.store.api_key(key_id).await? {
-            Some(k) => Ok(self.store.revoke_api_key(&k.team_id, key_id).await?),
-            None => Ok(false),
-        }
+        self.within(async {
+            match self.store.api_key(key_id).await? {
+                Some(k) => Ok(self.store.revoke_api_key(&k.team_id, key_id).await?),
+                None => Ok(false),
+            }
+        })
+        .await
     }
 
     async fn template_by_id(&self, id: &str) -> RecordResult<Option<TemplateRecord>> {
-        match self.store.template(id).await? {
-            Some(t) => self.load_template(t).await,
-            None => Ok(None),
-        }
+        self.within(async {
+            match self.store.template(id).await? {
+                Some(t) => self.load_template(t).await,
+                None => Ok(None),
+            }
+        })
+        .await
     }
 
     async fn template_by_alias(
@@ -268,79 +322,93 @@ impl Records for StoreRecords {
         team_id: &str,
         alias: &str,
     ) -> RecordResult<Option<TemplateRecord>> {
-        if !team_id.is_empty() {
-            if let Some(slug) = self.slug_of(team_id).await? {
-                let owned = self
-                    .store
-                    .template_by_alias(&stored_alias(Some(&slug), alias))
-                    .await?;
-                if let Some(t) = owned.filter(|t| t.team_id.as_deref() == Some(team_id)) {
-                    return self.load_template(t).await;
+        self.within(async {
+            if !team_id.is_empty() {
+                if let Some(slug) = self.slug_of(team_id).await? {
+                    let owned = self
+                        .store
+                        .template_by_alias(&stored_alias(Some(&slug), alias))
+                        .await?;
+                    if let Some(t) = owned.filter(|t| t.team_id.as_deref() == Some(team_id)) {
+                        return self.load_template(t).await;
+                    }
                 }
             }
-        }
-        match self.store.template_by_alias(alias).await? {
-            Some(t) if t.team_id.is_none() => self.load_template(t).await,
-            _ => Ok(None),
-        }
+            match self.store.template_by_alias(alias).await? {
+                Some(t) if t.team_id.is_none() => self.load_template(t).await,
+                _ => Ok(None),
+            }
+        })
+        .await
     }
 
     async fn put_template(&self, template: TemplateRecord) -> RecordResult<()> {
-        let alias = self.stored_alias_of(&template).await?;
-        let mut tx = self.store.begin().await?;
-        write_template(&mut tx, &template, alias.as_deref()).await?;
-        tx.commit().await?;
-        Ok(())
+        self.within(async {
+            let alias = self.stored_alias_of(&template).await?;
+            let mut tx = self.store.begin().await?;
+            write_template(&mut tx, &template, alias.as_deref()).await?;
+            tx.commit().await?;
+            Ok(())
+        })
+        .await
     }
 
     async fn delete_template(&self, id: &str) -> RecordResult<bool> {
-        Ok(self.store.delete_template(id).await?)
+        self.within(async { Ok(self.store.delete_template(id).await?) })
+            .await
     }
 
     async fn snapshots(&self, team_id: &str) -> RecordResult<Vec<TemplateRecord>> {
-        let mut ids = Vec::new();
-        let mut cursor = None;
-        loop {
-            let page = self
-                .store
-                .snapshots(&SnapshotQuery {
-                    team_id: team_id.to_string(),
-                    limit: 1000,
-                    cursor,
-                    ..Default::default()
-                })
-                .await?;
-            ids.extend(page.items.into_iter().map(|s| s.template_id));
-            match page.next_cursor {
-                Some(c) => cursor = Some(c),
-                None => break,
+        self.within(async {
+            let mut ids = Vec::new();
+            let mut cursor = None;
+            loop {
+                let page = self
+                    .store
+                    .snapshots(&SnapshotQuery {
+                        team_id: team_id.to_string(),
+                        limit: 1000,
+                        cursor,
+                        ..Default::default()
+                    })
+                    .await?;
+                ids.extend(page.items.into_iter().map(|s| s.template_id));
+                match page.next_cursor {
+                    Some(c) => cursor = Some(c),
+                    None => break,
+                }
             }
-        }
-        let mut out = Vec::with_capacity(ids.len());
-        for id in ids {
-            if let Some(t) = self.template_by_id(&id).await? {
-                out.push(t);
+            let mut out = Vec::with_capacity(ids.len());
+            for id in ids {
+                if let Some(t) = self.template_by_id(&id).await? {
+                    out.push(t);
+                }
             }
-        }
-        out.sort_by(|a, b| b.created_at.cmp(&a.created_at).then(a.id.cmp(&b.id)));
-        Ok(out)
+            out.sort_by(|a, b| b.created_at.cmp(&a.created_at).then(a.id.cmp(&b.id)));
+            Ok(out)
+        })
+        .await
     }
 
     async fn sandbox(&self, id: &str) -> RecordResult<Option<SandboxRecord>> {
-        Ok(self.store.sandbox(id).await?.map(from_store))
+        self.within(async { Ok(self.store.sandbox(id).await?.map(from_store)) })
+            .await
     }
 
     async fn sandboxes(&self, team_id: Option<&str>) -> RecordResult<Vec<SandboxRecord>> {
-        match team_id {
-            Some(t) => self.all_sandboxes(t).await,
-            None => {
-                let mut out = Vec::new();
-                for team in self.store.teams().await? {
-                    out.extend(self.all_sandboxes(&team.id).await?);
+        self.within(async {
+            match team_id {
+                Some(t) => self.all_sandboxes(t).await,
+                None => {
+                    let mut out = Vec::new();
+                    for team in self.store.teams().await? {
+                        out.extend(self.all_sandboxes(&team.id).await?);
+                    }
+                    Ok(out)
                 }
-                Ok(out)
             }
-        }
+        })
+        .await
     }
 
     async fn sandbox_page(&self, q: &SandboxListing) -> RecordResult<SandboxPage> {
@@ -385,13 +453,16 @@ impl Records for StoreRecords {
     }
 
     async fn expired_sandboxes(&self, now: OffsetDateTime) -> RecordResult<Vec<SandboxRecord>> {
-        Ok(self
-            .store
-            .expired_sandboxes(now, 1000)
-            .await?
-            .into_iter()
-            .map(from_store)
-            .collect())
+        self.within(async {
+            Ok(self
+                .store
+                .expired_sandboxes(now, 1000)
+                .await?
+                .into_iter()
+                .map(from_store)
+                .collect())
+        })
+        .await
     }
 
     async fn commit(
@@ -400,78 +471,86 @@ impl Records for StoreRecords {
         event: LifecycleEvent,
         fence: i64,
     ) -> RecordResult<Committed> {
-        // Reads before the transaction: on SQLite it holds the only writer connection.
-        let alias = match &change {
-            Change::Checkpoint {
-                template: Some(t), ..
-            } => self.stored_alias_of(t).await?,
-            _ => None,
-        };
-        let mut tx = self.store.begin().await?;
-        let written = match &change {
-            Change::Insert(rec) => {
-                tx.insert_sandbox(&to_store(rec, fence)?).await?;
-                true
-            }
-            Change::Update {
-                record,
-                expected_execution_id,
-            } => {
-                tx.update_sandbox(&to_store(record, fence)?, expected_execution_id, fence)
-                    .await?
-            }
-            Change::Delete {
-                sandbox_id,
-                execution_id,
-            } => tx.delete_sandbox(sandbox_id, execution_id, fence).await?,
-            Change::Checkpoint {
-                sandbox_id,
-                execution_id,
-                template,
-            } => {
-                let running = [vmon_store::SandboxState::Running];
-                let current = tx
-                    .set_sandbox_state(
-                        sandbox_id,
-                        execution_id,
-                        &running,
-                        vmon_store::SandboxState::Running,
-                        fence,
-                    )
-                    .await?;
-                if let (true, Some(t)) = (current, template) {
-                    write_template(&mut tx, t, alias.as_deref()).await?;
+        self.within(async {
+            // Reads before the transaction: on SQLite it holds the only writer connection.
+            let alias = match &change {
+                Change::Checkpoint {
+                    template: Some(t), ..
+                } => self.stored_alias_of(t).await?,
+                _ => None,
+            };
+            let mut tx = self.store.begin().await?;
+            let written = match &change {
+                Change::Insert(rec) => {
+                    tx.insert_sandbox(&to_store(rec, fence)?).await?;
+                    true
                 }
-                current
+                Change::Update {
+                    record,
+                    expected_execution_id,
+                } => {
+                    tx.update_sandbox(&to_store(record, fence)?, expected_execution_id, fence)
+                        .await?
+                }
+                Change::Delete {
+                    sandbox_id,
+                    execution_id,
+                } => tx.delete_sandbox(sandbox_id, execution_id, fence).await?,
+                Change::Checkpoint {
+                    sandbox_id,
+                    execution_id,
+                    template,
+                } => {
+                    let running = [vmon_store::SandboxState::Running];
+                    let current = tx
+                        .set_sandbox_state(
+                            sandbox_id,
+                            execution_id,
+                            &running,
+                            vmon_store::SandboxState::Running,
+                            fence,
+                        )
+                        .await?;
+                    if let (true, Some(t)) = (current, template) {
+                        write_template(&mut tx, t, alias.as_deref()).await?;
+                    }
+                    current
+                }
+            };
+            if !written {
+                tx.rollback().await?;
+                return Ok(Committed::Stale);
             }
-        };
-        if !written {
-            tx.rollback().await?;
-            return Ok(Committed::Stale);
-        }
-        tx.append_event(&event_to_store(event)).await?;
-        tx.commit().await?;
-        Ok(Committed::Done)
+            tx.append_event(&event_to_store(event)).await?;
+            tx.commit().await?;
+            Ok(Committed::Done)
+        })
+        .await
     }
 
     async fn events(&self, query: &EventQuery) -> RecordResult<Vec<Event>> {
-        Ok(self.store.events(query).await?)
+        self.within(async { Ok(self.store.events(query).await?) })
+            .await
     }
 
     async fn run_retention(&self, now: OffsetDateTime) -> RecordResult<u64> {
-        Ok(self.store.run_retention(now).await?)
+        self.within(async { Ok(self.store.run_retention(now).await?) })
+            .await
     }
 
     async fn create_webhook(&self, new: &NewWebhook) -> RecordResult<Webhook> {
-        Ok(self.store.create_webhook(new).await?)
+        self.within(async { Ok(self.store.create_webhook(new).await?) })
+            .await
     }
 
     async fn webhook(&self, team_id: &str, id: &str) -> RecordResult<Option<Webhook>> {
-        Ok(self.store.webhook(team_id, id).await?)
+        self.within(async { Ok(self.store.webhook(team_id, id).await?) })
+            .await
     }
 
     async fn webhooks(&self, team_id: &str) -> RecordResult<Vec<Webhook>> {
-        Ok(self.store.webhooks(team_id).await?)
+        self.within(async { Ok(self.store.webhooks(team_id).await?) })
+            .await
     }
 
     async fn update_webhook(
@@ -480,15 +559,18 @@ impl Records for StoreRecords {
         id: &str,
         patch: &WebhookPatch,
     ) -> RecordResult<Option<Webhook>> {
-        Ok(self.store.update_webhook(team_id, id, patch).await?)
+        self.within(async { Ok(self.store.update_webhook(team_id, id, patch).await?) })
+            .await
     }
 
     async fn delete_webhook(&self, team_id: &str, id: &str) -> RecordResult<bool> {
-        Ok(self.store.delete_webhook(team_id, id).await?)
+        self.within(async { Ok(self.store.delete_webhook(team_id, id).await?) })
+            .await
     }
 
     async fn webhook_secret(&self, id: &str) -> RecordResult<Option<String>> {
-        Ok(self.store.webhook_secret(id).await?)
+        self.within(async { Ok(self.store.webhook_secret(id).await?) })
+            .await
     }
 
     async fn deliveries(
@@ -497,16 +579,21 @@ impl Records for StoreRecords {
         limit: i64,
         offset: i64,
     ) -> RecordResult<Vec<Delivery>> {
-        Ok(self.store.deliveries(webhook_id, limit, offset).await?)
+        self.within(async { Ok(self.store.deliveries(webhook_id, limit, offset).await?) })
+            .await
     }
 
     async fn webhook_stats(&self, webhook_id: &str) -> RecordResult<WebhookStats> {
-        Ok(self.store.webhook_stats(webhook_id).await?)
+        self.within(async { Ok(self.store.webhook_stats(webhook_id).await?) })
+            .await
     }
 
     async fn record_delivery(&self, attempt: &DeliveryAttempt) -> RecordResult<()> {
-        self.store.record_delivery(attempt).await?;
-        Ok(())
+        self.within(async {
+            self.store.record_delivery(attempt).await?;
+            Ok(())
+        })
+        .await
     }
 
     async fn claim_outbox(
@@ -516,63 +603,80 @@ impl Records for StoreRecords {
         limit: i64,
         visibility: Duration,
     ) -> RecordResult<Option<Vec<OutboxItem>>> {
-        match self
-            .store
-            .claim_outbox(dispatcher, epoch, limit, visibility)
-            .await
-        {
-            Ok(items) => Ok(Some(items)),
-            Err(StoreError::Fenced) => Ok(None),
-            Err(e) => Err(e.into()),
-        }
+        self.within(async {
+            match self
+                .store
+                .claim_outbox(dispatcher, epoch, limit, visibility)
+                .await
+            {
+                Ok(items) => Ok(Some(items)),
+                Err(StoreError::Fenced) => Ok(None),
+                Err(e) => Err(e.into()),
+            }
+        })
+        .await
     }
 
     async fn complete_outbox(&self, epoch: i64, seq: i64) -> RecordResult<bool> {
-        Ok(self.store.complete_outbox(epoch, seq).await?)
+        self.within(async { Ok(self.store.complete_outbox(epoch, seq).await?) })
+            .await
     }
 
     async fn create_volume(&self, new: &NewVolume) -> RecordResult<Option<Volume>> {
-        match self.store.create_volume(new).await {
-            Ok(v) => Ok(Some(v)),
-            Err(StoreError::Conflict(_)) => Ok(None),
-            Err(e) => Err(e.into()),
-        }
+        self.within(async {
+            match self.store.create_volume(new).await {
+                Ok(v) => Ok(Some(v)),
+                Err(StoreError::Conflict(_)) => Ok(None),
+                Err(e) => Err(e.into()),
+            }
+        })
+        .await
     }
 
     async fn volume(&self, team_id: &str, id: &str) -> RecordResult<Option<Volume>> {
-        Ok(self.store.volume(team_id, id).await?)
+        self.within(async { Ok(self.store.volume(team_id, id).await?) })
+            .await
     }
 
     async fn volume_by_id(&self, id: &str) -> RecordResult<Option<Volume>> {
-        Ok(self.store.volume_by_id(id).await?)
+        self.within(async { Ok(self.store.volume_by_id(id).await?) })
+            .await
     }
 
     async fn volume_by_name(&self, team_id: &str, name: &str) -> RecordResult<Option<Volume>> {
-        Ok(self.store.volume_by_name(team_id, name).await?)
+        self.within(async { Ok(self.store.volume_by_name(team_id, name).await?) })
+            .await
     }
 
     async fn volumes(&self, team_id: &str) -> RecordResult<Vec<Volume>> {
-        Ok(self.store.volumes(team_id).await?)
+        self.within(async { Ok(self.store.volumes(team_id).await?) })
+            .await
     }
 
     async fn delete_volume(&self, team_id: &str, id: &str) -> RecordResult<bool> {
-        Ok(self.store.delete_volume(team_id, id).await?)
+        self.within(async { Ok(self.store.delete_volume(team_id, id).await?) })
+            .await
     }
 
     async fn create_secret(&self, new: &NewSecret) -> RecordResult<Option<Secret>> {
-        match self.store.create_secret(new).await {
-            Ok(v) => Ok(Some(v)),
-            Err(StoreError::Conflict(_)) => Ok(None),
-            Err(e) => Err(e.into()),
-        }
+        self.within(async {
+            match self.store.create_secret(new).await {
+                Ok(v) => Ok(Some(v)),
+                Err(StoreError::Conflict(_)) => Ok(None),
+                Err(e) => Err(e.into()),
+            }
+        })
+        .await
     }
 
     async fn secret(&self, team_id: &str, id_or_name: &str) -> RecordResult<Option<Secret>> {
-        Ok(self.store.secret(team_id, id_or_name).await?)
+        self.within(async { Ok(self.store.secret(team_id, id_or_name).await?) })
+            .await
     }
 
     async fn secret_value(&self, team_id: &str, id: &str) -> RecordResult<Option<String>> {
-        Ok(self.store.secret_value(team_id, id).await?)
+        self.within(async { Ok(self.store.secret_value(team_id, id).await?) })
+            .await
     }
 
     async fn secrets(
@@ -581,11 +685,13 @@ impl Records for StoreRecords {
         limit: i64,
         after: Option<&str>,
     ) -> RecordResult<Vec<Secret>> {
-        Ok(self.store.secrets(team_id, limit, after).await?)
+        self.within(async { Ok(self.store.secrets(team_id, limit, after).await?) })
+            .await
     }
 
     async fn count_secrets(&self, team_id: &str) -> RecordResult<i64> {
-        Ok(self.store.count_secrets(team_id).await?)
+        self.within(async { Ok(self.store.count_secrets(team_id).await?) })
+            .await
     }
 
     async fn update_secret(
@@ -595,13 +701,43 @@ impl Records for StoreRecords {
         value: &str,
         metadata: Option<&std::collections::BTreeMap<String, String>>,
     ) -> RecordResult<Option<Secret>> {
-        Ok(self
-            .store
-            .update_secret(team_id, id_or_name, value, metadata)
-            .await?)
+        self.within(async {
+            Ok(self
+                .store
+                .update_secret(team_id, id_or_name, value, metadata)
+                .await?)
+        })
+        .await
     }
 
     async fn delete_secret(&self, team_id: &str, id_or_name: &str) -> RecordResult<bool> {
-        Ok(self.store.delete_secret(team_id, id_or_name).await?)
+        self.within(async { Ok(self.store.delete_secret(team_id, id_or_name).await?) })
+            .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_call_past_the_deadline_fails_as_timed_out_and_one_within_it_is_answered() {
+        let stalled = within_deadline::<()>(
+            Some(Duration::from_millis(50)),
+            std::future::pending::<RecordResult<()>>(),
+        )
+        .await
+        .expect_err("a stalled call must end");
+        assert!(
+            matches!(
+                stalled.downcast_ref::<StoreError>(),
+                Some(StoreError::TimedOut(_))
+            ),
+            "{stalled:#}"
+        );
+        let answered = within_deadline(Some(Duration::from_secs(5)), async { Ok(7) }).await;
+        assert_eq!(answered.expect("answered"), 7);
+        let unbounded = within_deadline(None, async { Ok(8) }).await;
+        assert_eq!(unbounded.expect("answered"), 8);
     }
 }

@@ -102,6 +102,8 @@ pub struct Node {
     store: Option<Arc<crate::store::Store>>,
     /// Fetches from the store in progress, by build: concurrent starts of one build share one.
     fetches: std::sync::Mutex<HashMap<String, Arc<Mutex<()>>>>,
+    /// Builds whose upload to the object store is queued or under way.
+    uploads: std::sync::Mutex<std::collections::HashSet<String>>,
     /// Targets of live migrations waiting for their guest, by migration id.
     incoming: std::sync::Mutex<HashMap<String, Arc<migrate::Incoming>>>,
     /// Sources whose QEMU handed over and waits for the control plane's finish or abort.
@@ -442,6 +444,7 @@ impl Node {
             telemetry: Default::default(),
             store,
             fetches: Default::default(),
+            uploads: Default::default(),
             incoming: Default::default(),
             handed_over: Default::default(),
             peers: Default::default(),
@@ -454,6 +457,16 @@ impl Node {
         node.open_paths_to_qemu()?;
         node.recover().await?;
         node.upload_unstored();
+        if node.store.is_some() {
+            let weak = Arc::downgrade(&node);
+            tokio::spawn(async move {
+                loop {
+                    tokio::time::sleep(remote::UNSTORED_SWEEP).await;
+                    let Some(node) = weak.upgrade() else { break };
+                    node.upload_unstored();
+                }
+            });
+        }
         node.slots.set_spares(node.cfg.spare_slots);
         node.slots.refill();
         node.start_background_work();

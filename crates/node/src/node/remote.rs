@@ -14,10 +14,25 @@ use vmon_proto::node::NodeError;
 
 use super::{err, valid_id, Node};
 use crate::builds::{fsync_dir, BuildRecord};
-use crate::store::{disk_chain, on_image_rootfs, to_evict, Manifest, Store};
+use crate::store::{disk_chain, on_image_rootfs, refused_by_gate, to_evict, Manifest, Store};
 
-/// Tries of one build's upload (30 s, 1 min, 2 min apart).
+/// Tries of one build's upload (30 s, 1 min, 2 min apart) against a store that fails.
 const UPLOAD_ATTEMPTS: u32 = 4;
+/// How often builds that are still not in the store are queued again.
+pub(super) const UNSTORED_SWEEP: Duration = Duration::from_secs(300);
+/// How often an upload the node's gate refused looks whether the gate is open again.
+const GATE_POLL: Duration = Duration::from_secs(1);
+
+/// Takes a build off the upload queue when its upload task ends (however it ends).
+struct Dequeue<'a>(&'a std::sync::Mutex<HashSet<String>>, String);
+
+impl Drop for Dequeue<'_> {
+    fn drop(&mut self) {
+        if let Ok(mut q) = self.0.lock() {
+            q.remove(&self.1);
+        }
+    }
+}
 
 /// `qemu-img rebase -u`: points the qcow2 `path` at `backing` (format `fmt`) without reading
 /// either (the bytes are the same; only the name differs on this host).
@@ -42,49 +57,80 @@ async fn rebase(path: &Path, backing: &Path, fmt: &str) -> anyhow::Result<()> {
 impl Node {
     /// Uploads `rec` to the store in the background (nothing happens without one). The call
     /// that made the build has returned by the time this matters; `build_info` reports
-    /// `stored` once the manifest is up.
+    /// `stored` once the manifest is up. One upload per build at a time: a build already
+    /// queued is not queued again.
+    ///
+    /// A write the node's gate refuses (the node is fenced) is made again once the gate
+    /// opens, without counting as a try: a build must not stay out of the store, where the
+    /// other nodes look for it, because its node was fenced for a while. A store that fails
+    /// gets [`UPLOAD_ATTEMPTS`] tries; what is still not stored then is queued again by
+    /// [`Node::upload_unstored`] every [`UNSTORED_SWEEP`].
     pub(super) fn upload_later(&self, rec: &BuildRecord) {
         let Some(store) = self.store.clone() else {
             return;
         };
-        let builds = self.builds.clone();
-        let data_dir = self.cfg.data_dir.clone();
+        let Some(me) = self.me.upgrade() else {
+            return;
+        };
+        let queued = match self.uploads.lock() {
+            Ok(mut q) => q.insert(rec.id.clone()),
+            Err(_) => false,
+        };
+        if !queued {
+            return;
+        }
         let rec = rec.clone();
         tokio::spawn(async move {
-            let t0 = Instant::now();
-            let rootfs = on_image_rootfs(&rec)
-                .then(|| vmon_image::find(&data_dir, &rec.image_hash).ok())
-                .flatten()
-                .map(|i| i.rootfs);
-            // A store that is down for a while gets a few more tries (and the next start
-            // queues whatever is still not stored).
-            for attempt in 0..UPLOAD_ATTEMPTS {
-                if attempt > 0 {
-                    tokio::time::sleep(Duration::from_secs(15 << attempt)).await;
-                }
-                if !matches!(builds.get(&rec.id), Ok(Some(_))) {
-                    return;
-                }
-                match store.upload(&builds, &rec, rootfs.as_deref()).await {
-                    Ok(()) => {
-                        // Deleted while it was uploading: its manifest must not outlive it.
-                        if matches!(builds.get(&rec.id), Ok(None)) {
-                            let _ = store.delete_manifest(&rec.id).await;
-                            return;
-                        }
-                        tracing::info!(build = %rec.id, secs = t0.elapsed().as_secs_f64(), "build uploaded to the object store");
-                        return;
-                    }
-                    Err(e) => {
-                        tracing::warn!(build = %rec.id, attempt, "uploading the build to the object store failed: {e:#}")
-                    }
-                }
-            }
+            let _done = Dequeue(&me.uploads, rec.id.clone());
+            me.upload_now(&store, &rec).await;
         });
     }
 
+    /// The body of [`Node::upload_later`].
+    async fn upload_now(&self, store: &Store, rec: &BuildRecord) {
+        let t0 = Instant::now();
+        let rootfs = on_image_rootfs(rec)
+            .then(|| vmon_image::find(&self.cfg.data_dir, &rec.image_hash).ok())
+            .flatten()
+            .map(|i| i.rootfs);
+        let mut attempt = 0;
+        while attempt < UPLOAD_ATTEMPTS {
+            if !matches!(self.builds.get(&rec.id), Ok(Some(_))) {
+                return;
+            }
+            match store.upload(&self.builds, rec, rootfs.as_deref()).await {
+                Ok(()) => {
+                    // Deleted while it was uploading: its manifest must not outlive it.
+                    if matches!(self.builds.get(&rec.id), Ok(None)) {
+                        let _ = store.delete_manifest(&rec.id).await;
+                        return;
+                    }
+                    tracing::info!(build = %rec.id, secs = t0.elapsed().as_secs_f64(), "build uploaded to the object store");
+                    return;
+                }
+                Err(e) if refused_by_gate(&e) => {
+                    tracing::warn!(build = %rec.id, "uploading the build waits for the node's fence to lift: {e:#}");
+                    while !store.writable() {
+                        tokio::time::sleep(GATE_POLL).await;
+                        if !matches!(self.builds.get(&rec.id), Ok(Some(_))) {
+                            return;
+                        }
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(build = %rec.id, attempt, "uploading the build to the object store failed: {e:#}");
+                    attempt += 1;
+                    if attempt < UPLOAD_ATTEMPTS {
+                        tokio::time::sleep(Duration::from_secs(15 << attempt)).await;
+                    }
+                }
+            }
+        }
+    }
+
     /// Queues the upload of every local build whose manifest is not in the store (at start:
-    /// builds made before the store was configured, or whose upload a restart interrupted).
+    /// builds made before the store was configured, or whose upload a restart interrupted;
+    /// then every [`UNSTORED_SWEEP`]: uploads a store outage outlasted).
     pub(super) fn upload_unstored(&self) {
         let Some(store) = &self.store else {
             return;

@@ -53,6 +53,11 @@ enum What {
     /// calls, each followed by a restart and a check of what the SDK was told
     /// (`tests/bench/chaos.py`).
     Chaos(ChaosArgs),
+    /// The cluster checker for a long run on a local cluster of its own: seeded SDK calls
+    /// (creates, writes to files and memory, pauses, resumes, forks, kills) while parts are
+    /// cut, killed and restarted, or stopped, some past the grace; prints the operations,
+    /// faults and violations (`tests/bench/cluster_checker.py`, `tests/cluster/checker.py`).
+    ClusterChecker(CheckerArgs),
     /// Idle sandboxes in steps up to `--max`: host memory per sandbox, the QEMUs' PSS and the
     /// create latency as the count grows (`tests/bench/density_bench.py`).
     Density(DensityArgs),
@@ -71,6 +76,16 @@ struct ChaosArgs {
     #[arg(long, default_value_t = 20)]
     kills: usize,
     /// Replays a run (its seed is printed); random when absent.
+    #[arg(long)]
+    seed: Option<u64>,
+}
+
+#[derive(clap::Args)]
+struct CheckerArgs {
+    /// How long the client runs its calls (the final check comes after).
+    #[arg(long, default_value_t = 1800)]
+    secs: u64,
+    /// Replays a run's choices (its seed is printed); random when absent.
     #[arg(long)]
     seed: Option<u64>,
 }
@@ -311,6 +326,13 @@ pub async fn run(data_dir: &Path, args: Args) -> anyhow::Result<()> {
                 ],
             )
             .await
+        }
+        What::ClusterChecker(a) => {
+            let mut env = vec![("VMON_CHECKER_SECS", a.secs.to_string())];
+            if let Some(seed) = a.seed {
+                env.push(("VMON_CHECKER_SEED", seed.to_string()));
+            }
+            python_bench("cluster_checker.py", &env).await
         }
         What::Chaos(a) => {
             let mut env = vec![("VMON_CHAOS_KILLS", a.kills.to_string())];

@@ -59,6 +59,10 @@ impl ApiRoutes {
                 .request(method, &url, &[("x-admin-token", &self.token)], None)
                 .await
             {
+                // This replica answers but cannot serve (cut from its stores: 503): the next
+                // one may (the checker found a proxied request answered "not found" while
+                // one replica was cut off).
+                Ok((status, body)) if status >= 500 => answer = Ok((status, body)),
                 Ok(a) => {
                     self.first.store(i, Ordering::Relaxed);
                     answer = Ok(a);
