@@ -38,6 +38,8 @@ SUITE=${VMON_QEMU_SUITE:-bookworm-backports}
 DEST=$TOOLS/qemu-$VERSION
 WRAPPER=$DEST/bin/qemu-system-x86_64
 ARCH_LIB=usr/lib/x86_64-linux-gnu
+# Some of bookworm's libraries (libfuse3, libnl) are still shipped in /lib, not /usr/lib.
+OLD_LIB=lib/x86_64-linux-gnu
 
 if [ -f "$DEST/.complete" ] && [ -z "${REFRESH:-}" ] && "$WRAPPER" --version >/dev/null 2>&1; then
   echo "QEMU $(cat "$DEST/.complete") is in $DEST already (REFRESH=1 to fetch again)" >&2
@@ -91,8 +93,10 @@ esac
 
 # What installing it would bring onto this machine: every package a simulated install lists
 # (QEMU's own, the firmware, and libraries missing or too old here). Nothing is installed.
-sim=$(apt-get "${APT_OPTS[@]}" -s --no-install-recommends install \
-  "qemu-system-x86/$SUITE" "qemu-utils/$SUITE" 2>&1) || {
+# `-t`: the suite's versions are preferred for what has to be installed (a `pkg/suite` alone
+# would take a missing dependency such as seabios from bookworm, too old for this QEMU).
+sim=$(apt-get "${APT_OPTS[@]}" -s -t "$SUITE" --no-install-recommends install \
+  "qemu-system-x86=$have" "qemu-utils=$have" 2>&1) || {
   echo "$sim" >&2
   echo "error: apt cannot resolve qemu-system-x86=$have from $SUITE" >&2
   exit 1
@@ -158,7 +162,7 @@ write_wrapper() { # NAME EXTRA-ARGS
 #!/bin/sh
 # QEMU $have from $SUITE, unpacked by scripts/install-qemu.sh (not installed).
 root=\$(cd "\$(dirname "\$0")/../root" && pwd) || exit 127
-LD_LIBRARY_PATH=\$root/$ARCH_LIB\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}
+LD_LIBRARY_PATH=\$root/$ARCH_LIB:\$root/$OLD_LIB\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}
 QEMU_MODULE_DIR=\$root/$ARCH_LIB/qemu
 export LD_LIBRARY_PATH QEMU_MODULE_DIR
 exec "\$root/usr/bin/$1" $2"\$@"
@@ -177,7 +181,7 @@ echo "$have" >"$work/VERSION"
 # the machine, so a bare machine that answers QMP and quits has it).
 fail() {
   echo "$1" >&2
-  LD_LIBRARY_PATH=$work/root/$ARCH_LIB ldd "$work/root/usr/bin/qemu-system-x86_64" | grep 'not found' >&2 || true
+  LD_LIBRARY_PATH=$work/root/$ARCH_LIB:$work/root/$OLD_LIB ldd "$work/root/usr/bin/qemu-system-x86_64" | grep 'not found' >&2 || true
   exit 1
 }
 out=$("$work/bin/qemu-system-x86_64" --version 2>&1) || fail "$out"$'\nerror: the unpacked QEMU does not run'
