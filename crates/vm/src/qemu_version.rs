@@ -132,10 +132,9 @@ mod tests {
 
     #[test]
     fn parses_the_version_lines_of_debian_and_upstream_builds() {
-        let v = QemuVersion::parse(
-            "QEMU emulator version 7.2.22 (Debian 1:7.2+dfsg-7+deb12u18+b3)",
-        )
-        .expect("7.2");
+        let v =
+            QemuVersion::parse("QEMU emulator version 7.2.22 (Debian 1:7.2+dfsg-7+deb12u18+b3)")
+                .expect("7.2");
         assert_eq!((v.major, v.minor, v.micro), (7, 2, 22));
         assert!(v.is_supported());
         assert!(v.tcg_migration_loses_writes());
