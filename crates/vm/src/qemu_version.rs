@@ -103,13 +103,6 @@ impl QemuVersion {
             Self::supported_list()
         ))
     }
-
-    /// Under TCG, whether QEMU's own migration can miss guest writes made right after a dirty
-    /// bitmap sync (fixed in 9.0: "physmem: Fix migration dirty bitmap coherency with TCG
-    /// memory access"). See [`crate::ram_check`].
-    pub fn tcg_migration_loses_writes(&self) -> bool {
-        (self.major, self.minor) < (9, 0)
-    }
 }
 
 /// Detects `binary`'s version and refuses an unsupported one unless
@@ -137,14 +130,12 @@ mod tests {
                 .expect("7.2");
         assert_eq!((v.major, v.minor, v.micro), (7, 2, 22));
         assert!(v.is_supported());
-        assert!(v.tcg_migration_loses_writes());
         let v = QemuVersion::parse(
             "QEMU emulator version 10.0.2 (Debian 1:10.0.2+ds-2+deb13u1~bpo12+1)\n",
         )
         .expect("10.0");
         assert_eq!(v.to_string(), "10.0.2");
         assert!(v.is_supported());
-        assert!(!v.tcg_migration_loses_writes());
         let v = QemuVersion::parse("QEMU emulator version 9.2.90").expect("9.2");
         assert!(!v.is_supported());
         let v = QemuVersion::parse("QEMU emulator version 8.1").expect("no micro");
