@@ -6,12 +6,18 @@ use std::time::Duration;
 
 use vmon_vm::Accel;
 
+/// The system's QEMU (Debian's `qemu-system-x86`).
+pub const DEFAULT_QEMU: &str = "/usr/bin/qemu-system-x86_64";
+
 /// Settings of one node.
 #[derive(Debug, Clone)]
 pub struct NodeConfig {
     pub data_dir: PathBuf,
     /// Force an accelerator instead of probing.
     pub accel: Option<Accel>,
+    /// The QEMU system emulator (`VMON_QEMU`, default [`DEFAULT_QEMU`]): a binary or a
+    /// wrapper such as the one `scripts/install-qemu.sh` writes. Its version must be one
+    /// [`vmon_vm::qemu_version::SUPPORTED`] names.
     pub qemu_binary: PathBuf,
     /// The envd binary baked into the image (default: `envd` beside the running binary).
     pub envd_binary: Option<PathBuf>,
@@ -111,7 +117,10 @@ impl NodeConfig {
         NodeConfig {
             data_dir,
             accel: None,
-            qemu_binary: PathBuf::from("/usr/bin/qemu-system-x86_64"),
+            qemu_binary: std::env::var_os("VMON_QEMU")
+                .filter(|v| !v.is_empty())
+                .map(PathBuf::from)
+                .unwrap_or_else(|| PathBuf::from(DEFAULT_QEMU)),
             envd_binary: None,
             pool_size: 1,
             blank_pool_size: env_or("VMON_BLANK_POOL", 4),

@@ -19,6 +19,6 @@ pub mod store;
 pub mod telemetry;
 pub use vmon_nodeclient::tls;
 
-pub use config::{free_mb, NodeConfig};
+pub use config::{free_mb, NodeConfig, DEFAULT_QEMU};
 pub use node::{probe_qmp, Node, Peers, ENVD_VERSION};
 pub use slots::BLOCKS as SLOT_BLOCKS;

@@ -13,6 +13,7 @@ pub mod machine;
 pub mod memory;
 pub mod private;
 pub mod process;
+pub mod qemu_version;
 pub mod qmp;
 pub mod ram_base;
 pub mod ram_check;

@@ -131,7 +131,7 @@ impl Node {
         }
         Ok(MachineDesc {
             qemu_binary: self.cfg.qemu_binary.clone(),
-            qemu_version: self.qemu_version.clone(),
+            qemu_version: self.qemu.line.clone(),
             accel: self.accel.accel,
             cpu_model: self.accel.accel.cpu_model().to_string(),
             vcpus,

@@ -37,7 +37,6 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use tokio::sync::{Mutex, RwLock};
 use vmon_proto::node::{BuildInfo, NodeError, Running, StartSpec};
-use vmon_vm::machine::qemu_version;
 use vmon_vm::{AccelChoice, MachineDesc};
 
 use crate::builds::{BuildRecord, Builds};
@@ -67,7 +66,9 @@ const REQUIRED_QMP: &[&str] = &[
 pub struct Node {
     cfg: NodeConfig,
     accel: AccelChoice,
-    qemu_version: String,
+    /// The QEMU this node runs (a supported release, see [`vmon_vm::qemu_version`]); builds
+    /// record its `--version` line and restore only under the same one.
+    qemu: vmon_vm::qemu_version::QemuVersion,
     /// What the guest image is made from; the image itself is built once, in the background
     /// from `open` on, and whatever needs it waits (see [`Node::image`]).
     recipe: vmon_image::Recipe,
@@ -399,7 +400,8 @@ impl Node {
         let data_lock = tokio::task::spawn_blocking(move || lock_data_dir(&dir)).await??;
         let accel = vmon_vm::probe_accel(cfg.accel).map_err(|e| anyhow::anyhow!(e))?;
         tracing::info!(accel = accel.accel.as_str(), reason = %accel.reason, "accelerator");
-        let qemu_version = qemu_version(&cfg.qemu_binary)?;
+        let qemu = vmon_vm::qemu_version::require_supported(&cfg.qemu_binary)?;
+        tracing::info!(qemu = %qemu, binary = %cfg.qemu_binary.display(), "QEMU");
         probe_qmp_patiently(&cfg.qemu_binary, &cfg.data_dir.join("run")).await?;
         let recipe = guest_recipe(&cfg)?;
         let builds = Builds::open(&cfg.data_dir)?.sealing_for(cfg.qemu_uid_base);
@@ -423,7 +425,7 @@ impl Node {
             .with_yield(cfg.pool_yield),
             cfg,
             accel,
-            qemu_version,
+            qemu,
             recipe,
             image: tokio::sync::OnceCell::new(),
             builds,
@@ -522,8 +524,14 @@ impl Node {
         &self.accel
     }
 
+    /// The `--version` line of this node's QEMU (what builds record).
     pub fn qemu_version(&self) -> &str {
-        &self.qemu_version
+        &self.qemu.line
+    }
+
+    /// This node's QEMU release.
+    pub fn qemu(&self) -> &vmon_vm::qemu_version::QemuVersion {
+        &self.qemu
     }
 
     /// The guest image: the cached one, or built now (one build at a time; a caller that

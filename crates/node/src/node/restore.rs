@@ -28,14 +28,14 @@ impl Node {
     /// A restore only loads into the machine a build was made on.
     pub(super) fn check_compatible(&self, rec: &BuildRecord) -> Result<(), NodeError> {
         let m = &rec.machine;
-        if m.accel != self.accel.accel || m.qemu_version != self.qemu_version {
+        if m.accel != self.accel.accel || m.qemu_version != self.qemu.line {
             return Err(NodeError::InvalidArgument(format!(
                 "build {} was made with {} on {} and cannot restore here ({} on {})",
                 rec.id,
                 m.accel.as_str(),
                 m.qemu_version,
                 self.accel.accel.as_str(),
-                self.qemu_version
+                self.qemu.line
             )));
         }
         Ok(())

@@ -7,7 +7,8 @@ pub struct Args {
     /// Force an accelerator (kvm or tcg) to check whether it would be usable.
     #[arg(long, env = "VMON_ACCEL")]
     accel: Option<String>,
-    #[arg(long, default_value = "/usr/bin/qemu-system-x86_64")]
+    /// The QEMU to check (the node's `VMON_QEMU`).
+    #[arg(long, env = "VMON_QEMU", default_value = vmon_node::DEFAULT_QEMU)]
     qemu: PathBuf,
 }
 
@@ -43,9 +44,23 @@ pub async fn run(data_dir: &Path, args: Args) -> anyhow::Result<()> {
         }
         Err(e) => all &= line(false, "accelerator", &e),
     }
-    match vmon_vm::machine::qemu_version(&args.qemu) {
+    match vmon_vm::qemu_version::QemuVersion::detect(&args.qemu) {
         Ok(v) => {
-            line(true, "qemu", &v);
+            match v.refusal(&args.qemu) {
+                None => {
+                    line(
+                        true,
+                        "qemu",
+                        &format!(
+                            "{} ({}; supported: {})",
+                            v.line,
+                            args.qemu.display(),
+                            vmon_vm::qemu_version::QemuVersion::supported_list()
+                        ),
+                    );
+                }
+                Some(why) => all &= line(false, "qemu", &why),
+            }
             let probe_dir =
                 std::env::temp_dir().join(format!("vmon-doctor-{}", std::process::id()));
             match vmon_node::probe_qmp(&args.qemu, &probe_dir).await {
