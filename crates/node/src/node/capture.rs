@@ -303,8 +303,10 @@ impl Node {
         if let Some(vm) = l.vm.take() {
             vm.quit().await;
         }
-        // Its QEMU is gone: its GPUs are free.
+        // Its QEMU is gone: its GPUs are free, its bucket mounts' caches (written back above)
+        // are refilled by the resume, wherever it runs.
         self.gpus.release(sandbox_id);
+        self.drop_bucket_caches(&l.state.volumes).await;
         // Uploaded once QEMU has closed the build's overlay and RAM file for good.
         self.upload_later(&rec);
         // Artifacts now belong to the build.

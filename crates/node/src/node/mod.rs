@@ -11,6 +11,7 @@
 //! [`NodeHandler`](vmon_proto::node::NodeHandler) impl, thin calls into those).
 
 mod boot;
+mod bucket;
 mod capture;
 mod confine;
 mod control;

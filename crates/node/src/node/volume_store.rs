@@ -42,6 +42,11 @@ fn head_key(volume: &str) -> String {
     format!("volumes/{volume}/head")
 }
 
+/// Written when the volume is destroyed: a write-back that finds it sends nothing.
+fn deleted_key(volume: &str) -> String {
+    format!("volumes/{volume}/deleted")
+}
+
 fn tree_key(volume: &str, sha: &str) -> String {
     format!("volumes/{volume}/tree-{sha}.tar")
 }
@@ -97,23 +102,32 @@ pub(super) struct Syncer<'a> {
     pub first: u32,
 }
 
+/// Makes the volumes directory when this node has none yet (with the store no shared one is
+/// laid out for it): root's, 0700, as the api makes a local one.
+pub(super) fn ensure_volumes_dir(volumes_dir: &Path) -> std::io::Result<()> {
+    if !volumes_dir.is_dir() {
+        std::fs::create_dir_all(volumes_dir)?;
+        std::fs::set_permissions(volumes_dir, std::fs::Permissions::from_mode(0o700))?;
+    }
+    Ok(())
+}
+
+/// The root-owned directory of sync markers and staging files (made when missing).
+pub(super) fn synced_dir(volumes_dir: &Path) -> std::io::Result<PathBuf> {
+    ensure_volumes_dir(volumes_dir)?;
+    let dir = volumes_dir.join(SYNCED_DIR);
+    std::fs::create_dir_all(&dir)?;
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))?;
+    Ok(dir)
+}
+
 impl Syncer<'_> {
-    /// Makes the volumes directory when this node has none yet (with the store no shared
-    /// one is laid out for it): root's, 0700, as the api makes a local one.
     fn ensure_volumes_dir(&self) -> std::io::Result<()> {
-        if !self.volumes_dir.is_dir() {
-            std::fs::create_dir_all(self.volumes_dir)?;
-            std::fs::set_permissions(self.volumes_dir, std::fs::Permissions::from_mode(0o700))?;
-        }
-        Ok(())
+        ensure_volumes_dir(self.volumes_dir)
     }
 
     fn synced_dir(&self) -> std::io::Result<PathBuf> {
-        self.ensure_volumes_dir()?;
-        let dir = self.volumes_dir.join(SYNCED_DIR);
-        std::fs::create_dir_all(&dir)?;
-        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))?;
-        Ok(dir)
+        synced_dir(self.volumes_dir)
     }
 
     /// The sha256 of the tree this node last filled or wrote.
@@ -219,6 +233,11 @@ impl Syncer<'_> {
             let _ = std::fs::remove_file(&tmp);
             return Ok(WriteBack::Unchanged);
         }
+        if self.objects.head(&deleted_key(volume)).await?.is_some() {
+            let _ = std::fs::remove_file(&tmp);
+            tracing::info!(volume, "volume destroyed: not written back");
+            return Ok(WriteBack::Unchanged);
+        }
         let stored = async {
             self.objects.put_file(&tree_key(volume, &sha), &tmp).await?;
             let prev = self.head(volume).await.ok().flatten();
@@ -261,7 +280,7 @@ impl Node {
     }
 
     /// Serialises the syncs of one volume on this node (the fetch locks' map, its own keys).
-    fn volume_lock(&self, volume: &str) -> Arc<Mutex<()>> {
+    pub(super) fn volume_lock(&self, volume: &str) -> Arc<Mutex<()>> {
         let mut m = self
             .fetches
             .lock()
@@ -298,7 +317,7 @@ impl Node {
         let mut out: Vec<VolumeShare> = Vec::new();
         for l in lives {
             for s in &l.lock().await.state.volumes {
-                if s.object_store && !out.iter().any(|o| o.volume_id == s.volume_id) {
+                if written_back(s) && !out.iter().any(|o| o.volume_id == s.volume_id) {
                     out.push(s.clone());
                 }
             }
@@ -330,18 +349,70 @@ impl Node {
         Ok(())
     }
 
-    /// Writes this node's copy of `share` back to the store when it changed.
-    async fn write_back(&self, share: &VolumeShare) -> anyhow::Result<WriteBack> {
-        let syncer = self.syncer()?;
-        let lock = self.volume_lock(&share.volume_id);
+    /// A destroyed volume's objects and this node's cache (see [`vmon_proto::node::DeleteVolume`]).
+    pub(super) async fn delete_store_volume(&self, volume: &str) -> Result<(), NodeError> {
+        if !valid_id(volume) {
+            return Err(NodeError::InvalidArgument(format!(
+                "{volume:?} is not a volume id"
+            )));
+        }
+        let live = self.mounted_here(volume).await;
+        let lock = self.volume_lock(volume);
         let _held = lock.lock().await;
-        syncer.write_back(&share.volume_id, share.max_bytes).await
+        let failed = |e: anyhow::Error| NodeError::Failed(format!("deleting volume {volume}: {e:#}"));
+        if let Some(store) = &self.store {
+            let objects = store.objects();
+            let marker = deleted_key(volume);
+            objects
+                .put_bytes(&marker, bytes::Bytes::from_static(b"deleted\n"))
+                .await
+                .map_err(|e| failed(e.into()))?;
+            let list = objects
+                .list(&format!("volumes/{volume}/"))
+                .await
+                .map_err(|e| failed(e.into()))?;
+            for o in list.into_iter().filter(|o| o.key != marker) {
+                match objects.delete(&o.key).await {
+                    Ok(()) | Err(vmon_objstore::Error::NotFound(_)) => {}
+                    Err(e) => return Err(failed(e.into())),
+                }
+            }
+        }
+        let dir = self.cfg.volumes_dir.join(volume);
+        if live {
+            tracing::info!(volume, "destroyed volume still mounted here: its cache stays until it is unmounted");
+        } else if dir.is_dir() {
+            unpack(&self.cfg.volumes_dir, self.cfg.volume_uid_base, volume, None)
+                .await
+                .map_err(failed)?;
+            std::fs::remove_dir(&dir).map_err(|e| failed(e.into()))?;
+            let marker = synced_dir(&self.cfg.volumes_dir)
+                .map_err(|e| failed(e.into()))?
+                .join(volume);
+            let _ = std::fs::remove_file(marker);
+        }
+        tracing::info!(volume, "destroyed volume's objects and cache deleted");
+        Ok(())
     }
 
-    /// Writes back every object-store volume of `shares` (a pause: its guest is stopped). The
-    /// first failure is returned: the pause fails and the sandbox runs on.
+    /// Writes this node's copy of `share` (an object-store volume, or a read-write bucket
+    /// mount's cache) back when it changed.
+    async fn write_back(&self, share: &VolumeShare) -> anyhow::Result<WriteBack> {
+        let lock = self.volume_lock(&share.volume_id);
+        let _held = lock.lock().await;
+        if let Some(b) = &share.bucket {
+            return self.write_back_bucket(share, b).await;
+        }
+        self.syncer()?
+            .write_back(&share.volume_id, share.max_bytes)
+            .await
+    }
+
+    /// Writes back every object-store volume and read-write bucket mount of `shares` (a
+    /// pause: its guest is stopped). The first failure is returned: the pause fails and the
+    /// sandbox runs on.
     pub(super) async fn write_back_all(&self, shares: &[VolumeShare]) -> Result<(), NodeError> {
-        for s in shares.iter().filter(|s| s.object_store) {
+        for s in shares.iter().filter(|s| written_back(s)) {
             self.write_back(s)
                 .await
                 .map_err(|e| node_error("writing back", &s.volume_id, e))?;
@@ -351,7 +422,7 @@ impl Node {
 
     /// Writes back what a killed sandbox mounted; failures are logged (a kill cannot fail).
     pub(super) async fn write_back_after_kill(&self, shares: &[VolumeShare]) {
-        for s in shares.iter().filter(|s| s.object_store) {
+        for s in shares.iter().filter(|s| written_back(s)) {
             if let Err(e) = self.write_back(s).await {
                 tracing::warn!(volume = %s.volume_id, error = %format!("{e:#}"), "writing back a killed sandbox's volume");
             }
@@ -373,6 +444,12 @@ impl Node {
             }
         });
     }
+}
+
+/// Whether a share's node copy goes back to a store: an object-store volume, or a bucket
+/// mount that is not read-only.
+fn written_back(s: &VolumeShare) -> bool {
+    s.object_store || s.bucket.as_ref().is_some_and(|b| !b.read_only)
 }
 
 /// A command run as the volume's own ids, in `<volumes dir>/<id>` bound over the mount
@@ -421,7 +498,7 @@ async fn confined(
 }
 
 /// Empties the cache of `volume` and unpacks `archive` into it, confined.
-async fn unpack(
+pub(super) async fn unpack(
     volumes_dir: &Path,
     first: u32,
     volume: &str,
@@ -461,7 +538,7 @@ async fn unpack(
 
 /// Archives the cache of `volume` into `dest` (confined), hashing it; over `max` bytes
 /// (when not 0) the archiver is stopped and [`OverQuota`] returned.
-async fn pack(
+pub(super) async fn pack(
     volumes_dir: &Path,
     first: u32,
     volume: &str,

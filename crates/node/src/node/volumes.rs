@@ -297,6 +297,8 @@ impl Node {
             }
         };
         let (procs, ns_fd) = (procs.to_vec(), ns.raw_fd());
+        // A read-only bucket mount: the host's kernel refuses every write of the guest.
+        let read_only = s.bucket.as_ref().is_some_and(|b| b.read_only);
         let listen_fd = listener.as_raw_fd();
         // SAFETY: the closure runs in the forked child before exec and only makes
         // async-signal-safe system calls on values prepared before the fork.
@@ -321,6 +323,9 @@ impl Node {
                     return Err(std::io::Error::last_os_error());
                 }
                 vmon_vm::process::bind_in_own_mount_namespace(&source_c, MOUNT_POINT_C)?;
+                if read_only {
+                    vmon_vm::process::remount_read_only(MOUNT_POINT_C)?;
+                }
                 vmon_vm::userns::enter(ns_fd)
             });
         }
