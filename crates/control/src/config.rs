@@ -18,6 +18,28 @@ pub const MIN_IDLE_SECS: u64 = 60;
 /// the loopback addresses, where a test's or a developer's own registry listens.
 pub const DEFAULT_INSECURE: &[&str] = &["localhost", "127.0.0.0/8", "::1"];
 
+/// An endpoint as the allow-list compares it: `scheme://host[:port]`, lower-cased, without a
+/// trailing `/`; anything with a path, a query, credentials or another scheme is refused.
+pub fn normal_endpoint(e: &str) -> Result<String, String> {
+    let e = e.trim().trim_end_matches('/');
+    let (scheme, rest) = e
+        .split_once("://")
+        .ok_or_else(|| format!("{e:?} is not http(s)://host[:port]"))?;
+    let scheme = scheme.to_ascii_lowercase();
+    let ok = (scheme == "http" || scheme == "https")
+        && !rest.is_empty()
+        && rest.len() <= 255
+        && rest
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b".-:[]".contains(&b));
+    if !ok {
+        return Err(format!(
+            "{e:?} is not http(s)://host[:port] (no path, query or credentials)"
+        ));
+    }
+    Ok(format!("{scheme}://{}", rest.to_ascii_lowercase()))
+}
+
 /// Where volumes keep their files ([`Config::volume_store`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -492,7 +514,7 @@ impl Config {
                 .map_err(|e| anyhow::anyhow!("registry_allow: {e}"))?;
         }
         for e in &self.s3_mount_endpoints {
-            crate::s3mounts::normal_endpoint(e)
+            normal_endpoint(e)
                 .map_err(|why| anyhow::anyhow!("s3_mount_endpoints: {why}"))?;
         }
         for c in self.webhook_allow.iter().filter(|s| !s.trim().is_empty()) {

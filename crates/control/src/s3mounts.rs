@@ -12,7 +12,7 @@ use vmon_proto::node::{BucketCredentials, BucketShare, VolumeShare};
 use super::model::{S3Mount, VolumeMount};
 use super::{record_error, Control};
 use super::{ControlError, ControlResult};
-use crate::config::Config;
+use crate::config::{normal_endpoint, Config};
 use crate::records::SandboxRecord;
 
 /// The most bucket mounts one sandbox has (with its volumes, at most
@@ -22,28 +22,6 @@ pub const MAX_S3_MOUNTS: usize = 4;
 pub const MAX_OBJECTS: u64 = 100_000;
 /// The longest prefix.
 const MAX_PREFIX: usize = 512;
-
-/// An endpoint as the allow-list compares it: `scheme://host[:port]`, lower-cased, without a
-/// trailing `/`; anything with a path, a query, credentials or another scheme is refused.
-pub fn normal_endpoint(e: &str) -> Result<String, String> {
-    let e = e.trim().trim_end_matches('/');
-    let (scheme, rest) = e
-        .split_once("://")
-        .ok_or_else(|| format!("{e:?} is not http(s)://host[:port]"))?;
-    let scheme = scheme.to_ascii_lowercase();
-    let ok = (scheme == "http" || scheme == "https")
-        && !rest.is_empty()
-        && rest.len() <= 255
-        && rest
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b".-:[]".contains(&b));
-    if !ok {
-        return Err(format!(
-            "{e:?} is not http(s)://host[:port] (no path, query or credentials)"
-        ));
-    }
-    Ok(format!("{scheme}://{}", rest.to_ascii_lowercase()))
-}
 
 /// S3's bucket names: 3-63 of `[a-z0-9.-]`, starting and ending with a letter or digit.
 fn valid_bucket(b: &str) -> bool {

@@ -36,6 +36,8 @@ use super::volume_store::{self, WriteBack};
 use super::{valid_id, Node};
 use crate::tarball;
 
+/// How the api names bucket caches (`s3m-<sandbox>-<n>`, `crates/control/src/s3mounts.rs`).
+const CACHE_PREFIX: &str = "s3m-";
 /// The longest object key (after the prefix) that becomes a path.
 const MAX_KEY: usize = 1024;
 /// The longest path component.
@@ -258,8 +260,9 @@ impl Caches<'_> {
         let failed = |e: anyhow::Error| NodeError::Failed(format!("S3 mount {path}: {e:#}"));
         let file = std::fs::File::create(staged).map_err(|e| failed(e.into()))?;
         let mut w = tarball::Writer::new(std::io::BufWriter::new(file));
+        let now = time::OffsetDateTime::now_utc().unix_timestamp();
         for d in &plan.dirs {
-            w.dir(d, 0).map_err(|e| failed(e.into()))?;
+            w.dir(d, now).map_err(|e| failed(e.into()))?;
         }
         let mut manifest = Manifest::default();
         let mut total = 0u64;
@@ -493,6 +496,35 @@ impl Node {
             .write_back(&share.volume_id, bucket)
             .await
             .with_context(|| format!("S3 mount {}", share.path))
+    }
+
+    /// At start, after re-adoption: removes every bucket cache no running sandbox mounts (its
+    /// sandbox ended while the node was down; nothing is starting yet).
+    pub(super) async fn sweep_bucket_caches(&self) {
+        let lives: Vec<_> = match self.sandboxes.lock() {
+            Ok(m) => m.values().cloned().collect(),
+            Err(_) => return,
+        };
+        let mut kept = BTreeSet::new();
+        for l in lives {
+            for s in &l.lock().await.state.volumes {
+                if s.bucket.is_some() {
+                    kept.insert(s.volume_id.clone());
+                }
+            }
+        }
+        let Ok(entries) = std::fs::read_dir(&self.cfg.volumes_dir) else {
+            return;
+        };
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if name.starts_with(CACHE_PREFIX) && valid_id(&name) && !kept.contains(&name) {
+                tracing::info!(cache = %name, "removing a bucket cache no sandbox mounts");
+                if let Err(e) = self.caches().drop_cache(&name).await {
+                    tracing::warn!(cache = %name, error = %format!("{e:#}"), "removing an S3 mount's cache");
+                }
+            }
+        }
     }
 
     /// Removes the caches of a sandbox's bucket shares (it was paused or killed: a resume

@@ -442,15 +442,16 @@ impl Node {
         });
         node.open_paths_to_qemu()?;
         node.recover().await?;
+        node.sweep_bucket_caches().await;
         node.upload_unstored();
         node.slots.set_spares(node.cfg.spare_slots);
         node.slots.refill();
         crate::telemetry::spawn(Arc::downgrade(&node));
-        if node.store.is_some() {
-            node.spawn_volume_sync(Duration::from_secs(
-                env_or("VMON_VOLUME_SYNC_SECS", 60u64).max(1),
-            ));
-        }
+        // Object-store volumes (with the node's store) and read-write bucket mounts (with
+        // their own) are written back periodically.
+        node.spawn_volume_sync(Duration::from_secs(
+            env_or("VMON_VOLUME_SYNC_SECS", 60u64).max(1),
+        ));
         let weak = Arc::downgrade(&node);
         tokio::spawn(async move {
             let Some(node) = weak.upgrade() else { return };

@@ -185,16 +185,18 @@ async fn a_bad_secret_a_missing_bucket_or_too_much_is_the_callers_error() {
     let mut bad = r.share.clone();
     bad.credentials.secret_access_key = "0".repeat(64);
     let e = caches.fill("s3m-e-0", &bad, "/mnt/a").await.expect_err("bad secret");
-    let NodeError::InvalidArgument(m) = e else {
-        panic!("{e:?}")
+    let m = match e {
+        NodeError::InvalidArgument(m) => m,
+        other => panic!("{other:?}"),
     };
     assert!(m.contains("refused") && m.contains("/mnt/a"), "{m}");
 
     let mut missing = r.share.clone();
     missing.bucket = "no-such-bucket".into();
     let e = caches.fill("s3m-e-1", &missing, "/mnt/b").await.expect_err("no bucket");
-    let NodeError::InvalidArgument(m) = e else {
-        panic!("{e:?}")
+    let m = match e {
+        NodeError::InvalidArgument(m) => m,
+        other => panic!("{other:?}"),
     };
     assert!(m.contains("does not exist"), "{m}");
 
