@@ -75,6 +75,10 @@ pub(crate) fn plan(list: Vec<ObjectInfo>) -> Plan {
     let mut files = Vec::new();
     let mut left_out = Vec::new();
     for o in list {
+        // The prefix's own "folder" object: the mount's root.
+        if o.key.is_empty() {
+            continue;
+        }
         // A "folder" object (`a/b/`): a directory.
         if let Some(d) = o.key.strip_suffix('/') {
             match key_path(d) {
