@@ -56,12 +56,18 @@ async fn bucket_mounts_are_checked_carry_their_secret_to_the_node_only_and_cold_
     secret(&h, "s3", KEY).await;
     secret(&h, "malformed", "no-colon-here").await;
     for (mounts, needle) in [
-        (r#"[{"bucket":"Bad_Name","mountPath":"/m","secret":"s3"}]"#, "bucket"),
+        (
+            r#"[{"bucket":"Bad_Name","mountPath":"/m","secret":"s3"}]"#,
+            "bucket",
+        ),
         (
             r#"[{"bucket":"data","prefix":"../x","mountPath":"/m","secret":"s3"}]"#,
             "prefix",
         ),
-        (r#"[{"bucket":"data","mountPath":"m","secret":"s3"}]"#, "must be absolute"),
+        (
+            r#"[{"bucket":"data","mountPath":"m","secret":"s3"}]"#,
+            "must be absolute",
+        ),
         (
             r#"[{"bucket":"data","mountPath":"/m","secret":"s3","endpoint":"http://169.254.169.254"}]"#,
             "not one this server allows",
@@ -83,7 +89,9 @@ async fn bucket_mounts_are_checked_carry_their_secret_to_the_node_only_and_cold_
             "invalid request body",
         ),
     ] {
-        let r = h.req("POST", "/v2/sandboxes", Some(&create_body(mounts))).await;
+        let r = h
+            .req("POST", "/v2/sandboxes", Some(&create_body(mounts)))
+            .await;
         assert_eq!(r.status, StatusCode::BAD_REQUEST, "{mounts}: {:?}", r.json);
         let msg = r.json["message"].as_str().unwrap_or_default();
         assert!(msg.contains(needle), "{mounts}: {msg}");
@@ -105,7 +113,12 @@ async fn bucket_mounts_are_checked_carry_their_secret_to_the_node_only_and_cold_
     assert_eq!(a.path, "/mnt/in");
     let ab = a.bucket.as_ref().unwrap();
     assert_eq!(
-        (ab.endpoint.as_str(), ab.bucket.as_str(), ab.prefix.as_str(), ab.read_only),
+        (
+            ab.endpoint.as_str(),
+            ab.bucket.as_str(),
+            ab.prefix.as_str(),
+            ab.read_only
+        ),
         (ENDPOINT, "data", "team/in", true)
     );
     assert_eq!(ab.region, "us-east-1");
@@ -118,7 +131,10 @@ async fn bucket_mounts_are_checked_carry_their_secret_to_the_node_only_and_cold_
     let bb = b.bucket.as_ref().unwrap();
     assert_eq!(bb.endpoint, "https://s3.example.com");
     assert_eq!((bb.region.as_str(), bb.read_only), ("eu-west-1", false));
-    assert!(!format!("{start:?}").contains("tenant-secret-value"), "Debug hides it");
+    assert!(
+        !format!("{start:?}").contains("tenant-secret-value"),
+        "Debug hides it"
+    );
 
     let info = h.req("GET", &format!("/sandboxes/{sbx}"), None).await;
     let shown = &info.json["vmonS3Mounts"];
@@ -138,7 +154,11 @@ async fn bucket_mounts_are_checked_carry_their_secret_to_the_node_only_and_cold_
         false
     );
     let u = h
-        .req("POST", "/secrets/s3", Some(r#"{"value":"GKrotated:rotated-value"}"#))
+        .req(
+            "POST",
+            "/secrets/s3",
+            Some(r#"{"value":"GKrotated:rotated-value"}"#),
+        )
         .await;
     assert_eq!(u.status, StatusCode::OK, "{:?}", u.json);
     let c = h

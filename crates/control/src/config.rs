@@ -514,8 +514,7 @@ impl Config {
                 .map_err(|e| anyhow::anyhow!("registry_allow: {e}"))?;
         }
         for e in &self.s3_mount_endpoints {
-            normal_endpoint(e)
-                .map_err(|why| anyhow::anyhow!("s3_mount_endpoints: {why}"))?;
+            normal_endpoint(e).map_err(|why| anyhow::anyhow!("s3_mount_endpoints: {why}"))?;
         }
         for c in self.webhook_allow.iter().filter(|s| !s.trim().is_empty()) {
             c.parse::<vmon_proto::addrs::Cidr>()

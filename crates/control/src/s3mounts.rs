@@ -282,12 +282,18 @@ mod tests {
         assert!(refused(&[m.clone()], &[], &cfg(&[])).contains("allows no S3 mounts"));
         let c = cfg(&["https://S3.example.com/", "http://127.0.0.1:3900"]);
         assert!(check(&[m.clone()], &[], &c).is_ok());
-        assert_eq!(endpoint_of(&m, &c).expect("default"), "https://s3.example.com");
+        assert_eq!(
+            endpoint_of(&m, &c).expect("default"),
+            "https://s3.example.com"
+        );
         let named = S3Mount {
             endpoint: Some("http://127.0.0.1:3900/".into()),
             ..m.clone()
         };
-        assert_eq!(endpoint_of(&named, &c).expect("listed"), "http://127.0.0.1:3900");
+        assert_eq!(
+            endpoint_of(&named, &c).expect("listed"),
+            "http://127.0.0.1:3900"
+        );
         for bad in [
             "http://169.254.169.254",
             "http://127.0.0.1:3901",
@@ -334,10 +340,16 @@ mod tests {
     #[test]
     fn credentials_are_key_colon_secret() {
         let c = parse_credentials(" GK123:abc/def+ghi \n").expect("ok");
-        assert_eq!((c.access_key_id.as_str(), c.secret_access_key.as_str()), ("GK123", "abc/def+ghi"));
+        assert_eq!(
+            (c.access_key_id.as_str(), c.secret_access_key.as_str()),
+            ("GK123", "abc/def+ghi")
+        );
         for bad in ["", "nocolon", ":x", "x:", "a b:c"] {
             assert!(parse_credentials(bad).is_none(), "{bad:?}");
         }
-        assert!(!format!("{c:?}").contains("abc/def"), "Debug hides the secret");
+        assert!(
+            !format!("{c:?}").contains("abc/def"),
+            "Debug hides the secret"
+        );
     }
 }

@@ -91,7 +91,13 @@ impl<W: Write> Writer<W> {
     }
 
     /// A regular file of exactly `size` bytes read from `data` (fewer is an error).
-    pub fn file(&mut self, path: &str, size: u64, mtime: i64, data: &mut dyn Read) -> io::Result<()> {
+    pub fn file(
+        &mut self,
+        path: &str,
+        size: u64,
+        mtime: i64,
+        data: &mut dyn Read,
+    ) -> io::Result<()> {
         self.name(path)?;
         self.out
             .write_all(&header(path.as_bytes(), 0o644, size, mtime, b'0'))?;
@@ -181,7 +187,13 @@ pub fn read_entries(
         let sum: u64 = h
             .iter()
             .enumerate()
-            .map(|(i, &b)| if (148..156).contains(&i) { 32 } else { u64::from(b) })
+            .map(|(i, &b)| {
+                if (148..156).contains(&i) {
+                    32
+                } else {
+                    u64::from(b)
+                }
+            })
             .sum();
         if sum != want {
             return Err(invalid("a tar header's checksum does not match"));
@@ -220,7 +232,10 @@ pub fn read_entries(
             b'5' if utf8 => Kind::Dir,
             _ => Kind::Other,
         };
-        let path = raw.trim_start_matches("./").trim_end_matches('/').to_string();
+        let path = raw
+            .trim_start_matches("./")
+            .trim_end_matches('/')
+            .to_string();
         let path = if path == "." { String::new() } else { path };
         let entry = Entry {
             path,
@@ -282,16 +297,29 @@ mod tests {
         std::fs::create_dir(&out).expect("out");
         let x = gnu_tar(&["-xf", archive.to_str().expect("utf-8")], &out);
         assert!(x.status.success(), "{}", String::from_utf8_lossy(&x.stderr));
-        assert_eq!(std::fs::read(out.join("sub/one.txt")).expect("one"), b"hello");
+        assert_eq!(
+            std::fs::read(out.join("sub/one.txt")).expect("one"),
+            b"hello"
+        );
         assert_eq!(std::fs::read(out.join(&long)).expect("long"), b"abc");
-        assert_eq!(std::fs::metadata(out.join("empty")).expect("empty").len(), 0);
+        assert_eq!(
+            std::fs::metadata(out.join("empty")).expect("empty").len(),
+            0
+        );
 
         // GNU tar's own archive of that tree, plus a symlink and a big sparse-free file.
         std::os::unix::fs::symlink("/etc/passwd", out.join("link")).expect("symlink");
         std::fs::write(out.join("big"), vec![9u8; 70_000]).expect("big");
         let made = work.path().join("c.tar");
         let c = gnu_tar(
-            &["--create", "--format=gnu", "--sort=name", "-f", made.to_str().expect("utf-8"), "."],
+            &[
+                "--create",
+                "--format=gnu",
+                "--sort=name",
+                "-f",
+                made.to_str().expect("utf-8"),
+                ".",
+            ],
             &out,
         );
         assert!(c.status.success(), "{}", String::from_utf8_lossy(&c.stderr));

@@ -6,10 +6,9 @@ use std::time::Instant;
 use vmon_proto::cluster::Cluster;
 use vmon_proto::node::{
     BuildId, BuildInfo, BuildInfoOf, BuildTemplate, Builds, Call, Checkpoint, DeleteBuild,
-    DeleteVolume, Kill,
-    LatestMetrics, ListRunning, LogEntry, LogQuery, Logs, MetricSample, Metrics, NodeCall,
-    NodeCalls, NodeControl, NodeError, NodeReply, OciImage, Pause, PauseBuilds, PausedState,
-    PausedStateOf, PoolDepths, ResolveImage, Running, Start, StartSpec, TemplateSpec,
+    DeleteVolume, Kill, LatestMetrics, ListRunning, LogEntry, LogQuery, Logs, MetricSample,
+    Metrics, NodeCall, NodeCalls, NodeControl, NodeError, NodeReply, OciImage, Pause, PauseBuilds,
+    PausedState, PausedStateOf, PoolDepths, ResolveImage, Running, Start, StartSpec, TemplateSpec,
 };
 
 use super::ClusterNodes;

@@ -22,7 +22,7 @@
 //!   sandbox's mounts back and says so.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::{Read, Write};
+use std::io::Write;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
@@ -55,9 +55,9 @@ pub(crate) fn key_path(key: &str) -> Option<&str> {
     let ok = !key.is_empty()
         && key.len() <= MAX_KEY
         && !key.contains('\0')
-        && key.split('/').all(|c| {
-            !c.is_empty() && c != "." && c != ".." && c.len() <= MAX_COMPONENT
-        });
+        && key
+            .split('/')
+            .all(|c| !c.is_empty() && c != "." && c != ".." && c.len() <= MAX_COMPONENT);
     ok.then_some(key)
 }
 
@@ -196,7 +196,8 @@ impl Caches<'_> {
     async fn fill(&self, id: &str, share: &BucketShare, path: &str) -> Result<(), NodeError> {
         let t0 = std::time::Instant::now();
         let failed = |e: anyhow::Error| NodeError::Failed(format!("S3 mount {path}: {e:#}"));
-        let store = store_of(share).map_err(|e| NodeError::InvalidArgument(format!("S3 mount {path}: {e:#}")))?;
+        let store = store_of(share)
+            .map_err(|e| NodeError::InvalidArgument(format!("S3 mount {path}: {e:#}")))?;
         let list = store
             .list("")
             .await
@@ -247,7 +248,14 @@ impl Caches<'_> {
         let _ = std::fs::remove_file(&staged);
         r.map_err(failed)?;
         self.set_manifest(id, &manifest).map_err(failed)?;
-        tracing::info!(mount = path, cache = id, files = manifest.files.len(), bytes = total, ms = t0.elapsed().as_millis() as u64, "S3 mount filled");
+        tracing::info!(
+            mount = path,
+            cache = id,
+            files = manifest.files.len(),
+            bytes = total,
+            ms = t0.elapsed().as_millis() as u64,
+            "S3 mount filled"
+        );
         Ok(())
     }
 
@@ -284,7 +292,11 @@ impl Caches<'_> {
                     share.max_bytes
                 )));
             }
-            let (tmp, p2, mtime) = (object_tmp.to_path_buf(), p.clone(), o.modified_unix.unwrap_or(0));
+            let (tmp, p2, mtime) = (
+                object_tmp.to_path_buf(),
+                p.clone(),
+                o.modified_unix.unwrap_or(0),
+            );
             w = tokio::task::spawn_blocking(move || -> std::io::Result<_> {
                 let mut f = std::fs::File::open(&tmp)?;
                 w.file(&p2, size, mtime, &mut f)?;
@@ -329,8 +341,10 @@ impl Caches<'_> {
         let scanned = {
             let (tmp, up_dir, old_files) = (tmp.clone(), up_dir.clone(), old.files.clone());
             let (max_bytes, max_objects) = (share.max_bytes, share.max_objects);
-            tokio::task::spawn_blocking(move || scan(&tmp, &up_dir, &old_files, max_bytes, max_objects))
-                .await?
+            tokio::task::spawn_blocking(move || {
+                scan(&tmp, &up_dir, &old_files, max_bytes, max_objects)
+            })
+            .await?
         };
         let _ = std::fs::remove_file(&tmp);
         let scanned = match scanned {
@@ -347,10 +361,16 @@ impl Caches<'_> {
                     .await
                     .with_context(|| format!("uploading {path:?}"))?;
             }
-            for gone in old.files.keys().filter(|k| !scanned.now.files.contains_key(*k)) {
+            for gone in old
+                .files
+                .keys()
+                .filter(|k| !scanned.now.files.contains_key(*k))
+            {
                 match store.delete(gone).await {
                     Ok(()) | Err(vmon_objstore::Error::NotFound(_)) => {}
-                    Err(e) => return Err(anyhow::Error::from(e).context(format!("deleting {gone:?}"))),
+                    Err(e) => {
+                        return Err(anyhow::Error::from(e).context(format!("deleting {gone:?}")))
+                    }
                 }
             }
             anyhow::Ok(())
@@ -361,12 +381,23 @@ impl Caches<'_> {
             // What did reach the bucket is sent again next time (the old manifest stays).
             return Err(e);
         }
-        let deleted = old.files.keys().filter(|k| !scanned.now.files.contains_key(*k)).count();
+        let deleted = old
+            .files
+            .keys()
+            .filter(|k| !scanned.now.files.contains_key(*k))
+            .count();
         if scanned.changed.is_empty() && deleted == 0 {
             return Ok(WriteBack::Unchanged);
         }
         self.set_manifest(id, &scanned.now)?;
-        tracing::info!(cache = id, uploaded = scanned.changed.len(), deleted, skipped = scanned.skipped, ms = t0.elapsed().as_millis() as u64, "S3 mount written back");
+        tracing::info!(
+            cache = id,
+            uploaded = scanned.changed.len(),
+            deleted,
+            skipped = scanned.skipped,
+            ms = t0.elapsed().as_millis() as u64,
+            "S3 mount written back"
+        );
         Ok(WriteBack::Stored(String::new(), scanned.bytes))
     }
 

@@ -6,9 +6,8 @@ use std::sync::Arc;
 use tokio::sync::Mutex;
 use vmon_proto::node::{
     BuildInfo, BuildInfoOf, BuildTemplate, Builds, Checkpoint, DeleteBuild, DeleteVolume, Exec,
-    ExecOutput,
-    Keepalive, KeepaliveAsk, KeptBuild, Kill, LatestMetrics, ListRunning, LogEntry, Logs,
-    MetricSample, Metrics, MigrateAbort, MigrateAccept, MigrateCancel, MigrateCommit,
+    ExecOutput, Keepalive, KeepaliveAsk, KeptBuild, Kill, LatestMetrics, ListRunning, LogEntry,
+    Logs, MetricSample, Metrics, MigrateAbort, MigrateAccept, MigrateCancel, MigrateCommit,
     MigrateDescribe, MigrateFinish, MigrateIn, MigrateSend, MigrateStats, NodeError, NodeHandler,
     Pause, PauseBuild, PauseBuilds, PausedState, PausedStateOf, PoolDepths, PutFile, ResolveImage,
     Running, Start, UpdateEgress, UpdateNetwork,

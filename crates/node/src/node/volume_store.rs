@@ -359,7 +359,8 @@ impl Node {
         let live = self.mounted_here(volume).await;
         let lock = self.volume_lock(volume);
         let _held = lock.lock().await;
-        let failed = |e: anyhow::Error| NodeError::Failed(format!("deleting volume {volume}: {e:#}"));
+        let failed =
+            |e: anyhow::Error| NodeError::Failed(format!("deleting volume {volume}: {e:#}"));
         if let Some(store) = &self.store {
             let objects = store.objects();
             let marker = deleted_key(volume);
@@ -380,11 +381,19 @@ impl Node {
         }
         let dir = self.cfg.volumes_dir.join(volume);
         if live {
-            tracing::info!(volume, "destroyed volume still mounted here: its cache stays until it is unmounted");
+            tracing::info!(
+                volume,
+                "destroyed volume still mounted here: its cache stays until it is unmounted"
+            );
         } else if dir.is_dir() {
-            unpack(&self.cfg.volumes_dir, self.cfg.volume_uid_base, volume, None)
-                .await
-                .map_err(failed)?;
+            unpack(
+                &self.cfg.volumes_dir,
+                self.cfg.volume_uid_base,
+                volume,
+                None,
+            )
+            .await
+            .map_err(failed)?;
             std::fs::remove_dir(&dir).map_err(|e| failed(e.into()))?;
             let marker = synced_dir(&self.cfg.volumes_dir)
                 .map_err(|e| failed(e.into()))?

@@ -16,7 +16,16 @@ fn keys_become_paths_only_when_they_can_and_a_directory_beats_a_file() {
         assert_eq!(key_path(good), Some(good), "{good:?}");
     }
     let long = "x".repeat(256);
-    for bad in ["", "/abs", "a//b", "a/./b", "../up", "a/..", "a\0b", long.as_str()] {
+    for bad in [
+        "",
+        "/abs",
+        "a//b",
+        "a/./b",
+        "../up",
+        "a/..",
+        "a\0b",
+        long.as_str(),
+    ] {
         assert_eq!(key_path(bad), None, "{bad:?}");
     }
     let p = plan(vec![
@@ -139,9 +148,19 @@ async fn a_prefix_fills_a_cache_as_files_and_only_what_changed_goes_back() {
         WriteBack::Stored(..)
     ));
     assert_eq!(get(t, "team/data/a.txt").await.as_deref(), Some("changed"));
-    assert_eq!(get(t, "team/data/new/dir/n.bin").await.as_deref(), Some("fresh"));
-    assert_eq!(get(t, "team/data/d/e/f").await, None, "removed in the guest");
-    assert_eq!(get(t, "team/data/late").await.as_deref(), Some("another writer"));
+    assert_eq!(
+        get(t, "team/data/new/dir/n.bin").await.as_deref(),
+        Some("fresh")
+    );
+    assert_eq!(
+        get(t, "team/data/d/e/f").await,
+        None,
+        "removed in the guest"
+    );
+    assert_eq!(
+        get(t, "team/data/late").await.as_deref(),
+        Some("another writer")
+    );
     assert_eq!(get(t, "team/data/keep").await.as_deref(), Some("untouched"));
     assert_eq!(get(t, "team/data/link").await, None, "links do not travel");
     assert_eq!(
@@ -152,7 +171,10 @@ async fn a_prefix_fills_a_cache_as_files_and_only_what_changed_goes_back() {
     // Over the mount's bytes: refused, the bucket keeps what it had.
     std::fs::write(dir.join("big"), vec![1u8; 2 << 20]).expect("big");
     let e = caches.write_back(id, &r.share).await.expect_err("over");
-    assert!(e.downcast_ref::<volume_store::OverQuota>().is_some(), "{e:#}");
+    assert!(
+        e.downcast_ref::<volume_store::OverQuota>().is_some(),
+        "{e:#}"
+    );
     assert_eq!(get(t, "team/data/big").await, None);
 
     // Read-only: never written back.
@@ -184,7 +206,10 @@ async fn a_bad_secret_a_missing_bucket_or_too_much_is_the_callers_error() {
     };
     let mut bad = r.share.clone();
     bad.credentials.secret_access_key = "0".repeat(64);
-    let e = caches.fill("s3m-e-0", &bad, "/mnt/a").await.expect_err("bad secret");
+    let e = caches
+        .fill("s3m-e-0", &bad, "/mnt/a")
+        .await
+        .expect_err("bad secret");
     let m = match e {
         NodeError::InvalidArgument(m) => m,
         other => panic!("{other:?}"),
@@ -193,7 +218,10 @@ async fn a_bad_secret_a_missing_bucket_or_too_much_is_the_callers_error() {
 
     let mut missing = r.share.clone();
     missing.bucket = "no-such-bucket".into();
-    let e = caches.fill("s3m-e-1", &missing, "/mnt/b").await.expect_err("no bucket");
+    let e = caches
+        .fill("s3m-e-1", &missing, "/mnt/b")
+        .await
+        .expect_err("no bucket");
     let m = match e {
         NodeError::InvalidArgument(m) => m,
         other => panic!("{other:?}"),
@@ -204,14 +232,26 @@ async fn a_bad_secret_a_missing_bucket_or_too_much_is_the_callers_error() {
         max_objects: 1,
         ..r.share.clone()
     };
-    let e = caches.fill("s3m-e-2", &few, "/mnt/c").await.expect_err("objects");
-    assert!(matches!(e, NodeError::InvalidArgument(ref m) if m.contains("2 objects")), "{e:?}");
+    let e = caches
+        .fill("s3m-e-2", &few, "/mnt/c")
+        .await
+        .expect_err("objects");
+    assert!(
+        matches!(e, NodeError::InvalidArgument(ref m) if m.contains("2 objects")),
+        "{e:?}"
+    );
     let small = BucketShare {
         max_bytes: 2,
         ..r.share.clone()
     };
-    let e = caches.fill("s3m-e-3", &small, "/mnt/d").await.expect_err("bytes");
-    assert!(matches!(e, NodeError::InvalidArgument(ref m) if m.contains("3 bytes")), "{e:?}");
+    let e = caches
+        .fill("s3m-e-3", &small, "/mnt/d")
+        .await
+        .expect_err("bytes");
+    assert!(
+        matches!(e, NodeError::InvalidArgument(ref m) if m.contains("3 bytes")),
+        "{e:?}"
+    );
 
     let none = BucketShare {
         credentials: Default::default(),
@@ -220,7 +260,13 @@ async fn a_bad_secret_a_missing_bucket_or_too_much_is_the_callers_error() {
     let e = caches.write_back("s3m-e-4", &none).await;
     // No cache: nothing to do; with one, the missing credentials are said.
     assert_eq!(e.expect("absent"), WriteBack::Absent);
-    caches.fill("s3m-e-4", &r.share, "/mnt/e").await.expect("fill");
-    let e = caches.write_back("s3m-e-4", &none).await.expect_err("no creds");
+    caches
+        .fill("s3m-e-4", &r.share, "/mnt/e")
+        .await
+        .expect("fill");
+    let e = caches
+        .write_back("s3m-e-4", &none)
+        .await
+        .expect_err("no creds");
     assert!(format!("{e:#}").contains("no credentials"), "{e:#}");
 }
