@@ -212,6 +212,25 @@ impl Syncer<'_> {
         Ok(true)
     }
 
+    /// A destroyed volume: the marker that stops every later write-back, then every other
+    /// object of it, then this node's copy unless it is `live` (mounted here).
+    pub(super) async fn delete(&self, volume: &str, live: bool) -> anyhow::Result<()> {
+        let marker = deleted_key(volume);
+        self.objects
+            .put_bytes(&marker, bytes::Bytes::from_static(b"deleted\n"))
+            .await?;
+        for o in self.objects.list(&format!("volumes/{volume}/")).await? {
+            if o.key == marker {
+                continue;
+            }
+            match self.objects.delete(&o.key).await {
+                Ok(()) | Err(vmon_objstore::Error::NotFound(_)) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        drop_copy(self.volumes_dir, self.first, volume, live).await
+    }
+
     /// Writes the copy of `volume` back to the store when it changed since this node's last
     /// sync. Over `max` bytes (0: no limit) it is refused with [`OverQuota`] and the store
     /// keeps what it had.
@@ -359,47 +378,28 @@ impl Node {
         let live = self.mounted_here(volume).await;
         let lock = self.volume_lock(volume);
         let _held = lock.lock().await;
-        let failed =
-            |e: anyhow::Error| NodeError::Failed(format!("deleting volume {volume}: {e:#}"));
-        if let Some(store) = &self.store {
-            let objects = store.objects();
-            let marker = deleted_key(volume);
-            objects
-                .put_bytes(&marker, bytes::Bytes::from_static(b"deleted\n"))
-                .await
-                .map_err(|e| failed(e.into()))?;
-            let list = objects
-                .list(&format!("volumes/{volume}/"))
-                .await
-                .map_err(|e| failed(e.into()))?;
-            for o in list.into_iter().filter(|o| o.key != marker) {
-                match objects.delete(&o.key).await {
-                    Ok(()) | Err(vmon_objstore::Error::NotFound(_)) => {}
-                    Err(e) => return Err(failed(e.into())),
+        let deleted = match &self.store {
+            Some(s) => {
+                Syncer {
+                    objects: s.objects(),
+                    volumes_dir: &self.cfg.volumes_dir,
+                    first: self.cfg.volume_uid_base,
                 }
+                .delete(volume, live)
+                .await
             }
-        }
-        let dir = self.cfg.volumes_dir.join(volume);
-        if live {
-            tracing::info!(
-                volume,
-                "destroyed volume still mounted here: its cache stays until it is unmounted"
-            );
-        } else if dir.is_dir() {
-            unpack(
-                &self.cfg.volumes_dir,
-                self.cfg.volume_uid_base,
-                volume,
-                None,
-            )
-            .await
-            .map_err(failed)?;
-            std::fs::remove_dir(&dir).map_err(|e| failed(e.into()))?;
-            let marker = synced_dir(&self.cfg.volumes_dir)
-                .map_err(|e| failed(e.into()))?
-                .join(volume);
-            let _ = std::fs::remove_file(marker);
-        }
+            // No store: only this node's cache.
+            None => {
+                drop_copy(
+                    &self.cfg.volumes_dir,
+                    self.cfg.volume_uid_base,
+                    volume,
+                    live,
+                )
+                .await
+            }
+        };
+        deleted.map_err(|e| NodeError::Failed(format!("deleting volume {volume}: {e:#}")))?;
         tracing::info!(volume, "destroyed volume's objects and cache deleted");
         Ok(())
     }
@@ -453,6 +453,23 @@ impl Node {
             }
         });
     }
+}
+
+/// Removes this node's copy of a destroyed volume (emptied by its own ids) and its marker,
+/// unless a sandbox here mounts it (`live`: it stays until the node's disk is cleaned).
+async fn drop_copy(volumes_dir: &Path, first: u32, volume: &str, live: bool) -> anyhow::Result<()> {
+    let dir = volumes_dir.join(volume);
+    if live {
+        tracing::info!(
+            volume,
+            "destroyed volume still mounted here: its cache stays"
+        );
+    } else if dir.is_dir() {
+        unpack(volumes_dir, first, volume, None).await?;
+        std::fs::remove_dir(&dir).with_context(|| format!("removing {}", dir.display()))?;
+        let _ = std::fs::remove_file(synced_dir(volumes_dir)?.join(volume));
+    }
+    Ok(())
 }
 
 /// Whether a share's node copy goes back to a store: an object-store volume, or a bucket
@@ -785,5 +802,18 @@ mod tests {
             .expect("list");
         assert!(trees.len() <= 2, "{trees:?}");
         assert!(trees.iter().any(|o| o.key == tree_key(v, &h2)));
+
+        // Destroyed: its objects and a's copy go; b, still "mounting" it, keeps its copy but
+        // its write-back sends nothing from now on.
+        std::fs::write(db.join(v).join("three"), "after the destroy").expect("write");
+        a.delete(v, false).await.expect("delete");
+        assert!(!da.join(v).exists(), "a's copy is gone");
+        assert!(a.synced(v).is_none());
+        b.delete(v, true).await.expect("delete again");
+        assert!(db.join(v).join("three").exists(), "a live copy stays");
+        assert_eq!(b.write_back(v, 0).await.expect("b"), WriteBack::Unchanged);
+        let left = objects.list(&format!("volumes/{v}/")).await.expect("list");
+        let keys: Vec<&str> = left.iter().map(|o| o.key.as_str()).collect();
+        assert_eq!(keys, [deleted_key(v).as_str()]);
     }
 }

@@ -141,6 +141,11 @@ async fn a_prefix_fills_a_cache_as_files_and_only_what_changed_goes_back() {
     std::fs::write(dir.join("a.txt"), "changed").expect("write");
     std::fs::create_dir_all(dir.join("new/dir")).expect("mkdir");
     std::fs::write(dir.join("new/dir/n.bin"), "fresh").expect("write");
+    // As the guest's user writes them through its virtiofsd: owned in the cache's range.
+    let user = base + tarball::GUEST_USER;
+    for p in ["new", "new/dir", "new/dir/n.bin"] {
+        std::os::unix::fs::chown(dir.join(p), Some(user), Some(user)).expect("chown");
+    }
     std::fs::remove_file(dir.join("d/e/f")).expect("rm");
     std::os::unix::fs::symlink("/etc/passwd", dir.join("link")).expect("symlink");
     assert!(matches!(
