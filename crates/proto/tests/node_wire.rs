@@ -22,6 +22,8 @@ fn old_wire(call: &NodeCall) -> (&'static str, Value) {
         NodeCall::ResolveImage(c) => ("resolve_image", v(&c.image)),
         NodeCall::BuildInfoOf(c) => ("build_info", json!({"build_id": c.build_id})),
         NodeCall::DeleteBuild(c) => ("delete_build", json!({"build_id": c.build_id})),
+        // New in this version: an older node answers 404 and the volume's objects stay.
+        NodeCall::DeleteVolume(c) => ("delete_volume", json!({"volume_id": c.volume_id})),
         NodeCall::PausedStateOf(c) => ("paused_state", json!({"build_id": c.build_id})),
         NodeCall::PauseBuilds(_) => ("pause_builds", json!({})),
         NodeCall::Builds(_) => ("builds", json!({})),
@@ -133,6 +135,10 @@ fn samples() -> Vec<NodeCall> {
         .into(),
         DeleteBuild {
             build_id: "b1".into(),
+        }
+        .into(),
+        DeleteVolume {
+            volume_id: "v1".into(),
         }
         .into(),
         PausedStateOf {

@@ -377,10 +377,8 @@ impl Caches<'_> {
         }
         .await;
         let _ = std::fs::remove_dir_all(&up_dir);
-        if let Err(e) = sent {
-            // What did reach the bucket is sent again next time (the old manifest stays).
-            return Err(e);
-        }
+        // On failure what did reach the bucket is sent again next time (the old manifest stays).
+        sent?;
         let deleted = old
             .files
             .keys()
