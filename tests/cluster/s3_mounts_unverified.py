@@ -5,7 +5,11 @@ only through a team secret. A bad secret and a missing bucket are clear 400s (no
 A sandbox on one node reads the objects as files, cannot write its read-only mount, writes its
 read-write one (a pause sends each changed file back as an object, over the team's byte quota
 it refuses); objects written meanwhile by someone else appear when it resumes on the other
-node, where a kill sends its last change back."""
+node, where a kill sends its last change back.
+
+Not collected yet (the file name): written but not run, because the machine's disk was under
+10 GB when it was ready. Run it with `pytest tests/cluster/s3_mounts_unverified.py` (it needs
+garage: scripts/install-garage.sh) and rename it `test_s3_mounts.py` once it passes."""
 
 from __future__ import annotations
 
