@@ -306,15 +306,20 @@ start_api() {
   local i=$1 port
   port=$(api_port "$i")
   mkdir -p "$DIR/api"
-  local cert="" key="" vstore=local
+  local cert="" key="" vstore=local s3mounts=""
   if [ "$TLS" = 1 ]; then
     cert="$TLS_DIR/api$i.pem" key="$TLS_DIR/api$i.key"
   fi
   # With the S3 store, volumes live in it (each node caches what it mounts): no shared dir.
-  [ -f "$DIR/s3.env" ] && vstore=s3
+  # Sandboxes may mount buckets of that store too (vmonS3Mounts: the operator's endpoint).
+  if [ -f "$DIR/s3.env" ]; then
+    vstore=s3
+    s3mounts=$(sed -n 's/^export VMON_S3_ENDPOINT=//p' "$DIR/s3.env")
+  fi
   # shellcheck disable=SC2046
   run "api$i" env VMON_API_LISTEN="127.0.0.1:$port" VMON_API_URL="$SCHEME://127.0.0.1:$port" \
     VMON_API_TLS_CERT="$cert" VMON_API_TLS_KEY="$key" VMON_VOLUME_STORE="$vstore" \
+    VMON_S3_MOUNT_ENDPOINTS="$s3mounts" \
     VMON_PROXY_LISTEN="127.0.0.1:$PROXY_PORT" VMON_CLIENT_ID="api$i" \
     VMON_STORE_URL="$(store_url "api$i")" VMON_NODE_TOKEN="$(node_token)" $(etcd_client "api$i") \
     "$(vmon_bin)" --data-dir "$DIR/api" api --node-ca "$TLS_DIR/ca.pem"

@@ -56,6 +56,7 @@ pub fn detail(config: &Config, rec: &SandboxRecord, location: &str) -> wire::San
         }),
         envd_unresponsive_at_pause: (rec.state == SandboxState::Paused).then_some(false),
         volume_mounts: rec.volume_mounts.clone(),
+        s3_mounts: rec.s3_mounts.clone(),
         resume_generation: rec.resumes.generation,
         kernel_state_lost: kernel_state_lost(rec),
         last_resume: last_resume(rec),

@@ -142,6 +142,13 @@ pub struct SandboxDetail {
     pub envd_unresponsive_at_pause: Option<bool>,
     #[serde(rename = "volumeMounts")]
     pub volume_mounts: Vec<VolumeMount>,
+    /// vmon's bucket mounts, as the create named them (secrets by name).
+    #[serde(
+        rename = "vmonS3Mounts",
+        skip_serializing_if = "Vec::is_empty",
+        default
+    )]
+    pub s3_mounts: Vec<crate::control::model::S3Mount>,
     /// vmon's (the SDKs ignore unknown keys): see [`SandboxHealth`].
     #[serde(rename = "resumeGeneration")]
     pub resume_generation: u32,

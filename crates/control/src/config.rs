@@ -18,6 +18,28 @@ pub const MIN_IDLE_SECS: u64 = 60;
 /// the loopback addresses, where a test's or a developer's own registry listens.
 pub const DEFAULT_INSECURE: &[&str] = &["localhost", "127.0.0.0/8", "::1"];
 
+/// An endpoint as the allow-list compares it: `scheme://host[:port]`, lower-cased, without a
+/// trailing `/`; anything with a path, a query, credentials or another scheme is refused.
+pub fn normal_endpoint(e: &str) -> Result<String, String> {
+    let e = e.trim().trim_end_matches('/');
+    let (scheme, rest) = e
+        .split_once("://")
+        .ok_or_else(|| format!("{e:?} is not http(s)://host[:port]"))?;
+    let scheme = scheme.to_ascii_lowercase();
+    let ok = (scheme == "http" || scheme == "https")
+        && !rest.is_empty()
+        && rest.len() <= 255
+        && rest
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b".-:[]".contains(&b));
+    if !ok {
+        return Err(format!(
+            "{e:?} is not http(s)://host[:port] (no path, query or credentials)"
+        ));
+    }
+    Ok(format!("{scheme}://{}", rest.to_ascii_lowercase()))
+}
+
 /// Where volumes keep their files ([`Config::volume_store`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -137,6 +159,11 @@ pub struct Config {
     /// shared by every node) or `s3` (the nodes' object store; each node keeps a cache in its
     /// own volumes directory, see docs/architecture.md).
     pub volume_store: VolumeStore,
+    /// The S3 endpoints a create's `vmonS3Mounts` may name (`VMON_S3_MOUNT_ENDPOINTS`,
+    /// comma-separated `http(s)://host[:port]`); a mount naming none gets the first. Empty
+    /// (the default): bucket mounts are refused. The nodes connect to these from the host,
+    /// so list only endpoints tenants may reach (never a private service by mistake).
+    pub s3_mount_endpoints: Vec<String>,
     /// Whether `code-interpreter-v1` is built in the background after `base`
     /// (`VMON_PREBUILD_CODE_INTERPRETER`); when `false`, the first create naming it builds it.
     pub prebuild_code_interpreter: bool,
@@ -340,6 +367,7 @@ impl Default for Config {
             volume_key_file: None,
             volume_token_ttl_secs: 3600,
             volume_store: VolumeStore::Local,
+            s3_mount_endpoints: Vec::new(),
             prebuild_code_interpreter: true,
             migration_downtime_ms: 300,
             idle: IdleConfig::default(),
@@ -449,6 +477,7 @@ impl Config {
         set(&mut self.volume_key_file, o.volume_key_file.map(env::path));
         set(&mut self.volume_token_ttl_secs, o.volume_token_ttl_secs);
         set(&mut self.volume_store, o.volume_store);
+        set(&mut self.s3_mount_endpoints, o.s3_mount_endpoints);
         set(&mut self.proxy_tls_cert, o.proxy_tls_cert.map(env::path));
         set(&mut self.proxy_tls_key, o.proxy_tls_key.map(env::path));
         set(&mut self.api_tls_cert, o.api_tls_cert.map(env::path));
@@ -483,6 +512,9 @@ impl Config {
         for c in &self.registry_allow {
             c.parse::<vmon_proto::addrs::Cidr>()
                 .map_err(|e| anyhow::anyhow!("registry_allow: {e}"))?;
+        }
+        for e in &self.s3_mount_endpoints {
+            normal_endpoint(e).map_err(|why| anyhow::anyhow!("s3_mount_endpoints: {why}"))?;
         }
         for c in self.webhook_allow.iter().filter(|s| !s.trim().is_empty()) {
             c.parse::<vmon_proto::addrs::Cidr>()

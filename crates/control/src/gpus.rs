@@ -57,7 +57,10 @@ pub(crate) fn memory_capture(rec: &SandboxRecord, memory: bool) -> (bool, Option
         return (false, memory.then_some(MEMORY_SKIPPED));
     }
     // A mount's state is outside the guest's memory: the disk only.
-    (memory && rec.volume_mounts.is_empty(), None)
+    (
+        memory && rec.volume_mounts.is_empty() && rec.s3_mounts.is_empty(),
+        None,
+    )
 }
 
 impl Control {

@@ -44,6 +44,7 @@ mod reaper;
 mod recovery;
 mod resume;
 mod routes;
+pub mod s3mounts;
 mod signers;
 mod targets;
 pub mod uploads;

@@ -72,6 +72,7 @@ pub(crate) struct Inherited {
     pub network: model::NetworkConfig,
     pub public_traffic: bool,
     pub volume_mounts: Vec<model::VolumeMount>,
+    pub s3_mounts: Vec<model::S3Mount>,
     pub idle: Option<crate::records::IdlePolicy>,
     /// GPUs passed through (`control/gpus.rs`).
     pub gpus: u32,
@@ -89,6 +90,7 @@ impl Inherited {
             network: rec.network.clone(),
             public_traffic: rec.traffic_access_token.is_none(),
             volume_mounts: rec.volume_mounts.clone(),
+            s3_mounts: rec.s3_mounts.clone(),
             idle: rec.idle,
             gpus: rec.gpus,
         }
@@ -161,6 +163,10 @@ impl Control {
         super::volumes::check_mount_paths(&volume_mounts)?;
         // Unknown names are a 400 before anything starts (and again at every start).
         self.volume_shares(&team.id, &volume_mounts).await?;
+        let s3_mounts = req.vmon_s3_mounts.clone().unwrap_or_default();
+        super::s3mounts::check(&s3_mounts, &volume_mounts, &self.config)?;
+        // So are missing or malformed secrets (the bucket itself is the node's to reach).
+        self.bucket_shares(&team.id, "check", &s3_mounts).await?;
         let auto_pause = req.auto_pause.unwrap_or(false);
         let auto_resume = req.auto_resume.as_ref().is_some_and(|a| a.enabled);
         let auto_pause_memory = req.auto_pause_memory.unwrap_or(true);
@@ -175,7 +181,7 @@ impl Control {
                 metadata: &req.metadata,
                 timeout,
                 auto_pause,
-                has_volumes: !volume_mounts.is_empty(),
+                has_volumes: !volume_mounts.is_empty() || !s3_mounts.is_empty(),
             },
         )?;
         self.admit_while_starting()?;
@@ -202,6 +208,7 @@ impl Control {
                 public_traffic: network.allow_public_traffic.unwrap_or(true),
                 network,
                 volume_mounts,
+                s3_mounts,
                 idle,
                 gpus,
             },
@@ -296,9 +303,13 @@ impl Control {
         fence: i64,
     ) -> ControlResult<SandboxRecord> {
         let team = launch.team;
-        let volumes = self
+        let mut volumes = self
             .volume_shares(&team.id, &launch.base.volume_mounts)
             .await?;
+        volumes.extend(
+            self.bucket_shares(&team.id, id, &launch.base.s3_mounts)
+                .await?,
+        );
         let egress = self
             .egress_spec(&team.id, &launch.base.network, true)
             .await?;
@@ -332,6 +343,7 @@ impl Control {
             envd_access_token: envd_access_token.clone(),
             traffic_access_token: (!base.public_traffic).then(ids::token),
             volume_mounts: base.volume_mounts.clone(),
+            s3_mounts: base.s3_mounts.clone(),
             owned_build: launch.owned_build.clone(),
             idle: base.idle,
             idle_suspended_until: None,

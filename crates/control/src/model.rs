@@ -31,6 +31,11 @@ pub struct NewSandbox {
     pub env_vars: StringMap,
     #[serde(rename = "volumeMounts", default)]
     pub volume_mounts: Option<Vec<VolumeMount>>,
+    /// vmon's bucket mounts (not E2B's): prefixes of S3 buckets as directories in the guest
+    /// (`crates/control/src/s3mounts.rs`).
+    #[serde(rename = "vmonS3Mounts", default)]
+    #[cfg_attr(feature = "openapi", schema(nullable))]
+    pub vmon_s3_mounts: Option<Vec<S3Mount>>,
     /// vmon's idle auto-suspend (not E2B's): an object, or `null` for none. Absent: the
     /// `vmon.idle.*` metadata keys, else the team's default from the config.
     #[serde(rename = "vmonIdle", default, deserialize_with = "present")]
@@ -77,6 +82,33 @@ pub struct AutoResume {
 pub struct VolumeMount {
     pub name: String,
     pub path: String,
+}
+
+/// A prefix of an S3 bucket mounted in the guest (`vmonS3Mounts`): each object under
+/// `prefix/` a file under `mountPath`. The endpoint must be one the operator allows
+/// (`s3_mount_endpoints`; absent: the first of them); `secret` names a team secret whose value
+/// is `ACCESS_KEY_ID:SECRET_ACCESS_KEY`, which only the node's S3 client ever sees.
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct S3Mount {
+    pub bucket: String,
+    /// Without a leading `/`; empty or absent: the whole bucket.
+    #[serde(default)]
+    pub prefix: String,
+    #[serde(rename = "mountPath")]
+    pub mount_path: String,
+    /// Never written back; the guest's writes are refused (EROFS).
+    #[serde(rename = "readOnly", default)]
+    pub read_only: bool,
+    /// `http(s)://host[:port]`; absent: the first of the server's `s3_mount_endpoints`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub endpoint: Option<String>,
+    /// The signing region (default `us-east-1`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub region: Option<String>,
+    /// The name of the team secret holding `ACCESS_KEY_ID:SECRET_ACCESS_KEY`.
+    pub secret: String,
 }
 
 /// `SandboxNetworkConfig`.

@@ -175,6 +175,8 @@ pub struct SandboxRecord {
     pub envd_access_token: String,
     pub traffic_access_token: Option<String>,
     pub volume_mounts: Vec<VolumeMount>,
+    /// Bucket prefixes it mounts (`vmonS3Mounts`; secrets by name only).
+    pub s3_mounts: Vec<crate::model::S3Mount>,
     /// A build made for this sandbox alone (its pauses, or the fork point it started from):
     /// deleted when superseded or when the sandbox dies. Never a template's build.
     pub owned_build: Option<String>,

@@ -201,7 +201,7 @@ impl Control {
     ) -> ControlResult<SandboxRecord> {
         let counter = self.admit(team).await?;
         let execution_id = ids::execution_id();
-        let volumes = match self.volume_shares(&team.id, &rec.volume_mounts).await {
+        let volumes = match self.mount_shares(&team.id, &rec).await {
             Ok(v) => v,
             Err(e) => {
                 self.release(&counter).await;

@@ -135,21 +135,8 @@ pub(crate) fn check_mount_paths(mounts: &[VolumeMount]) -> ControlResult<()> {
     let mut problems = Vec::new();
     for (i, m) in mounts.iter().enumerate() {
         let p = &m.path;
-        if p.is_empty() {
-            problems.push(format!("volume mount #{i}: path is empty"));
-        } else if !p.starts_with('/') {
-            problems.push(format!("volume mount #{i}: path '{p}' must be absolute"));
-        } else if p == "/" {
-            problems.push(format!("volume mount #{i}: path cannot be /"));
-        } else if clean(p) != *p {
-            problems.push(format!(
-                "volume mount #{i}: path '{p}' must be clean ('{}')",
-                clean(p)
-            ));
-        } else if p.len() > 1024 || p.contains('\0') || p.contains(',') {
-            problems.push(format!(
-                "volume mount #{i}: path '{p}' is too long or has NUL or commas"
-            ));
+        if let Err(why) = check_path(p) {
+            problems.push(format!("volume mount #{i}: path {why}"));
         } else if mounts[..i].iter().any(|o| o.path == *p) {
             problems.push(format!("volume mount #{i}: path '{p}' is mounted twice"));
         }
@@ -167,6 +154,24 @@ pub(crate) fn check_mount_paths(mounts: &[VolumeMount]) -> ControlResult<()> {
             "invalid mounts:\n\t- {}",
             problems.join("\n\t- ")
         )))
+    }
+}
+
+/// A mount path in the guest: non-empty, absolute, clean (`filepath.Clean`), not `/`, at most
+/// 1024 bytes, without NUL or commas. The error completes "path …".
+pub(crate) fn check_path(p: &str) -> Result<(), String> {
+    if p.is_empty() {
+        Err("is empty".into())
+    } else if !p.starts_with('/') {
+        Err(format!("'{p}' must be absolute"))
+    } else if p == "/" {
+        Err("cannot be /".into())
+    } else if clean(p) != *p {
+        Err(format!("'{p}' must be clean ('{}')", clean(p)))
+    } else if p.len() > 1024 || p.contains('\0') || p.contains(',') {
+        Err(format!("'{p}' is too long or has NUL or commas"))
+    } else {
+        Ok(())
     }
 }
 

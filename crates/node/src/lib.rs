@@ -16,6 +16,7 @@ pub mod rpc;
 pub mod sandbox;
 pub mod slots;
 pub mod store;
+mod tarball;
 pub mod telemetry;
 pub use vmon_nodeclient::tls;
 

@@ -52,7 +52,7 @@ pub struct SandboxState {
     /// The egress policy its slot enforces now.
     #[serde(default)]
     pub network: Option<vmon_proto::node::NetworkPolicy>,
-    /// Volumes it mounts (virtio-fs): its memory is never captured.
+    /// Volumes and bucket prefixes it mounts (virtio-fs): its memory is never captured.
     #[serde(default)]
     pub volumes: Vec<vmon_proto::node::VolumeShare>,
     /// How its current execution started (reported to the api with the start).
@@ -114,8 +114,16 @@ impl SandboxState {
         dir.join("sandbox.json")
     }
 
+    /// Writes `sandbox.json`, without the credentials of bucket mounts (they stay in the
+    /// node's memory only: a re-adopted sandbox's bucket mounts are not written back).
     pub fn save(&self, dir: &Path) -> anyhow::Result<()> {
-        vmon_vm::private::write(&Self::path(dir), &serde_json::to_vec_pretty(self)?)?;
+        let mut kept = self.clone();
+        for v in &mut kept.volumes {
+            if let Some(b) = &mut v.bucket {
+                b.credentials = Default::default();
+            }
+        }
+        vmon_vm::private::write(&Self::path(dir), &serde_json::to_vec_pretty(&kept)?)?;
         Ok(())
     }
 

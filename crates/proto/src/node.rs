@@ -57,8 +57,9 @@ pub struct StartSpec {
     /// Token envd will demand in `X-Access-Token`.
     pub envd_access_token: Option<String>,
     pub network: NetworkPolicy,
-    /// Volumes to mount (virtio-fs). A sandbox with any is always cold-booted: a mount's
-    /// state lives outside the guest's memory and cannot be restored with it.
+    /// Volumes and bucket prefixes to mount (virtio-fs). A sandbox with any is always
+    /// cold-booted: a mount's state lives outside the guest's memory and cannot be restored
+    /// with it.
     #[serde(default)]
     pub volumes: Vec<VolumeShare>,
     /// Secret injection: the rules of `network.rules` and the values of the secrets they name
@@ -91,6 +92,55 @@ pub struct VolumeShare {
     /// 0: no limit.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub max_bytes: u64,
+    /// A prefix of a tenant's S3 bucket (`vmonS3Mounts`) instead of a volume: `volume_id`
+    /// then names this sandbox's own cache of it on the node (`crates/node/src/node/bucket.rs`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bucket: Option<BucketShare>,
+}
+
+/// A bucket prefix a sandbox mounts: each object under `prefix/` a file. The node fills the
+/// sandbox's cache from it before the mount and, unless `read_only`, writes what changed back
+/// at pause, kill and periodically.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BucketShare {
+    /// `http(s)://host[:port]`, one the operator allows (`s3_mount_endpoints`).
+    pub endpoint: String,
+    pub region: String,
+    pub bucket: String,
+    /// Without leading or trailing `/`; empty: the whole bucket.
+    #[serde(default)]
+    pub prefix: String,
+    #[serde(default)]
+    pub read_only: bool,
+    /// The most bytes (all objects together) a fill fetches and a write-back keeps.
+    pub max_bytes: u64,
+    /// The most objects a fill fetches.
+    pub max_objects: u64,
+    /// From the team's secret. Travels in the start call and stays in the node's memory:
+    /// `sandbox.json` keeps it empty ([`BucketCredentials::is_empty`]), `Debug` prints no value.
+    #[serde(default, skip_serializing_if = "BucketCredentials::is_empty")]
+    pub credentials: BucketCredentials,
+}
+
+/// An S3 access key pair. `Debug` prints the key id only.
+#[derive(Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BucketCredentials {
+    pub access_key_id: String,
+    pub secret_access_key: String,
+}
+
+impl BucketCredentials {
+    pub fn is_empty(&self) -> bool {
+        self.access_key_id.is_empty() && self.secret_access_key.is_empty()
+    }
+}
+
+impl std::fmt::Debug for BucketCredentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BucketCredentials")
+            .field("access_key_id", &self.access_key_id)
+            .finish_non_exhaustive()
+    }
 }
 
 /// How a volume's files are owned on the host: every volume has a range of

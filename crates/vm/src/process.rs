@@ -575,3 +575,13 @@ pub unsafe fn bind_in_own_mount_namespace(
     mount_bind(source, over)?;
     Ok(())
 }
+
+/// Makes the bind mount at `over` (made by [`bind_in_own_mount_namespace`]) read-only. A less
+/// privileged mount namespace made from this one later cannot make it writable again.
+///
+/// Async-signal-safe (no allocation): for a child between fork and exec.
+pub fn remount_read_only(over: &std::ffi::CStr) -> std::io::Result<()> {
+    use rustix::mount::{mount_remount, MountFlags};
+    mount_remount(over, MountFlags::BIND | MountFlags::RDONLY, c"")?;
+    Ok(())
+}

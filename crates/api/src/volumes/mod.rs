@@ -253,6 +253,7 @@ pub(crate) async fn delete_volume(
     }
     // The row is what makes the volume exist; its files go after (as in infra). Sandboxes
     // that still mount it see them go.
+    s.control.delete_store_volume(&v.id).await;
     let dir = volumes.dir_of(&v.id);
     tokio::task::spawn_blocking(move || {
         if let Err(e) = std::fs::remove_dir_all(&dir) {

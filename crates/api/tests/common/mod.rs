@@ -51,6 +51,8 @@ pub struct FakeNode {
     /// The GPUs the fake node has (total, free): a start asking for more is refused as the
     /// real node refuses it (`crates/node/src/gpus.rs`), with nothing started.
     pub gpus: Mutex<(u32, u32)>,
+    /// The volumes `delete_volume` was asked to delete, in order.
+    pub deleted_volumes: Mutex<Vec<String>>,
 }
 
 impl FakeNode {
@@ -59,6 +61,7 @@ impl FakeNode {
             guest_ip,
             running: Mutex::new(HashMap::new()),
             builds: Mutex::new(HashMap::new()),
+            deleted_volumes: Mutex::new(Vec::new()),
             fail_starts: AtomicUsize::new(0),
             fail_pauses: AtomicUsize::new(0),
             starts: Mutex::new(Vec::new()),
@@ -361,6 +364,10 @@ impl NodeHandler for FakeNode {
     }
     async fn pause_builds(&self, _: n::PauseBuilds) -> Result<Vec<n::PauseBuild>, NodeError> {
         Ok(Vec::new())
+    }
+    async fn delete_volume(&self, c: n::DeleteVolume) -> Result<(), NodeError> {
+        self.deleted_volumes.lock().unwrap().push(c.volume_id);
+        Ok(())
     }
     async fn update_egress(&self, c: n::UpdateEgress) -> Result<(), NodeError> {
         match self.running.lock().unwrap().contains_key(&c.sandbox_id) {

@@ -5,10 +5,10 @@ use std::time::Instant;
 
 use vmon_proto::cluster::Cluster;
 use vmon_proto::node::{
-    BuildId, BuildInfo, BuildInfoOf, BuildTemplate, Builds, Call, Checkpoint, DeleteBuild, Kill,
-    LatestMetrics, ListRunning, LogEntry, LogQuery, Logs, MetricSample, Metrics, NodeCall,
-    NodeCalls, NodeControl, NodeError, NodeReply, OciImage, Pause, PauseBuilds, PausedState,
-    PausedStateOf, PoolDepths, ResolveImage, Running, Start, StartSpec, TemplateSpec,
+    BuildId, BuildInfo, BuildInfoOf, BuildTemplate, Builds, Call, Checkpoint, DeleteBuild,
+    DeleteVolume, Kill, LatestMetrics, ListRunning, LogEntry, LogQuery, Logs, MetricSample,
+    Metrics, NodeCall, NodeCalls, NodeControl, NodeError, NodeReply, OciImage, Pause, PauseBuilds,
+    PausedState, PausedStateOf, PoolDepths, ResolveImage, Running, Start, StartSpec, TemplateSpec,
 };
 
 use super::ClusterNodes;
@@ -30,6 +30,9 @@ impl NodeControl for ClusterNodes {
                 PausedStateOf::answered(self.paused_state(&c.build_id).await)
             }
             NodeCall::DeleteBuild(c) => DeleteBuild::answered(self.delete_build(&c.build_id).await),
+            NodeCall::DeleteVolume(c) => {
+                DeleteVolume::answered(self.delete_volume(&c.volume_id).await)
+            }
             // Not gathered from the nodes (yet): over a cluster, interrupted pauses are left to
             // the leader's reconciliation and unnamed builds are not collected.
             NodeCall::PauseBuilds(_) => PauseBuilds::answered(Ok(Vec::new())),
@@ -172,6 +175,34 @@ impl ClusterNodes {
             Ok(())
         } else {
             Err(NodeError::BuildNotFound(build_id.to_string()))
+        }
+    }
+
+    /// Every live node deletes its cache of the volume, and the store's objects (the same
+    /// objects for all: deleting twice is harmless). Done when one node did it.
+    async fn delete_volume(&self, volume_id: &str) -> Result<(), NodeError> {
+        let id = volume_id.to_string();
+        let answers = self
+            .ask_all(|c| {
+                let id = id.clone();
+                async move { c.delete_volume(&id).await }
+            })
+            .await;
+        let mut last = NodeError::Exhausted("no node is registered".into());
+        let mut done = false;
+        for (n, r) in answers {
+            match r {
+                Ok(()) => done = true,
+                Err(e) => {
+                    tracing::warn!(node_id = %n.id, volume_id, error = %e, "deleting a volume failed on a node");
+                    last = e;
+                }
+            }
+        }
+        if done {
+            Ok(())
+        } else {
+            Err(last)
         }
     }
 

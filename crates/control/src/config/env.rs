@@ -119,6 +119,9 @@ pub(super) struct Overrides {
     pub base_vcpus: Option<u32>,
     #[arg(long, env = "VMON_VOLUME_STORE", value_parser = trimmed::<super::VolumeStore>)]
     pub volume_store: Option<super::VolumeStore>,
+    /// Comma-separated `http(s)://host[:port]`.
+    #[arg(long, env = "VMON_S3_MOUNT_ENDPOINTS", value_parser = list)]
+    pub s3_mount_endpoints: Option<::std::vec::Vec<String>>,
     #[arg(long, env = "VMON_BASE_MEMORY_MB", value_parser = trimmed::<u32>)]
     pub base_memory_mb: Option<u32>,
     #[arg(long, env = "VMON_BASE_DISK_MB", value_parser = trimmed::<u32>)]

@@ -17,6 +17,8 @@ struct Extra {
     allow_internet_access: Option<bool>,
     #[serde(default)]
     volume_mounts: Vec<VolumeMount>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    s3_mounts: Vec<crate::model::S3Mount>,
     owned_build: Option<String>,
     #[serde(default)]
     idle: Option<IdlePolicy>,
@@ -47,6 +49,7 @@ pub(super) fn to_store(rec: &SandboxRecord, fence: i64) -> RecordResult<vmon_sto
         guest_ip: rec.guest_ip,
         allow_internet_access: rec.allow_internet_access,
         volume_mounts: rec.volume_mounts.clone(),
+        s3_mounts: rec.s3_mounts.clone(),
         owned_build: rec.owned_build.clone(),
         idle: rec.idle,
         idle_suspended_until: rec.idle_suspended_until,
@@ -138,6 +141,7 @@ pub(super) fn from_store(s: vmon_store::SandboxRecord) -> SandboxRecord {
         envd_access_token: s.envd_access_token.unwrap_or_default(),
         traffic_access_token: s.traffic_access_token,
         volume_mounts: extra.volume_mounts,
+        s3_mounts: extra.s3_mounts,
         owned_build: extra.owned_build,
         idle: extra.idle,
         idle_suspended_until: extra.idle_suspended_until,

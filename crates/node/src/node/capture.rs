@@ -336,8 +336,10 @@ impl Node {
         if let Some(vm) = l.vm.take() {
             vm.quit().await;
         }
-        // Its QEMU is gone: its GPUs are free.
+        // Its QEMU is gone: its GPUs are free, its bucket mounts' caches (written back above)
+        // are refilled by the resume, wherever it runs.
         self.gpus.release(sandbox_id);
+        self.drop_bucket_caches(&l.state.volumes).await;
         self.egress.stop(&l.state.id, None).await;
         let _ = self.slots.release(&l.slot).await;
         let _ = std::fs::remove_file(SandboxState::path(&l.dir));

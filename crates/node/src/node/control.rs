@@ -5,9 +5,9 @@ use std::sync::Arc;
 
 use tokio::sync::Mutex;
 use vmon_proto::node::{
-    BuildInfo, BuildInfoOf, BuildTemplate, Builds, Checkpoint, DeleteBuild, Exec, ExecOutput,
-    Keepalive, KeepaliveAsk, KeptBuild, Kill, LatestMetrics, ListRunning, LogEntry, Logs,
-    MetricSample, Metrics, MigrateAbort, MigrateAccept, MigrateCancel, MigrateCommit,
+    BuildInfo, BuildInfoOf, BuildTemplate, Builds, Checkpoint, DeleteBuild, DeleteVolume, Exec,
+    ExecOutput, Keepalive, KeepaliveAsk, KeptBuild, Kill, LatestMetrics, ListRunning, LogEntry,
+    Logs, MetricSample, Metrics, MigrateAbort, MigrateAccept, MigrateCancel, MigrateCommit,
     MigrateDescribe, MigrateFinish, MigrateIn, MigrateSend, MigrateStats, NodeError, NodeHandler,
     Pause, PauseBuild, PauseBuilds, PausedState, PausedStateOf, PoolDepths, PutFile, ResolveImage,
     Running, Start, UpdateEgress, UpdateNetwork,
@@ -52,6 +52,13 @@ impl NodeHandler for Node {
 
     async fn delete_build(&self, DeleteBuild { build_id }: DeleteBuild) -> Result<(), NodeError> {
         self.remove_build(&build_id).await
+    }
+
+    async fn delete_volume(
+        &self,
+        DeleteVolume { volume_id }: DeleteVolume,
+    ) -> Result<(), NodeError> {
+        self.delete_store_volume(&volume_id).await
     }
 
     async fn paused_state(
@@ -129,6 +136,7 @@ impl NodeHandler for Node {
         self.gpus.release(sandbox_id);
         // Its QEMU is gone, and with it the volumes' daemons: what it wrote goes to the store.
         self.write_back_after_kill(&l.state.volumes).await;
+        self.drop_bucket_caches(&l.state.volumes).await;
         let slots = self.slots.clone();
         let slot = l.slot.clone();
         let dir = l.dir.clone();

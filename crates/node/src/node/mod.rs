@@ -11,6 +11,7 @@
 //! [`NodeHandler`](vmon_proto::node::NodeHandler) impl, thin calls into those).
 
 mod boot;
+mod bucket;
 mod capture;
 mod confine;
 mod control;
@@ -458,6 +459,7 @@ impl Node {
         });
         node.open_paths_to_qemu()?;
         node.recover().await?;
+        node.sweep_bucket_caches().await;
         node.upload_unstored();
         if node.store.is_some() {
             let weak = Arc::downgrade(&node);
@@ -475,16 +477,14 @@ impl Node {
         Ok(node)
     }
 
-    /// What the node does on its own once open: telemetry, volume syncs (with an object
-    /// store), the guest image found or built, and every 5 s parked QEMUs evicted and the
+    /// What the node does on its own once open: telemetry, volume syncs (object-store
+    /// volumes and read-write bucket mounts), the guest image found or built, and every 5 s parked QEMUs evicted and the
     /// pools trimmed. Each task ends when the node is dropped.
     fn start_background_work(self: &Arc<Self>) {
         crate::telemetry::spawn(Arc::downgrade(self));
-        if self.store.is_some() {
-            self.spawn_volume_sync(Duration::from_secs(
-                env_or("VMON_VOLUME_SYNC_SECS", 60u64).max(1),
-            ));
-        }
+        self.spawn_volume_sync(Duration::from_secs(
+            env_or("VMON_VOLUME_SYNC_SECS", 60u64).max(1),
+        ));
         let weak = Arc::downgrade(self);
         tokio::spawn(async move {
             let Some(node) = weak.upgrade() else { return };

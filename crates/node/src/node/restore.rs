@@ -460,7 +460,20 @@ impl Node {
     pub async fn start_sandbox(self: &Arc<Self>, spec: StartSpec) -> Result<Running, NodeError> {
         self.vet_arrival(&spec.sandbox_id, &spec.execution_id, &spec.network)
             .await?;
+        let shares = spec.volumes.clone();
+        let started = self.start_mounted(spec).await;
+        if started.is_err() {
+            // Its bucket mounts' caches are its own: nothing else mounts them.
+            self.drop_bucket_caches(&shares).await;
+        }
+        started
+    }
+
+    /// [`Self::start_sandbox`] once the start is known to be new: mounts filled, then booted
+    /// or restored.
+    async fn start_mounted(self: &Arc<Self>, spec: StartSpec) -> Result<Running, NodeError> {
         self.fill_store_volumes(&spec.volumes).await?;
+        self.fill_buckets(&spec.volumes).await?;
         super::volumes::validate(&self.cfg.volumes_dir, &spec.volumes)?;
         let rec = self.record(&spec.build_id)?;
         self.check_compatible(&rec)?;

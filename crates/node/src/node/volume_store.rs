@@ -42,6 +42,11 @@ fn head_key(volume: &str) -> String {
     format!("volumes/{volume}/head")
 }
 
+/// Written when the volume is destroyed: a write-back that finds it sends nothing.
+fn deleted_key(volume: &str) -> String {
+    format!("volumes/{volume}/deleted")
+}
+
 fn tree_key(volume: &str, sha: &str) -> String {
     format!("volumes/{volume}/tree-{sha}.tar")
 }
@@ -97,23 +102,32 @@ pub(super) struct Syncer<'a> {
     pub first: u32,
 }
 
+/// Makes the volumes directory when this node has none yet (with the store no shared one is
+/// laid out for it): root's, 0700, as the api makes a local one.
+pub(super) fn ensure_volumes_dir(volumes_dir: &Path) -> std::io::Result<()> {
+    if !volumes_dir.is_dir() {
+        std::fs::create_dir_all(volumes_dir)?;
+        std::fs::set_permissions(volumes_dir, std::fs::Permissions::from_mode(0o700))?;
+    }
+    Ok(())
+}
+
+/// The root-owned directory of sync markers and staging files (made when missing).
+pub(super) fn synced_dir(volumes_dir: &Path) -> std::io::Result<PathBuf> {
+    ensure_volumes_dir(volumes_dir)?;
+    let dir = volumes_dir.join(SYNCED_DIR);
+    std::fs::create_dir_all(&dir)?;
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))?;
+    Ok(dir)
+}
+
 impl Syncer<'_> {
-    /// Makes the volumes directory when this node has none yet (with the store no shared
-    /// one is laid out for it): root's, 0700, as the api makes a local one.
     fn ensure_volumes_dir(&self) -> std::io::Result<()> {
-        if !self.volumes_dir.is_dir() {
-            std::fs::create_dir_all(self.volumes_dir)?;
-            std::fs::set_permissions(self.volumes_dir, std::fs::Permissions::from_mode(0o700))?;
-        }
-        Ok(())
+        ensure_volumes_dir(self.volumes_dir)
     }
 
     fn synced_dir(&self) -> std::io::Result<PathBuf> {
-        self.ensure_volumes_dir()?;
-        let dir = self.volumes_dir.join(SYNCED_DIR);
-        std::fs::create_dir_all(&dir)?;
-        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))?;
-        Ok(dir)
+        synced_dir(self.volumes_dir)
     }
 
     /// The sha256 of the tree this node last filled or wrote.
@@ -198,6 +212,25 @@ impl Syncer<'_> {
         Ok(true)
     }
 
+    /// A destroyed volume: the marker that stops every later write-back, then every other
+    /// object of it, then this node's copy unless it is `live` (mounted here).
+    pub(super) async fn delete(&self, volume: &str, live: bool) -> anyhow::Result<()> {
+        let marker = deleted_key(volume);
+        self.objects
+            .put_bytes(&marker, bytes::Bytes::from_static(b"deleted\n"))
+            .await?;
+        for o in self.objects.list(&format!("volumes/{volume}/")).await? {
+            if o.key == marker {
+                continue;
+            }
+            match self.objects.delete(&o.key).await {
+                Ok(()) | Err(vmon_objstore::Error::NotFound(_)) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        drop_copy(self.volumes_dir, self.first, volume, live).await
+    }
+
     /// Writes the copy of `volume` back to the store when it changed since this node's last
     /// sync. Over `max` bytes (0: no limit) it is refused with [`OverQuota`] and the store
     /// keeps what it had.
@@ -217,6 +250,11 @@ impl Syncer<'_> {
         };
         if self.synced(volume).as_deref() == Some(sha.as_str()) {
             let _ = std::fs::remove_file(&tmp);
+            return Ok(WriteBack::Unchanged);
+        }
+        if self.objects.head(&deleted_key(volume)).await?.is_some() {
+            let _ = std::fs::remove_file(&tmp);
+            tracing::info!(volume, "volume destroyed: not written back");
             return Ok(WriteBack::Unchanged);
         }
         let stored = async {
@@ -261,7 +299,7 @@ impl Node {
     }
 
     /// Serialises the syncs of one volume on this node (the fetch locks' map, its own keys).
-    fn volume_lock(&self, volume: &str) -> Arc<Mutex<()>> {
+    pub(super) fn volume_lock(&self, volume: &str) -> Arc<Mutex<()>> {
         let mut m = self
             .fetches
             .lock()
@@ -298,7 +336,7 @@ impl Node {
         let mut out: Vec<VolumeShare> = Vec::new();
         for l in lives {
             for s in &l.lock().await.state.volumes {
-                if s.object_store && !out.iter().any(|o| o.volume_id == s.volume_id) {
+                if written_back(s) && !out.iter().any(|o| o.volume_id == s.volume_id) {
                     out.push(s.clone());
                 }
             }
@@ -330,18 +368,60 @@ impl Node {
         Ok(())
     }
 
-    /// Writes this node's copy of `share` back to the store when it changed.
-    async fn write_back(&self, share: &VolumeShare) -> anyhow::Result<WriteBack> {
-        let syncer = self.syncer()?;
-        let lock = self.volume_lock(&share.volume_id);
+    /// A destroyed volume's objects and this node's cache (see [`vmon_proto::node::DeleteVolume`]).
+    pub(super) async fn delete_store_volume(&self, volume: &str) -> Result<(), NodeError> {
+        if !valid_id(volume) {
+            return Err(NodeError::InvalidArgument(format!(
+                "{volume:?} is not a volume id"
+            )));
+        }
+        let live = self.mounted_here(volume).await;
+        let lock = self.volume_lock(volume);
         let _held = lock.lock().await;
-        syncer.write_back(&share.volume_id, share.max_bytes).await
+        let deleted = match &self.store {
+            Some(s) => {
+                Syncer {
+                    objects: s.objects(),
+                    volumes_dir: &self.cfg.volumes_dir,
+                    first: self.cfg.volume_uid_base,
+                }
+                .delete(volume, live)
+                .await
+            }
+            // No store: only this node's cache.
+            None => {
+                drop_copy(
+                    &self.cfg.volumes_dir,
+                    self.cfg.volume_uid_base,
+                    volume,
+                    live,
+                )
+                .await
+            }
+        };
+        deleted.map_err(|e| NodeError::Failed(format!("deleting volume {volume}: {e:#}")))?;
+        tracing::info!(volume, "destroyed volume's objects and cache deleted");
+        Ok(())
     }
 
-    /// Writes back every object-store volume of `shares` (a pause: its guest is stopped). The
-    /// first failure is returned: the pause fails and the sandbox runs on.
+    /// Writes this node's copy of `share` (an object-store volume, or a read-write bucket
+    /// mount's cache) back when it changed.
+    async fn write_back(&self, share: &VolumeShare) -> anyhow::Result<WriteBack> {
+        let lock = self.volume_lock(&share.volume_id);
+        let _held = lock.lock().await;
+        if let Some(b) = &share.bucket {
+            return self.write_back_bucket(share, b).await;
+        }
+        self.syncer()?
+            .write_back(&share.volume_id, share.max_bytes)
+            .await
+    }
+
+    /// Writes back every object-store volume and read-write bucket mount of `shares` (a
+    /// pause: its guest is stopped). The first failure is returned: the pause fails and the
+    /// sandbox runs on.
     pub(super) async fn write_back_all(&self, shares: &[VolumeShare]) -> Result<(), NodeError> {
-        for s in shares.iter().filter(|s| s.object_store) {
+        for s in shares.iter().filter(|s| written_back(s)) {
             self.write_back(s)
                 .await
                 .map_err(|e| node_error("writing back", &s.volume_id, e))?;
@@ -351,7 +431,7 @@ impl Node {
 
     /// Writes back what a killed sandbox mounted; failures are logged (a kill cannot fail).
     pub(super) async fn write_back_after_kill(&self, shares: &[VolumeShare]) {
-        for s in shares.iter().filter(|s| s.object_store) {
+        for s in shares.iter().filter(|s| written_back(s)) {
             if let Err(e) = self.write_back(s).await {
                 tracing::warn!(volume = %s.volume_id, error = %format!("{e:#}"), "writing back a killed sandbox's volume");
             }
@@ -373,6 +453,29 @@ impl Node {
             }
         });
     }
+}
+
+/// Removes this node's copy of a destroyed volume (emptied by its own ids) and its marker,
+/// unless a sandbox here mounts it (`live`: it stays until the node's disk is cleaned).
+async fn drop_copy(volumes_dir: &Path, first: u32, volume: &str, live: bool) -> anyhow::Result<()> {
+    let dir = volumes_dir.join(volume);
+    if live {
+        tracing::info!(
+            volume,
+            "destroyed volume still mounted here: its cache stays"
+        );
+    } else if dir.is_dir() {
+        unpack(volumes_dir, first, volume, None).await?;
+        std::fs::remove_dir(&dir).with_context(|| format!("removing {}", dir.display()))?;
+        let _ = std::fs::remove_file(synced_dir(volumes_dir)?.join(volume));
+    }
+    Ok(())
+}
+
+/// Whether a share's node copy goes back to a store: an object-store volume, or a bucket
+/// mount that is not read-only.
+fn written_back(s: &VolumeShare) -> bool {
+    s.object_store || s.bucket.as_ref().is_some_and(|b| !b.read_only)
 }
 
 /// A command run as the volume's own ids, in `<volumes dir>/<id>` bound over the mount
@@ -421,7 +524,7 @@ async fn confined(
 }
 
 /// Empties the cache of `volume` and unpacks `archive` into it, confined.
-async fn unpack(
+pub(super) async fn unpack(
     volumes_dir: &Path,
     first: u32,
     volume: &str,
@@ -461,7 +564,7 @@ async fn unpack(
 
 /// Archives the cache of `volume` into `dest` (confined), hashing it; over `max` bytes
 /// (when not 0) the archiver is stopped and [`OverQuota`] returned.
-async fn pack(
+pub(super) async fn pack(
     volumes_dir: &Path,
     first: u32,
     volume: &str,
@@ -526,178 +629,4 @@ async fn pack(
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use std::os::unix::fs::MetadataExt;
-
-    const FIRST: u32 = 1_100_000_000;
-
-    fn sh(cmd: &str) {
-        let st = std::process::Command::new("/bin/sh")
-            .args(["-c", cmd])
-            .status()
-            .expect("sh");
-        assert!(st.success(), "{cmd}");
-    }
-
-    #[tokio::test]
-    async fn a_tree_packs_and_unpacks_as_the_volumes_own_ids_and_hashes_the_same() {
-        let vols = tempfile::tempdir().expect("tempdir");
-        let outside = tempfile::tempdir().expect("tempdir");
-        let a = vols.path().join("a");
-        std::fs::create_dir(&a).expect("a");
-        std::fs::create_dir_all(a.join("d/e")).expect("tree");
-        std::fs::write(a.join("d/e/f"), "deep").expect("file");
-        std::fs::write(a.join("big"), vec![7u8; 300_000]).expect("big");
-        std::os::unix::fs::symlink(outside.path(), a.join("out")).expect("symlink");
-        std::os::unix::fs::chown(a.join("d/e/f"), Some(1000), Some(1000)).expect("chown");
-        let tar1 = vols.path().join("one.tar");
-        let (sha1, size1) = pack(vols.path(), FIRST, "a", &tar1, 0).await.expect("pack");
-        assert_eq!(size1, std::fs::metadata(&tar1).expect("tar").len());
-        // Nothing changed: the same bytes (what lets a write-back upload nothing).
-        let tar2 = vols.path().join("two.tar");
-        let (sha2, _) = pack(vols.path(), FIRST, "a", &tar2, 0)
-            .await
-            .expect("again");
-        assert_eq!(sha1, sha2);
-        let base = std::fs::metadata(&a).expect("a").uid();
-        assert!(base >= FIRST, "the volume got a range of its own: {base}");
-
-        let b = vols.path().join("b");
-        std::fs::create_dir(&b).expect("b");
-        std::fs::write(b.join("stale"), "old copy").expect("stale");
-        unpack(vols.path(), FIRST, "b", Some(&tar1))
-            .await
-            .expect("unpack");
-        assert!(!b.join("stale").exists(), "the old copy is replaced");
-        assert_eq!(std::fs::read_to_string(b.join("d/e/f")).expect("f"), "deep");
-        assert_eq!(std::fs::read(b.join("big")).expect("big").len(), 300_000);
-        let link = std::fs::symlink_metadata(b.join("out")).expect("link");
-        assert!(link.file_type().is_symlink(), "links stay links");
-        let bbase = std::fs::metadata(&b).expect("b").uid();
-        assert_ne!(bbase, base, "another volume, another range");
-        let f = std::fs::metadata(b.join("d/e/f")).expect("f");
-        assert_eq!(
-            (f.uid(), f.gid()),
-            (bbase + 1000, bbase + 1000),
-            "guest ids kept"
-        );
-        assert_eq!(std::fs::metadata(outside.path()).expect("o").uid(), 0);
-
-        // Over the limit: refused.
-        let e = pack(vols.path(), FIRST, "a", &tar2, 100_000)
-            .await
-            .expect_err("over quota");
-        assert!(e.downcast_ref::<OverQuota>().is_some(), "{e:#}");
-        // No archive: an empty volume.
-        unpack(vols.path(), FIRST, "b", None).await.expect("empty");
-        assert_eq!(std::fs::read_dir(&b).expect("b").count(), 0);
-    }
-
-    #[tokio::test]
-    async fn an_archive_that_reaches_out_of_the_volume_writes_nothing_outside() {
-        let vols = tempfile::tempdir().expect("tempdir");
-        let outside = tempfile::tempdir().expect("tempdir");
-        let work = tempfile::tempdir().expect("tempdir");
-        let evil = work.path().join("evil.tar");
-        let o = outside.path().display();
-        let (w, e) = (work.path().display(), evil.display());
-        // A link to the host, then a file through it; and a member climbing out with `..`.
-        sh(&format!(
-            "mkdir -p {w}/s1 {w}/s2/link {w}/s3 && ln -s {o} {w}/s1/link && \
-             echo pwned > {w}/s2/link/planted && echo up > {w}/s3/up && \
-             tar -cf {e} -C {w}/s1 link && tar -rf {e} -C {w}/s2 link/planted && \
-             tar -rf {e} -C {w}/s3 --transform 's,^up,../../../../../tmp/vmon-escape-test,' up"
-        ));
-        let v = vols.path().join("v");
-        std::fs::create_dir(&v).expect("v");
-        let r = unpack(vols.path(), FIRST, "v", Some(&evil)).await;
-        assert!(r.is_err(), "a hostile archive fails the fill");
-        assert!(!outside.path().join("planted").exists());
-        assert!(!Path::new("/tmp/vmon-escape-test").exists());
-    }
-
-    #[tokio::test]
-    async fn a_volume_goes_from_one_node_to_another_through_a_real_store() {
-        let root = tempfile::tempdir().expect("tempdir");
-        let garage = vmon_objstore::dev::DevGarage::start(&root.path().join("garage"))
-            .unwrap_or_else(|e| panic!("{e:#}"));
-        let objects = vmon_objstore::ObjectStore::new(garage.config.clone()).expect("store");
-        objects.ensure_bucket().await.expect("bucket");
-        let (da, db) = (root.path().join("a"), root.path().join("b"));
-        std::fs::create_dir_all(&da).expect("a");
-        // b's volumes directory is not there yet: a node with the store has none laid out.
-        let a = Syncer {
-            objects: &objects,
-            volumes_dir: &da,
-            first: FIRST,
-        };
-        let b = Syncer {
-            objects: &objects,
-            volumes_dir: &db,
-            first: FIRST,
-        };
-        let v = "0b8f3c1e-2a4d-4c6e-9f10-1234567890ab";
-
-        // A new volume: an empty copy, nothing in the store, nothing to send.
-        assert!(!a.fill(v, false).await.expect("fill a"));
-        assert_eq!(std::fs::read_dir(da.join(v)).expect("dir").count(), 0);
-        std::fs::write(da.join(v).join("one"), "from a").expect("write");
-        let WriteBack::Stored(h1, _) = a.write_back(v, 0).await.expect("back") else {
-            panic!("a changed volume is stored");
-        };
-        assert_eq!(
-            a.write_back(v, 0).await.expect("again"),
-            WriteBack::Unchanged
-        );
-
-        // The other node fills from the store; its unchanged copy sends nothing.
-        assert!(b.fill(v, false).await.expect("fill b"));
-        let mode = std::fs::metadata(&db)
-            .expect("b's volumes dir")
-            .permissions()
-            .mode();
-        assert_eq!(mode & 0o777, 0o700, "made root's own");
-        assert_eq!(
-            std::fs::read_to_string(db.join(v).join("one")).expect("one"),
-            "from a"
-        );
-        assert!(
-            !b.fill(v, false).await.expect("current"),
-            "a current copy is not fetched again"
-        );
-        assert_eq!(b.write_back(v, 0).await.expect("b"), WriteBack::Unchanged);
-        std::fs::write(db.join(v).join("two"), "from b").expect("write");
-        std::fs::remove_file(db.join(v).join("one")).expect("rm");
-
-        // Over the limit: refused, the store keeps the last tree.
-        std::fs::write(db.join(v).join("big"), vec![1u8; 200_000]).expect("big");
-        let e = b.write_back(v, 100_000).await.expect_err("over quota");
-        assert!(e.downcast_ref::<OverQuota>().is_some(), "{e:#}");
-        assert_eq!(a.head(v).await.expect("head"), Some(h1.clone()));
-        std::fs::remove_file(db.join(v).join("big")).expect("rm big");
-        let WriteBack::Stored(h2, _) = b.write_back(v, 100_000).await.expect("b back") else {
-            panic!("stored");
-        };
-        assert_ne!(h1, h2);
-
-        // A live copy is kept; a copy not mounted is replaced by the store's tree.
-        std::fs::write(da.join(v).join("local"), "unsent").expect("write");
-        assert!(!a.fill(v, true).await.expect("live"));
-        assert!(da.join(v).join("local").exists());
-        assert!(a.fill(v, false).await.expect("refill"));
-        let mut names: Vec<String> = std::fs::read_dir(da.join(v))
-            .expect("dir")
-            .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
-            .collect();
-        names.sort();
-        assert_eq!(names, ["two"]);
-        // Only the current and the previous trees are kept.
-        let trees = objects
-            .list(&format!("volumes/{v}/tree-"))
-            .await
-            .expect("list");
-        assert!(trees.len() <= 2, "{trees:?}");
-        assert!(trees.iter().any(|o| o.key == tree_key(v, &h2)));
-    }
-}
+mod tests;

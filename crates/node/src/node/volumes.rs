@@ -234,6 +234,8 @@ impl Node {
             listen_fd: listener.as_raw_fd(),
             nofile: nofile_limit()?,
             source: source_c,
+            // A read-only bucket mount: the host's kernel refuses every write of the guest.
+            read_only: s.bucket.as_ref().is_some_and(|b| b.read_only),
         };
         confined.enter_at_exec(&mut cmd);
         let spawned = cmd
@@ -366,6 +368,8 @@ struct Confined {
     nofile: libc::rlimit,
     /// The volume's directory, bound at [`MOUNT_POINT`].
     source: std::ffi::CString,
+    /// Bound read-only.
+    read_only: bool,
 }
 
 impl Confined {
@@ -376,6 +380,7 @@ impl Confined {
             listen_fd,
             nofile,
             source,
+            read_only,
         } = self;
         // SAFETY: the closure runs in the forked child before exec and only makes
         // async-signal-safe system calls on values prepared before the fork.
@@ -400,6 +405,9 @@ impl Confined {
                     return Err(std::io::Error::last_os_error());
                 }
                 vmon_vm::process::bind_in_own_mount_namespace(&source, MOUNT_POINT_C)?;
+                if read_only {
+                    vmon_vm::process::remount_read_only(MOUNT_POINT_C)?;
+                }
                 vmon_vm::userns::enter(ns_fd)
             });
         }

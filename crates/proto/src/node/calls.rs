@@ -232,6 +232,10 @@ node_calls! {
     build_info: BuildInfoOf { build_id: BuildId } -> BuildInfo;
     /// Delete a build; refused with `BuildInUse` while anything depends on it.
     delete_build: DeleteBuild { build_id: BuildId } -> ();
+    /// A destroyed object-store volume: its objects go from the store (a marker stays, so a
+    /// sandbox still mounting it never writes it back), and this node's cache of it, unless
+    /// a sandbox here still mounts it (then it goes with the node's next fill or never).
+    delete_volume: DeleteVolume { volume_id: String } -> ();
     /// Where the paused state `build_id` is (parked, on disk, in the object store), without
     /// fetching it.
     paused_state: PausedStateOf { build_id: BuildId } -> PausedState;
