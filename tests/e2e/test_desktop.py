@@ -397,3 +397,17 @@ def test_pause_resume_and_fork_keep_the_browser_and_the_stream(desktop, browser)
     finally:
         child.kill()
     assert "vmon desktop page" in desktop.get_window_title(page), "the parent after the fork"
+
+
+def test_js_sdk_desktop(vmon):
+    """@e2b/desktop (tests/e2e/js/desktop.mjs): every method of its Sandbox and stream, checked in
+    the guest, run with node as test_js.py runs the JS SDK."""
+    from test_js import JS, _node_env
+
+    env = _node_env(vmon)
+    # The stream's URL is fetched over https: Node trusts vmon's local CA through this.
+    env["NODE_EXTRA_CA_CERTS"] = str(_proxy_ca(vmon))
+    r = subprocess.run(["node", "desktop.mjs"], cwd=JS, env=env, capture_output=True, text=True, timeout=900)
+    print(r.stdout)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "ok: kill" in r.stdout

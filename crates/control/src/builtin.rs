@@ -148,7 +148,9 @@ mod tests {
     async fn builtins_lock_apart() {
         let locks = BuiltinLocks::default();
         let ci = BUILTINS.iter().position(|b| b.alias == CODE_INTERPRETER);
-        let desktop = BUILTINS.iter().position(|b| b.alias == crate::desktop::DESKTOP);
+        let desktop = BUILTINS
+            .iter()
+            .position(|b| b.alias == crate::desktop::DESKTOP);
         let (Some(ci), Some(desktop)) = (ci, desktop) else {
             panic!("both are builtins");
         };

@@ -308,9 +308,9 @@ fn prune_disks(dir: &Path, keep: &Path) {
         .map(|e| e.path())
         .filter(|p| p != keep)
         .filter(|p| {
-            p.file_name()
-                .and_then(|n| n.to_str())
-                .is_some_and(|n| n.starts_with("rootfs-") && (n.ends_with(".img") || n.ends_with(".img.tmp")))
+            p.file_name().and_then(|n| n.to_str()).is_some_and(|n| {
+                n.starts_with("rootfs-") && (n.ends_with(".img") || n.ends_with(".img.tmp"))
+            })
         })
         .filter_map(|p| Some((std::fs::metadata(&p).ok()?.modified().ok()?, p)))
         .collect();
@@ -349,19 +349,31 @@ mod tests {
     #[test]
     fn the_hash_follows_the_tree_not_envd() {
         let a = recipe(&["bash"], "/a/envd");
-        assert_eq!(desktop_hash(&a), desktop_hash(&recipe(&["bash"], "/b/envd")));
-        assert_ne!(desktop_hash(&a), desktop_hash(&recipe(&["bash", "curl"], "/a/envd")));
+        assert_eq!(
+            desktop_hash(&a),
+            desktop_hash(&recipe(&["bash"], "/b/envd"))
+        );
+        assert_ne!(
+            desktop_hash(&a),
+            desktop_hash(&recipe(&["bash", "curl"], "/a/envd"))
+        );
         assert!(DESKTOP_FILES.iter().any(|(p, _, _)| *p == DESKTOP_START));
     }
 
     #[test]
     fn older_disks_are_pruned_but_the_newest() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let names = ["rootfs-a.img", "rootfs-b.img", "rootfs-c.img.tmp", "rootfs-d.img"];
+        let names = [
+            "rootfs-a.img",
+            "rootfs-b.img",
+            "rootfs-c.img.tmp",
+            "rootfs-d.img",
+        ];
         for (i, n) in names.iter().enumerate() {
             let p = dir.path().join(n);
             std::fs::write(&p, b"x").expect("write");
-            let t = std::time::SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(1000 + i as u64);
+            let t =
+                std::time::SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(1000 + i as u64);
             std::fs::File::options()
                 .write(true)
                 .open(&p)
