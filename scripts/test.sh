@@ -12,7 +12,8 @@ export VMON_TEST_DATA_DIR="${VMON_TEST_DATA_DIR:-/var/tmp/vmon-ci}"
 mkdir -p "$VMON_TEST_DATA_DIR"
 # Every envd or recipe change makes a new image (0.4-1.6 GiB): keep the two newest images and
 # debootstrap trees, drop older ones.
-# The desktop layers (images/desktop-*, about 3 GB each) are kept apart: the two newest of them.
+# The desktop layers (images/desktop-*: the desktop's tree, keyed by its packages and not by envd,
+# and a disk of it for the newest images, about 3 GB each) are kept apart: the two newest of them.
 keep_newest() {
   [ -d "$1" ] || return 0
   find "$1" -mindepth 1 -maxdepth 1 -type d ! -name trees ! -name '*.tmp' -name "${2:-*}" ! -name "${3:-/}" \

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import calendar
 import concurrent.futures
+import contextlib
 import math
 import os
 import platform
@@ -413,6 +414,32 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.wait(timeout=60)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def bench_server():
+    """The server a bench measures: the running one the E2B_* variables name (yields None),
+    else a `vmon up` of its own (yields its data dir; the E2B_* variables are set for the SDK),
+    measured only once its background build of code-interpreter-v1 is done, stopped at the end."""
+    if os.environ.get("E2B_API_URL"):
+        yield None
+        return
+    proc, exports, data = start_server()
+    os.environ.update(exports)
+    try:
+        wait_code_interpreter(data)
+        yield data
+    finally:
+        stop_server(proc)
+
+
+def timed(into: list[float], f, *args, **kwargs):
+    """Runs `f`, appends its wall time (ms) to `into` and returns its result."""
+    t0 = time.perf_counter()
+    try:
+        return f(*args, **kwargs)
+    finally:
+        into.append((time.perf_counter() - t0) * 1e3)
 
 
 def wait_code_interpreter(data: Path) -> None:

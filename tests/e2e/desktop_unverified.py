@@ -1,7 +1,11 @@
-# NOT COLLECTED YET (named so pytest skips the file): written and checked by hand against the
-# same Debian packages, but never run to the end against `vmon up` before the author's time box
-# ended. Rename to test_desktop.py (and add back test_js.py's `node desktop.mjs` test) once it
-# has passed once.
+# NOT COLLECTED YET (named so pytest skips the file): not yet run to its end. Session 43 ran it
+# against its own `vmon up` (VMON_E2E_EXTERNAL=1) on a host at load 19-27 (2 cores shared by five
+# engineers): the first create built the template (659 s: tree and disk cached, boot, xfce4
+# ready) and test_create, test_mouse, test_keyboard and test_screenshots passed. In
+# test_launch_open_and_window_queries `launch("xfce4-terminal")` made its window (found, titled),
+# then `get_current_window_id()` (`xdotool getwindowfocus`) after `xdotool windowactivate` exited
+# -1 with no output: not yet understood. The rest (open, the stream in Chromium,
+# pause/resume/fork, the JS test) did not run. Rename to test_desktop.py once the file passes.
 """Desktop sandboxes with the official `e2b-desktop` SDK (tests/requirements.txt) against
 `vmon up`: the `desktop` builtin template (docs/templates.md) restores a running xfce4 desktop;
 create with a resolution and dpi, screenshots, every mouse and keyboard call checked against the
@@ -24,6 +28,7 @@ import time
 from pathlib import Path
 
 import pytest
+from e2b import CommandExitException
 from e2b_desktop import Sandbox as Desktop
 from PIL import Image
 
@@ -66,6 +71,15 @@ def changed(a: Image.Image, b: Image.Image, box: tuple[int, int, int, int]) -> i
     """How many pixels of `box` differ between two screenshots."""
     pa, pb = a.crop(box).getdata(), b.crop(box).getdata()
     return sum(1 for x, y in zip(pa, pb) if x != y)
+
+
+def windows(d: Desktop, application: str) -> list[str]:
+    """The SDK's get_application_windows, none when there is none (xdotool's search then exits
+    1, which the SDK raises, as on E2B)."""
+    try:
+        return [w for w in d.get_application_windows(application) if w]
+    except CommandExitException:
+        return []
 
 
 def xev_log(d: Desktop) -> str:
@@ -200,7 +214,7 @@ def test_launch_open_and_window_queries(desktop):
     desktop.launch("xfce4-terminal")
 
     def terminal():
-        for w in [w for w in desktop.get_application_windows("xfce4-terminal") if w]:
+        for w in windows(desktop, "xfce4-terminal"):
             if "Terminal" in desktop.get_window_title(w):
                 return w
         return None
@@ -216,13 +230,17 @@ def test_launch_open_and_window_queries(desktop):
 
 
 def open_page(d: Desktop) -> str:
-    """Firefox on a page of the sandbox's (open of a URL: xdg-open); its window's id."""
+    """Firefox on a page of the sandbox's (open of a URL: xdg-open); its window's id. A window
+    already showing the page is reused (Firefox's start under TCG is the slow part)."""
+    for w in windows(d, "firefox"):
+        if "vmon desktop page" in d.get_window_title(w):
+            return w
     d.files.write("/home/user/site/index.html", "<title>vmon desktop page</title><h1>Hello desktop</h1>")
     d.commands.run("cd /home/user/site && python3 -m http.server 8000 >/dev/null 2>&1", background=True, timeout=0).disconnect()
     d.open("http://127.0.0.1:8000/")
 
     def titled():
-        for w in [w for w in d.get_application_windows("firefox") if w]:
+        for w in windows(d, "firefox"):
             if "vmon desktop page" in d.get_window_title(w):
                 return w
         return None
@@ -387,3 +405,17 @@ def test_pause_resume_and_fork_keep_the_browser_and_the_stream(desktop, browser)
     finally:
         child.kill()
     assert "vmon desktop page" in desktop.get_window_title(page), "the parent after the fork"
+
+
+def test_js_sdk_desktop(vmon):
+    """@e2b/desktop (tests/e2e/js/desktop.mjs): every method of its Sandbox and stream, checked in
+    the guest, run with node as test_js.py runs the JS SDK."""
+    from test_js import JS, _node_env
+
+    env = _node_env(vmon)
+    # The stream's URL is fetched over https: Node trusts vmon's local CA through this.
+    env["NODE_EXTRA_CA_CERTS"] = str(_proxy_ca(vmon))
+    r = subprocess.run(["node", "desktop.mjs"], cwd=JS, env=env, capture_output=True, text=True, timeout=900)
+    print(r.stdout)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "ok: kill" in r.stdout

@@ -54,12 +54,21 @@ const CODE_INTERPRETER_BUILTIN: Builtin = Builtin {
     min_memory_mb: 0,
 };
 
+/// Every builtin, in the order [`BuiltinLocks`] keeps their locks.
+const BUILTINS: [Builtin; 2] = [CODE_INTERPRETER_BUILTIN, crate::desktop::DESKTOP_BUILTIN];
+
 /// The builtin template named `alias` (built on demand), if there is one.
 pub fn builtin(alias: &str) -> Option<Builtin> {
-    [CODE_INTERPRETER_BUILTIN, crate::desktop::DESKTOP_BUILTIN]
-        .into_iter()
-        .find(|b| b.alias == alias)
+    BUILTINS.into_iter().find(|b| b.alias == alias)
 }
+
+/// One lock per builtin, held while it is built in this process: a caller that arrives during
+/// a build of the same builtin waits for it and then finds it built, while builds of different
+/// builtins never wait for each other (a first `desktop` create does not queue behind the
+/// background build of `code-interpreter-v1`; docs/architecture.md, "Builtin templates build
+/// apart").
+#[derive(Default)]
+pub(crate) struct BuiltinLocks([tokio::sync::Mutex<()>; BUILTINS.len()]);
 
 impl Control {
     /// Builds `base` unless it exists, reporting to [`Control::startup`]; once it succeeds the
@@ -97,14 +106,19 @@ impl Control {
         Err(ControlError::unavailable(message))
     }
 
-    /// Builds the builtin template `alias` unless it exists; one builtin build at a time, so
-    /// a caller that arrives during a build waits for it and then finds it built.
+    /// Builds the builtin template `alias` unless it exists; one build of each builtin at a
+    /// time ([`BuiltinLocks`]), so a caller that arrives during its build waits for it and then
+    /// finds it built.
     pub async fn ensure_builtin(&self, alias: &str) -> anyhow::Result<BuildInfo> {
-        let b = builtin(alias).ok_or_else(|| anyhow::anyhow!("no builtin template {alias:?}"))?;
+        let i = BUILTINS
+            .iter()
+            .position(|b| b.alias == alias)
+            .ok_or_else(|| anyhow::anyhow!("no builtin template {alias:?}"))?;
+        let b = BUILTINS[i];
         debug_assert!(b.start_cmd.is_none_or(
             |c| c.contains(CODE_INTERPRETER_PY) || c.contains(crate::desktop::DESKTOP_START)
         ));
-        let _one_at_a_time = self.builtin_builds.lock().await;
+        let _same_builtin = self.builtin_builds.0[i].lock().await;
         let mut spec = self.config.base_template.clone();
         spec.memory_mb = spec.memory_mb.max(b.min_memory_mb);
         self.ensure_template_with(
@@ -128,5 +142,20 @@ mod tests {
         assert!(b.start_cmd.is_some_and(|c| c.contains(CODE_INTERPRETER_PY)));
         assert!(b.ready_cmd.is_some_and(|c| c.contains("49999/health")));
         assert!(builtin("base").is_none());
+    }
+
+    #[tokio::test]
+    async fn builtins_lock_apart() {
+        let locks = BuiltinLocks::default();
+        let ci = BUILTINS.iter().position(|b| b.alias == CODE_INTERPRETER);
+        let desktop = BUILTINS
+            .iter()
+            .position(|b| b.alias == crate::desktop::DESKTOP);
+        let (Some(ci), Some(desktop)) = (ci, desktop) else {
+            panic!("both are builtins");
+        };
+        let _building = locks.0[ci].lock().await;
+        assert!(locks.0[desktop].try_lock().is_ok());
+        assert!(locks.0[ci].try_lock().is_err());
     }
 }

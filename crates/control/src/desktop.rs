@@ -21,11 +21,13 @@ pub const DESKTOP_START: &str = "/usr/local/lib/vmon/desktop/start";
 pub const DESKTOP_BUILTIN: Builtin = Builtin {
     alias: DESKTOP,
     start_cmd: Some("exec /usr/local/lib/vmon/desktop/start"),
-    // What the SDKs wait for after their `startxfce4`, and the desktop's window mapped.
+    // What the SDKs wait for after their `startxfce4`, and the desktop's window mapped; a
+    // failed check says what is missing (the build's error carries the last one).
     ready_cmd: Some(
-        "pgrep -x xfce4-session >/dev/null && pgrep -x xfwm4 >/dev/null \
-         && pgrep -x xfdesktop >/dev/null && pgrep -x xfce4-panel >/dev/null \
-         && DISPLAY=:0 xdotool search --onlyvisible --class xfdesktop >/dev/null",
+        "for p in Xvfb xfce4-session xfwm4 xfdesktop xfce4-panel; do \
+         pgrep -x $p >/dev/null || { echo \"$p is not running\" >&2; exit 1; }; done; \
+         DISPLAY=:0 xdotool search --onlyvisible --class xfdesktop >/dev/null \
+         || { echo 'no xfdesktop window yet' >&2; exit 1; }",
     ),
     warm_request: None,
     layer: Some(vmon_proto::node::LAYER_DESKTOP),

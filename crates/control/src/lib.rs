@@ -115,8 +115,9 @@ pub struct Control {
     pub(crate) delivery_policy: DeliveryPolicy,
     /// Where webhooks may go (`targets.rs`).
     pub(crate) webhook_targets: Arc<WebhookTargets>,
-    /// Held while a builtin template (`builtin.rs`) is being built.
-    builtin_builds: tokio::sync::Mutex<()>,
+    /// One lock per builtin template (`builtin.rs`), held while it is being built: builtins
+    /// never wait for each other's builds.
+    builtin_builds: builtin::BuiltinLocks,
     /// The first build (guest image, `base`): creates answer 503 with it until it is ready.
     startup: vmon_proto::progress::Progress,
     /// Template builds that may run at once (more wait as `waiting`).
@@ -212,7 +213,7 @@ impl Control {
             signers: signers::Signers::default(),
             deliveries_due: tokio::sync::Notify::new(),
             delivery_policy: DeliveryPolicy::default(),
-            builtin_builds: tokio::sync::Mutex::new(()),
+            builtin_builds: builtin::BuiltinLocks::default(),
             startup,
             template_builds: tokio::sync::Semaphore::new(config_builds),
             uploads: uploads::Uploads::new(template_files),

@@ -69,7 +69,7 @@ pub const CODE_INTERPRETER_FILES: &[(&str, &str)] = &[
 /// and read no `/proc/cpuinfo` (`docs/architecture.md`, "The guest's login shell"). Each is
 /// (guest path, contents); base-files installs Debian's only where none is, so upgrades keep
 /// these.
-pub(crate) const LOGIN_FILES: &[(&str, &str)] = &[
+const LOGIN_FILES: &[(&str, &str)] = &[
     ("/etc/profile", include_str!("../assets/profile")),
     // Decides OpenBLAS's kernels from what envd's init wrote at boot (`vmon_envd::init`).
     (
@@ -81,7 +81,7 @@ pub(crate) const LOGIN_FILES: &[(&str, &str)] = &[
 
 /// What the guest's package installs do differently, each (guest path, contents): a sandbox
 /// or template build that installs packages does not rebuild an initramfs no boot reads.
-pub(crate) const APT_FILES: &[(&str, &str)] = &[(
+const APT_FILES: &[(&str, &str)] = &[(
     "/etc/initramfs-tools/update-initramfs.conf",
     include_str!("../assets/update-initramfs.conf"),
 )];
@@ -161,7 +161,7 @@ impl Recipe {
     }
 
     /// Hash of the part that debootstrap sees (suite, mirror, packages).
-    fn tree_hash(&self) -> String {
+    pub(crate) fn tree_hash(&self) -> String {
         let mut h = Sha256::new();
         h.update(format!(
             "v{RECIPE_VERSION}\n{}\n{}\n{}",
@@ -289,29 +289,13 @@ pub async fn build_with(
     }
     std::fs::create_dir_all(&staging)?;
 
-    install_envd(&tree, &recipe.envd)?;
-    for (path, text) in CODE_INTERPRETER_FILES
-        .iter()
-        .chain(LOGIN_FILES)
-        .chain(APT_FILES)
-    {
-        install_file(&tree, path, text.as_bytes(), 0o644)?;
-    }
+    install_image_files(&tree, recipe)?;
     let (vmlinuz, initrd, kernel_version) = find_kernel(&tree)?;
     std::fs::copy(&vmlinuz, staging.join("vmlinuz"))?;
     std::fs::copy(&initrd, staging.join("initrd"))?;
 
     let bar = report.spinner(format!("mkfs.ext4 -d ({} MiB, sparse)", recipe.disk_mb), 92);
-    let rootfs = staging.join("rootfs.img");
-    run(
-        tokio::process::Command::new("mkfs.ext4")
-            .args(["-q", "-F", "-L", "rootfs", "-E", "root_owner=0:0", "-d"])
-            .arg(&tree)
-            .arg(&rootfs)
-            .arg(format!("{}M", recipe.disk_mb)),
-        "mkfs.ext4",
-    )
-    .await?;
+    make_disk(&tree, &staging.join("rootfs.img"), recipe.disk_mb).await?;
     if let Some(bar) = bar {
         bar.finish_and_clear();
     }
@@ -708,7 +692,35 @@ async fn configure_tree(tree: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-pub(crate) fn install_envd(tree: &Path, envd: &Path) -> anyhow::Result<()> {
+/// What an image adds to its debootstrap tree, as `recipe` has it (and [`Recipe::hash`]
+/// covers): envd, the code interpreter, the login shell's and apt's files.
+pub(crate) fn install_image_files(tree: &Path, recipe: &Recipe) -> anyhow::Result<()> {
+    install_envd(tree, &recipe.envd)?;
+    for (path, text) in CODE_INTERPRETER_FILES
+        .iter()
+        .chain(LOGIN_FILES)
+        .chain(APT_FILES)
+    {
+        install_file(tree, path, text.as_bytes(), 0o644)?;
+    }
+    Ok(())
+}
+
+/// A sparse raw ext4 of `disk_mb` MiB at `disk` holding `tree` (`mkfs.ext4 -d`, the root
+/// directory owned by root), labelled `rootfs` as the guest's init expects.
+pub(crate) async fn make_disk(tree: &Path, disk: &Path, disk_mb: u32) -> anyhow::Result<()> {
+    run(
+        tokio::process::Command::new("mkfs.ext4")
+            .args(["-q", "-F", "-L", "rootfs", "-E", "root_owner=0:0", "-d"])
+            .arg(tree)
+            .arg(disk)
+            .arg(format!("{disk_mb}M")),
+        "mkfs.ext4",
+    )
+    .await
+}
+
+fn install_envd(tree: &Path, envd: &Path) -> anyhow::Result<()> {
     let dst = tree.join("usr/local/bin/envd");
     std::fs::create_dir_all(tree.join("usr/local/bin"))?;
     let _ = std::fs::remove_file(&dst);

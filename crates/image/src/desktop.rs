@@ -2,10 +2,13 @@
 //! a disk of its own for the `desktop` builtin template (what the `e2b-desktop` SDKs drive).
 //!
 //! It is made on the host, natively: a copy of the base image's debootstrap tree, `apt-get
-//! install` of [`DESKTOP_PACKAGES`] in it (chroot), the files of `assets/desktop/`, then
-//! `mkfs.ext4 -d`. Installing the same packages in a TCG guest (a Template SDK `apt_install`)
-//! would take tens of minutes. The disk is cached under `<data>/images/desktop-<hash>/` by the
-//! base image's hash and everything below, so the second template build is a lookup.
+//! install` of [`DESKTOP_PACKAGES`] in it (chroot), the files of `assets/desktop/`. Installing
+//! the same packages in a TCG guest (a Template SDK `apt_install`) would take tens of minutes.
+//! The cache, `<data>/images/desktop-<hash>/`, is in two parts so that a new envd (every
+//! change of it makes a new base image) costs one `mkfs.ext4 -d`, not the apt step again:
+//! `tree/`, keyed by [`desktop_hash`] (the debootstrap tree's recipe and everything below, not
+//! envd), and beside it `rootfs-<image hash>.img`, that tree with the image's own files
+//! (envd, ...) made into a disk.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -122,21 +125,24 @@ pub const DESKTOP_START: &str = "/usr/local/lib/vmon/desktop/start";
 const NOVNC_LINK: &str = "opt/noVNC";
 const NOVNC_DEBIAN: &str = "/usr/share/novnc";
 
-/// What a desktop layer's directory says about itself.
+/// What a desktop layer's directory says about its tree.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct DesktopManifest {
     pub hash: String,
-    pub base_hash: String,
+    /// The debootstrap tree's hash (`Recipe::tree_hash`) the desktop was installed over.
+    pub tree_hash: String,
     pub packages: Vec<String>,
-    pub disk_mb: u32,
     pub created_at_unix: u64,
 }
 
-/// The hash of the desktop layer over `base` (the base image's hash).
-pub fn desktop_hash(base_hash: &str) -> String {
+/// The hash of the desktop's tree over `recipe`'s debootstrap tree: that tree's recipe (suite,
+/// mirror, packages), the desktop's packages, files and disk size. Not envd's bytes nor the
+/// other files an image adds (they go into each disk), so a new envd reuses the tree.
+pub fn desktop_hash(recipe: &Recipe) -> String {
     let mut h = Sha256::new();
     h.update(format!(
-        "desktop v{DESKTOP_VERSION}\n{base_hash}\n{}\n{DESKTOP_DISK_MB}\n",
+        "desktop v{DESKTOP_VERSION}\n{}\n{}\n{DESKTOP_DISK_MB}\n",
+        recipe.tree_hash(),
         DESKTOP_PACKAGES.join(",")
     ));
     for (path, text, mode) in DESKTOP_FILES {
@@ -147,77 +153,102 @@ pub fn desktop_hash(base_hash: &str) -> String {
     hex::encode(&h.finalize()[..8])
 }
 
-/// The desktop layer's raw disk over `image` (built from `recipe`), made unless cached.
+/// Puts the desktop layer's raw disk for `image` (built from `recipe`) at `out` (a hard link to
+/// the cached disk, read-only: the template's overlay is above it), making what is not cached:
+/// the desktop's tree (apt, minutes), then the disk of this image (`mkfs.ext4 -d`).
 pub async fn desktop_disk(
     data_dir: &Path,
     recipe: &Recipe,
     image: &Image,
     progress: Option<&Progress>,
-) -> anyhow::Result<PathBuf> {
-    let hash = desktop_hash(&image.manifest.hash);
+    out: &Path,
+) -> anyhow::Result<()> {
     let images = data_dir.join("images");
-    let dir = images.join(format!("desktop-{hash}"));
-    let disk = dir.join("rootfs.img");
-    if dir.join("manifest.json").is_file() && disk.is_file() {
-        return Ok(disk);
-    }
+    let dir = images.join(format!("desktop-{}", desktop_hash(recipe)));
+    let disk = dir.join(format!("rootfs-{}.img", image.manifest.hash));
     std::fs::create_dir_all(&images)?;
+    // Held to the link: a build for another image prunes older disks under it.
     let lock_path = images.join(".desktop.lock");
     let _lock = tokio::task::spawn_blocking(move || build::lock_exclusive(&lock_path))
         .await
         .map_err(|e| anyhow::anyhow!("lock task: {e}"))??;
-    if dir.join("manifest.json").is_file() && disk.is_file() {
-        return Ok(disk);
+    if !disk.is_file() {
+        let t0 = std::time::Instant::now();
+        let tree = ensure_desktop_tree(&images, &dir, recipe, Report(progress)).await?;
+        make_disk(&tree, recipe, &dir, &disk).await?;
+        tracing::info!(
+            disk = %disk.display(),
+            secs = t0.elapsed().as_secs_f64(),
+            "desktop layer built"
+        );
     }
+    let _ = std::fs::remove_file(out);
+    if std::fs::hard_link(&disk, out).is_err() {
+        // Another filesystem: a copy (sparse).
+        build::run(
+            tokio::process::Command::new("cp")
+                .args(["--reflink=auto", "--sparse=always"])
+                .arg(&disk)
+                .arg(out),
+            "copying the desktop layer",
+        )
+        .await?;
+    }
+    Ok(())
+}
+
+/// `dir/tree`: the base tree copied, the desktop installed in it; made unless there.
+async fn ensure_desktop_tree(
+    images: &Path,
+    dir: &Path,
+    recipe: &Recipe,
+    report: Report<'_>,
+) -> anyhow::Result<PathBuf> {
+    let tree = dir.join("tree");
+    if tree.join(COMPLETE).is_file() {
+        return Ok(tree);
+    }
+    let base_tree = build::ensure_tree(images, recipe, report).await?;
+    let tmp = dir.join("tree.tmp");
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp)?;
+    }
+    if tree.exists() {
+        std::fs::remove_dir_all(&tree)?;
+    }
+    std::fs::create_dir_all(dir)?;
     let t0 = std::time::Instant::now();
-    let report = Report(progress);
-    let base_tree = build::ensure_tree(&images, recipe, report).await?;
-    let staging = images.join(format!("desktop-{hash}.tmp"));
-    let tree = staging.join("tree");
-    if staging.exists() {
-        std::fs::remove_dir_all(&staging)?;
-    }
-    std::fs::create_dir_all(&staging)?;
-    let result = make(&base_tree, &tree, recipe, &staging.join("rootfs.img")).await;
-    let _ = std::fs::remove_dir_all(&tree);
-    if let Err(e) = result {
-        let _ = std::fs::remove_dir_all(&staging);
+    if let Err(e) = install_desktop(&base_tree, &tmp).await {
+        let _ = std::fs::remove_dir_all(&tmp);
         return Err(e);
     }
     let manifest = DesktopManifest {
-        hash: hash.clone(),
-        base_hash: image.manifest.hash.clone(),
+        hash: desktop_hash(recipe),
+        tree_hash: recipe.tree_hash(),
         packages: DESKTOP_PACKAGES.iter().map(|s| s.to_string()).collect(),
-        disk_mb: DESKTOP_DISK_MB,
         created_at_unix: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())
             .unwrap_or(0),
     };
-    let mut f = std::fs::File::create(staging.join("manifest.json"))?;
+    let mut f = std::fs::File::create(dir.join("manifest.json"))?;
     f.write_all(serde_json::to_string_pretty(&manifest)?.as_bytes())?;
-    for name in ["rootfs.img", "manifest.json"] {
-        let p = staging.join(name);
-        std::fs::File::open(&p)?.sync_all()?;
-        let mut perm = std::fs::metadata(&p)?.permissions();
-        perm.set_readonly(true);
-        std::fs::set_permissions(&p, perm)?;
-    }
-    if dir.exists() {
-        std::fs::remove_dir_all(&dir)?;
-    }
-    std::fs::rename(&staging, &dir)?;
-    std::fs::File::open(&images)?.sync_all()?;
+    f.sync_all()?;
+    std::fs::write(tmp.join(COMPLETE), b"")?;
+    std::fs::rename(&tmp, &tree)?;
     tracing::info!(
-        hash,
+        tree = %tree.display(),
         secs = t0.elapsed().as_secs_f64(),
-        "desktop layer built"
+        "desktop tree built"
     );
-    Ok(disk)
+    Ok(tree)
 }
 
-/// The base tree copied to `tree`, the desktop installed in it, and `disk` made from it.
-async fn make(base_tree: &Path, tree: &Path, recipe: &Recipe, disk: &Path) -> anyhow::Result<()> {
+/// Marks a finished tree (as the base trees are marked).
+const COMPLETE: &str = ".vmon-complete";
+
+/// The base tree copied to `tree` and the desktop installed in it.
+async fn install_desktop(base_tree: &Path, tree: &Path) -> anyhow::Result<()> {
     tracing::info!(from = %base_tree.display(), "desktop layer: copying the base tree");
     build::run(
         tokio::process::Command::new("cp")
@@ -227,15 +258,7 @@ async fn make(base_tree: &Path, tree: &Path, recipe: &Recipe, disk: &Path) -> an
         "copying the base tree",
     )
     .await?;
-    // What the base image puts in its tree after debootstrap, exactly as this recipe has it.
-    build::install_envd(tree, &recipe.envd)?;
-    for (path, text) in build::CODE_INTERPRETER_FILES
-        .iter()
-        .chain(build::LOGIN_FILES)
-        .chain(build::APT_FILES)
-    {
-        build::install_file(tree, path, text.as_bytes(), 0o644)?;
-    }
+    let _ = std::fs::remove_file(tree.join(COMPLETE));
     tracing::info!("desktop layer: apt-get install of the desktop's packages");
     let packages: Vec<String> = DESKTOP_PACKAGES.iter().map(|s| s.to_string()).collect();
     let refs: Vec<&String> = packages.iter().collect();
@@ -250,16 +273,52 @@ async fn make(base_tree: &Path, tree: &Path, recipe: &Recipe, disk: &Path) -> an
     for rel in ["var/cache/apt/archives", "var/lib/apt/lists"] {
         clean_dir(&tree.join(rel));
     }
-    tracing::info!("desktop layer: mkfs.ext4 -d");
-    build::run(
-        tokio::process::Command::new("mkfs.ext4")
-            .args(["-q", "-F", "-L", "rootfs", "-E", "root_owner=0:0", "-d"])
-            .arg(tree)
-            .arg(disk)
-            .arg(format!("{DESKTOP_DISK_MB}M")),
-        "mkfs.ext4 of the desktop layer",
-    )
-    .await
+    Ok(())
+}
+
+/// `disk`: `tree` with the image's own files (`recipe`'s envd, ...) made into a disk; older
+/// disks in `dir` (other images) go, the newest of them kept for a node still on it.
+async fn make_disk(tree: &Path, recipe: &Recipe, dir: &Path, disk: &Path) -> anyhow::Result<()> {
+    build::install_image_files(tree, recipe)?;
+    let tmp = disk.with_extension("img.tmp");
+    let _ = std::fs::remove_file(&tmp);
+    tracing::info!(disk = %disk.display(), "desktop layer: mkfs.ext4 -d");
+    if let Err(e) = build::make_disk(tree, &tmp, DESKTOP_DISK_MB).await {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e.context("making the desktop layer's disk"));
+    }
+    std::fs::File::open(&tmp)?.sync_all()?;
+    let mut perm = std::fs::metadata(&tmp)?.permissions();
+    perm.set_readonly(true);
+    std::fs::set_permissions(&tmp, perm)?;
+    std::fs::rename(&tmp, disk)?;
+    std::fs::File::open(dir)?.sync_all()?;
+    prune_disks(dir, disk);
+    Ok(())
+}
+
+/// Removes the disks in `dir` other than `keep` and the newest one besides it (builds hold
+/// their own links to the disks they boot).
+fn prune_disks(dir: &Path, keep: &Path) {
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return;
+    };
+    let mut others: Vec<(std::time::SystemTime, PathBuf)> = rd
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p != keep)
+        .filter(|p| {
+            p.file_name().and_then(|n| n.to_str()).is_some_and(|n| {
+                n.starts_with("rootfs-") && (n.ends_with(".img") || n.ends_with(".img.tmp"))
+            })
+        })
+        .filter_map(|p| Some((std::fs::metadata(&p).ok()?.modified().ok()?, p)))
+        .collect();
+    others.sort();
+    others.pop();
+    for (_, p) in others {
+        let _ = std::fs::remove_file(p);
+    }
 }
 
 /// Removes the regular files directly in `dir` (apt's downloads and lists).
@@ -277,11 +336,59 @@ fn clean_dir(dir: &Path) {
 mod tests {
     use super::*;
 
+    fn recipe(packages: &[&str], envd: &str) -> Recipe {
+        Recipe {
+            suite: "bookworm".into(),
+            mirror: "http://deb.debian.org/debian".into(),
+            packages: packages.iter().map(|s| s.to_string()).collect(),
+            disk_mb: 4096,
+            envd: PathBuf::from(envd),
+        }
+    }
+
     #[test]
-    fn the_hash_follows_the_base_and_the_files() {
-        assert_ne!(desktop_hash("aa"), desktop_hash("bb"));
-        assert_eq!(desktop_hash("aa"), desktop_hash("aa"));
+    fn the_hash_follows_the_tree_not_envd() {
+        let a = recipe(&["bash"], "/a/envd");
+        assert_eq!(
+            desktop_hash(&a),
+            desktop_hash(&recipe(&["bash"], "/b/envd"))
+        );
+        assert_ne!(
+            desktop_hash(&a),
+            desktop_hash(&recipe(&["bash", "curl"], "/a/envd"))
+        );
         assert!(DESKTOP_FILES.iter().any(|(p, _, _)| *p == DESKTOP_START));
+    }
+
+    #[test]
+    fn older_disks_are_pruned_but_the_newest() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let names = [
+            "rootfs-a.img",
+            "rootfs-b.img",
+            "rootfs-c.img.tmp",
+            "rootfs-d.img",
+        ];
+        for (i, n) in names.iter().enumerate() {
+            let p = dir.path().join(n);
+            std::fs::write(&p, b"x").expect("write");
+            let t =
+                std::time::SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(1000 + i as u64);
+            std::fs::File::options()
+                .write(true)
+                .open(&p)
+                .and_then(|f| f.set_modified(t))
+                .expect("mtime");
+        }
+        std::fs::create_dir(dir.path().join("tree")).expect("tree");
+        prune_disks(dir.path(), &dir.path().join("rootfs-a.img"));
+        let mut left: Vec<String> = std::fs::read_dir(dir.path())
+            .expect("dir")
+            .flatten()
+            .filter_map(|e| e.file_name().into_string().ok())
+            .collect();
+        left.sort();
+        assert_eq!(left, ["rootfs-a.img", "rootfs-d.img", "tree"]);
     }
 
     #[test]

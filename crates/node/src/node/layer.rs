@@ -1,6 +1,7 @@
 //! The node's own layers a template may boot instead of the base image
 //! ([`vmon_proto::node::TemplateSpec::layer`]): `desktop`, the base tree plus an X desktop
-//! (`vmon_image::desktop`), made once per base image and kept in the image cache.
+//! (`vmon_image::desktop`): its tree made once per debootstrap tree, its disk once per base
+//! image, both kept in the image cache.
 
 use std::path::{Path, PathBuf};
 
@@ -23,33 +24,16 @@ impl Node {
             )));
         }
         let t0 = std::time::Instant::now();
-        let cached = vmon_image::desktop::desktop_disk(
+        let path = dir.join("rootfs.img");
+        vmon_image::desktop::desktop_disk(
             &self.cfg.data_dir,
             &self.recipe,
             image,
             self.cfg.progress.as_ref(),
+            &path,
         )
         .await
         .map_err(|e| err(e.context("making the desktop layer")))?;
-        let path = dir.join("rootfs.img");
-        let _ = std::fs::remove_file(&path);
-        // The cached disk is read-only and never written (the template's overlay is above it):
-        // a second name for it costs nothing; a copy only where a link cannot be made.
-        if std::fs::hard_link(&cached, &path).is_err() {
-            let out = tokio::process::Command::new("cp")
-                .args(["--reflink=auto", "--sparse=always"])
-                .arg(&cached)
-                .arg(&path)
-                .output()
-                .await
-                .map_err(|e| err(e.into()))?;
-            if !out.status.success() {
-                return Err(NodeError::Failed(format!(
-                    "copying the desktop layer: {}",
-                    String::from_utf8_lossy(&out.stderr).trim()
-                )));
-            }
-        }
         tracing::info!(layer, secs = t0.elapsed().as_secs_f64(), "layer disk ready");
         Ok((path, vmon_image::desktop::DESKTOP_DISK_MB))
     }

@@ -392,6 +392,11 @@ impl Node {
 
 /// The template's start command (detached, as `user`), then its ready command every 500 ms
 /// until it succeeds (at most 10 minutes), then a `sync` so restores start quiet.
+/// How long one run of a template's ready command may take.
+const READY_CHECK: Duration = Duration::from_secs(60);
+/// How long a template's ready command may keep failing.
+const READY_WITHIN: Duration = Duration::from_secs(600);
+
 async fn run_start_and_ready(
     addr: SocketAddr,
     token: &str,
@@ -417,16 +422,15 @@ async fn run_start_and_ready(
     if let Some(ready) = &spec.ready_cmd {
         let start = tokio::time::Instant::now();
         loop {
-            let out =
-                envd_client::run(addr, Some(token), "user", ready, Duration::from_secs(60)).await?;
-            if out.exit_code == 0 {
-                break;
-            }
-            if start.elapsed() > Duration::from_secs(600) {
-                bail!(
-                    "ready command never succeeded: {}",
-                    String::from_utf8_lossy(&out.stderr)
-                );
+            // A check that does not answer in time is a "not yet": on a loaded host a TCG
+            // guest's start command (a desktop session) can starve one check for a minute.
+            let why = match envd_client::run(addr, Some(token), "user", ready, READY_CHECK).await {
+                Ok(out) if out.exit_code == 0 => break,
+                Ok(out) => String::from_utf8_lossy(&out.stderr).into_owned(),
+                Err(e) => format!("{e:#}"),
+            };
+            if start.elapsed() > READY_WITHIN {
+                bail!("ready command never succeeded: {why}");
             }
             tokio::time::sleep(Duration::from_millis(500)).await;
         }
