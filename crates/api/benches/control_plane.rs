@@ -9,6 +9,9 @@
 //! after the records exist. Requests go through the router in process (no socket), so the
 //! figures are the api's own cost. `VMON_BENCH_RECORDS` changes the 10,000.
 
+// The tests' harness (shared below) unwraps as tests do; a bench that fails should panic.
+#![allow(clippy::unwrap_used)]
+
 #[path = "../tests/common/mod.rs"]
 mod common;
 #[path = "../../store/tests/support/mod.rs"]
