@@ -44,39 +44,7 @@ pub async fn run(data_dir: &Path, args: Args) -> anyhow::Result<()> {
         }
         Err(e) => all &= line(false, "accelerator", &e),
     }
-    match vmon_vm::qemu_version::QemuVersion::detect(&args.qemu) {
-        Ok(v) => {
-            match v.refusal(&args.qemu) {
-                None => {
-                    line(
-                        true,
-                        "qemu",
-                        &format!(
-                            "{} ({}; supported: {})",
-                            v.line,
-                            args.qemu.display(),
-                            vmon_vm::qemu_version::QemuVersion::supported_list()
-                        ),
-                    );
-                }
-                Some(why) => all &= line(false, "qemu", &why),
-            }
-            let probe_dir =
-                std::env::temp_dir().join(format!("vmon-doctor-{}", std::process::id()));
-            match vmon_node::probe_qmp(&args.qemu, &probe_dir).await {
-                Ok(()) => {
-                    line(
-                        true,
-                        "qmp",
-                        "xen-save-devices-state, migrate-incoming, blockdev-snapshot-sync present",
-                    );
-                }
-                Err(e) => all &= line(false, "qmp", &format!("{e:#}")),
-            }
-            let _ = std::fs::remove_dir_all(&probe_dir);
-        }
-        Err(e) => all &= line(false, "qemu", &format!("{e:#}")),
-    }
+    all &= qemu_checks(&args.qemu).await;
     for (cmd, pkg) in [
         ("qemu-img", "qemu-utils"),
         ("debootstrap", "debootstrap"),
@@ -133,6 +101,45 @@ pub async fn run(data_dir: &Path, args: Args) -> anyhow::Result<()> {
         anyhow::bail!("some checks failed");
     }
     Ok(())
+}
+
+/// The QEMU binary: its version (refused when unsupported) and the QMP commands vmon needs.
+async fn qemu_checks(qemu: &Path) -> bool {
+    let mut all = true;
+    match vmon_vm::qemu_version::QemuVersion::detect(qemu) {
+        Ok(v) => {
+            match v.refusal(qemu) {
+                None => {
+                    line(
+                        true,
+                        "qemu",
+                        &format!(
+                            "{} ({}; supported: {})",
+                            v.line,
+                            qemu.display(),
+                            vmon_vm::qemu_version::QemuVersion::supported_list()
+                        ),
+                    );
+                }
+                Some(why) => all &= line(false, "qemu", &why),
+            }
+            let probe_dir =
+                std::env::temp_dir().join(format!("vmon-doctor-{}", std::process::id()));
+            match vmon_node::probe_qmp(qemu, &probe_dir).await {
+                Ok(()) => {
+                    line(
+                        true,
+                        "qmp",
+                        "xen-save-devices-state, migrate-incoming, blockdev-snapshot-sync present",
+                    );
+                }
+                Err(e) => all &= line(false, "qmp", &format!("{e:#}")),
+            }
+            let _ = std::fs::remove_dir_all(&probe_dir);
+        }
+        Err(e) => all &= line(false, "qemu", &format!("{e:#}")),
+    }
+    all
 }
 
 /// Free bytes on the filesystem holding `path` (or its nearest existing parent).
