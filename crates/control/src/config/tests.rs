@@ -109,7 +109,7 @@ fn an_api_with_a_certificate_is_https() {
 /// type: unknown keys are refused), and it shows every setting there is.
 #[test]
 fn the_packaged_config_shows_every_setting_and_parses() {
-    let text = include_str!("../../../deploy/debian/config.toml");
+    let text = include_str!("../../../../deploy/debian/config.toml");
     let shipped: Config = toml::from_str(text).expect("the shipped file parses");
     assert_eq!(
         serde_json::to_value(&shipped).expect("json"),
