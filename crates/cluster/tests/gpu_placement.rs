@@ -3,7 +3,7 @@
 //! goes only to a node with that many free. More than any node has at all is
 //! `InvalidArgument` (the api's 400: no wait helps); more than any has free is `Exhausted`
 //! (503) naming each node's count. The nodes' RPC ports are closed: a start placed on a node
-//! fails there with "node <id> refuses connections", which shows where it was placed without
+//! fails there with "node <id> is not reached" (connection refused), which shows where it was placed without
 //! a VM (these machines have no GPU to boot one with).
 
 mod common;
@@ -158,12 +158,12 @@ async fn starts_go_where_the_gpus_are_free() {
     }
     // Three: only gpu4 has them free, so the start goes there (and meets its closed port).
     match nodes.start(spec(3)).await {
-        Err(NodeError::Exhausted(m)) => assert!(m.contains("node gpu4 refuses"), "{m}"),
+        Err(NodeError::Exhausted(m)) => assert!(m.contains("node gpu4 is not reached"), "{m}"),
         other => panic!("expected the start to reach gpu4, got {other:?}"),
     }
     // Without GPUs the plain node is a candidate too (the least loaded, by name: plain last).
     match nodes.start(spec(0)).await {
-        Err(NodeError::Exhausted(m)) => assert!(m.contains("refuses connections"), "{m}"),
+        Err(NodeError::Exhausted(m)) => assert!(m.contains("is not reached"), "{m}"),
         other => panic!("expected a refused start, got {other:?}"),
     }
 

@@ -16,7 +16,7 @@ pub fn closed_port() -> u16 {
 }
 
 /// Node `id`'s registry entry, fresh, with `gpus`; its RPC port refuses connections, so a
-/// start placed there fails with "node <id> refuses connections".
+/// start placed there fails with "node <id> is not reached: … Connection refused".
 pub fn node_entry(id: &str, gpus: GpuInventory) -> NodeInfo {
     NodeInfo {
         id: id.into(),
