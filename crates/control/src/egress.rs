@@ -48,20 +48,7 @@ impl Control {
         let rules = checked_rules(network)?;
         let mut secrets = SecretValues::default();
         for name in secret_names(&rules) {
-            let secret = self
-                .records
-                .secret(team_id, &name)
-                .await
-                .map_err(record_error)?;
-            let value = match &secret {
-                Some(s) => self
-                    .records
-                    .secret_value(team_id, &s.id)
-                    .await
-                    .map_err(record_error)?,
-                None => None,
-            };
-            match value {
+            match self.secret_value_named(team_id, &name).await? {
                 Some(v) => {
                     secrets.0.insert(name, v);
                 }
@@ -74,6 +61,26 @@ impl Control {
             }
         }
         Ok(EgressSpec { rules, secrets })
+    }
+
+    /// The value of the team's secret `name` (by id or name), `None` when it has none.
+    pub(crate) async fn secret_value_named(
+        &self,
+        team_id: &str,
+        name: &str,
+    ) -> ControlResult<Option<String>> {
+        let Some(secret) = self
+            .records
+            .secret(team_id, name)
+            .await
+            .map_err(record_error)?
+        else {
+            return Ok(None);
+        };
+        self.records
+            .secret_value(team_id, &secret.id)
+            .await
+            .map_err(record_error)
     }
 
     /// A secret of `team_id` named `name` was updated or deleted: every running sandbox of the

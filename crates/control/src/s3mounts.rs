@@ -10,7 +10,7 @@
 use vmon_proto::node::{BucketCredentials, BucketShare, VolumeShare};
 
 use super::model::{S3Mount, VolumeMount};
-use super::{record_error, Control};
+use super::Control;
 use super::{ControlError, ControlResult};
 use crate::config::{normal_endpoint, Config};
 use crate::records::SandboxRecord;
@@ -193,20 +193,7 @@ impl Control {
         for (i, m) in mounts.iter().enumerate() {
             let endpoint = endpoint_of(m, cfg)
                 .map_err(|why| ControlError::bad_request(format!("S3 mount #{i}: {why}")))?;
-            let secret = self
-                .records
-                .secret(team_id, &m.secret)
-                .await
-                .map_err(record_error)?;
-            let value = match &secret {
-                Some(s) => self
-                    .records
-                    .secret_value(team_id, &s.id)
-                    .await
-                    .map_err(record_error)?,
-                None => None,
-            };
-            let Some(value) = value else {
+            let Some(value) = self.secret_value_named(team_id, &m.secret).await? else {
                 return Err(ControlError::bad_request(format!(
                     "S3 mount #{i}: the team has no secret {:?}",
                     m.secret
